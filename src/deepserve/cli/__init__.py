@@ -1,0 +1,1 @@
+"""The `deepserve` command: thin modules that parse arguments, call the library and print. No logic here."""

@@ -1,0 +1,132 @@
+"""One validated config tree: defaults ← config file ← environment (DEEPSERVE_*) ← CLI flags.
+
+Each section is a pydantic model. CLI flags are derived from the fields (see `deepserve.cli.flags`), environment
+variables are named DEEPSERVE_<SECTION>__<FIELD> (e.g. DEEPSERVE_ENGINE__MAX_MODEL_LEN=16384), and a YAML or
+JSON file given with --config (or DEEPSERVE_CONFIG) holds the same tree: {"engine": {"max_model_len": 16384}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from deepserve.errors import ConfigError
+
+ENV_PREFIX = "DEEPSERVE_"
+
+
+def deepserve_home() -> Path:
+    """Where deepserve keeps its state: cached models, logs, keys, usage ledger, results."""
+    return Path(os.environ.get("DEEPSERVE_HOME") or Path.home() / ".deepserve").expanduser()
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, so a typo never silently does nothing."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+EngineName = Literal["vllm", "sglang"]
+DeviceName = Literal["auto", "cpu", "cuda"]
+
+
+class EngineConfig(Section):
+    """How the inference engine is launched: the flags the seeds tune, in one place."""
+
+    engine: EngineName = Field("vllm", description="inference engine to launch")
+    model: str | None = Field(
+        None, description="preset name, Hugging Face id or local path (default: the tiny model on CPU)"
+    )
+    served_model_name: str | None = Field(None, description="model name clients use (default: the model's)")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    device: DeviceName = Field("auto", description="cpu, cuda, or auto (cuda when a GPU is found)")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs each layer is split over")
+    pipeline_parallel_size: int = Field(1, ge=1, description="pipeline stages (layers split across GPUs/nodes)")
+    data_parallel_size: int = Field(1, ge=1, description="data-parallel replicas (attention DP with --enable-ep)")
+    enable_expert_parallel: bool = Field(False, description="shard MoE experts across GPUs instead of splitting")
+    max_model_len: int | None = Field(None, ge=16, description="context length (prompt + output) in tokens")
+    max_num_seqs: int | None = Field(None, ge=1, description="most sequences in one batch")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="most tokens in one scheduler step")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="fraction of GPU memory the engine may use"
+    )
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0, description="KV-cache size in GiB (on CPU the default is 1 GiB)"
+    )
+    block_size: int | None = Field(None, ge=1, description="KV-cache block size in tokens")
+    quantization: str | None = Field(None, description="weight quantization method, e.g. fp8, awq, awq_marlin")
+    kv_cache_dtype: str | None = Field(None, description="KV-cache dtype: auto, fp8, fp8_e4m3, fp8_e5m2")
+    dtype: str | None = Field(None, description="activation dtype: auto, bfloat16, float16")
+    enable_chunked_prefill: bool | None = Field(None, description="split long prefills into chunks")
+    enable_prefix_caching: bool | None = Field(None, description="reuse KV cache of shared prompt prefixes")
+    trust_remote_code: bool = Field(False, description="allow the model repository's own Python code")
+    extra_args: list[str] = Field(default_factory=list, description="passed to the engine unchanged (after --)")
+    startup_timeout_s: float = Field(1800.0, gt=0, description="give up if the engine is not ready by then")
+
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def load_section(model: type[T], section: str, file: Path | None = None, overrides: dict[str, Any] | None = None) -> T:
+    """Build SECTION of the tree: defaults, then the file, then DEEPSERVE_<SECTION>__* variables, then OVERRIDES
+    (the CLI flags the user actually gave; None values mean "not given")."""
+    values: dict[str, Any] = {}
+    values.update(_file_values(file).get(section, {}))
+    values.update(_env_values(section, model))
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(_describe_validation_error(section, exc)) from exc
+
+
+def _file_values(file: Path | None) -> dict[str, Any]:
+    file = file or (Path(os.environ[ENV_PREFIX + "CONFIG"]) if os.environ.get(ENV_PREFIX + "CONFIG") else None)
+    if file is None:
+        return {}
+    if not file.is_file():
+        raise ConfigError(f"config file {file} does not exist; pass an existing YAML or JSON file")
+    try:
+        text = file.read_text()
+        data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {file} does not parse: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {file} must hold a mapping of sections, e.g. engine: {{port: 8000}}")
+    return data
+
+
+def _env_values(section: str, model: type[BaseModel]) -> dict[str, Any]:
+    prefix = f"{ENV_PREFIX}{section.upper()}__"
+    values: dict[str, Any] = {}
+    for key, raw in os.environ.items():
+        if not key.startswith(prefix):
+            continue
+        field = key[len(prefix) :].lower()
+        if field not in model.model_fields:
+            valid = ", ".join(prefix + name.upper() for name in model.model_fields)
+            raise ConfigError(f"unknown environment variable {key}; valid: {valid}")
+        values[field] = _parse_env_value(raw)
+    return values
+
+
+def _parse_env_value(raw: str) -> Any:
+    """JSON where it parses (numbers, booleans, lists), else the plain string."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _describe_validation_error(section: str, exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"])
+        problems.append(f"{section}.{where}: {error['msg']} (got {error.get('input')!r})")
+    return "invalid configuration: " + "; ".join(problems)

@@ -1,0 +1,1 @@
+"""Engine launchers (vLLM, SGLang) behind one interface, and the supervisor that runs them."""

@@ -1,0 +1,74 @@
+"""The engine interface: turn an EngineConfig into the exact command line and environment to run."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from deepserve.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """A fully resolved engine launch: what `--dry-run` prints and the supervisor runs."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # only the variables we set, on top of the caller's
+    ready_path: str = "/v1/models"
+    served_model_name: str = ""
+    base_url: str = ""
+
+    def shell_line(self) -> str:
+        env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(self.env.items()))
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The model to launch: what the engine loads (a path or hub id) and what clients call it."""
+
+    source: str
+    served_name: str
+    on_cpu: bool
+
+
+class Engine(Protocol):
+    name: str
+    package: str  # the Python module whose presence means the engine is installed
+    install_hint: str
+
+    def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str) -> LaunchSpec: ...
+
+    def phase_of(self, log_line: str) -> str | None:
+        """The start-up phase a log line announces, if any (shown as progress while the engine starts)."""
+        ...
+
+
+def flag_args(pairs: list[tuple[str, object]]) -> list[str]:
+    """Turn (flag, value) pairs into argv: None is omitted, True is a bare flag, False is `--no-flag`."""
+    argv: list[str] = []
+    for flag, value in pairs:
+        if value is None:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def unless_one(value: int) -> int | None:
+    """Parallel sizes of 1 are the engines' defaults: leave them off the command line."""
+    return None if value == 1 else value
+
+
+def url_host(host: str) -> str:
+    """The address a client on this machine uses to reach a server bound to HOST."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
