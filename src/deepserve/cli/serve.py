@@ -89,4 +89,5 @@ class _ProgressLine:
         ]
         for line in lines:
             self.console.print(line, soft_wrap=True, highlight=False)
-        print(f"READY {launch.base_url}", file=sys.stdout, flush=True)
+        # A machine-readable line for scripts and tests: READY <base URL> <served model name>
+        print(f"READY {launch.base_url} {launch.served_model_name}", file=sys.stdout, flush=True)

@@ -1,0 +1,1 @@
+"""The serving benchmark: workload ▶ arrivals ▶ streaming client ▶ request records ▶ summary ▶ outputs."""

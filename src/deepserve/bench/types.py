@@ -1,0 +1,46 @@
+"""The values that flow through the benchmark. Workloads make RequestSpecs; the client turns each into a
+RequestRecord; metrics summarise records. Keep these plain: they are saved, reloaded and tested on their own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ChatMessages = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request a workload wants sent."""
+
+    index: int
+    prompt: str | ChatMessages  # text for /v1/completions, messages for /v1/chat/completions
+    prompt_len: int  # tokens in the prompt, as the workload's tokenizer counted them
+    output_len: int  # max_tokens
+    min_output_len: int | None = None  # sent as min_tokens where the server supports it
+    ignore_eos: bool = False
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request. Failures are data: `error` is set and the timings may be partial.
+
+    Times are seconds on the runner's monotonic clock, relative to the start of the measured run."""
+
+    index: int
+    prompt_len: int
+    scheduled_s: float  # when the arrival process released it
+    sent_s: float  # when the client sent it; sent_s - scheduled_s is client-side queue time
+    first_token_s: float | None = None  # first chunk that carried a token
+    end_s: float | None = None  # last byte of the response
+    output_len: int = 0  # tokens generated
+    output_len_source: str = "usage"  # "usage" (server-reported) or "tokenizer" (counted by us)
+    chunk_times_s: list[float] = field(default_factory=list)  # arrival of each chunk that carried tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens carried by each of those chunks
+    error: str | None = None
+    status_code: int | None = None
+
+    @property
+    def success(self) -> bool:
+        return self.error is None

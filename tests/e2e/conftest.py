@@ -1,0 +1,99 @@
+"""One real `deepserve serve` (vLLM's CPU build, tiny model) for the whole test session.
+
+Tests that need the live service take the `served_tiny` fixture. It is started once, on a free port, in a
+session-scoped DEEPSERVE_HOME, and stopped with SIGTERM at the end; `served_tiny.engine_pids` lets a test check
+that nothing was left running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+STARTUP_TIMEOUT_S = 600
+
+
+@dataclass
+class ServedTiny:
+    base_url: str  # http://127.0.0.1:PORT/v1, what clients use
+    model: str  # the served model name
+    process: subprocess.Popen[str]
+    home: Path
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def root_url(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    def process_tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.process.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_deepserve(home: Path, *args: str) -> ServedTiny:
+    """Start `deepserve serve ARGS` and block until it prints its READY line."""
+    port = free_port()
+    env = {**os.environ, "DEEPSERVE_HOME": str(home)}
+    command = [sys.executable, "-m", "deepserve.cli.main", "serve", "--port", str(port), *args]
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL
+    )
+    served = ServedTiny(base_url="", model="", process=process, home=home)
+    ready = threading.Event()
+    threading.Thread(target=_pump, args=(served, ready), daemon=True).start()
+    if not ready.wait(STARTUP_TIMEOUT_S) or not served.base_url:
+        stop_deepserve(served)
+        pytest.fail("deepserve serve did not become ready:\n" + "\n".join(served.output[-40:]))
+    return served
+
+
+def _pump(served: ServedTiny, ready: threading.Event) -> None:
+    assert served.process.stdout is not None
+    for line in served.process.stdout:
+        served.output.append(line.rstrip())
+        if line.startswith("READY "):
+            _, served.base_url, served.model = line.split()
+            ready.set()
+    ready.set()  # the process ended: wake the waiter, which sees no base_url
+
+
+def stop_deepserve(served: ServedTiny, timeout_s: float = 60) -> int:
+    if served.process.poll() is None:
+        served.process.send_signal(signal.SIGTERM)
+    try:
+        return served.process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for proc in served.process_tree():
+            proc.kill()
+        raise
+
+
+@pytest.fixture(scope="session")
+def served_tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedTiny]:
+    served = start_deepserve(tmp_path_factory.mktemp("served-home"))
+    engine_pids = [proc.pid for proc in served.process_tree()]
+    yield served
+    stop_deepserve(served)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in engine_pids[1:]):
+        time.sleep(0.5)
