@@ -6,9 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from deepserve.cli.output import console
 from deepserve.models.presets import preset_names, preset_spec
 from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
@@ -37,7 +37,7 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(spec.summary(), indent=2, default=str))
     else:
-        Console().print(spec_table(spec))
+        console().print(spec_table(spec))
     return 0
 
 
@@ -112,7 +112,7 @@ def _list(args: argparse.Namespace) -> int:
             _billions(spec.active_params),
             f"{spec.kv_bytes_per_token():,}",
         )
-    Console().print(table)
+    console().print(table)
     return 0
 
 

@@ -1,0 +1,127 @@
+"""Config → engine command line: what `deepserve serve` runs, for both engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepserve.config import EngineConfig
+from deepserve.engines.base import ResolvedModel
+from deepserve.engines.registry import get_engine
+from deepserve.errors import ConfigError
+
+GPU_MODEL = ResolvedModel("deepseek-ai/DeepSeek-V3-0324", "deepseek-ai/DeepSeek-V3-0324", on_cpu=False)
+CPU_MODEL = ResolvedModel("/models/tiny", "deepserve/tiny-deepseek-v3", on_cpu=True)
+
+
+def vllm_argv(model: ResolvedModel = GPU_MODEL, **fields: object) -> list[str]:
+    return get_engine("vllm").launch_spec(EngineConfig(**fields), model, "python").argv  # type: ignore[arg-type]
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_vllm_on_gpu_carries_every_tuned_flag() -> None:
+    argv = vllm_argv(
+        tensor_parallel_size=8,
+        pipeline_parallel_size=2,
+        max_model_len=32768,
+        max_num_seqs=128,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.9,
+        block_size=1,
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+        enable_chunked_prefill=True,
+        enable_prefix_caching=False,
+        trust_remote_code=True,
+        port=9000,
+    )
+    assert argv[:5] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", GPU_MODEL.source]
+    expected = {
+        "--tensor-parallel-size": "8",
+        "--pipeline-parallel-size": "2",
+        "--max-model-len": "32768",
+        "--max-num-seqs": "128",
+        "--max-num-batched-tokens": "8192",
+        "--gpu-memory-utilization": "0.9",
+        "--block-size": "1",
+        "--quantization": "fp8",
+        "--kv-cache-dtype": "fp8",
+        "--port": "9000",
+        "--served-model-name": GPU_MODEL.served_name,
+    }
+    for flag, value in expected.items():
+        assert flag_value(argv, flag) == value, flag
+    assert "--enable-chunked-prefill" in argv
+    assert "--no-enable-prefix-caching" in argv
+    assert "--trust-remote-code" in argv
+    assert "--kv-cache-memory-bytes" not in argv  # on GPUs vLLM sizes the cache from gpu_memory_utilization
+
+
+def test_vllm_leaves_unset_flags_to_the_engine_defaults() -> None:
+    argv = vllm_argv()
+    for flag in ("--tensor-parallel-size", "--max-model-len", "--quantization", "--enable-prefix-caching"):
+        assert flag not in argv
+    assert not any(arg.startswith("--no-") for arg in argv)
+
+
+def test_vllm_on_cpu_sizes_context_and_kv_cache() -> None:
+    spec = get_engine("vllm").launch_spec(EngineConfig(), CPU_MODEL, "python")
+    assert flag_value(spec.argv, "--max-model-len") == "32768"
+    assert flag_value(spec.argv, "--kv-cache-memory-bytes") == str(1024**3)
+    assert spec.base_url == "http://127.0.0.1:8000/v1"
+    explicit = vllm_argv(CPU_MODEL, max_model_len=16384, kv_cache_memory_gib=0.5)
+    assert flag_value(explicit, "--max-model-len") == "16384"
+    assert flag_value(explicit, "--kv-cache-memory-bytes") == str(512 * 1024**2)
+
+
+def test_passthrough_arguments_come_last_unchanged() -> None:
+    argv = vllm_argv(extra_args=["--speculative-config", '{"method": "mtp"}'])
+    assert argv[-2:] == ["--speculative-config", '{"method": "mtp"}']
+
+
+def test_base_url_for_wildcard_and_ipv6_hosts() -> None:
+    engine = get_engine("vllm")
+    assert engine.launch_spec(EngineConfig(host="0.0.0.0"), GPU_MODEL, "p").base_url == "http://127.0.0.1:8000/v1"
+    assert engine.launch_spec(EngineConfig(host="::1"), GPU_MODEL, "p").base_url == "http://[::1]:8000/v1"
+
+
+def test_sglang_maps_the_same_config_to_its_own_flags() -> None:
+    config = EngineConfig(
+        engine="sglang",
+        tensor_parallel_size=8,
+        data_parallel_size=8,
+        enable_expert_parallel=True,
+        max_model_len=32768,
+        max_num_seqs=256,
+        gpu_memory_utilization=0.85,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        trust_remote_code=True,
+    )
+    argv = get_engine("sglang").launch_spec(config, GPU_MODEL, "python").argv
+    assert argv[:5] == ["python", "-m", "sglang.launch_server", "--model-path", GPU_MODEL.source]
+    assert flag_value(argv, "--tp-size") == "8"
+    assert flag_value(argv, "--dp-size") == "8"
+    assert "--enable-dp-attention" in argv
+    assert flag_value(argv, "--context-length") == "32768"
+    assert flag_value(argv, "--max-running-requests") == "256"
+    assert flag_value(argv, "--mem-fraction-static") == "0.85"
+    assert flag_value(argv, "--chunked-prefill-size") == "-1"
+    assert "--disable-radix-cache" in argv
+    assert "--trust-remote-code" in argv
+
+
+def test_unknown_engine_lists_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match="valid: sglang, vllm"):
+        get_engine("tgi")
+
+
+def test_phases_are_read_from_vllm_log_lines() -> None:
+    engine = get_engine("vllm")
+    assert engine.phase_of("(Worker pid=1) INFO [default_loader.py:501] Loading weights took 0.04 seconds") == (
+        "loading weights"
+    )
+    assert engine.phase_of("INFO:     Application startup complete.") == "starting API server"
+    assert engine.phase_of("some unrelated line") is None
