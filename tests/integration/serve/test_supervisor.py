@@ -1,0 +1,77 @@
+"""The supervisor against a fake engine on loopback: phases, readiness, death with a hint, and a stop that
+leaves no process behind (even one that ignores SIGTERM)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from deepserve.engines.base import LaunchSpec
+from deepserve.engines.registry import get_engine
+from deepserve.engines.supervisor import EngineDied, EngineProcess
+
+FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def fake_engine(tmp_path: Path, *args: str) -> EngineProcess:
+    port = free_port()
+    spec = LaunchSpec(
+        argv=[sys.executable, str(FAKE_ENGINE), "--port", str(port), *args],
+        base_url=f"http://127.0.0.1:{port}/v1",
+    )
+    return EngineProcess(spec, get_engine("vllm"), tmp_path / "logs" / "engine.log")
+
+
+def child_pid(process: EngineProcess) -> int:
+    line = next(line for line in process.log_tail() if line.startswith("CHILD "))
+    return int(line.split()[1])
+
+
+def test_ready_after_phases_then_stop_kills_the_whole_tree(tmp_path: Path) -> None:
+    phases: list[str] = []
+    with fake_engine(tmp_path) as process:
+        ready_s = process.wait_ready(30, lambda phase, elapsed: phases.append(phase))
+        assert 0.4 < ready_s < 30
+        grandchild = child_pid(process)
+        assert psutil.pid_exists(grandchild)
+    assert "loading weights" in phases
+    assert not psutil.pid_exists(grandchild)
+    assert "Application startup complete" in (tmp_path / "logs" / "engine.log").read_text()
+
+
+def test_engine_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
+    process = fake_engine(tmp_path, "--ignore-sigterm")
+    process.start()
+    process.wait_ready(30)
+    grandchild = child_pid(process)
+    process.stop(grace_s=1)
+    assert not psutil.pid_exists(grandchild)
+    assert process.pid is not None and not psutil.pid_exists(process.pid)
+
+
+def test_engine_death_carries_log_tail_and_a_hint(tmp_path: Path) -> None:
+    died_engine = fake_engine(tmp_path, "--die-with", "torch.OutOfMemoryError: CUDA out of memory")
+    with died_engine as process, pytest.raises(EngineDied) as died:
+        process.wait_ready(30)
+    message = str(died.value)
+    assert died.value.returncode == 1
+    assert "CUDA out of memory" in message
+    assert "lower --max-model-len" in message
+    assert str(tmp_path / "logs" / "engine.log") in message
+
+
+def test_not_ready_in_time_is_an_error(tmp_path: Path) -> None:
+    from deepserve.errors import EngineError
+
+    with fake_engine(tmp_path, "--startup-s", "30") as process, pytest.raises(EngineError, match="not ready after"):
+        process.wait_ready(1)
