@@ -1,0 +1,153 @@
+"""One self-contained HTML file: every chart inlined as a data: URI, inline CSS, no script, no network fetch.
+It opens the same from a laptop on a plane as from the machine that ran the benchmark."""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from collections.abc import Sequence
+from datetime import datetime, timezone
+
+from deepserve.report.answers import SaturationAnswer, SloAnswer
+from deepserve.report.charts import Chart
+from deepserve.report.slo import Slo
+from deepserve.results.points import SUMMARY_COLUMNS, ResultSet, format_rate
+
+# Run facts shown per result set, in this order: (metadata key, heading).
+METADATA_ROWS = (
+    ("engine", "engine"),
+    ("engine_version", "engine version"),
+    ("model", "model"),
+    ("model_id", "model"),
+    ("hardware", "hardware"),
+    ("flags", "engine flags"),
+    ("command", "benchmark command"),
+    ("base_url", "server"),
+    ("suite", "suite"),
+    ("scale", "suite scaling"),
+    ("date", "date"),
+    ("backend", "backend"),
+    ("endpoint_type", "endpoint"),
+)
+
+_CSS = """
+body { font-family: -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; margin: 2em auto;
+       max-width: 1200px; padding: 0 1em; color: #1a1a1a; }
+h1 { margin-bottom: 0.2em; } .generated { color: #666; margin-top: 0; }
+ul.answers li { margin: 0.4em 0; line-height: 1.4; }
+figure { margin: 1.5em 0; } figure img { max-width: 100%; border: 1px solid #ddd; }
+figcaption { color: #444; font-size: 0.9em; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0 1.5em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.5em; text-align: right; }
+th { background: #f3f3f3; } td.text, th.text { text-align: left; }
+table.meta td, table.meta th { text-align: left; }
+"""
+
+
+def render_html(
+    sets: list[ResultSet],
+    charts: Sequence[Chart],
+    slo_answers: Sequence[SloAnswer],
+    saturation_answers: Sequence[SaturationAnswer],
+    slos: Sequence[Slo],
+    title: str = "deepserve benchmark report",
+) -> str:
+    generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        # Belt and braces: even if someone edits the file, the browser may fetch nothing from the network.
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; img-src data:; '
+        "style-src 'unsafe-inline'\">",
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{_e(title)}</h1>",
+        f'<p class="generated">Generated {generated} from {len(sets)} result set(s): '
+        f"{_e(', '.join(s.label for s in sets))}. SLOs: {_e(', '.join(slo.words for slo in slos) or 'none')}.</p>",
+        _answers_html(slo_answers, saturation_answers),
+        _charts_html(charts),
+        _points_html(sets),
+        _metadata_html(sets),
+        "</body></html>",
+    ]
+    return "\n".join(parts)
+
+
+def _answers_html(slo_answers: Sequence[SloAnswer], saturation_answers: Sequence[SaturationAnswer]) -> str:
+    items = [answer.text for answer in slo_answers] + [answer.text for answer in saturation_answers]
+    if not items:
+        items = ["These results have no concurrency or request-rate sweep, so there is no SLO or saturation answer."]
+    lines = "".join(f"<li>{_e(item)}</li>" for item in items)
+    return f'<h2 id="answers">Answers</h2><ul class="answers">{lines}</ul>'
+
+
+def _charts_html(charts: Sequence[Chart]) -> str:
+    if not charts:
+        return "<h2>Charts</h2><p>No chart: the results hold no sweep with two or more points along one axis.</p>"
+    figures = []
+    for chart in charts:
+        data = base64.b64encode(chart.path.read_bytes()).decode("ascii")
+        figures.append(
+            f'<figure id="{_e(chart.name)}"><img src="data:image/png;base64,{data}" alt="{_e(chart.title)}">'
+            f"<figcaption>{_e(chart.title)}. {_e(chart.caption)}</figcaption></figure>"
+        )
+    return "<h2>Charts</h2>" + "".join(figures)
+
+
+def _points_html(sets: list[ResultSet]) -> str:
+    headings = ["set", "point", "concurrency", "rate (req/s)", "input", "output", "prompts"]
+    head = "".join(f'<th class="text">{_e(h)}</th>' for h in headings[:2])
+    head += "".join(f"<th>{_e(h)}</th>" for h in headings[2:]) + "".join(
+        f"<th>{_e(h)}</th>" for _, h in SUMMARY_COLUMNS
+    )
+    rows = []
+    for result_set in sets:
+        for point in result_set.points:
+            params = point.params
+            cells = [
+                f'<td class="text">{_e(result_set.label)}</td>',
+                f'<td class="text">{_e(point.point_id)}</td>',
+                _td(params.max_concurrency),
+                f"<td>{format_rate(params.request_rate)}</td>",
+                _td(params.input_len),
+                _td(params.output_len),
+                _td(params.num_prompts),
+            ]
+            cells += [_td(point.metric(key)) for key, _ in SUMMARY_COLUMNS]
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+    return f'<h2 id="points">Every point</h2><table class="points"><tr>{head}</tr>{"".join(rows)}</table>'
+
+
+def _metadata_html(sets: list[ResultSet]) -> str:
+    blocks = ['<h2 id="metadata">Run metadata</h2>']
+    for result_set in sets:
+        rows = [f"<tr><th>source</th><td>{_e(result_set.source)}</td></tr>"]
+        shown: set[str] = set()
+        for key, heading in METADATA_ROWS:
+            value = result_set.metadata.get(key)
+            if value in (None, "") or heading in shown:
+                continue
+            shown.add(heading)
+            rows.append(f"<tr><th>{_e(heading)}</th><td>{_e(_text(value))}</td></tr>")
+        blocks.append(f'<h3>{_e(result_set.label)}</h3><table class="meta">{"".join(rows)}</table>')
+    return "".join(blocks)
+
+
+def _td(value: float | int | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "<td>–</td>"
+    if isinstance(value, float) and not value.is_integer():
+        return f"<td>{value:,.2f}</td>"
+    return f"<td>{int(value):,}</td>"
+
+
+def _text(value: object) -> str:
+    if isinstance(value, list | tuple):
+        return " ".join(str(item) for item in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{key}={item}" for key, item in value.items())
+    return str(value)
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)

@@ -1,0 +1,1 @@
+"""Benchmark results: points on a grid, sweep directories, and the SQLite results store."""
