@@ -1,0 +1,122 @@
+"""When each request is released: offsets in seconds from the start of the run, all computed before it starts
+(so the hot loop only sleeps until the next offset).
+
+- rate inf: everything at once (offset 0), the load then bounded by max concurrency alone;
+- burstiness 1: a Poisson process, exponential gaps of mean 1/rate;
+- other burstiness b: gamma gaps with shape b and mean 1/rate, so their coefficient of variation is 1/sqrt(b):
+  b < 1 is burstier than Poisson, b > 1 more regular, b = inf a fixed gap (vLLM's --burstiness);
+- ramp_up_s: the rate grows linearly from 0 to request_rate over the first ramp_up_s seconds, then stays.
+
+As in vLLM, the first request waits one gap, and without a ramp the offsets are scaled so that the last one lands
+exactly on n / rate: runs with different seeds then offer the same average rate (vLLM found 1-2 % drift otherwise).
+The gaps keep their shape (the scale does not change the coefficient of variation).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from deepserve.errors import ConfigError, unknown_name
+
+
+def arrival_offsets_s(
+    n: int,
+    request_rate: float,
+    burstiness: float,
+    seed: int,
+    ramp_up_s: float | None = None,
+    *,
+    normalize: bool = True,
+) -> list[float]:
+    """Release times of N requests, non-decreasing, in seconds from the start. NORMALIZE=False keeps the raw
+    cumulative gaps (a true renewal process) instead of vLLM's rescaling to n / rate."""
+    _check(n, request_rate, burstiness, ramp_up_s)
+    if n == 0:
+        return []
+    if math.isinf(request_rate):
+        return [0.0] * n
+    # events of a unit-rate renewal process ("operational time"); the rate profile maps them to seconds
+    unit_events = np.cumsum(_unit_gaps(np.random.default_rng(seed), n, burstiness))
+    if ramp_up_s:
+        return [_ramped_time_s(float(s), request_rate, ramp_up_s) for s in unit_events]
+    offsets = unit_events / request_rate
+    if normalize:
+        offsets *= (n / request_rate) / offsets[-1]
+    return [float(x) for x in offsets]
+
+
+def _check(n: int, request_rate: float, burstiness: float, ramp_up_s: float | None) -> None:
+    if n < 0:
+        raise ConfigError(f"the number of requests must be >= 0, got {n}")
+    if not request_rate > 0:
+        raise ConfigError(f"--request-rate must be positive (or inf), got {request_rate}")
+    if not burstiness > 0:
+        raise ConfigError(f"--burstiness must be positive (1 = Poisson, < 1 burstier, > 1 steadier), got {burstiness}")
+    if ramp_up_s is not None and not (ramp_up_s >= 0 and math.isfinite(ramp_up_s)):
+        raise ConfigError(f"the ramp-up duration must be a finite number of seconds >= 0, got {ramp_up_s}")
+    if ramp_up_s and math.isinf(request_rate):
+        raise ConfigError("a ramp-up needs a finite --request-rate to ramp up to")
+
+
+def _unit_gaps(rng: np.random.Generator, n: int, burstiness: float) -> np.ndarray:
+    """N gaps of mean 1: exponential (b = 1), gamma with shape b, or all 1 (b = inf)."""
+    if math.isinf(burstiness):
+        return np.ones(n)
+    if burstiness == 1.0:
+        return rng.exponential(1.0, size=n)
+    return rng.gamma(shape=burstiness, scale=1.0 / burstiness, size=n)
+
+
+def _ramped_time_s(events: float, rate: float, ramp_up_s: float) -> float:
+    """Invert the expected event count Λ(t) of a rate rising linearly from 0 to RATE over RAMP_UP_S:
+    Λ(t) = rate t² / (2 ramp) during the ramp, rate ramp / 2 + rate (t - ramp) after it."""
+    during_ramp = rate * ramp_up_s / 2
+    if events <= during_ramp:
+        return math.sqrt(2 * events * ramp_up_s / rate)
+    return ramp_up_s + (events - during_ramp) / rate
+
+
+ArrivalProcess = Callable[[int, float, int, "float | None"], list[float]]
+
+
+def _poisson(n: int, rate: float, seed: int, ramp_up_s: float | None) -> list[float]:
+    return arrival_offsets_s(n, rate, 1.0, seed, ramp_up_s)
+
+
+def _constant(n: int, rate: float, seed: int, ramp_up_s: float | None) -> list[float]:
+    return arrival_offsets_s(n, rate, math.inf, seed, ramp_up_s)
+
+
+def _all_at_once(n: int, rate: float, seed: int, ramp_up_s: float | None) -> list[float]:
+    return [0.0] * n
+
+
+ARRIVAL_PROCESSES: dict[str, ArrivalProcess] = {
+    "poisson": _poisson,
+    "constant": _constant,
+    "all_at_once": _all_at_once,
+}
+
+
+def arrival_process(name: str) -> ArrivalProcess:
+    """A named process with a fixed shape (gamma with its own burstiness goes through `arrival_offsets_s`)."""
+    if name not in ARRIVAL_PROCESSES:
+        raise ConfigError(unknown_name("arrival process", name, list(ARRIVAL_PROCESSES)))
+    return ARRIVAL_PROCESSES[name]
+
+
+def describe_arrivals(request_rate: float, burstiness: float, ramp_up_s: float | None = None) -> str:
+    """One line for the console and the results, e.g. "Poisson at 4 req/s, ramped over 30 s"."""
+    if math.isinf(request_rate):
+        return "all requests at once (rate inf)"
+    if math.isinf(burstiness):
+        shape = "fixed gaps"
+    elif burstiness == 1.0:
+        shape = "Poisson"
+    else:
+        shape = f"gamma (burstiness {burstiness:g}, CV {1 / math.sqrt(burstiness):.2f})"
+    ramp = f", ramped from 0 over {ramp_up_s:g} s" if ramp_up_s else ""
+    return f"{shape} at {request_rate:g} req/s{ramp}"

@@ -1,0 +1,1 @@
+"""Workload datasets: synthetic prompts of exact token counts, and request files."""

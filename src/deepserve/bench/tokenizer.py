@@ -1,0 +1,222 @@
+"""Counting tokens the way the server does: a local Hugging Face tokenizer, or the server's own /tokenize.
+
+Two kinds of count matter to a benchmark and they differ by the tokens the server adds:
+- `encode`/`count`: the tokens of a piece of text on its own, nothing added (how long a generated reply is);
+- `prompt_ids`: what the server actually processes for a prompt: the BOS a completion prompt gets, or the whole
+  chat template around chat messages. This is what "input length" means everywhere in `deepserve bench`, and it is
+  the number the server reports as `usage.prompt_tokens`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import httpx
+
+from deepserve.bench.types import ChatMessages
+from deepserve.errors import ConfigError, DeepserveError
+
+TOKENIZE_TIMEOUT_S = 60.0
+
+
+class TokenizerError(DeepserveError):
+    """No way to count tokens, or the tokenizer failed on an input."""
+
+
+@runtime_checkable
+class TokenCounter(Protocol):
+    """Tokenization that a workload and the metrics share. `source` says which tokenizer, for the results."""
+
+    source: str  # "local:/path/to/tokenizer" or "server:http://host:port/tokenize"
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of TEXT alone, without BOS or any other special token added."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of IDS, special tokens kept, spaces exactly as tokenized."""
+        ...
+
+    def count(self, text: str) -> int:
+        """len(encode(text)): e.g. the tokens of a generated reply."""
+        ...
+
+    def prompt_ids(self, prompt: str | ChatMessages) -> list[int]:
+        """The ids the server processes for PROMPT: a text gets the tokenizer's special tokens (BOS); chat messages
+        are rendered with the model's chat template and the generation prompt (`<｜Assistant｜>`)."""
+        ...
+
+    def vocab_pieces(self) -> list[str] | None:
+        """Texts of single tokens that re-encode to themselves (for random prompts), or None if unknown."""
+        ...
+
+
+def load_token_counter(tokenizer: str | None, base_url: str, model: str, api_key: str | None) -> TokenCounter:
+    """A local tokenizer directory when TOKENIZER is given or MODEL names a local directory, else the server's
+    /tokenize and /detokenize (vLLM and SGLang have them; the check happens here, before any work starts)."""
+    if tokenizer:
+        return LocalTokenCounter.load(tokenizer)
+    if model and Path(model).expanduser().is_dir():
+        return LocalTokenCounter.load(model)
+    counter = ServerTokenCounter(base_url, model, api_key)
+    counter.check()
+    return counter
+
+
+class LocalTokenCounter:
+    """A Hugging Face tokenizer loaded from a local directory (tokenizer.json, tokenizer_config.json); no network."""
+
+    def __init__(self, hf_tokenizer: Any, path: str) -> None:
+        self._tok = hf_tokenizer
+        self.source = f"local:{path}"
+        self._pieces: list[str] | None = None
+
+    @classmethod
+    def load(cls, path: str) -> LocalTokenCounter:
+        directory = Path(path).expanduser()
+        if not directory.is_dir():
+            raise ConfigError(
+                f"tokenizer {path!r} is not a local directory; pass --tokenizer DIR with tokenizer.json "
+                "(models are never downloaded), or leave it out to count with the server's /tokenize"
+            )
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:  # pragma: no cover - transformers comes with vLLM
+            raise TokenizerError(
+                "a local tokenizer needs the `transformers` package: pip install transformers"
+            ) from exc
+        try:
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except Exception as exc:
+            raise TokenizerError(f"cannot load a tokenizer from {directory}: {exc}") from exc
+        return cls(hf_tokenizer, str(directory.resolve()))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def prompt_ids(self, prompt: str | ChatMessages) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self._tok(prompt, add_special_tokens=True)["input_ids"])
+        # vLLM renders the template to text, then tokenizes it without adding special tokens (the template has them)
+        return list(self._tok(self._render(prompt), add_special_tokens=False)["input_ids"])
+
+    def render_chat(self, messages: ChatMessages) -> str:
+        """MESSAGES as one completion prompt: the chat template's text without the leading BOS, which the server
+        adds to every completion prompt itself (else the model would see two)."""
+        rendered = self._render(messages)
+        bos = getattr(self._tok, "bos_token", None)
+        if bos and rendered.startswith(bos) and self.prompt_ids("")[:1] == [self._tok.bos_token_id]:
+            rendered = rendered[len(bos) :]
+        return rendered
+
+    def _render(self, messages: ChatMessages) -> str:
+        if not getattr(self._tok, "chat_template", None):
+            raise TokenizerError(f"tokenizer {self.source} has no chat template; use the completions endpoint")
+        return str(self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+
+    def vocab_pieces(self) -> list[str]:
+        if self._pieces is None:
+            self._pieces = _stable_vocab_pieces(self._tok)
+        return self._pieces
+
+
+def _stable_vocab_pieces(hf_tokenizer: Any) -> list[str]:
+    """Single tokens whose text is printable ASCII and re-encodes to that same one token.
+
+    ASCII keeps every cut between tokens a cut between characters (no half UTF-8 sequences); word-like pieces with
+    a leading space are preferred where the vocabulary has enough of them, because a space starts a new
+    pre-token in byte-level BPE, so neighbours rarely merge."""
+    special = set(hf_tokenizer.all_special_ids)
+    ids = [i for i in range(len(hf_tokenizer)) if i not in special]
+    texts = hf_tokenizer.batch_decode([[i] for i in ids], clean_up_tokenization_spaces=False)
+    candidates = [(i, t) for i, t in zip(ids, texts, strict=True) if t.isascii() and t.isprintable() and t.strip()]
+    encoded = hf_tokenizer([t for _, t in candidates], add_special_tokens=False)["input_ids"]
+    stable = [t for (i, t), e in zip(candidates, encoded, strict=True) if list(e) == [i]]
+    words = [t for t in stable if t.startswith(" ") and t[1:].isalnum()]
+    return sorted(words if len(words) >= 512 else stable)
+
+
+class ServerTokenCounter:
+    """The server's tokenizer over HTTP: vLLM's POST /tokenize and /detokenize (at the server root, not /v1)."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None, client: httpx.Client | None = None) -> None:
+        self.root_url = base_url.rstrip("/").removesuffix("/v1")
+        self.model = model
+        self.source = f"server:{self.root_url}/tokenize"
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = client or httpx.Client(timeout=TOKENIZE_TIMEOUT_S, headers=headers)
+
+    def check(self) -> None:
+        """Fail fast, with the fix in the message, when the server cannot tokenize for us."""
+        try:
+            self.encode("hello")
+        except TokenizerError as exc:
+            raise TokenizerError(f"{exc}; pass --tokenizer DIR (a local tokenizer directory) instead") from exc
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenize({"prompt": text, "add_special_tokens": False})
+
+    def decode(self, ids: list[int]) -> str:
+        body = self._post("/detokenize", {"model": self.model, "tokens": ids})
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise TokenizerError(f"{self.root_url}/detokenize answered without a 'prompt' string: {body!r:.200}")
+        return prompt
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def prompt_ids(self, prompt: str | ChatMessages) -> list[int]:
+        if isinstance(prompt, str):
+            return self._tokenize({"prompt": prompt, "add_special_tokens": True})
+        return self._tokenize({"messages": prompt, "add_generation_prompt": True})
+
+    def vocab_pieces(self) -> None:
+        return None  # the server does not list its vocabulary; random prompts use pseudo-words instead
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _tokenize(self, payload: dict[str, Any]) -> list[int]:
+        body = self._post("/tokenize", {"model": self.model, **payload})
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            raise TokenizerError(f"{self.root_url}/tokenize answered without a 'tokens' list: {body!r:.200}")
+        return [int(t) for t in tokens]
+
+    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        url = self.root_url + path
+        try:
+            response = self._client.post(url, json=payload)
+        except httpx.HTTPError as exc:
+            raise TokenizerError(f"cannot reach {url} to count tokens: {exc}") from exc
+        if response.status_code != 200:
+            raise TokenizerError(f"{url} answered HTTP {response.status_code}: {_error_message(response)}")
+        try:
+            body = response.json()
+        except ValueError as exc:
+            raise TokenizerError(f"{url} answered with something that is not JSON: {response.text[:200]!r}") from exc
+        if not isinstance(body, dict):
+            raise TokenizerError(f"{url} answered with JSON that is not an object: {body!r:.200}")
+        return body
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The message of an OpenAI-style error body, else the start of the body."""
+    try:
+        body = response.json()
+        error = body.get("error") if isinstance(body, dict) else None
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(body, dict) and body.get("detail"):
+            return str(body["detail"])
+    except ValueError:
+        pass
+    return response.text[:200]

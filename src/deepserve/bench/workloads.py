@@ -1,0 +1,224 @@
+"""Workloads: what `deepserve bench` sends. A WorkloadConfig (field names are `vllm bench serve`'s flag names) and a
+token counter make a Workload: seeded RequestSpecs plus a JSON definition, saved with the results, that says how to
+make the same requests again.
+
+Every input length is in server tokens: what the server processes and reports as `usage.prompt_tokens`, the BOS
+and, on the chat endpoint, the chat template included. docs/WORKLOADS.md describes each dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from deepserve.bench.datasets.base import Dataset, DatasetContext, DraftRequest, draw_uniform_ints
+from deepserve.bench.datasets.files import CustomDataset, ShareGPTDataset
+from deepserve.bench.datasets.synthetic import (
+    LongDataset,
+    PrefixRepetitionDataset,
+    RandomDataset,
+    SampledDataset,
+    SharedPrefixDataset,
+)
+from deepserve.bench.tokenizer import TokenCounter
+from deepserve.bench.types import RequestSpec
+from deepserve.errors import ConfigError, unknown_name
+
+DATASETS: dict[str, Dataset] = {
+    dataset.name: dataset
+    for dataset in (
+        RandomDataset(),
+        LongDataset(),
+        SampledDataset(),
+        SharedPrefixDataset(),
+        PrefixRepetitionDataset(),
+        CustomDataset(),
+        ShareGPTDataset(),
+    )
+}
+DATASET_ALIASES = {"shared-prefix": "shared_prefix", "prefix-repetition": "prefix_repetition"}
+
+
+def dataset_names() -> list[str]:
+    return sorted(DATASETS)
+
+
+class WorkloadConfig(BaseModel):
+    """What to send. Flags derive from the fields: `--random-input-len` is `random_input_len`."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    dataset_name: str = Field(
+        default="random",
+        description="random, long, sampled, shared_prefix, prefix_repetition, custom (JSONL) or sharegpt (JSON)",
+    )
+    dataset_path: str | None = Field(default=None, description="the file for custom and sharegpt")
+    num_prompts: int | None = Field(
+        default=None, ge=1, description="requests to send (default per dataset: 1000; long: 1; sampled: 200)"
+    )
+    seed: int = Field(default=0, ge=0, description="seed of every random choice: same seed, same requests")
+    tokenizer: str | None = Field(
+        default=None,
+        description="local tokenizer directory (default: the model's directory, else the server's /tokenize)",
+    )
+    random_input_len: int = Field(default=1024, ge=1, description="input tokens per request (random, shared_prefix)")
+    random_output_len: int = Field(default=128, ge=1, description="output tokens per request (synthetic datasets)")
+    random_range_ratio: float | dict[str, float] = Field(
+        default=0.0,
+        description='lengths vary uniformly within ± this fraction, in [0, 1); {"input": r, "output": r} '
+        "sets them apart (in a config file)",
+    )
+    random_prefix_len: int = Field(default=0, ge=0, description="tokens of a prefix shared by all random requests")
+    prefix_repetition_prefix_len: int = Field(default=256, ge=1, description="shared prefix tokens (prefix_repetition)")
+    prefix_repetition_suffix_len: int = Field(default=256, ge=1, description="own suffix tokens (prefix_repetition)")
+    prefix_repetition_num_prefixes: int = Field(default=10, ge=1, description="distinct prefixes (prefix_repetition)")
+    prefix_repetition_output_len: int = Field(default=128, ge=1, description="output tokens (prefix_repetition)")
+    custom_output_len: int | None = Field(
+        default=None, description="output tokens for custom (default or -1: the line's output_tokens, else 256)"
+    )
+    sharegpt_output_len: int | None = Field(
+        default=None, ge=1, description="output tokens for sharegpt (default: the length of the conversation's reply)"
+    )
+    disable_shuffle: bool = Field(default=False, description="keep file and prefix_repetition requests in order")
+    no_oversample: bool = Field(
+        default=False, description="send fewer requests when a file has fewer than --num-prompts"
+    )
+    long_prompt_len: int = Field(default=10000, ge=1, description="input tokens of each long prompt (long)")
+    sampled_min_input_len: int = Field(default=100, ge=1, description="shortest input (sampled)")
+    sampled_max_input_len: int = Field(default=32768, ge=1, description="longest input (sampled)")
+    shared_prefix_len: int | None = Field(
+        default=None, ge=1, description="tokens shared within a group (shared_prefix)"
+    )
+    shared_prefix_fraction: float | None = Field(
+        default=None, gt=0, lt=1, description="shared tokens as a fraction of --random-input-len (shared_prefix)"
+    )
+    num_prefix_groups: int = Field(default=1, ge=1, description="groups with distinct prefixes (shared_prefix)")
+    min_output_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="with --max-output-len: output tokens uniform in [min, max] per request (any dataset)",
+    )
+    max_output_len: int | None = Field(default=None, ge=1, description="see --min-output-len")
+    ignore_eos: bool = Field(default=False, description="keep generating past EOS (vLLM's ignore_eos)")
+    exact_output_len: bool = Field(
+        default=False, description="send min_tokens = max_tokens so each reply has exactly its output length (vLLM)"
+    )
+
+    @field_validator("random_range_ratio", mode="before")
+    @classmethod
+    def _parse_ratio(cls, value: Any) -> Any:
+        """vLLM's flag takes a float or a JSON object as text."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f'expected a number or {{"input": r, "output": r}}, got {value!r}') from exc
+        return value
+
+    @field_validator("dataset_name", mode="before")
+    @classmethod
+    def _known_dataset(cls, value: Any) -> Any:
+        name = DATASET_ALIASES.get(value, value) if isinstance(value, str) else value
+        if isinstance(name, str) and name not in DATASETS:
+            raise ValueError(unknown_name("dataset", name, dataset_names()))
+        return name
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WorkloadConfig:
+        self.range_ratios()
+        if (self.min_output_len is None) != (self.max_output_len is None):
+            raise ValueError("give --min-output-len and --max-output-len together")
+        if self.min_output_len and self.max_output_len and self.min_output_len > self.max_output_len:
+            raise ValueError(f"--min-output-len {self.min_output_len} > --max-output-len {self.max_output_len}")
+        if self.sampled_min_input_len > self.sampled_max_input_len:
+            raise ValueError("--sampled-min-input-len is above --sampled-max-input-len")
+        if self.shared_prefix_len is not None and self.shared_prefix_fraction is not None:
+            raise ValueError("give --shared-prefix-len or --shared-prefix-fraction, not both")
+        if self.custom_output_len is not None and self.custom_output_len != -1 and self.custom_output_len < 1:
+            raise ValueError("--custom-output-len must be positive, or -1 for the file's output_tokens")
+        return self
+
+    def range_ratios(self) -> tuple[float, float]:
+        """(input, output) range ratios, each in [0, 1) as vLLM requires."""
+        ratio = self.random_range_ratio
+        if isinstance(ratio, dict):
+            if set(ratio) != {"input", "output"}:
+                raise ValueError(f'--random-range-ratio as an object needs exactly "input" and "output", got {ratio}')
+            pair = (float(ratio["input"]), float(ratio["output"]))
+        else:
+            pair = (float(ratio), float(ratio))
+        if not all(0.0 <= r < 1.0 for r in pair):
+            raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
+        return pair
+
+    def resolved_shared_prefix_len(self) -> int:
+        if self.shared_prefix_len is not None:
+            return self.shared_prefix_len
+        if self.shared_prefix_fraction is not None:
+            return max(1, round(self.shared_prefix_fraction * self.random_input_len))
+        raise ConfigError("the shared_prefix dataset needs --shared-prefix-len or --shared-prefix-fraction")
+
+
+@dataclass
+class Workload:
+    requests: list[RequestSpec]
+    definition: dict[str, Any]  # JSON-able: the config, what it resolved to, and a digest of the requests
+    tokenizer_source: str
+
+    def digest(self) -> str:
+        return str(self.definition["requests_sha256"])
+
+
+def build_workload(config: WorkloadConfig, counter: TokenCounter, chat: bool) -> Workload:
+    """The requests CONFIG describes, prompts measured with COUNTER for the chat (or completions) endpoint."""
+    dataset = DATASETS[config.dataset_name]
+    num_prompts = config.num_prompts or dataset.default_num_prompts
+    ctx = DatasetContext(counter, chat, config.seed)
+    result = dataset.build(config, ctx, num_prompts)
+    output_lens = _drawn_output_lens(config, ctx, len(result.requests))
+    requests = [
+        _spec(i, draft, output_lens[i] if output_lens else None, config) for i, draft in enumerate(result.requests)
+    ]
+    definition: dict[str, Any] = {
+        "config": config.model_dump(mode="json"),
+        "dataset": dataset.name,
+        "num_requests": len(requests),
+        "endpoint": "chat" if chat else "completions",
+        "tokenizer_source": counter.source,
+        "input_len_unit": "server prompt tokens (BOS and chat template included)",
+        "text_source": ctx.text_source(),
+        **result.details,
+        "requests_sha256": requests_digest(requests),
+    }
+    return Workload(requests, definition, counter.source)
+
+
+def _drawn_output_lens(config: WorkloadConfig, ctx: DatasetContext, n: int) -> list[int] | None:
+    if config.min_output_len is None or config.max_output_len is None:
+        return None
+    return draw_uniform_ints(ctx.rng("output"), config.min_output_len, config.max_output_len, n)
+
+
+def _spec(index: int, draft: DraftRequest, drawn_output_len: int | None, config: WorkloadConfig) -> RequestSpec:
+    output_len = drawn_output_len or draft.output_len or config.random_output_len
+    return RequestSpec(
+        index=index,
+        prompt=draft.prompt,
+        prompt_len=draft.prompt_len,
+        output_len=output_len,
+        min_output_len=output_len if config.exact_output_len else None,
+        ignore_eos=config.ignore_eos,
+    )
+
+
+def requests_digest(requests: list[RequestSpec]) -> str:
+    """SHA-256 over every request's prompt and lengths: equal digests mean identical workloads."""
+    digest = hashlib.sha256()
+    for spec in requests:
+        record = [spec.prompt, spec.prompt_len, spec.output_len, spec.min_output_len, spec.ignore_eos]
+        digest.update(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode())
+    return digest.hexdigest()
