@@ -1,0 +1,531 @@
+"""The gateway as a plain ASGI application: authenticate, read and validate, admit, forward, account.
+
+No web framework: routing is one dict lookup, and the body the client sent is forwarded as the same bytes object
+unless a model alias or the stream usage option must be written into it. Streamed chunks are sent on as they arrive.
+A watcher task per request waits for the client to go away and then cancels the request, which closes the upstream
+connection (the engine sees the disconnect and frees the sequence's KV cache)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from deepserve.gateway.balancing import RoutingHints, make_policy
+from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.errors import (
+    AuthenticationFailed,
+    BodyTooLarge,
+    ClientGone,
+    GatewayError,
+    MethodNotAllowed,
+    NotFound,
+    Overloaded,
+    PermissionDenied,
+    RateLimited,
+    UpstreamBadStatus,
+    UpstreamError,
+    UpstreamUnavailable,
+)
+from deepserve.gateway.keys import ApiKey, KeyRing, KeyStore
+from deepserve.gateway.ledger import UsageLedger, UsageRow
+from deepserve.gateway.limits import AdmissionQueue, KeyLimiter
+from deepserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from deepserve.gateway.metrics import GatewayMetrics
+from deepserve.gateway.streaming import StreamTap
+from deepserve.gateway.upstreams import UpstreamPool, UpstreamReplica, iter_chunks, read_body
+from deepserve.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, Endpoint, ParsedRequest, parse_request
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+ANONYMOUS = "anonymous"
+_JSON = (b"content-type", b"application/json")
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_KEY_REFRESH_INTERVAL_S = 1.0
+# Keep at most this much of a streamed response when log_bodies is on.
+_MAX_LOGGED_BODY_BYTES = 1 << 20
+
+
+class _Exchange:
+    """One proxied request's state, from arrival to the ledger row."""
+
+    __slots__ = (
+        "admitted_limiter",
+        "arrival_ts",
+        "client_gone",
+        "endpoint",
+        "error",
+        "finished",
+        "key",
+        "logged_body",
+        "parsed",
+        "response_started",
+        "started_s",
+        "status",
+        "ttft_s",
+        "upstream",
+        "usage",
+    )
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.started_s = time.perf_counter()
+        self.arrival_ts = time.time()
+        self.key: ApiKey | None = None
+        self.parsed: ParsedRequest | None = None
+        self.admitted_limiter: KeyLimiter | None = None
+        self.status = 200
+        self.error: str | None = None
+        self.ttft_s: float | None = None
+        self.upstream: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.response_started = False
+        self.finished = False
+        self.client_gone = False
+        self.logged_body: list[bytes] | None = None
+
+    @property
+    def key_name(self) -> str:
+        return self.key.name if self.key else ANONYMOUS
+
+    @property
+    def model(self) -> str:
+        return self.parsed.client_model if self.parsed else "-"
+
+    def used_tokens(self) -> int | None:
+        if not self.usage:
+            return None
+        return int(self.usage.get("prompt_tokens") or 0) + int(self.usage.get("completion_tokens") or 0)
+
+
+class GatewayApp:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        keyring: KeyRing | None = None,
+        ledger: UsageLedger | None = None,
+    ) -> None:
+        self.config = config
+        self.aliases = config.aliases()
+        self.keys_required = config.keys_required()
+        self.pool = UpstreamPool(
+            config.upstream,
+            make_policy(config.balancing),
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.upstream_timeout_s,
+            health_check_interval_s=config.health_check_interval_s,
+            max_model_len=config.max_model_len,
+        )
+        self.queue = AdmissionQueue(config.max_concurrency, config.max_queue, config.queue_timeout_s)
+        self.metrics = GatewayMetrics(self.pool, self.queue)
+        self.keyring = keyring
+        self.ledger = ledger
+        self._owns_state = keyring is None and ledger is None
+        self._limiters: dict[str, KeyLimiter] = {}
+        self._key_task: asyncio.Task[None] | None = None
+        self._routes: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
+            CHAT_COMPLETIONS.path: self._chat_completions,
+            COMPLETIONS.path: self._completions,
+            "/v1/models": self._models,
+            "/health": self._health,
+            "/ready": self._ready,
+            "/metrics": self._metrics,
+        }
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._owns_state:
+            self.keyring = KeyRing(KeyStore())
+            self.ledger = UsageLedger()
+        await self.pool.start()
+        self._key_task = asyncio.create_task(self._refresh_keys(), name="key-refresh")
+
+    async def close(self) -> None:
+        if self._key_task:
+            self._key_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._key_task
+        await self.pool.close()
+        if self._owns_state and self.ledger:
+            self.ledger.close()
+        if self._owns_state and self.keyring:
+            self.keyring.store.close()
+
+    async def _refresh_keys(self) -> None:
+        while True:
+            await asyncio.sleep(_KEY_REFRESH_INTERVAL_S)
+            if self.keyring is not None:
+                try:
+                    self.keyring.refresh()
+                except Exception:
+                    log.exception("reloading keys failed; keeping the previous set")
+
+    # ---- ASGI ---------------------------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            handler = self._routes.get(scope["path"])
+            if handler is None:
+                await _send_error(send, NotFound(f"no route {scope['path']}; the gateway serves /v1/… and /health"))
+            else:
+                await handler(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ---- small routes -------------------------------------------------------------------------------------------
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _send_json(send, 200, b'{"status":"ok"}')
+
+    async def _ready(self, scope: Scope, receive: Receive, send: Send) -> None:
+        healthy = sum(replica.healthy for replica in self.pool.replicas)
+        body = json.dumps({"ready": healthy > 0, "healthy_upstreams": healthy, "upstreams": len(self.pool.replicas)})
+        await _send_json(send, 200 if healthy else 503, body.encode())
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.metrics.render()
+        headers = [(b"content-type", METRICS_CONTENT_TYPE), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            key = self._authenticate(_header(scope, b"authorization"))
+        except GatewayError as exc:
+            await _send_error(send, exc)
+            return
+        created = int(time.time())
+        cards = [
+            {"id": name, "object": "model", "created": created, "owned_by": "deepserve", "max_model_len": max_len}
+            for name, max_len in self.pool.models.items()
+        ]
+        cards += [
+            {"id": alias, "object": "model", "created": created, "owned_by": "deepserve", "root": target}
+            for alias, target in self.aliases.items()
+            if target in self.pool.models
+        ]
+        if key is not None:
+            cards = [card for card in cards if key.allows(str(card["id"]))]
+        await _send_json(send, 200, json.dumps({"object": "list", "data": cards}).encode())
+
+    # ---- the proxied endpoints ----------------------------------------------------------------------------------
+
+    async def _chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._proxy(CHAT_COMPLETIONS, scope, receive, send)
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._proxy(COMPLETIONS, scope, receive, send)
+
+    async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+        exchange = _Exchange(endpoint)
+        watcher: asyncio.Task[None] | None = None
+        try:
+            if scope["method"] != "POST":
+                raise MethodNotAllowed(f"{endpoint.path} takes POST")
+            headers = _request_headers(scope, self.config.session_header.encode())
+            exchange.key = self._authenticate(headers.authorization)
+            raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes)
+            parsed = parse_request(endpoint, raw, self.pool.models, self.aliases)
+            exchange.parsed = parsed
+            self._authorize(exchange.key, parsed.client_model, parsed.model)
+            self._admit_key(exchange, parsed)
+            watcher = asyncio.create_task(_watch_disconnect(receive, exchange, asyncio.current_task()))
+            await self.queue.acquire()
+            try:
+                await self._forward(exchange, parsed, RoutingHints(parsed.affinity_text, headers.session), send)
+            finally:
+                self.queue.release()
+        except GatewayError as exc:
+            await self._fail(exchange, exc, send)
+        except asyncio.CancelledError:
+            if not exchange.client_gone:
+                raise
+            _uncancel()
+            exchange.status, exchange.error = ClientGone.status, "client disconnected"
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            self._account(exchange)
+
+    def _authenticate(self, authorization: bytes | None) -> ApiKey | None:
+        key = None
+        if authorization and authorization[:7].lower() == b"bearer " and self.keyring is not None:
+            key = self.keyring.verify(authorization[7:].decode("latin-1").strip())
+        if key is None and self.keys_required:
+            what = "an invalid or revoked" if authorization else "no"
+            raise AuthenticationFailed(
+                f"{what} API key was given; send 'Authorization: Bearer dsk-…' "
+                "(an admin creates one with `deepserve keys create NAME`)"
+            )
+        return key
+
+    def _authorize(self, key: ApiKey | None, client_model: str, model: str) -> None:
+        if key is not None and not (key.allows(client_model) or key.allows(model)):
+            allowed = ", ".join(sorted(key.models or ()))
+            raise PermissionDenied(f"this key may not use {client_model!r}; it may use: {allowed}", param="model")
+
+    def _admit_key(self, exchange: _Exchange, parsed: ParsedRequest) -> None:
+        key = exchange.key
+        if key is None:
+            return
+        limiter = self._limiters.get(key.id)
+        if limiter is None or limiter.limits != key.limits:
+            limiter = self._limiters[key.id] = KeyLimiter(key.limits)
+        limiter.admit(parsed.charged_tokens)
+        exchange.admitted_limiter = limiter
+
+    async def _forward(self, exchange: _Exchange, parsed: ParsedRequest, hints: RoutingHints, send: Send) -> None:
+        """Try replicas until one answers, while the client has received nothing."""
+        tried: list[UpstreamReplica] = []
+        while True:
+            replica = self.pool.choose(parsed.model, hints, tried)
+            tried.append(replica)
+            exchange.upstream = replica.url
+            replica.outstanding += 1
+            try:
+                await self._attempt(exchange, parsed, replica, send)
+                return
+            except UpstreamError as exc:
+                self.metrics.upstream_failures.labels(replica.url, exc.code or "").inc()
+                if isinstance(exc, UpstreamUnavailable):
+                    self.pool.mark_down(replica, exc.message)
+                if exchange.response_started or not exc.retryable or len(tried) > self.config.max_retries:
+                    raise
+                self.metrics.retries.inc()
+            finally:
+                replica.outstanding -= 1
+
+    async def _attempt(self, exchange: _Exchange, parsed: ParsedRequest, replica: UpstreamReplica, send: Send) -> None:
+        response = await self.pool.post(replica, exchange.endpoint.path, parsed.body)
+        complete = False
+        try:
+            if response.status >= 500:
+                detail = (await read_body(response, replica))[:300].decode(errors="replace")
+                raise UpstreamBadStatus(f"upstream {replica.url} answered {response.status}: {detail}")
+            if parsed.stream and response.status == 200:
+                await self._relay_stream(exchange, parsed, response.content_type, iter_chunks(response, replica), send)
+            else:
+                body = await read_body(response, replica)
+                await self._send_whole(exchange, response.status, body, send)
+            complete = True
+        finally:
+            if complete:
+                response.release()  # read to the end: the connection goes back to the pool
+            else:
+                response.close()  # mid-response: close it, so that the engine sees the abort
+
+    async def _send_whole(self, exchange: _Exchange, status: int, body: bytes, send: Send) -> None:
+        exchange.status = status
+        if status == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                exchange.usage = json.loads(body).get("usage")
+        if self.config.log_bodies:
+            exchange.logged_body = [body]
+        exchange.finished = True
+        exchange.response_started = True
+        headers = [_JSON, (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _relay_stream(
+        self, exchange: _Exchange, parsed: ParsedRequest, content_type: str, chunks: Any, send: Send
+    ) -> None:
+        tap = StreamTap(parsed.strip_usage_chunk)
+        itl = self.metrics.itl_s.labels(parsed.client_model)
+        logged = exchange.logged_body = [] if self.config.log_bodies else None
+        last_s = 0.0
+        async for chunk in chunks:
+            events = tap.feed(chunk)
+            if not events:
+                continue
+            now_s = time.perf_counter()
+            if exchange.response_started:
+                itl.observe(now_s - last_s)
+            else:
+                # Headers go out with the first event, not before: until then a failure can still be retried.
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                exchange.response_started = True
+                exchange.ttft_s = now_s - exchange.started_s
+            last_s = now_s
+            await send({"type": "http.response.body", "body": events, "more_body": True})
+            if logged is not None and sum(map(len, logged)) < _MAX_LOGGED_BODY_BYTES:
+                logged.append(events)
+        rest = tap.finish()
+        exchange.usage = tap.usage
+        exchange.finished = True
+        if not exchange.response_started:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            exchange.response_started = True
+        await send({"type": "http.response.body", "body": rest, "more_body": False})
+
+    async def _fail(self, exchange: _Exchange, exc: GatewayError, send: Send) -> None:
+        exchange.error = exc.message
+        if isinstance(exc, (RateLimited, Overloaded)):
+            self.metrics.rejections.labels(exc.reason).inc()
+        elif isinstance(exc, (AuthenticationFailed, PermissionDenied, BodyTooLarge)):
+            self.metrics.rejections.labels(exc.code or exc.error_type).inc()
+        if isinstance(exc, ClientGone):
+            exchange.status = exc.status
+            return
+        exchange.finished = True
+        if exchange.response_started:
+            # The stream already started (status 200 is on the wire): end it with an error event.
+            exchange.status = exc.status
+            await send({"type": "http.response.body", "body": exc.sse_event(), "more_body": False})
+        else:
+            exchange.status = exc.status
+            exchange.response_started = True
+            await _send_error(send, exc)
+
+    def _account(self, exchange: _Exchange) -> None:
+        """Metrics, the key's token correction and the ledger row; never raises into the request."""
+        try:
+            used = exchange.used_tokens()
+            if exchange.admitted_limiter is not None and exchange.parsed is not None:
+                exchange.admitted_limiter.release(exchange.parsed.charged_tokens, used)
+            self._observe(exchange)
+            if self.ledger is not None:
+                self.ledger.record(self._usage_row(exchange))
+        except Exception:
+            log.exception("accounting for a request failed")
+
+    def _observe(self, exchange: _Exchange) -> None:
+        model, key = exchange.model, exchange.key_name
+        metrics = self.metrics
+        metrics.requests.labels(key, model, str(exchange.status)).inc()
+        if exchange.parsed is None:
+            return
+        metrics.e2e_s.labels(model).observe(time.perf_counter() - exchange.started_s)
+        if exchange.ttft_s is not None:
+            metrics.ttft_s.labels(model).observe(exchange.ttft_s)
+        if exchange.usage:
+            metrics.prompt_tokens.labels(key, model).inc(exchange.usage.get("prompt_tokens") or 0)
+            metrics.completion_tokens.labels(key, model).inc(exchange.usage.get("completion_tokens") or 0)
+
+    def _usage_row(self, exchange: _Exchange) -> UsageRow:
+        usage = exchange.usage or {}
+        request_body = response_body = None
+        if self.config.log_bodies and exchange.parsed is not None:
+            request_body = json.dumps(exchange.parsed.request, ensure_ascii=False)
+            response_body = b"".join(exchange.logged_body or []).decode(errors="replace")
+        return UsageRow(
+            ts=exchange.arrival_ts,
+            key=exchange.key_name,
+            model=exchange.model,
+            endpoint=exchange.endpoint.path,
+            stream=bool(exchange.parsed and exchange.parsed.stream),
+            status=exchange.status,
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            latency_ms=(time.perf_counter() - exchange.started_s) * 1000,
+            ttft_ms=exchange.ttft_s * 1000 if exchange.ttft_s is not None else None,
+            upstream=exchange.upstream,
+            error=exchange.error,
+            request_body=request_body,
+            response_body=response_body,
+        )
+
+
+# ---- ASGI helpers -------------------------------------------------------------------------------------------------
+
+
+class _RequestHeaders:
+    __slots__ = ("authorization", "content_length", "session")
+
+    def __init__(self) -> None:
+        self.authorization: bytes | None = None
+        self.content_length: int | None = None
+        self.session: str | None = None
+
+
+def _request_headers(scope: Scope, session_header: bytes) -> _RequestHeaders:
+    found = _RequestHeaders()
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            found.authorization = value
+        elif name == b"content-length":
+            with contextlib.suppress(ValueError):
+                found.content_length = int(value)
+        elif name == session_header:
+            found.session = value.decode("latin-1")
+    return found
+
+
+def _header(scope: Scope, wanted: bytes) -> bytes | None:
+    for name, value in scope["headers"]:
+        if name == wanted:
+            return bytes(value)
+    return None
+
+
+async def _read_body(receive: Receive, content_length: int | None, limit: int) -> bytes:
+    if content_length is not None and content_length > limit:
+        raise BodyTooLarge(f"the request body is {content_length} bytes; the limit is {limit}")
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body"):
+        if message["type"] == "http.disconnect":
+            raise ClientGone("the client went away before sending its request")
+        if len(body) > limit:
+            raise BodyTooLarge(f"the request body is over the limit of {limit} bytes")
+        return bytes(body)
+    parts = [body]
+    size = len(body)
+    while message.get("more_body"):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone("the client went away while sending its request")
+        parts.append(message.get("body", b""))
+        size += len(parts[-1])
+        if size > limit:
+            raise BodyTooLarge(f"the request body is over the limit of {limit} bytes")
+    return b"".join(parts)
+
+
+async def _watch_disconnect(receive: Receive, exchange: _Exchange, task: asyncio.Task[Any] | None) -> None:
+    """Cancel TASK when the client disconnects before the response is complete."""
+    message = await receive()
+    if message["type"] == "http.disconnect" and not exchange.finished and task is not None:
+        exchange.client_gone = True
+        task.cancel("client disconnected")
+
+
+def _uncancel() -> None:
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "uncancel"):
+        task.uncancel()
+
+
+async def _send_json(send: Send, status: int, body: bytes) -> None:
+    headers = [_JSON, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send: Send, exc: GatewayError) -> None:
+    body = exc.body()
+    headers = [_JSON, (b"content-length", str(len(body)).encode()), *exc.headers()]
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,95 @@
+"""The `gateway` section of the config tree. CLI flags of `deepserve gateway` are derived from these fields."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from deepserve.config import Section, deepserve_home
+from deepserve.errors import ConfigError, unknown_name
+
+BALANCING_POLICIES = ("least_outstanding", "round_robin", "prefix_affinity", "session_affinity")
+
+
+class GatewayConfig(Section):
+    """The OpenAI-compatible front door: where it listens, where it forwards, and how it protects the engine."""
+
+    upstream: list[str] = Field(
+        default_factory=list, description="engine base URL, e.g. http://127.0.0.1:8001/v1; repeat for replicas"
+    )
+    host: str = Field("127.0.0.1", description="address to listen on (anything but loopback requires keys)")
+    port: int = Field(8080, ge=1, le=65535, description="port to listen on")
+    require_keys: bool = Field(False, description="require an API key even on loopback")
+    insecure_open: bool = Field(False, description="allow a non-loopback bind without keys (not recommended)")
+    balancing: str = Field("least_outstanding", description="policy: " + ", ".join(BALANCING_POLICIES))
+    session_header: str = Field("x-session-id", description="request header that session_affinity routes by")
+    max_concurrency: int = Field(1024, ge=1, description="most requests forwarded at once (others wait in queue)")
+    max_queue: int = Field(4096, ge=0, description="most requests waiting for a slot; beyond it: 503")
+    queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in the queue before a 503")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body accepted (413 beyond)")
+    max_retries: int = Field(2, ge=0, description="retries on another replica while no byte reached the client")
+    health_check_interval_s: float = Field(1.0, gt=0, description="seconds between upstream health checks")
+    connect_timeout_s: float = Field(3.0, gt=0, description="upstream connect timeout")
+    upstream_timeout_s: float = Field(600.0, gt=0, description="longest silence from an upstream mid-request")
+    model_alias: list[str] = Field(
+        default_factory=list, description="ALIAS=MODEL: clients may call MODEL by ALIAS; repeat for several"
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="context length for max_tokens validation (default: from the upstream /v1/models)"
+    )
+    log_bodies: bool = Field(False, description="store prompt and completion text in the usage ledger (opt-in)")
+    access_log: bool = Field(False, description="log one line per request to stderr")
+
+    @field_validator("balancing")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in BALANCING_POLICIES:
+            raise ValueError(unknown_name("balancing policy", value, list(BALANCING_POLICIES)))
+        return value
+
+    @field_validator("upstream")
+    @classmethod
+    def _http_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"upstream {url!r} must be an http:// or https:// URL, e.g. http://127.0.0.1:8001/v1")
+        return [url.rstrip("/") for url in value]
+
+    @field_validator("model_alias")
+    @classmethod
+    def _alias_pairs(cls, value: list[str]) -> list[str]:
+        for pair in value:
+            alias, _, model = pair.partition("=")
+            if not alias or not model:
+                raise ValueError(f"model alias {pair!r} must look like ALIAS=MODEL")
+        return value
+
+    def aliases(self) -> dict[str, str]:
+        return dict(pair.split("=", 1) for pair in self.model_alias)
+
+    def keys_required(self) -> bool:
+        """Keys are required when asked for, and on any non-loopback bind unless --insecure-open."""
+        return self.require_keys or (not is_loopback(self.host) and not self.insecure_open)
+
+    def check_startable(self) -> None:
+        """Fail fast, before binding, on a configuration that cannot work."""
+        if not self.upstream:
+            raise ConfigError("no upstream given; pass --upstream http://HOST:PORT/v1 (repeat for replicas)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def gateway_home() -> Path:
+    """Keys and the usage ledger live here (created 0700: it holds key hashes)."""
+    path = deepserve_home() / "gateway"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path

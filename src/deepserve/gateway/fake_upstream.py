@@ -1,0 +1,220 @@
+"""A fast fake OpenAI-compatible engine for the gateway's integration tests and overhead benchmark.
+
+It streams like vLLM (`data: {chunk}` events, a usage-only chunk when stream_options.include_usage is set,
+`data: [DONE]`), answers /health and /v1/models, and counts what a test needs to check from the engine's side:
+requests seen, streams completed, streams aborted by the client (GET /stats). Run it as its own process:
+
+    python -m deepserve.gateway.fake_upstream --port 9001 --ttft-ms 5 --itl-ms 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import uvicorn
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+FAKE_MODEL = "fake-model"
+FAKE_MAX_MODEL_LEN = 4096
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream")]
+
+
+@dataclass
+class FakeStats:
+    requests: int = 0
+    completed: int = 0
+    aborted: int = 0
+    active: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)  # the last few request bodies, as received
+
+
+@dataclass
+class FakeBehaviour:
+    ttft_ms: float = 0.0  # before the first token (or the whole answer when not streamed)
+    itl_ms: float = 0.0  # between tokens
+    fail_status: int | None = None  # answer every generation request with this status
+    healthy: bool = True
+    model: str = FAKE_MODEL
+    max_model_len: int = FAKE_MAX_MODEL_LEN
+
+
+class FakeUpstream:
+    def __init__(self, behaviour: FakeBehaviour | None = None) -> None:
+        self.behaviour = behaviour or FakeBehaviour()
+        self.stats = FakeStats()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path == "/health":
+            await _respond(send, 200 if self.behaviour.healthy else 503, b"{}")
+        elif path == "/v1/models":
+            card = {"id": self.behaviour.model, "object": "model", "max_model_len": self.behaviour.max_model_len}
+            await _respond(send, 200, json.dumps({"object": "list", "data": [card]}).encode())
+        elif path == "/stats":
+            await _respond(send, 200, json.dumps(asdict(self.stats)).encode())
+        elif path in ("/v1/completions", "/v1/chat/completions"):
+            await self._generate(path, receive, send)
+        else:
+            await _respond(send, 404, b'{"error": {"message": "not found"}}')
+
+    async def _generate(self, path: str, receive: Receive, send: Send) -> None:
+        body = await _read(receive)
+        request = json.loads(body)
+        self.stats.requests += 1
+        self.stats.bodies = [*self.stats.bodies[-9:], request]
+        behaviour = self.behaviour
+        if behaviour.fail_status:
+            error = {"error": {"message": "injected failure", "type": "server_error", "param": None, "code": None}}
+            await _respond(send, behaviour.fail_status, json.dumps(error).encode())
+            return
+        tokens = int(request.get("max_tokens") or request.get("max_completion_tokens") or 16)
+        chat = path.endswith("chat/completions")
+        prompt_tokens = len(json.dumps(request.get("messages") or request.get("prompt")))
+        if request.get("stream"):
+            await self._stream(request, chat, tokens, prompt_tokens, receive, send)
+            return
+        if behaviour.ttft_ms:
+            await asyncio.sleep((behaviour.ttft_ms + behaviour.itl_ms * (tokens - 1)) / 1000)
+        await _respond(send, 200, json.dumps(_completion(chat, tokens, prompt_tokens)).encode())
+        self.stats.completed += 1
+
+    async def _stream(
+        self, request: dict[str, Any], chat: bool, tokens: int, prompt_tokens: int, receive: Receive, send: Send
+    ) -> None:
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(_watch(receive, gone))
+        self.stats.active += 1
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+            delay_s = self.behaviour.ttft_ms / 1000
+            for index in range(tokens):
+                if delay_s:
+                    await asyncio.sleep(delay_s)
+                if gone.is_set():
+                    self.stats.aborted += 1
+                    return
+                chunk = _chunk(chat, index, tokens)
+                await send({"type": "http.response.body", "body": b"data: " + chunk + b"\n\n", "more_body": True})
+                delay_s = self.behaviour.itl_ms / 1000
+            tail = b""
+            if (request.get("stream_options") or {}).get("include_usage"):
+                usage = {
+                    "id": "fake",
+                    "object": "chunk",
+                    "model": FAKE_MODEL,
+                    "choices": [],
+                    "usage": _usage(prompt_tokens, tokens),
+                }
+                tail = b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
+            self.stats.completed += 1
+        finally:
+            self.stats.active -= 1
+            watcher.cancel()
+
+
+def _chunk(chat: bool, index: int, tokens: int) -> bytes:
+    finish = '"length"' if index == tokens - 1 else "null"
+    if chat:
+        delta = '{"role":"assistant","content":"t"}' if index == 0 else '{"content":"t"}'
+        return (
+            b'{"id":"fake","object":"chat.completion.chunk","created":0,"model":"' + FAKE_MODEL.encode() + b'",'
+            b'"choices":[{"index":0,"delta":' + delta.encode() + b',"finish_reason":' + finish.encode() + b"}]}"
+        )
+    return (
+        b'{"id":"fake","object":"text_completion","created":0,"model":"' + FAKE_MODEL.encode() + b'",'
+        b'"choices":[{"index":0,"text":"t","finish_reason":' + finish.encode() + b"}]}"
+    )
+
+
+def _usage(prompt_tokens: int, tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
+
+
+def _completion(chat: bool, tokens: int, prompt_tokens: int) -> dict[str, Any]:
+    text = "t" * tokens
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {
+        "id": "fake",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": FAKE_MODEL,
+        "choices": [choice],
+        "usage": _usage(prompt_tokens, tokens),
+    }
+
+
+async def _read(receive: Receive) -> bytes:
+    parts = []
+    while True:
+        message = await receive()
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(parts)
+
+
+async def _watch(receive: Receive, gone: asyncio.Event) -> None:
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        gone.set()
+
+
+async def _respond(send: Send, status: int, body: bytes) -> None:
+    headers = [*_JSON, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def uvicorn_config(app: FakeUpstream, port: int, host: str = "127.0.0.1") -> uvicorn.Config:
+    return uvicorn.Config(
+        app, host=host, port=port, loop="none", http="httptools", lifespan="off", access_log=False,
+        log_level="warning", server_header=False, date_header=False, backlog=4096,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ttft-ms", type=float, default=0.0)
+    parser.add_argument("--itl-ms", type=float, default=0.0)
+    parser.add_argument("--fail-status", type=int, default=None)
+    args = parser.parse_args(argv)
+    app = FakeUpstream(FakeBehaviour(ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, fail_status=args.fail_status))
+    server = uvicorn.Server(uvicorn_config(app, args.port))
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        print(f"FAKE READY http://127.0.0.1:{args.port}/v1", flush=True)
+        await task
+
+    try:
+        import uvloop
+
+        uvloop.run(run())
+    except ImportError:
+        asyncio.run(run())
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""API keys: created and revoked from the CLI, stored hashed in SQLite under DEEPSERVE_HOME, verified by the
+gateway in constant time.
+
+A key reads `dsk-<id>-<secret>`. The id is public (it finds the row); the secret is only ever stored as
+sha256(salt ‖ secret) with a random per-key salt, so a copy of the database does not reveal any key.
+
+Admin operations (create, list, revoke) have no network surface at all: they are the `deepserve keys` CLI acting on
+the database file, which is created 0600 in a 0700 directory. Whoever can run the CLI as the gateway's user is the
+admin; nobody else can be. The gateway notices changes within a second (SQLite's data_version)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from deepserve.errors import ConfigError
+from deepserve.gateway.config import gateway_home
+from deepserve.gateway.limits import KeyLimits
+
+KEY_PREFIX = "dsk"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS keys (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    salt BLOB NOT NULL,
+    secret_hash BLOB NOT NULL,
+    rpm INTEGER,
+    tpm INTEGER,
+    max_concurrency INTEGER,
+    models TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL,
+    revoked_at REAL
+)
+"""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A key as the gateway sees it (never the secret)."""
+
+    id: str
+    name: str
+    limits: KeyLimits
+    models: frozenset[str] | None  # None: every model
+    created_at: float
+    revoked_at: float | None = None
+
+    def allows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+@dataclass(frozen=True)
+class _StoredKey:
+    key: ApiKey
+    salt: bytes
+    secret_hash: bytes
+
+
+def default_keys_path() -> Path:
+    return gateway_home() / "keys.sqlite"
+
+
+def _hash(salt: bytes, secret: str) -> bytes:
+    return hashlib.sha256(salt + secret.encode()).digest()
+
+
+class KeyStore:
+    """The keys database. One instance per process; the gateway keeps a verified in-memory copy (`KeyRing`)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or default_keys_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        new = not self.path.exists()
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        if new:
+            self.path.chmod(0o600)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def create(self, name: str, limits: KeyLimits | None = None, models: list[str] | None = None) -> tuple[ApiKey, str]:
+        """Create a key; return it and the full key text, which is shown once and never stored."""
+        limits = limits or KeyLimits()
+        key_id = secrets.token_hex(6)
+        secret = secrets.token_urlsafe(32)
+        salt = secrets.token_bytes(16)
+        now = time.time()
+        try:
+            self._db.execute(
+                "INSERT INTO keys (id, name, salt, secret_hash, rpm, tpm, max_concurrency, models, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (key_id, name, salt, _hash(salt, secret), limits.rpm, limits.tpm, limits.max_concurrency,
+                 ",".join(models or []), now),
+            )  # fmt: skip
+        except sqlite3.IntegrityError:
+            raise ConfigError(f"a key named {name!r} already exists; choose another name or revoke it first") from None
+        key = ApiKey(key_id, name, limits, frozenset(models) if models else None, now)
+        return key, f"{KEY_PREFIX}-{key_id}-{secret}"
+
+    def revoke(self, name: str) -> None:
+        cursor = self._db.execute(
+            "UPDATE keys SET revoked_at = ? WHERE name = ? AND revoked_at IS NULL", (time.time(), name)
+        )
+        if cursor.rowcount == 0:
+            valid = [key.name for key in self.keys() if key.revoked_at is None]
+            raise ConfigError(f"no active key named {name!r}; active keys: {', '.join(valid) or 'none'}")
+
+    def keys(self) -> list[ApiKey]:
+        return [stored.key for stored in self._load()]
+
+    def data_version(self) -> int:
+        """Changes whenever another connection commits: a cheap "did anything change?" probe."""
+        return int(self._db.execute("PRAGMA data_version").fetchone()[0])
+
+    def _load(self) -> list[_StoredKey]:
+        rows = self._db.execute(
+            "SELECT id, name, salt, secret_hash, rpm, tpm, max_concurrency, models, created_at, revoked_at "
+            "FROM keys ORDER BY created_at"
+        ).fetchall()
+        return [
+            _StoredKey(
+                ApiKey(
+                    row[0],
+                    row[1],
+                    KeyLimits(row[4], row[5], row[6]),
+                    frozenset(row[7].split(",")) if row[7] else None,
+                    row[8],
+                    row[9],
+                ),
+                row[2],
+                row[3],
+            )
+            for row in rows
+        ]
+
+
+class KeyRing:
+    """The gateway's in-memory copy of the active keys; `verify` is the only hot-path call."""
+
+    def __init__(self, store: KeyStore) -> None:
+        self.store = store
+        self._keys: dict[str, _StoredKey] = {}
+        self._version = -1
+        self.refresh()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def refresh(self) -> bool:
+        """Reload if the database changed; return whether it did."""
+        version = self.store.data_version()
+        if version == self._version:
+            return False
+        self._version = version
+        self._keys = {stored.key.id: stored for stored in self.store._load() if stored.key.revoked_at is None}
+        return True
+
+    def verify(self, token: str) -> ApiKey | None:
+        """The key TOKEN belongs to, or None. Constant-time in the secret."""
+        prefix, _, rest = token.partition("-")
+        key_id, _, secret = rest.partition("-")
+        if prefix != KEY_PREFIX or not secret:
+            return None
+        stored = self._keys.get(key_id)
+        if stored is None:
+            return None
+        if not hmac.compare_digest(_hash(stored.salt, secret), stored.secret_hash):
+            return None
+        return stored.key

@@ -1,0 +1,167 @@
+"""Admission control: per-key token buckets and concurrency, and the global slot queue.
+
+Everything takes an injected clock so that tests can move time by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from deepserve.gateway.errors import Overloaded, RateLimited
+
+Clock = Callable[[], float]
+
+
+class TokenBucket:
+    """CAPACITY tokens, refilled continuously at REFILL_PER_S. A take may drive the balance negative (the cost of a
+    request is only known afterwards), which then delays later requests: the debt is paid, never forgiven."""
+
+    def __init__(self, capacity: float, refill_per_s: float, clock: Clock = time.monotonic) -> None:
+        self.capacity = capacity
+        self.refill_per_s = refill_per_s
+        self._clock = clock
+        self._tokens = capacity
+        self._updated = clock()
+
+    @property
+    def tokens(self) -> float:
+        self._refill()
+        return self._tokens
+
+    def try_take(self, amount: float) -> float:
+        """Take AMOUNT and return 0, or take nothing and return the seconds until it could be taken. A request
+        larger than the whole bucket is admitted when the bucket is full, so that it is not refused forever."""
+        self._refill()
+        needed = min(amount, self.capacity)
+        if self._tokens >= needed:
+            self._tokens -= amount
+            return 0.0
+        return (needed - self._tokens) / self.refill_per_s
+
+    def adjust(self, delta: float) -> None:
+        """Give back (positive) or charge more (negative) once the real cost is known."""
+        self._refill()
+        self._tokens = min(self.capacity, self._tokens + delta)
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._tokens = min(self.capacity, self._tokens + (now - self._updated) * self.refill_per_s)
+        self._updated = now
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """A key's limits; None means unlimited."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+
+
+class KeyLimiter:
+    """One key's buckets and in-flight count."""
+
+    def __init__(self, limits: KeyLimits, clock: Clock = time.monotonic) -> None:
+        self.limits = limits
+        self.in_flight = 0
+        self._requests = TokenBucket(limits.rpm, limits.rpm / 60, clock) if limits.rpm else None
+        self._tokens = TokenBucket(limits.tpm, limits.tpm / 60, clock) if limits.tpm else None
+
+    def admit(self, charged_tokens: int) -> None:
+        """Count one request that may use CHARGED_TOKENS, or raise RateLimited (charging nothing)."""
+        if self.limits.max_concurrency is not None and self.in_flight >= self.limits.max_concurrency:
+            raise RateLimited(
+                f"this key already has {self.in_flight} requests in flight (its limit); wait for one to finish",
+                retry_after_s=1.0,
+                reason="key_concurrency",
+            )
+        if self._requests is not None:
+            wait_s = self._requests.try_take(1)
+            if wait_s:
+                raise RateLimited(
+                    f"this key's limit of {self.limits.rpm} requests per minute is reached",
+                    retry_after_s=wait_s,
+                    reason="key_rpm",
+                )
+        if self._tokens is not None:
+            wait_s = self._tokens.try_take(charged_tokens)
+            if wait_s:
+                if self._requests is not None:
+                    self._requests.adjust(1)  # not admitted: the request does not count
+                raise RateLimited(
+                    f"this key's limit of {self.limits.tpm} tokens per minute is reached "
+                    f"(this request may use {charged_tokens})",
+                    retry_after_s=wait_s,
+                    reason="key_tpm",
+                )
+        self.in_flight += 1
+
+    def release(self, charged_tokens: int, used_tokens: int | None) -> None:
+        """The request ended: free its slot and correct the charge with the real usage (when known)."""
+        self.in_flight -= 1
+        if self._tokens is not None and used_tokens is not None:
+            self._tokens.adjust(charged_tokens - used_tokens)
+
+
+class _QueueTimeout(Exception):
+    pass
+
+
+class AdmissionQueue:
+    """At most MAX_CONCURRENCY requests forwarded at once; up to MAX_QUEUE more wait (FIFO) up to TIMEOUT_S.
+    A freed slot is handed directly to the oldest waiter, so no newcomer can overtake the queue."""
+
+    def __init__(self, max_concurrency: int, max_queue: int, timeout_s: float) -> None:
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        self.timeout_s = timeout_s
+        self.in_flight = 0
+        self.waiting = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self) -> None:
+        if self.in_flight < self.max_concurrency and not self.waiting:
+            self.in_flight += 1
+            return
+        if self.waiting >= self.max_queue:
+            raise Overloaded(
+                f"the gateway is at capacity ({self.in_flight} in flight, {self.waiting} queued); retry later",
+                reason="queue_full",
+            )
+        await self._wait_for_slot()
+
+    async def _wait_for_slot(self) -> None:
+        loop = asyncio.get_running_loop()
+        slot: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_later(self.timeout_s, _expire, slot)
+        self._waiters.append(slot)
+        self.waiting += 1
+        try:
+            await slot
+        except _QueueTimeout:
+            raise Overloaded(
+                f"no capacity freed within {self.timeout_s:g} s of queueing; retry later", reason="queue_timeout"
+            ) from None
+        except asyncio.CancelledError:
+            if slot.done() and not slot.cancelled() and slot.exception() is None:
+                self.release()  # the slot was handed over just as the client went away: pass it on
+            raise
+        finally:
+            timer.cancel()
+            self.waiting -= 1
+
+    def release(self) -> None:
+        while self._waiters:
+            slot = self._waiters.popleft()
+            if not slot.done():
+                slot.set_result(None)  # the slot moves to the waiter: in_flight stays the same
+                return
+        self.in_flight -= 1
+
+
+def _expire(slot: asyncio.Future[None]) -> None:
+    if not slot.done():
+        slot.set_exception(_QueueTimeout())

@@ -1,0 +1,79 @@
+"""Prometheus metrics of the gateway. Counters and histograms are updated on the request path; gauges that mirror
+live state (queue depth, in-flight, replica health) are read only when /metrics is scraped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from deepserve.gateway.limits import AdmissionQueue
+from deepserve.gateway.upstreams import UpstreamPool
+
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class GatewayMetrics:
+    def __init__(self, pool: UpstreamPool, queue: AdmissionQueue) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "deepserve_gateway_requests", "Requests answered, by key, model and status", ["key", "model", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "deepserve_gateway_prompt_tokens", "Prompt tokens (upstream usage)", ["key", "model"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "deepserve_gateway_completion_tokens", "Completion tokens (upstream usage)", ["key", "model"], registry=r
+        )
+        self.ttft_s = Histogram(
+            "deepserve_gateway_ttft_seconds", "Time to first streamed chunk, as the gateway forwards it", ["model"],
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.itl_s = Histogram(
+            "deepserve_gateway_itl_seconds", "Gap between forwarded stream chunks", ["model"],
+            buckets=_ITL_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.e2e_s = Histogram(
+            "deepserve_gateway_e2e_seconds", "Request arrival to last byte", ["model"],
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.rejections = Counter(
+            "deepserve_gateway_rejections", "Requests refused by the gateway, by reason", ["reason"], registry=r
+        )
+        self.upstream_failures = Counter(
+            "deepserve_gateway_upstream_failures", "Failed attempts against a replica, by error code",
+            ["replica", "code"], registry=r,
+        )  # fmt: skip
+        self.retries = Counter("deepserve_gateway_retries", "Requests retried on another replica", registry=r)
+        r.register(_LiveState(pool, queue))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveState(Collector):
+    def __init__(self, pool: UpstreamPool, queue: AdmissionQueue) -> None:
+        self.pool = pool
+        self.queue = queue
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("deepserve_gateway_queue_depth", "Requests waiting for a slot", self.queue.waiting)
+        yield GaugeMetricFamily("deepserve_gateway_in_flight", "Requests being forwarded", self.queue.in_flight)
+        healthy = GaugeMetricFamily(
+            "deepserve_gateway_upstream_healthy", "1 if the replica is in rotation", labels=["replica"]
+        )
+        outstanding = GaugeMetricFamily(
+            "deepserve_gateway_upstream_in_flight", "Requests in flight on the replica", labels=["replica"]
+        )
+        for replica in self.pool.replicas:
+            healthy.add_metric([replica.url], 1.0 if replica.healthy else 0.0)
+            outstanding.add_metric([replica.url], replica.outstanding)
+        yield healthy
+        yield outstanding

@@ -1,0 +1,144 @@
+"""Run the gateway: uvicorn (httptools parser) on a uvloop event loop, one process.
+
+`GATEWAY READY <base URL>` is printed on stdout once the socket accepts connections and the first round of upstream
+health checks is done; `gateway_argv` is the command line that runs the gateway as its own process (what
+`deepserve serve` supervises next to the engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import uvicorn
+
+from deepserve.engines.base import url_host
+from deepserve.gateway.app import GatewayApp
+from deepserve.gateway.config import GatewayConfig
+
+READY_PREFIX = "GATEWAY READY"
+_SHUTDOWN_GRACE_S = 5
+
+
+def gateway_argv(config: GatewayConfig, python: str = sys.executable) -> list[str]:
+    """`python -m deepserve.cli.main gateway …` with every field that differs from its default."""
+    argv = [python, "-m", "deepserve.cli.main", "gateway"]
+    defaults = GatewayConfig.model_validate({})
+    for name in GatewayConfig.model_fields:
+        value = getattr(config, name)
+        if value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def base_url(config: GatewayConfig, port: int | None = None) -> str:
+    return f"http://{url_host(config.host)}:{port or config.port}/v1"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with a hook once the listening sockets are open."""
+
+    def __init__(self, config: uvicorn.Config, on_listening: Callable[[int], None], own_signals: bool = True) -> None:
+        super().__init__(config)
+        self._on_listening = on_listening
+        self._own_signals = own_signals
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGINT/SIGTERM start a graceful stop. Unlike uvicorn's own, the signal is not re-raised afterwards, so the
+        caller's clean-up (flushing the usage ledger) still runs."""
+        if not self._own_signals or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
+            self._on_listening(int(port))
+
+
+def _uvicorn_config(app: GatewayApp, config: GatewayConfig) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        loop="none",  # we run the loop (uvloop) ourselves
+        http="httptools",
+        lifespan="off",  # the app is started before the server, so READY means upstreams were checked
+        access_log=config.access_log,
+        log_level="warning",
+        server_header=False,
+        date_header=False,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
+        backlog=4096,
+    )
+
+
+async def serve(config: GatewayConfig, on_ready: Callable[[str], None]) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    app = GatewayApp(config)
+    await app.start()
+    try:
+        server = _Server(_uvicorn_config(app, config), lambda port: on_ready(base_url(config, port)))
+        await server.serve()
+    finally:
+        await app.close()
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(config: GatewayConfig, app: GatewayApp | None = None) -> AsyncIterator[GatewayApp]:
+    """The gateway serving in this event loop until the block ends (for tests and benchmarks)."""
+    app = app or GatewayApp(config)
+    await app.start()
+    ready = asyncio.Event()
+    server = _Server(_uvicorn_config(app, config), lambda port: ready.set(), own_signals=False)
+    task = asyncio.create_task(server.serve())
+    try:
+        await asyncio.wait_for(ready.wait(), timeout=10)
+        yield app
+    finally:
+        server.should_exit = True
+        await task
+        await app.close()
+
+
+def run_gateway(config: GatewayConfig) -> int:
+    """Blocking entry point for the CLI."""
+    config.check_startable()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s gateway %(levelname)s %(message)s")
+
+    def announce(url: str) -> None:
+        print(f"{READY_PREFIX} {url}", flush=True)
+
+    _run(serve(config, announce))
+    return 0
+
+
+def _run(main: Any) -> None:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is Linux/macOS only; asyncio's loop works, only slower
+        asyncio.run(main)
+        return
+    uvloop.run(main)

@@ -1,0 +1,207 @@
+"""The upstream pool: replicas of the engine, one shared keep-alive connection pool, health checks, and the one
+place where the HTTP client's exceptions become the gateway's `UpstreamError` hierarchy.
+
+A replica leaves rotation at once when a request to it fails to connect or drops mid-response (passive check),
+and comes back when its /health answers again (active check every `health_check_interval_s`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from deepserve.gateway.balancing import BalancingPolicy, RoutingHints
+from deepserve.gateway.errors import (
+    NoHealthyUpstream,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+# vLLM and SGLang both answer this when the engine can serve.
+HEALTH_PATH = "/health"
+MODELS_PATH = "/v1/models"
+# Re-read /v1/models every this many healthy checks, to notice a replica that was restarted with another model.
+MODELS_REFRESH_EVERY = 30
+
+
+@dataclass
+class UpstreamReplica:
+    url: str  # the base URL as configured, e.g. http://127.0.0.1:8001/v1
+    healthy: bool = False
+    outstanding: int = 0
+    models: dict[str, int | None] = field(default_factory=dict)  # served model → max_model_len
+    checks_since_models: int = 0
+    last_error: str | None = None
+
+    @property
+    def root(self) -> str:
+        return self.url.removesuffix("/v1")
+
+
+class UpstreamPool:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        policy: BalancingPolicy,
+        *,
+        connect_timeout_s: float = 3.0,
+        read_timeout_s: float = 600.0,
+        health_check_interval_s: float = 1.0,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.replicas = [UpstreamReplica(url) for url in urls]
+        self.policy = policy
+        self.health_check_interval_s = health_check_interval_s
+        self.max_model_len_override = max_model_len
+        self.models: dict[str, int | None] = {}  # the union over healthy replicas (read on every request)
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
+        self._health_timeout = aiohttp.ClientTimeout(total=max(0.5, min(2.0, health_check_interval_s * 2)))
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=300)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=self._timeout,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        await self.check_all()
+        self._health_task = asyncio.create_task(self._health_loop(), name="upstream-health")
+
+    async def close(self) -> None:
+        if self._health_task:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._session:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "UpstreamPool.start() was not awaited"
+        return self._session
+
+    # ---- routing ------------------------------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        return any(replica.healthy for replica in self.replicas)
+
+    def choose(self, model: str, hints: RoutingHints, tried: Sequence[UpstreamReplica]) -> UpstreamReplica:
+        candidates = [r for r in self.replicas if r.healthy and model in r.models and r not in tried]
+        if not candidates:
+            healthy = sum(replica.healthy for replica in self.replicas)
+            raise NoHealthyUpstream(
+                f"no healthy upstream can serve {model!r} ({healthy} of {len(self.replicas)} replicas healthy"
+                + (f", {len(tried)} already tried" if tried else "")
+                + ")"
+            )
+        if len(candidates) == 1:
+            return candidates[0]
+        chosen = self.policy.choose(candidates, hints)
+        assert isinstance(chosen, UpstreamReplica)
+        return chosen
+
+    def mark_down(self, replica: UpstreamReplica, reason: str) -> None:
+        if replica.healthy:
+            log.warning("upstream %s taken out of rotation: %s", replica.url, reason)
+        replica.healthy = False
+        replica.last_error = reason
+        self._update_models()
+
+    # ---- forwarding ---------------------------------------------------------------------------------------------
+
+    async def post(self, replica: UpstreamReplica, path: str, body: bytes) -> aiohttp.ClientResponse:
+        """Send BODY; return the response once its headers arrived. The caller must release it."""
+        try:
+            return await self.session.post(replica.root + path, data=body, headers=_JSON_HEADERS)
+        except Exception as exc:
+            raise upstream_error(exc, replica) from exc
+
+    # ---- health -------------------------------------------------------------------------------------------------
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(replica) for replica in self.replicas))
+        self._update_models()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_check_interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # never let the loop die: it is what brings replicas back
+                log.exception("upstream health check failed")
+
+    async def _check(self, replica: UpstreamReplica) -> None:
+        try:
+            async with self.session.get(replica.root + HEALTH_PATH, timeout=self._health_timeout) as response:
+                if response.status != 200:
+                    raise UpstreamUnavailable(f"/health answered {response.status}")
+            if not replica.healthy or not replica.models or replica.checks_since_models >= MODELS_REFRESH_EVERY:
+                replica.models = await self._fetch_models(replica)
+                replica.checks_since_models = 0
+            replica.checks_since_models += 1
+            if not replica.healthy:
+                log.warning("upstream %s is healthy", replica.url)
+            replica.healthy = True
+            replica.last_error = None
+        except Exception as exc:
+            if replica.healthy:
+                log.warning("upstream %s failed its health check: %s", replica.url, exc)
+            replica.healthy = False
+            replica.last_error = str(exc) or type(exc).__name__
+
+    async def _fetch_models(self, replica: UpstreamReplica) -> dict[str, int | None]:
+        async with self.session.get(replica.root + MODELS_PATH, timeout=self._health_timeout) as response:
+            if response.status != 200:
+                raise UpstreamUnavailable(f"{MODELS_PATH} answered {response.status}")
+            listing = await response.json()
+        return {card["id"]: card.get("max_model_len") for card in listing.get("data", [])}
+
+    def _update_models(self) -> None:
+        models: dict[str, int | None] = {}
+        for replica in self.replicas:
+            if replica.healthy:
+                for name, max_len in replica.models.items():
+                    models[name] = self.max_model_len_override or max_len or models.get(name)
+        self.models = models
+
+
+def upstream_error(exc: BaseException, replica: UpstreamReplica) -> UpstreamError:
+    """The gateway's error for an exception of the HTTP client (the caller raises it `from` EXC)."""
+    where = f"upstream {replica.url}"
+    if isinstance(exc, UpstreamError):
+        return exc
+    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return UpstreamTimeout(f"{where} did not answer in time")
+    if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)):
+        return UpstreamUnavailable(f"{where} is unreachable or dropped the connection ({type(exc).__name__})")
+    return UpstreamError(f"{where} failed: {type(exc).__name__}: {exc}")
+
+
+async def iter_chunks(response: aiohttp.ClientResponse, replica: UpstreamReplica) -> AsyncIterator[bytes]:
+    """The response body as it arrives, with client exceptions mapped."""
+    try:
+        async for chunk in response.content.iter_any():
+            yield chunk
+    except Exception as exc:
+        raise upstream_error(exc, replica) from exc
+
+
+async def read_body(response: aiohttp.ClientResponse, replica: UpstreamReplica) -> bytes:
+    try:
+        return await response.read()
+    except Exception as exc:
+        raise upstream_error(exc, replica) from exc

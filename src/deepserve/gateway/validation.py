@@ -1,0 +1,304 @@
+"""Request validation: everything a client can get wrong is a 4xx in OpenAI's shape, decided before forwarding.
+
+Validation is a table of field checks rather than a pydantic model: it runs on every request, and the table keeps
+the hot path to one `json.loads` and a few isinstance calls. The body that is forwarded is the client's bytes,
+unchanged, unless a model alias or the stream usage option has to be written into it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from deepserve.gateway.errors import InvalidRequest, ModelNotFound
+
+# Output tokens charged to the tokens-per-minute bucket when a request gives no max_tokens (corrected afterwards).
+DEFAULT_CHARGED_OUTPUT_TOKENS = 512
+# Characters per prompt token assumed before the real count is known (corrected with the upstream's usage).
+CHARS_PER_TOKEN_ESTIMATE = 4
+# How much of the prompt decides prefix affinity: enough to tell system prompts apart, short enough to hash fast.
+AFFINITY_PREFIX_CHARS = 256
+
+Check = Callable[[Any], bool]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int_at_least(low: int) -> Check:
+    return lambda value: _is_int(value) and value >= low
+
+
+def _number_between(low: float, high: float) -> Check:
+    return lambda value: _is_number(value) and low <= value <= high
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, list)
+
+
+def _is_stop(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(item, str) for item in value))
+
+
+def _is_prompt(value: Any) -> bool:
+    if isinstance(value, str):
+        return True
+    if not isinstance(value, list) or not value:
+        return False
+    return (
+        all(isinstance(item, str) for item in value)
+        or all(_is_int(item) for item in value)
+        or all(isinstance(item, list) and all(_is_int(t) for t in item) for item in value)
+    )
+
+
+def _is_messages(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(message, dict) and isinstance(message.get("role"), str) for message in value)
+    )
+
+
+def _anything(value: Any) -> bool:
+    return True
+
+
+_SAMPLING: dict[str, Check] = {
+    "model": _is_str,
+    "stream": _is_bool,
+    "stream_options": _is_dict,
+    "max_tokens": _int_at_least(1),
+    "temperature": _number_between(0.0, 2.0),
+    "top_p": _number_between(0.0, 1.0),
+    "n": _int_at_least(1),
+    "stop": _is_stop,
+    "presence_penalty": _number_between(-2.0, 2.0),
+    "frequency_penalty": _number_between(-2.0, 2.0),
+    "seed": _is_int,
+    "user": _is_str,
+    "logit_bias": _is_dict,
+    "response_format": _is_dict,
+    "metadata": _is_dict,
+    # vLLM's sampling extensions
+    "top_k": _is_int,
+    "min_p": _number_between(0.0, 1.0),
+    "repetition_penalty": _is_number,
+    "length_penalty": _is_number,
+    "min_tokens": _int_at_least(0),
+    "ignore_eos": _is_bool,
+    "stop_token_ids": _is_list,
+    "bad_words": _is_list,
+    "allowed_token_ids": _is_list,
+    "skip_special_tokens": _is_bool,
+    "spaces_between_special_tokens": _is_bool,
+    "include_stop_str_in_output": _is_bool,
+    "truncate_prompt_tokens": _int_at_least(1),
+    "prompt_logprobs": _int_at_least(0),
+    "priority": _is_int,
+    "request_id": _is_str,
+    "add_special_tokens": _is_bool,
+    "return_tokens_as_token_ids": _is_bool,
+    "return_token_ids": _is_bool,
+    "structured_outputs": _is_dict,
+    "guided_json": _anything,
+    "guided_regex": _is_str,
+    "guided_choice": _is_list,
+    "guided_grammar": _is_str,
+    "cache_salt": _is_str,
+    "kv_transfer_params": _is_dict,
+    "vllm_xargs": _is_dict,
+    "use_beam_search": _is_bool,
+}
+
+COMPLETION_FIELDS: dict[str, Check] = {
+    **_SAMPLING,
+    "prompt": _is_prompt,
+    "echo": _is_bool,
+    "best_of": _int_at_least(1),
+    "logprobs": _int_at_least(0),
+    "suffix": _is_str,
+}
+
+CHAT_FIELDS: dict[str, Check] = {
+    **_SAMPLING,
+    "messages": _is_messages,
+    "max_completion_tokens": _int_at_least(1),
+    "logprobs": _is_bool,
+    "top_logprobs": _int_at_least(0),
+    "tools": _is_list,
+    "tool_choice": lambda value: isinstance(value, (str, dict)),
+    "parallel_tool_calls": _is_bool,
+    "reasoning_effort": _is_str,
+    "store": _is_bool,
+    "service_tier": _is_str,
+    "modalities": _is_list,
+    "prediction": _is_dict,
+    "add_generation_prompt": _is_bool,
+    "continue_final_message": _is_bool,
+    "chat_template": _is_str,
+    "chat_template_kwargs": _is_dict,
+    "documents": _is_list,
+    "echo": _is_bool,
+}
+
+_FIELD_HINTS = {
+    "max_tokens": "an integer ≥ 1",
+    "max_completion_tokens": "an integer ≥ 1",
+    "temperature": "a number between 0 and 2",
+    "top_p": "a number between 0 and 1",
+    "n": "an integer ≥ 1",
+    "stream": "true or false",
+    "model": "a string",
+    "prompt": "a string, a list of strings, or token ids",
+    "messages": "a non-empty list of objects with a 'role'",
+    "stop": "a string or a list of strings",
+}
+
+
+@dataclass
+class Endpoint:
+    """One OpenAI endpoint the gateway forwards: its allowed fields and where the prompt is."""
+
+    path: str
+    fields: Mapping[str, Check]
+    prompt_field: str
+
+
+COMPLETIONS = Endpoint("/v1/completions", COMPLETION_FIELDS, "prompt")
+CHAT_COMPLETIONS = Endpoint("/v1/chat/completions", CHAT_FIELDS, "messages")
+
+
+@dataclass
+class ParsedRequest:
+    """What the gateway needs to know about a request, plus the exact bytes to forward."""
+
+    body: bytes  # what goes upstream
+    model: str  # the upstream model name (after alias mapping)
+    client_model: str  # what the client asked for
+    stream: bool
+    max_tokens: int | None
+    prompt_tokens_estimate: int
+    affinity_text: str  # the start of the prompt, for prefix affinity
+    strip_usage_chunk: bool  # we asked the upstream for a usage chunk the client did not ask for
+    request: dict[str, Any]  # the parsed body (for log_bodies)
+
+    @property
+    def charged_tokens(self) -> int:
+        return self.prompt_tokens_estimate + (self.max_tokens or DEFAULT_CHARGED_OUTPUT_TOKENS)
+
+
+def parse_request(
+    endpoint: Endpoint,
+    raw: bytes,
+    models: Mapping[str, int | None],
+    aliases: Mapping[str, str],
+) -> ParsedRequest:
+    """Validate RAW for ENDPOINT. MODELS maps each served model to its context length (None when unknown)."""
+    request = _load_object(raw)
+    _check_fields(endpoint, request)
+    client_model = request["model"]
+    model = aliases.get(client_model, client_model)
+    if model not in models:
+        valid = ", ".join(sorted({*models, *aliases})) or "none yet (no healthy upstream has answered /v1/models)"
+        raise ModelNotFound(f"the model {client_model!r} does not exist; available: {valid}", param="model")
+    max_tokens = request.get("max_completion_tokens", request.get("max_tokens"))
+    _check_context(max_tokens, models[model])
+    stream = request.get("stream") is True
+    if not stream and "stream_options" in request:
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+    prompt_text = _prompt_text(request[endpoint.prompt_field])
+    strip_usage = stream and not (request.get("stream_options") or {}).get("include_usage")
+    body = raw
+    if model != client_model or strip_usage:
+        body = _rewrite(request, model, strip_usage)
+    return ParsedRequest(
+        body=body,
+        model=model,
+        client_model=client_model,
+        stream=stream,
+        max_tokens=max_tokens,
+        prompt_tokens_estimate=-(-len(prompt_text) // CHARS_PER_TOKEN_ESTIMATE),
+        affinity_text=prompt_text[:AFFINITY_PREFIX_CHARS],
+        strip_usage_chunk=strip_usage,
+        request=request,
+    )
+
+
+def _load_object(raw: bytes) -> dict[str, Any]:
+    try:
+        request = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(request, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return request
+
+
+def _check_fields(endpoint: Endpoint, request: dict[str, Any]) -> None:
+    for required in ("model", endpoint.prompt_field):
+        if required not in request:
+            raise InvalidRequest(f"missing required parameter '{required}'", param=required, code="missing_required")
+    fields = endpoint.fields
+    for name, value in request.items():
+        check = fields.get(name)
+        if check is None:
+            raise InvalidRequest(
+                f"unsupported parameter '{name}' for {endpoint.path}", param=name, code="unsupported_parameter"
+            )
+        if value is not None and not check(value):
+            hint = _FIELD_HINTS.get(name, "a value of the documented type")
+            raise InvalidRequest(f"invalid value for '{name}': {value!r}; expected {hint}", param=name)
+
+
+def _check_context(max_tokens: int | None, max_model_len: int | None) -> None:
+    if max_tokens is not None and max_model_len is not None and max_tokens >= max_model_len:
+        raise InvalidRequest(
+            f"max_tokens {max_tokens} leaves no room for the prompt in the model's context of {max_model_len} "
+            f"tokens; ask for fewer than {max_model_len}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+def _prompt_text(prompt: Any) -> str:
+    """The prompt as text, for the token estimate and affinity (token-id prompts count one char per id)."""
+    if isinstance(prompt, str):
+        return prompt
+    parts: list[str] = []
+    for item in prompt:
+        if isinstance(item, str):
+            parts.append(item)
+        elif isinstance(item, dict):
+            content = item.get("content")
+            parts.append(content if isinstance(content, str) else json.dumps(content))
+        else:
+            parts.append(json.dumps(item))
+    return "\n".join(parts)
+
+
+def _rewrite(request: dict[str, Any], model: str, add_usage: bool) -> bytes:
+    request = dict(request)
+    request["model"] = model
+    if add_usage:
+        request["stream_options"] = {**(request.get("stream_options") or {}), "include_usage": True}
+    return json.dumps(request, separators=(",", ":"), ensure_ascii=False).encode()
