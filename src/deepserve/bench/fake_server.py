@@ -1,0 +1,348 @@
+"""A scripted OpenAI-compatible streaming server with known timings, for testing benchmark clients.
+
+It streams `max_tokens` tokens per request on a fixed schedule (first token TTFT after the request arrived, then
+one chunk every ITL), formats chunks as vLLM does (usage chunk, `data: [DONE]`, HTTP chunked encoding), and logs
+the moment it wrote each chunk, so a client's measurements can be compared with what really happened. Faults
+(401, HTTP 500 for some requests, a malformed event, a dropped connection) are switched on by `FakeScript`.
+
+Raw asyncio protocol on uvloop when available: the server must not be the bottleneck of a client benchmark.
+Run it on its own: `python -m deepserve.bench.fake_server --port 8123 --ttft-ms 50 --itl-ms 10`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+JSON_HEADERS = "Content-Type: application/json\r\n"
+SSE_HEADERS = "Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+
+
+@dataclass
+class FakeScript:
+    """What the fake server does. Timings in seconds; 0 ITL streams as fast as the client reads."""
+
+    model: str = "fake-model"
+    ttft_s: float = 0.0
+    itl_s: float = 0.0
+    tokens_per_chunk: int = 1
+    chunks_per_write: int = 1  # events coalesced into one socket write (only when itl_s == 0)
+    send_usage: bool = True
+    send_token_ids: bool = False
+    api_key: str | None = None  # when set, other bearer tokens get 401
+    fail_request_indices: frozenset[int] = frozenset()  # these requests (arrival order) get HTTP 500
+    fail_mid_stream_indices: frozenset[int] = frozenset()  # these get an error event after a few tokens
+    malformed_indices: frozenset[int] = frozenset()  # these get a non-JSON event after the first token
+    drop_indices: frozenset[int] = frozenset()  # these lose their connection after the first token
+    metrics_text: str | None = None  # Prometheus text served at /metrics; None: 404
+    log_sends: bool = False  # keep per-chunk send times (served at /fake/log)
+
+
+@dataclass
+class SendLog:
+    recv_s: float
+    sends_s: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+
+class FakeState:
+    def __init__(self, script: FakeScript) -> None:
+        self.script = script
+        self.requests = 0
+        self.log: dict[str, SendLog] = {}
+
+
+class _Handler(asyncio.Protocol):
+    def __init__(self, state: FakeState) -> None:
+        self.state = state
+        self.buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.busy = False
+        self.resume: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def pause_writing(self) -> None:
+        self.resume = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self.resume is not None and not self.resume.done():
+            self.resume.set_result(None)
+        self.resume = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.resume_writing()
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if not self.busy:
+            self._next_request()
+
+    def _next_request(self) -> None:
+        head_end = self.buffer.find(b"\r\n\r\n")
+        if head_end < 0:
+            return
+        head = bytes(self.buffer[:head_end]).decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:])}
+        length = int(headers.get("content-length", "0"))
+        if len(self.buffer) < head_end + 4 + length:
+            return
+        body = bytes(self.buffer[head_end + 4 : head_end + 4 + length])
+        del self.buffer[: head_end + 4 + length]
+        method, path = head[0].split(" ")[:2]
+        self.busy = True
+        asyncio.get_running_loop().create_task(self._serve(method, path, headers, body))
+
+    async def _serve(self, method: str, path: str, headers: dict[str, str], body: bytes) -> None:
+        try:
+            await self._route(method, path, headers, body)
+        finally:
+            self.busy = False
+            if self.transport is not None:
+                self._next_request()
+
+    async def _route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> None:
+        script = self.state.script
+        if script.api_key and headers.get("authorization") != f"Bearer {script.api_key}":
+            self._json(401, {"error": {"message": "invalid API key", "type": "auth_error", "code": 401}})
+        elif path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": script.model, "object": "model"}]})
+        elif path == "/metrics":
+            if script.metrics_text is None:
+                self._json(404, {"detail": "Not Found"})
+            else:
+                self._reply(200, "Content-Type: text/plain\r\n", script.metrics_text.encode())
+        elif path == "/tokenize":
+            self._tokenize(json.loads(body))
+        elif path == "/detokenize":
+            tokens = json.loads(body).get("tokens", [])
+            self._json(200, {"prompt": bytes(t for t in tokens if t < 256).decode("utf-8", "replace")})
+        elif path == "/fake/log":
+            self._json(200, {rid: entry.__dict__ for rid, entry in self.state.log.items()})
+        elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            await self._stream(json.loads(body), path.endswith("chat/completions"), headers)
+        else:
+            self._json(404, {"error": {"message": f"no route {method} {path}", "type": "not_found", "code": 404}})
+
+    def _tokenize(self, request: dict[str, Any]) -> None:
+        """A byte-level tokenizer (one token per UTF-8 byte, BOS 256 when special tokens are added)."""
+        if "messages" in request:
+            text = "".join(f"<{m.get('role')}>{m.get('content')}" for m in request["messages"]) + "<assistant>"
+            special = True
+        else:
+            text = str(request.get("prompt", ""))
+            special = bool(request.get("add_special_tokens", True))
+        tokens = ([256] if special else []) + list(text.encode())
+        self._json(200, {"tokens": tokens, "count": len(tokens), "max_model_len": 1 << 20})
+
+    async def _stream(self, request: dict[str, Any], chat: bool, headers: dict[str, str]) -> None:
+        state, script = self.state, self.state.script
+        recv_s = time.perf_counter()
+        index = state.requests
+        state.requests += 1
+        if request.get("model") != script.model:
+            message = f"The model `{request.get('model')}` does not exist."
+            self._json(404, {"error": {"message": message, "type": "NotFoundError", "code": 404}})
+            return
+        if index in script.fail_request_indices:
+            self._json(500, {"error": {"message": "scripted server error", "type": "InternalServerError"}})
+            return
+        max_tokens = int(request.get("max_tokens") or 16)
+        prompt_tokens = _prompt_tokens(request)
+        log = SendLog(recv_s)
+        if script.log_sends:
+            state.log[headers.get("x-request-id", str(index))] = log
+        self._write(f"HTTP/1.1 200 OK\r\n{SSE_HEADERS}\r\n".encode())
+        chunks = _chunk_sizes(max_tokens, script.tokens_per_chunk)
+        pending: list[bytes] = []
+        for position, tokens in enumerate(chunks):
+            if position == 1 and index in script.drop_indices and self.transport is not None:
+                self.transport.abort()
+                return
+            if position == 1 and index in script.malformed_indices:
+                pending.append(_frame(b"data: {not json\n\n"))
+            if position == 2 and index in script.fail_mid_stream_indices:
+                error = {"error": {"message": "scripted mid-stream failure", "type": "InternalServerError"}}
+                pending.append(_event(error))
+                break
+            due_s = recv_s + script.ttft_s + position * script.itl_s
+            if script.itl_s > 0 or position == 0:
+                await self._flush(pending, log)
+                await _sleep_until(due_s)
+            pending.append(_event(_token_chunk(script, chat, position, tokens)))
+            log.tokens.append(tokens)
+            if len(pending) >= script.chunks_per_write or script.itl_s > 0:
+                await self._flush(pending, log)
+                if script.itl_s == 0:
+                    await asyncio.sleep(0)  # let the other streams write too
+        if script.send_usage:
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens}
+            usage["total_tokens"] = prompt_tokens + max_tokens
+            pending.append(
+                _event({"id": "cmpl-fake", "object": "chunk", "model": script.model, "choices": [], "usage": usage})
+            )
+        pending.append(_frame(b"data: [DONE]\n\n"))
+        pending.append(b"0\r\n\r\n")
+        await self._flush(pending, log, log_send=False)
+
+    async def _flush(self, pending: list[bytes], log: SendLog, log_send: bool = True) -> None:
+        if not pending:
+            return
+        if self.resume is not None:
+            await self.resume
+        data = b"".join(pending)
+        pending.clear()
+        if log_send and self.state.script.log_sends:
+            log.sends_s.append(time.perf_counter())
+        self._write(data)
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+    def _json(self, status: int, body: Any) -> None:
+        self._reply(status, JSON_HEADERS, json.dumps(body).encode())
+
+    def _reply(self, status: int, headers: str, body: bytes) -> None:
+        head = f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}\r\n{headers}Content-Length: {len(body)}\r\n\r\n"
+        self._write(head.encode() + body)
+
+
+_REASONS = {200: "OK", 401: "Unauthorized", 404: "Not Found", 500: "Internal Server Error"}
+
+
+def _prompt_tokens(request: dict[str, Any]) -> int:
+    if "messages" in request:
+        return 1 + sum(len(str(m.get("content", "")).encode()) for m in request["messages"])
+    prompt = request.get("prompt", "")
+    return 1 + len(str(prompt).encode())
+
+
+def _chunk_sizes(total: int, per_chunk: int) -> list[int]:
+    sizes = [per_chunk] * (total // per_chunk)
+    if total % per_chunk:
+        sizes.append(total % per_chunk)
+    return sizes
+
+
+def _token_chunk(script: FakeScript, chat: bool, position: int, tokens: int) -> dict[str, Any]:
+    text = " tok" * tokens
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
+    if chat:
+        choice["delta"] = {"content": text} if position else {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    if script.send_token_ids:
+        choice["token_ids"] = [position] * tokens
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": "cmpl-fake", "object": kind, "created": 0, "model": script.model, "choices": [choice]}
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return _frame(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+def _frame(data: bytes) -> bytes:
+    """One HTTP chunk (chunked transfer encoding), as uvicorn frames each SSE event."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def _sleep_until(due_s: float) -> None:
+    delay_s = due_s - time.perf_counter()
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
+
+
+async def serve(script: FakeScript, host: str, port: int) -> asyncio.AbstractServer:
+    state = FakeState(script)
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: _Handler(state), host, port, backlog=4096)
+
+
+class FakeServerThread:
+    """The fake server on its own event loop in a background thread (for tests that call sync code)."""
+
+    def __init__(self, script: FakeScript, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.script = script
+        self.host = host
+        self.port = port
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.AbstractServer | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> FakeServerThread:
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(serve(self.script, self.host, self.port), self._loop)
+        self._server = future.result(10)
+        assert isinstance(self._server, asyncio.Server)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def close() -> None:
+            if self._server is not None:
+                self._server.close()
+
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+@contextlib.contextmanager
+def running(script: FakeScript) -> Iterator[FakeServerThread]:
+    with FakeServerThread(script) as server:
+        yield server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default="fake-model")
+    parser.add_argument("--ttft-ms", type=float, default=0.0)
+    parser.add_argument("--itl-ms", type=float, default=0.0)
+    parser.add_argument("--tokens-per-chunk", type=int, default=1)
+    parser.add_argument("--chunks-per-write", type=int, default=1)
+    parser.add_argument("--log-sends", action="store_true")
+    parser.add_argument("--max-seconds", type=float, default=600.0, help="exit after this long, whatever happens")
+    args = parser.parse_args()
+    script = FakeScript(
+        model=args.model,
+        ttft_s=args.ttft_ms / 1000,
+        itl_s=args.itl_ms / 1000,
+        tokens_per_chunk=args.tokens_per_chunk,
+        chunks_per_write=args.chunks_per_write,
+        log_sends=args.log_sends,
+    )
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+
+    async def run() -> None:
+        server = await serve(script, args.host, args.port)
+        print(f"READY http://{args.host}:{args.port}", flush=True)
+        async with server:
+            await asyncio.sleep(args.max_seconds)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""What a run leaves behind: the console block in vLLM's layout, the result JSON under vLLM's key names (plus
+ours), and per-request records as CSV or JSONL."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from deepserve import __version__
+from deepserve.bench import metrics as m
+from deepserve.bench.config import BenchConfig
+from deepserve.bench.server_metrics import ServerMetricsSummary
+from deepserve.bench.types import RequestRecord
+
+WIDTH = 50
+METRIC_TITLES = {
+    "ttft": ("TTFT", "Time to First Token"),
+    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+    "itl": ("ITL", "Inter-token Latency"),
+    "e2el": ("E2EL", "End-to-end Latency"),
+    "client_queue_time": ("Client Queue Time", "Client-side Queue Time"),
+}
+
+
+@dataclass
+class BenchResult:
+    """One benchmark run: its config, the records, and the summary computed from them."""
+
+    config: BenchConfig
+    model_id: str
+    records: list[RequestRecord]
+    duration_s: float
+    server: ServerMetricsSummary
+    workload_definition: dict[str, Any] = field(default_factory=dict)
+    tokenizer_source: str = ""
+    output_tokens_source: str = "usage"  # "usage", "tokenizer" or "mixed"
+    token_attribution: str = "chunks"  # how tokens were attributed to chunks (docs/METRICS.md)
+    incomplete: bool = False  # interrupted (Ctrl-C): partial results
+    warmups_done: int = 0
+    started_at: datetime = field(default_factory=datetime.now)
+
+    def summary(self) -> dict[str, Any]:
+        metrics_config = self.config.metrics
+        return m.summarize(
+            self.records,
+            self.duration_s,
+            metrics_config.selected_metrics,
+            metrics_config.percentiles,
+            metrics_config.slos_ms or None,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """vLLM's result keys (date, backend, model_id, …, completed, mean_ttft_ms, p99_itl_ms, …) and ours."""
+        config = self.config
+        load = config.load
+        data: dict[str, Any] = {
+            "date": self.started_at.strftime("%Y%m%d-%H%M%S"),
+            "endpoint_type": "openai-chat" if config.target.chat else "openai",
+            "backend": "openai-chat" if config.target.chat else "openai",
+            "label": config.output.label,
+            "model_id": self.model_id,
+            "tokenizer_id": self.tokenizer_source,
+            "num_prompts": len(self.records),
+            "request_rate": load.request_rate if math.isfinite(load.request_rate) else "inf",
+            "burstiness": load.burstiness,
+            "max_concurrency": load.max_concurrency,
+        }
+        data.update(_metadata(config.output.metadata))
+        data.update(self.summary())
+        data.update(
+            {
+                "deepserve_version": __version__,
+                "command_line": config.command_line,
+                "incomplete": self.incomplete,
+                "base_url": config.target.root_url,
+                "endpoint": config.target.endpoint,
+                "num_warmups": self.warmups_done,
+                "num_workers": load.num_workers,
+                "duration_limit_s": load.duration_s,
+                "ramp_up_s": load.ramp_up_s,
+                "goodput_slos_ms": config.metrics.slos_ms or None,
+                "workload": self.workload_definition,
+                "tokenizer_source": self.tokenizer_source,
+                "output_tokens_source": self.output_tokens_source,
+                "token_attribution": self.token_attribution,
+                "server_metrics": self.server.to_json(),
+            }
+        )
+        if config.output.save_detailed:
+            data.update(detailed_lists(self.records))
+        return data
+
+
+def _metadata(items: list[str]) -> dict[str, str]:
+    return {key.strip(): value.strip() for key, _, value in (item.partition("=") for item in items)}
+
+
+def detailed_lists(records: list[RequestRecord]) -> dict[str, list[Any]]:
+    """vLLM's --save-detailed lists (seconds, one entry per request, in index order)."""
+    ordered = sorted(records, key=lambda record: record.index)
+    return {
+        "input_lens": [record.prompt_len for record in ordered],
+        "output_lens": [record.output_len if record.success else 0 for record in ordered],
+        "ttfts": [
+            (record.first_token_s - record.sent_s) if record.first_token_s is not None else 0.0 for record in ordered
+        ],
+        "itls": [[sample / 1000.0 for sample in m.itl_ms(record)] for record in ordered],
+        "latencies": [(record.end_s - record.sent_s) if record.end_s is not None else 0.0 for record in ordered],
+        "start_times": [record.sent_s for record in ordered],
+        "queue_times": [record.sent_s - record.scheduled_s for record in ordered],
+        "errors": [record.error or "" for record in ordered],
+    }
+
+
+def console_block(result: BenchResult) -> str:
+    """The result block as `vllm bench serve` prints it, with P25/P75 rows and our server-side lines."""
+    data = result.to_json()
+    config = result.config
+    lines = [_title(" Serving Benchmark Result ", "=")]
+    lines.append(_row("Successful requests:", data["completed"]))
+    lines.append(_row("Failed requests:", data["failed"]))
+    if config.load.max_concurrency is not None:
+        lines.append(_row("Maximum request concurrency:", config.load.max_concurrency))
+    if math.isfinite(config.load.request_rate):
+        lines.append(_row("Request rate configured (RPS):", config.load.request_rate))
+    lines.append(_row("Benchmark duration (s):", data["duration"]))
+    lines.append(_row("Total input tokens:", data["total_input_tokens"]))
+    lines.append(_row("Total generated tokens:", data["total_output_tokens"]))
+    lines.append(_row("Request throughput (req/s):", data["request_throughput"]))
+    if data["request_goodput"] is not None:
+        lines.append(_row("Request goodput (req/s):", data["request_goodput"]))
+    lines.append(_row("Output token throughput (tok/s):", data["output_throughput"]))
+    lines.append(_row("Peak output token throughput (tok/s):", data["max_output_tokens_per_s"]))
+    lines.append(_row("Peak concurrent requests:", data["max_concurrent_requests"]))
+    lines.append(_row("Total token throughput (tok/s):", data["total_token_throughput"]))
+    for metric in config.metrics.selected_metrics:
+        lines += _metric_rows(data, metric, config.metrics.percentiles)
+    lines += _server_rows(result.server)
+    if data["errors_by_message"]:
+        lines.append(_title("Failures by Error", "-"))
+        lines += [f"{count:>6}  {message[: WIDTH * 2]}" for message, count in data["errors_by_message"].items()]
+    if result.incomplete:
+        lines.append("INCOMPLETE: interrupted; partial results (in-flight requests were dropped)")
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+def _metric_rows(data: dict[str, Any], metric: str, asked: tuple[float, ...]) -> list[str]:
+    short, header = METRIC_TITLES[metric]
+    rows = [_title(header, "-")]
+    rows.append(_row(f"Mean {short} (ms):", data[f"mean_{metric}_ms"]))
+    rows.append(_row(f"Median {short} (ms):", data[f"median_{metric}_ms"]))
+    for point in sorted(set(m.STANDARD_PERCENTILES) | set(asked)):
+        word = m.percentile_word(point)
+        rows.append(_row(f"P{word} {short} (ms):", data[f"p{word}_{metric}_ms"]))
+    return rows
+
+
+def _server_rows(server: ServerMetricsSummary) -> list[str]:
+    rows = [_title("Server Metrics (Prometheus)", "-")]
+    if not server.available:
+        return [*rows, f"not collected: {server.note}"]
+    if server.note:
+        rows.append(server.note)
+    values = [
+        ("Peak running requests:", server.peak_running),
+        ("Peak waiting requests:", server.peak_waiting),
+        (
+            "Peak KV-cache usage (%):",
+            None if server.peak_kv_cache_usage_perc is None else server.peak_kv_cache_usage_perc * 100,
+        ),
+        (
+            "Prefix-cache hit rate (%):",
+            None if server.prefix_cache_hit_rate is None else server.prefix_cache_hit_rate * 100,
+        ),
+        ("Preemptions:", server.preemptions),
+    ]
+    return rows + [_row(label, "n/a" if value is None else value) for label, value in values]
+
+
+def _title(text: str, fill: str) -> str:
+    return f"{text:{fill}^{WIDTH}}"
+
+
+def _row(label: str, value: Any) -> str:
+    if isinstance(value, float):
+        return f"{label:<40} {value:<10.2f}"
+    return f"{label:<40} {value!s:<10}"
+
+
+def default_result_filename(result: BenchResult) -> str:
+    """vLLM's naming: {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json."""
+    config = result.config
+    label = config.output.label or ("openai-chat" if config.target.chat else "openai")
+    rate = config.load.request_rate
+    rate_text = "inf" if math.isinf(rate) else f"{rate:g}"
+    concurrency = f"-concurrency{config.load.max_concurrency}" if config.load.max_concurrency is not None else ""
+    model = result.model_id.rstrip("/").split("/")[-1]
+    return f"{label}-{rate_text}qps{concurrency}-{model}-{result.started_at.strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def result_path(result: BenchResult) -> Path:
+    output = result.config.output
+    name = output.result_filename or default_result_filename(result)
+    return Path(output.result_dir or ".") / name
+
+
+def save_result(result: BenchResult, path: Path) -> Path:
+    """Write the result JSON to PATH (directories created); returns PATH."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_json(), indent=2, default=str) + "\n")
+    return path
+
+
+RECORD_COLUMNS = (
+    "index",
+    "success",
+    "error",
+    "status_code",
+    "prompt_len",
+    "output_len",
+    "output_len_source",
+    "scheduled_s",
+    "sent_s",
+    "first_token_s",
+    "end_s",
+    "ttft_ms",
+    "tpot_ms",
+    "e2el_ms",
+    "client_queue_time_ms",
+    "num_chunks",
+)
+
+
+def record_row(record: RequestRecord) -> dict[str, Any]:
+    return {
+        "index": record.index,
+        "success": record.success,
+        "error": record.error,
+        "status_code": record.status_code,
+        "prompt_len": record.prompt_len,
+        "output_len": record.output_len,
+        "output_len_source": record.output_len_source,
+        "scheduled_s": record.scheduled_s,
+        "sent_s": record.sent_s,
+        "first_token_s": record.first_token_s,
+        "end_s": record.end_s,
+        "ttft_ms": m.ttft_ms(record),
+        "tpot_ms": m.tpot_ms(record),
+        "e2el_ms": m.e2el_ms(record),
+        "client_queue_time_ms": m.client_queue_time_ms(record),
+        "num_chunks": len(record.chunk_times_s),
+    }
+
+
+def save_records(records: list[RequestRecord], path: Path, fmt: str) -> Path:
+    """One row per request. CSV has the scalar columns; JSONL adds chunk_times_s and chunk_tokens."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(records, key=lambda record: record.index)
+    with path.open("w", newline="") as handle:
+        if fmt == "csv":
+            writer = csv.DictWriter(handle, fieldnames=RECORD_COLUMNS)
+            writer.writeheader()
+            writer.writerows(record_row(record) for record in ordered)
+        else:
+            for record in ordered:
+                row = record_row(record) | {"chunk_times_s": record.chunk_times_s, "chunk_tokens": record.chunk_tokens}
+                handle.write(json.dumps(row) + "\n")
+    return path

@@ -1,0 +1,473 @@
+"""Drive a benchmark: check the target, build the workload, send it (warm-up first), collect records, summarise.
+
+The measured run is `_Driver`: a dispatcher releases requests at their arrival offsets (open loop) into at most
+max_concurrency slots (closed loop), each request is one task on the streaming client, and records are built
+from what arrived. With num_workers > 1 the requests are dealt round-robin to worker processes that share one
+start instant (perf_counter is the system's monotonic clock, so their times line up) and the records are merged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import multiprocessing
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import httpx
+
+from deepserve.bench.arrivals import arrival_offsets_s
+from deepserve.bench.client import (
+    Endpoint,
+    StreamingClient,
+    build_payload,
+    build_request_bytes,
+    decode_events,
+    reconcile_chunk_tokens,
+)
+from deepserve.bench.config import BenchConfig
+from deepserve.bench.output import BenchResult, save_result
+from deepserve.bench.progress import LiveCounters, ProgressDisplay
+from deepserve.bench.server_metrics import ServerMetricsScraper, ServerMetricsSummary
+from deepserve.bench.tokenizer import TokenCounter, load_token_counter
+from deepserve.bench.types import RequestRecord, RequestSpec
+from deepserve.bench.workloads import Workload, build_workload
+from deepserve.errors import DeepserveError, unknown_name
+
+__all__ = ["BenchError", "BenchResult", "run_benchmark", "save_result"]
+
+PREFLIGHT_TIMEOUT_S = 10.0
+WORKER_START_DELAY_S = 3.0  # time for spawned workers to import and meet at the shared start instant
+
+
+class BenchError(DeepserveError):
+    """The benchmark cannot start: the server is unreachable, rejects us, or does not serve the model."""
+
+
+@dataclass
+class PreparedRequest:
+    """A request encoded once before the run, so that sending it is one socket write."""
+
+    spec_index: int
+    prompt_len: int
+    wire: bytes
+
+
+@dataclass
+class DrivePlan:
+    """Everything one driver (the main process, or one worker) needs; picklable for worker processes."""
+
+    endpoint: Endpoint
+    requests: list[PreparedRequest]
+    warmups: list[PreparedRequest]
+    num_requests: int | None  # None: until duration_s
+    request_rate: float
+    burstiness: float
+    seed: int
+    max_concurrency: int | None
+    ramp_up_s: float | None
+    duration_s: float | None
+    request_timeout_s: float
+    index_offset: int = 0  # worker w sends indices w, w + W, …
+    index_stride: int = 1
+
+
+@dataclass
+class DriveOutcome:
+    records: list[RequestRecord]
+    texts: dict[int, str]  # generated text of requests without usage, for the tokenizer count afterwards
+    end_s: float  # when the last request ended, on the run's clock
+    interrupted: bool = False
+    warmups_done: int = 0
+    attribution: set[str] = field(default_factory=set)
+
+
+def run_benchmark(config: BenchConfig, display: bool = True) -> BenchResult:
+    """Run CONFIG's benchmark and return the result (partial and marked incomplete after Ctrl-C)."""
+    target = config.target
+    model = preflight(config)
+    counter = load_token_counter(config.workload.tokenizer, target.root_url, model, target.resolved_api_key())
+    workload = build_workload(config.workload, counter, target.chat)
+    return run_workload(config, model, workload, counter, display)
+
+
+def run_workload(
+    config: BenchConfig, model: str, workload: Workload, counter: TokenCounter | None, display: bool = True
+) -> BenchResult:
+    """Send WORKLOAD (already built) to the checked target. COUNTER counts output tokens when the server sends
+    no usage; without one, one token per chunk is assumed (and the records say so)."""
+    if not workload.requests:
+        raise BenchError("the workload has no requests; check --num-prompts and the dataset")
+    plan = make_plan(config, model, workload.requests)
+    started_at = datetime.now()
+    outcome, server = asyncio.run(_measure(config, plan, display))
+    records = finish_records(outcome, counter)
+    return BenchResult(
+        config=config,
+        model_id=model,
+        records=records,
+        duration_s=outcome.end_s,
+        server=server,
+        workload_definition=workload.definition,
+        tokenizer_source=workload.tokenizer_source,
+        output_tokens_source=_output_source(records),
+        token_attribution=",".join(sorted(outcome.attribution)) or "chunks",
+        incomplete=outcome.interrupted,
+        warmups_done=outcome.warmups_done,
+        started_at=started_at,
+    )
+
+
+def preflight(config: BenchConfig) -> str:
+    """Check the server before any work: reachable, accepts our key, serves the model. Returns the model name."""
+    target = config.target
+    url = target.root_url + "/v1/models"
+    try:
+        response = httpx.get(url, headers=target.request_headers(), timeout=PREFLIGHT_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        raise BenchError(
+            f"cannot reach the server at {target.root_url} ({exc.__class__.__name__}: {exc}); "
+            "is it running? Check --base-url (or --host/--port)"
+        ) from exc
+    if response.status_code in (401, 403):
+        raise BenchError(
+            f"the server at {target.root_url} rejected the request with HTTP {response.status_code}; "
+            "pass a valid --api-key (or set OPENAI_API_KEY)"
+        )
+    served = _served_models(response)
+    if target.model is None:
+        if not served:
+            raise BenchError(f"{url} lists no models (HTTP {response.status_code}); pass --model")
+        return served[0]
+    if served and target.model not in served:
+        raise BenchError(unknown_name("model", target.model, served) + " (as listed by the server's /v1/models)")
+    return target.model
+
+
+def _served_models(response: httpx.Response) -> list[str]:
+    if response.status_code != 200:
+        return []
+    try:
+        data = response.json().get("data", [])
+        return [str(item["id"]) for item in data if isinstance(item, dict) and "id" in item]
+    except (ValueError, AttributeError):
+        return []
+
+
+def make_plan(config: BenchConfig, model: str, specs: list[RequestSpec]) -> DrivePlan:
+    target, load = config.target, config.load
+    endpoint = Endpoint.from_url(target.url)
+    headers = target.request_headers()
+    extras = target.body_extras()
+
+    def prepare(position: int, spec: RequestSpec, prefix: str) -> PreparedRequest:
+        payload = build_payload(spec, model, target.chat, extras)
+        wire = build_request_bytes(endpoint, payload, headers, f"{prefix}{position}")
+        return PreparedRequest(position, spec.prompt_len, wire)
+
+    requests = [prepare(i, spec, "bench-") for i, spec in enumerate(specs)]
+    warmups = [prepare(i, specs[i % len(specs)], "warmup-") for i in range(load.num_warmups)]
+    return DrivePlan(
+        endpoint=endpoint,
+        requests=requests,
+        warmups=warmups,
+        num_requests=None if load.duration_s is not None else len(requests),
+        request_rate=load.request_rate,
+        burstiness=load.burstiness,
+        seed=config.workload.seed,
+        max_concurrency=load.max_concurrency,
+        ramp_up_s=load.ramp_up_s,
+        duration_s=load.duration_s,
+        request_timeout_s=target.request_timeout_s,
+    )
+
+
+async def _measure(config: BenchConfig, plan: DrivePlan, display: bool) -> tuple[DriveOutcome, ServerMetricsSummary]:
+    scraper = _scraper(config)
+    if scraper is not None:
+        await scraper.start()
+    workers = config.load.num_workers
+    counters = LiveCounters.shared(workers) if workers > 1 else LiveCounters.local()
+    total = plan.num_requests
+    async with ProgressDisplay(counters, total, plan.duration_s, display and not config.output.disable_tqdm):
+        if workers > 1:
+            outcome = await _drive_in_workers(plan, workers, counters)
+        else:
+            outcome = await _Driver(plan, counters, worker=0).run()
+    server = await scraper.stop() if scraper is not None else ServerMetricsSummary(False, "disabled")
+    return outcome, server
+
+
+def _scraper(config: BenchConfig) -> ServerMetricsScraper | None:
+    metrics = config.metrics
+    if not metrics.server_metrics:
+        return None
+    url = metrics.server_metrics_url or config.target.root_url + "/metrics"
+    return ServerMetricsScraper(url, metrics.server_metrics_interval_s, config.target.request_headers())
+
+
+class _Driver:
+    """Releases PLAN's requests on schedule into the concurrency limit and turns responses into records."""
+
+    def __init__(self, plan: DrivePlan, counters: LiveCounters, worker: int, start_at: float | None = None) -> None:
+        self.plan = plan
+        self.counters = counters
+        self.worker = worker
+        self.start_at = start_at
+        self.client = StreamingClient(plan.endpoint, plan.request_timeout_s)
+        self.t0 = 0.0
+        self.in_flight = 0
+        self.slot_freed = asyncio.Event()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.outcome = DriveOutcome(records=[], texts={}, end_s=0.0)
+
+    async def run(self) -> DriveOutcome:
+        ticker = asyncio.create_task(self._publish_chunks())
+        try:
+            await self._warm_up()
+            if self.start_at is not None:
+                await asyncio.sleep(max(0.0, self.start_at - time.perf_counter()))
+            self.t0 = self.start_at if self.start_at is not None else time.perf_counter()
+            await self._dispatch()
+            if self.tasks:
+                await asyncio.gather(*self.tasks)
+        except asyncio.CancelledError:  # Ctrl-C: keep what finished, drop what was in flight
+            self.outcome.interrupted = True
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        finally:
+            ticker.cancel()
+            self.client.close()
+            self.counters.set_chunks(self.worker, self.client.tally.events)
+        ends = [record.end_s for record in self.outcome.records if record.end_s is not None]
+        self.outcome.end_s = max(ends, default=time.perf_counter() - self.t0)
+        return self.outcome
+
+    async def _publish_chunks(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            self.counters.set_chunks(self.worker, self.client.tally.events)
+
+    async def _warm_up(self) -> None:
+        """Warm-up requests: connections opened and the server's caches primed, nothing recorded."""
+        if not self.plan.warmups:
+            return
+        limit = asyncio.Semaphore(self.plan.max_concurrency or len(self.plan.warmups))
+
+        async def one(request: PreparedRequest) -> None:
+            async with limit:
+                await self.client.send(request.wire)
+
+        await asyncio.gather(*(one(request) for request in self.plan.warmups))
+        self.outcome.warmups_done = len(self.plan.warmups)
+
+    async def _dispatch(self) -> None:
+        plan = self.plan
+        for position, offset_s in enumerate(self._offsets()):
+            if plan.num_requests is not None and position >= plan.num_requests:
+                return
+            if plan.duration_s is not None and offset_s >= plan.duration_s:
+                return
+            delay_s = self.t0 + offset_s - time.perf_counter()
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            await self._wait_for_slot()
+            if plan.duration_s is not None and time.perf_counter() - self.t0 >= plan.duration_s:
+                return
+            request = plan.requests[position % len(plan.requests)]
+            index = plan.index_offset + position * plan.index_stride
+            self.in_flight += 1
+            task = asyncio.create_task(self._one(index, request, offset_s))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def _offsets(self) -> Iterator[float]:
+        """Arrival offsets (s after t0): zeros in closed loop, else the arrival process, batch after batch (a
+        duration-bound run may need more than one workload's worth)."""
+        plan = self.plan
+        if math.isinf(plan.request_rate):
+            while True:
+                yield 0.0
+        batch = max(len(plan.requests), 1)
+        base_s, round_ = 0.0, 0
+        while True:
+            ramp = plan.ramp_up_s if round_ == 0 else None
+            offsets = arrival_offsets_s(batch, plan.request_rate, plan.burstiness, plan.seed + round_, ramp)
+            for offset in offsets:
+                yield base_s + offset
+            base_s += offsets[-1] + 1.0 / plan.request_rate
+            round_ += 1
+
+    def _concurrency_limit(self) -> float:
+        limit = self.plan.max_concurrency
+        if limit is None:
+            return math.inf
+        ramp_s = self.plan.ramp_up_s
+        if ramp_s and math.isinf(self.plan.request_rate):  # closed loop: ramp the concurrency instead of the rate
+            elapsed_s = time.perf_counter() - self.t0
+            return max(1, math.ceil(limit * min(1.0, elapsed_s / ramp_s)))
+        return limit
+
+    async def _wait_for_slot(self) -> None:
+        while self.in_flight >= self._concurrency_limit():
+            self.slot_freed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.slot_freed.wait(), 0.05)
+
+    async def _one(self, index: int, request: PreparedRequest, scheduled_s: float) -> None:
+        try:
+            sent_abs, response = await self.client.send(request.wire)
+        finally:
+            self.in_flight -= 1
+            self.slot_freed.set()
+        record, text, source = build_record(index, request.prompt_len, scheduled_s, sent_abs, response, self.t0)
+        self.outcome.records.append(record)
+        if record.output_len_source == "tokenizer":
+            self.outcome.texts[index] = text
+        if source:
+            self.outcome.attribution.add(source)
+        self.counters.request_done(self.worker, record.success)
+
+
+def build_record(
+    index: int, prompt_len: int, scheduled_s: float, sent_abs: float, response: Any, t0: float
+) -> tuple[RequestRecord, str, str]:
+    """(record, generated text, token attribution) from a finished raw response; times relative to T0."""
+    decoded = decode_events(response)
+    record = RequestRecord(
+        index=index,
+        prompt_len=decoded.usage_prompt_tokens or prompt_len,
+        scheduled_s=scheduled_s,
+        sent_s=sent_abs - t0,
+        end_s=None if response.end_s is None else response.end_s - t0,
+        status_code=response.status or None,
+        error=decoded.error,
+    )
+    times = [arrived - t0 for arrived in decoded.chunk_times]
+    tokens = decoded.chunk_tokens
+    if decoded.usage_completion_tokens is not None:
+        record.output_len = decoded.usage_completion_tokens
+        tokens = reconcile_chunk_tokens(tokens, record.output_len)
+    else:
+        record.output_len = sum(tokens)
+        record.output_len_source = "tokenizer"  # counted from the text after the run
+    set_chunks(record, times, tokens)
+    return record, decoded.text, decoded.token_count_source if times else ""
+
+
+def set_chunks(record: RequestRecord, times: list[float], tokens: list[int]) -> None:
+    """Keep the chunks that carry tokens after reconciliation (the first one always)."""
+    kept = [(t, k) for position, (t, k) in enumerate(zip(times, tokens, strict=True)) if k > 0 or position == 0]
+    record.chunk_times_s = [t for t, _ in kept]
+    record.chunk_tokens = [k for _, k in kept]
+    record.first_token_s = record.chunk_times_s[0] if kept else None
+
+
+def finish_records(outcome: DriveOutcome, counter: TokenCounter | None) -> list[RequestRecord]:
+    """Count the output of requests whose server sent no usage with the tokenizer (after the run, so that the
+    tokenizer never competes with timing)."""
+    for record in outcome.records:
+        if record.output_len_source == "tokenizer" and counter is None:
+            record.output_len_source = "chunks"  # nothing to count with: one token per chunk
+        elif record.output_len_source == "tokenizer" and record.success and counter is not None:
+            record.output_len = counter.count(outcome.texts.get(record.index, "")) or record.output_len
+            set_chunks(record, record.chunk_times_s, reconcile_chunk_tokens(record.chunk_tokens, record.output_len))
+    return sorted(outcome.records, key=lambda record: record.index)
+
+
+def _output_source(records: list[RequestRecord]) -> str:
+    sources = {record.output_len_source for record in records if record.success}
+    if not sources:
+        return "none"
+    return sources.pop() if len(sources) == 1 else "mixed"
+
+
+# --- worker processes ---------------------------------------------------------------------------------------------
+
+
+def split_plan(plan: DrivePlan, workers: int) -> list[DrivePlan]:
+    """Deal the requests round-robin; each worker gets its share of the rate, the concurrency and the warm-ups."""
+    plans = []
+    for worker in range(workers):
+        requests = plan.requests[worker::workers]
+        if not requests:
+            continue
+        concurrency = None
+        if plan.max_concurrency is not None:
+            concurrency = plan.max_concurrency // workers + (1 if worker < plan.max_concurrency % workers else 0)
+            if concurrency == 0:
+                continue
+        plans.append(
+            DrivePlan(
+                endpoint=plan.endpoint,
+                requests=requests,
+                warmups=plan.warmups[worker::workers],
+                num_requests=None if plan.num_requests is None else len(requests),
+                request_rate=plan.request_rate / workers,
+                burstiness=plan.burstiness,
+                seed=plan.seed + 7919 * worker,
+                max_concurrency=concurrency,
+                ramp_up_s=plan.ramp_up_s,
+                duration_s=plan.duration_s,
+                request_timeout_s=plan.request_timeout_s,
+                index_offset=worker,
+                index_stride=workers,
+            )
+        )
+    return plans
+
+
+_WORKER_COUNTERS: LiveCounters | None = None
+
+
+def _init_worker(counters: LiveCounters) -> None:
+    global _WORKER_COUNTERS
+    _WORKER_COUNTERS = counters
+
+
+def _worker_main(plan: DrivePlan, worker: int, start_at: float) -> DriveOutcome:
+    counters = _WORKER_COUNTERS or LiveCounters.local()
+    return asyncio.run(_Driver(plan, counters, worker, start_at).run())
+
+
+async def _drive_in_workers(plan: DrivePlan, workers: int, counters: LiveCounters) -> DriveOutcome:
+    plans = split_plan(plan, workers)
+    context = multiprocessing.get_context("spawn")
+    start_at = time.perf_counter() + WORKER_START_DELAY_S + (2.0 if plan.warmups else 0.0)
+    outcomes: list[DriveOutcome] = []
+    with ProcessPoolExecutor(len(plans), mp_context=context, initializer=_init_worker, initargs=(counters,)) as pool:
+        futures: list[Future[DriveOutcome]] = [
+            pool.submit(_worker_main, sub, worker, start_at) for worker, sub in enumerate(plans)
+        ]
+        interrupted = False
+        for future in futures:
+            try:
+                outcomes.append(await _await_future(future))
+            except asyncio.CancelledError:  # Ctrl-C reached the workers too: they return their partial records
+                interrupted = True
+                outcomes.append(await _await_future(future))
+    merged = merge_outcomes(outcomes)
+    merged.interrupted = merged.interrupted or interrupted
+    return merged
+
+
+async def _await_future(future: Future[DriveOutcome]) -> DriveOutcome:
+    return await asyncio.wrap_future(future)
+
+
+def merge_outcomes(outcomes: list[DriveOutcome]) -> DriveOutcome:
+    merged = DriveOutcome(records=[], texts={}, end_s=0.0)
+    for outcome in outcomes:
+        merged.records += outcome.records
+        merged.texts.update(outcome.texts)
+        merged.end_s = max(merged.end_s, outcome.end_s)
+        merged.interrupted = merged.interrupted or outcome.interrupted
+        merged.warmups_done += outcome.warmups_done
+        merged.attribution |= outcome.attribution
+    return merged

@@ -1,0 +1,135 @@
+"""Scrape the engine's Prometheus /metrics during a run and summarise what the server saw beside the client's view.
+
+Only the few vLLM series we report are parsed, by line prefix: a full Prometheus parse of vLLM's histograms every
+second would take CPU from the event loop that timestamps chunks. Series with several label sets (engines, models)
+are summed. A server without /metrics is noted in the result, never an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the newer name first
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+PREEMPTIONS = "vllm:num_preemptions_total"
+WANTED = (RUNNING, WAITING, *KV_CACHE_USAGE, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """{series name: value summed over label sets} for the WANTED series in Prometheus text format."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        name = line[:name_end]
+        if name not in WANTED:
+            continue
+        parts = line.rsplit("}", 1)[-1].split() if "{" in line else line.split()[1:]
+        try:
+            value = float(parts[0])
+        except (IndexError, ValueError):
+            continue
+        values[name] = values.get(name, 0.0) + value
+    return values
+
+
+@dataclass
+class ServerMetricsSummary:
+    """What the server reported during the measured run. Peaks are over scrapes; totals are last − first."""
+
+    available: bool
+    note: str = ""
+    scrapes: int = 0
+    peak_running: float | None = None
+    peak_waiting: float | None = None
+    peak_kv_cache_usage_perc: float | None = None  # 0..1, as vLLM reports it
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+    prefix_cache_hit_rate: float | None = None
+    preemptions: float | None = None
+    samples: list[dict[str, float]] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        data = {key: value for key, value in self.__dict__.items() if key != "samples"}
+        return data
+
+
+def summarize_samples(samples: list[dict[str, float]]) -> ServerMetricsSummary:
+    summary = ServerMetricsSummary(available=True, scrapes=len(samples), samples=samples)
+    if not samples:
+        return summary
+
+    def peak(*names: str) -> float | None:
+        seen = [sample[name] for sample in samples for name in names if name in sample]
+        return max(seen) if seen else None
+
+    def growth(name: str) -> float | None:
+        seen = [sample[name] for sample in samples if name in sample]
+        return seen[-1] - seen[0] if seen else None
+
+    summary.peak_running = peak(RUNNING)
+    summary.peak_waiting = peak(WAITING)
+    summary.peak_kv_cache_usage_perc = peak(*KV_CACHE_USAGE)
+    summary.prefix_cache_queries = growth(PREFIX_QUERIES)
+    summary.prefix_cache_hits = growth(PREFIX_HITS)
+    summary.preemptions = growth(PREEMPTIONS)
+    if summary.prefix_cache_queries and summary.prefix_cache_hits is not None:
+        summary.prefix_cache_hit_rate = summary.prefix_cache_hits / summary.prefix_cache_queries
+    if not any(name in sample for sample in samples for name in WANTED):
+        summary.note = "the server's /metrics has none of the vLLM series we report"
+    return summary
+
+
+class ServerMetricsScraper:
+    """Polls URL every interval_s from `start()` until `stop()`; one scrape before and after the run."""
+
+    def __init__(self, url: str, interval_s: float = 1.0, headers: dict[str, str] | None = None) -> None:
+        self.url = url
+        self.interval_s = interval_s
+        self._client = httpx.AsyncClient(timeout=5.0, headers=headers or {})
+        self._samples: list[dict[str, float]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._unavailable: str | None = None
+
+    async def start(self) -> None:
+        await self._scrape()  # the baseline for counters
+        if self._unavailable is None:
+            self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self._scrape()
+
+    async def _scrape(self) -> None:
+        try:
+            response = await self._client.get(self.url)
+        except httpx.HTTPError as exc:
+            if not self._samples:
+                self._unavailable = f"no metrics endpoint at {self.url} ({exc.__class__.__name__})"
+            return
+        if response.status_code != 200:
+            if not self._samples:
+                self._unavailable = f"no metrics endpoint at {self.url} (HTTP {response.status_code})"
+            return
+        self._samples.append(parse_metrics(response.text))
+
+    async def stop(self) -> ServerMetricsSummary:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            await self._scrape()
+        await self._client.aclose()
+        if self._unavailable is not None:
+            return ServerMetricsSummary(available=False, note=self._unavailable)
+        return summarize_samples(self._samples)

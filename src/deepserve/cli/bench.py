@@ -1,0 +1,76 @@
+"""`deepserve bench`: a serving benchmark that accepts `vllm bench serve` command lines and prints its result block."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from deepserve.bench.config import BENCH_SECTIONS, CHAT_COMPLETIONS, COMPLETIONS, BenchConfig
+from deepserve.bench.output import console_block, result_path, save_records, save_result
+from deepserve.bench.runner import run_benchmark
+from deepserve.bench.workloads import WorkloadConfig
+from deepserve.cli.flags import add_section_flags, section_overrides
+from deepserve.config import load_section
+from deepserve.errors import ConfigError
+
+# Flags that take several values at once in vLLM (`--goodput ttft:300 tpot:50`), so they are not derived.
+MULTI_VALUE_FLAGS = {"target": ("header",), "metrics": ("goodput",), "output": ("metadata",)}
+SECTIONS: dict[str, type[BaseModel]] = {"workload": WorkloadConfig, **BENCH_SECTIONS}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark an OpenAI-compatible server (vllm bench serve's flags)",
+        description=(
+            "Send a seeded workload to an OpenAI-compatible server and report TTFT, TPOT, ITL, E2EL, throughput and "
+            "goodput in vLLM's layout. `vllm bench serve` flags with the same meaning are accepted unchanged."
+        ),
+    )
+    parser.add_argument("--config", type=Path, default=None, help="YAML/JSON file with bench_target, bench_load, …")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="accepted for vLLM compatibility: openai-chat selects /v1/chat/completions unless --endpoint is given",
+    )
+    for name, section in SECTIONS.items():
+        group = parser.add_argument_group(name)
+        add_section_flags(group, section, skip=MULTI_VALUE_FLAGS.get(name, ()))
+    parser.add_argument("--header", nargs="*", action="extend", default=None, metavar="KEY=VALUE")
+    parser.add_argument("--goodput", nargs="+", action="extend", default=None, metavar="KEY:MS")
+    parser.add_argument("--metadata", nargs="*", action="extend", default=None, metavar="KEY=VALUE")
+    parser.set_defaults(handler=_bench)
+
+
+def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchConfig:
+    """The typed config from the flags the user gave, over the config file and DEEPSERVE_BENCH_* variables."""
+    values: dict[str, Any] = {}
+    for name, section in SECTIONS.items():
+        overrides = section_overrides(args, section)
+        if name == "target" and args.backend == "openai-chat" and "endpoint" not in overrides:
+            overrides["endpoint"] = CHAT_COMPLETIONS
+        values[name] = load_section(section, f"bench_{name}", args.config, overrides)
+    try:
+        return BenchConfig(**values, command_line=argv)
+    except ValidationError as exc:
+        raise ConfigError("invalid benchmark configuration: " + "; ".join(e["msg"] for e in exc.errors())) from exc
+
+
+def _bench(args: argparse.Namespace) -> int:
+    config = config_from_args(args, ["deepserve", *sys.argv[1:]])
+    if config.target.endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
+        print(f"deepserve: note: endpoint {config.target.endpoint} is neither of the OpenAI ones", file=sys.stderr)
+    result = run_benchmark(config)
+    print(console_block(result))
+    output = config.output
+    path = result_path(result)
+    if output.save_result or result.incomplete:
+        print(f"Results saved to {save_result(result, path)}")
+    if output.save_records:
+        records_path = path.with_suffix(f".records.{output.save_records}")
+        print(f"Per-request records saved to {save_records(result.records, records_path, output.save_records)}")
+    return 130 if result.incomplete else 0
