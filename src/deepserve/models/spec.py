@@ -17,6 +17,19 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 
 
 _REQUIRED = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
 
+# Parameter components of parameter_breakdown(), in the order tables show them.
+COMPONENTS = (
+    "embedding",
+    "attention_latent",
+    "attention_heads",
+    "norms",
+    "dense_mlp",
+    "shared_experts",
+    "routed_experts",
+    "router",
+    "lm_head",
+)
+
 
 @dataclass(frozen=True)
 class Quantization:
@@ -153,6 +166,50 @@ class ModelSpec:
         """Weights one token touches in the main model: routed top-k and shared experts, attention, embeddings."""
         layers = sum(self.layer_params(i, active_only=True) for i in range(self.num_layers))
         return layers + self.embedding_params + self.hidden_size
+
+    def layer_parameter_breakdown(self, index: int) -> dict[str, int]:
+        """Parameters of layer INDEX by component; sums to layer_params(index). The planner shards and quantizes
+        the components differently: MLA's latent down-projections (q_a, kv_a) are replicated under tensor
+        parallelism while the per-head projections are split, and norms and the router stay unquantized."""
+        latent, heads, attention_norms = self._attention_split()
+        parts = dict.fromkeys(COMPONENTS, 0)
+        parts.update(attention_latent=latent, attention_heads=heads, norms=2 * self.hidden_size + attention_norms)
+        if self.is_moe and self._layer_is_moe(index):
+            parts["shared_experts"] = self.n_shared_experts * self.expert_params
+            parts["routed_experts"] = self.n_routed_experts * self.expert_params
+            parts["router"] = self.router_params
+        else:
+            parts["dense_mlp"] = self.dense_mlp_params
+        return parts
+
+    def parameter_breakdown(self) -> dict[str, int]:
+        """Main-model parameters by component (MTP excluded); sums to total_params."""
+        totals = dict.fromkeys(COMPONENTS, 0)
+        for index in range(self.num_layers):
+            for key, count in self.layer_parameter_breakdown(index).items():
+                totals[key] += count
+        totals["norms"] += self.hidden_size  # the final norm
+        totals["embedding"] = self.vocab_size * self.hidden_size
+        totals["lm_head"] = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return totals
+
+    def _attention_split(self) -> tuple[int, int, int]:
+        """(latent down-projections, per-head projections, attention-internal norms) of one layer."""
+        h, n = self.hidden_size, self.num_attention_heads
+        if not self.is_mla:
+            return 0, self.attention_params_per_layer, 0
+        kv_lora = self.kv_lora_rank or 0
+        qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
+        latent = h * (kv_lora + self.qk_rope_head_dim)
+        norms = kv_lora
+        if self.q_lora_rank:
+            latent += h * self.q_lora_rank
+            norms += self.q_lora_rank
+            heads = self.q_lora_rank * n * qk_head
+        else:
+            heads = h * n * qk_head
+        heads += kv_lora * n * (self.qk_nope_head_dim + self.v_head_dim) + n * self.v_head_dim * h
+        return latent, heads, norms
 
     @property
     def routed_expert_params_total(self) -> int:

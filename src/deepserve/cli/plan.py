@@ -1,0 +1,207 @@
+"""`deepserve plan`: will it fit, how fast, for how many users, at what cost; `plan validate` and `plan fit`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from deepserve.cli.flags import add_section_flags, section_overrides
+from deepserve.config import load_section
+from deepserve.errors import ConfigError
+from deepserve.plan.fit import fit_profiles, fits_to_json, write_fits
+from deepserve.plan.planner import Plan, PlanConfig, make_plan
+from deepserve.plan.validate import Validation, validate
+
+GB = 1e9
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="will a model fit on these GPUs, how fast, for how many users, at what cost",
+        description=(
+            "Per-GPU memory, fit, KV-cache capacity, throughput/TPOT/TTFT per concurrency, cost and engine command "
+            "lines for a model on a GPU type. `plan validate` checks the model against published figures."
+        ),
+    )
+    parser.add_argument("--config", type=Path, default=None, help="YAML or JSON config file (section `plan`)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument(
+        "--concurrency", type=_levels, default=None, help="comma-separated concurrency levels (e.g. 1,8,64)"
+    )
+    add_section_flags(parser, PlanConfig, skip=("concurrency",))
+    parser.set_defaults(handler=_plan)
+    actions = parser.add_subparsers(dest="plan_command", metavar="ACTION", required=False)
+
+    check = actions.add_parser("validate", help="predicted vs published figures, MAPE, unpredictable rows")
+    check.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    check.set_defaults(handler=_validate)
+
+    fit = actions.add_parser("fit", help="refit the efficiency factors to the published figures")
+    fit.add_argument("--write", action="store_true", help="store them in the package (data/efficiency_factors.json)")
+    fit.set_defaults(handler=_fit)
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not levels:
+        raise argparse.ArgumentTypeError("give at least one concurrency level")
+    return levels
+
+
+def _plan(args: argparse.Namespace) -> int:
+    overrides = section_overrides(args, PlanConfig)
+    if args.concurrency is not None:
+        overrides["concurrency"] = args.concurrency
+    config = load_section(PlanConfig, "plan", args.config, overrides)
+    plan = make_plan(config)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        print_plan(Console(), plan)
+    return 0
+
+
+def print_plan(console: Console, plan: Plan) -> None:
+    d, memory = plan.deployment, plan.deployment.memory
+    console.print(
+        f"[bold]{d.spec.name}[/] on {d.layout.gpus} x {d.accelerator.name} ({d.nodes} node(s)), "
+        f"{d.layout.describe()}, weights {d.fmt.name} ({d.fmt.description}), KV cache {d.kv_dtype}",
+        highlight=False,
+    )
+    console.print(_memory_table(plan))
+    if plan.fits:
+        console.print(
+            f"[bold green]fits[/]: the KV cache holds {memory.kv_cache_tokens:,} tokens "
+            f"({memory.kv_bytes_per_token:,} B/token for the model, {memory.kv_bytes_per_token_per_gpu:,} B on each "
+            f"GPU: {memory.kv_placement}); {memory.max_concurrent_sequences:,} concurrent sequences of "
+            f"{plan.config.input_len}+{plan.config.output_len} tokens; max_model_len {memory.max_model_len:,}",
+            highlight=False,
+        )
+    else:
+        console.print(f"[bold red]does not fit[/]: {_shortfall(plan)}", highlight=False)
+        return
+    console.print(_predictions_table(plan))
+    if plan.config.slo_itl_ms is not None:
+        within = plan.max_concurrency_within_slo
+        text = "none: even one request misses it" if within is None else f"{within}"
+        console.print(f"highest concurrency with mean ITL <= {plan.config.slo_itl_ms:g} ms: {text}", highlight=False)
+    f = plan.factors
+    console.print(
+        f"efficiency factors: profile {f.profile} ({f.provenance}): layer overhead {f.factors.layer_overhead_us:.0f} "
+        f"us, memory {f.factors.memory_efficiency:.0%}, compute {f.factors.compute_efficiency:.1%} "
+        "(docs/PLANNING.md explains them)",
+        highlight=False,
+    )
+    for engine, line in plan.commands.items():
+        console.print(f"[bold]{engine}[/]: {line}", soft_wrap=True, highlight=False)
+
+
+def _memory_table(plan: Plan) -> Table:
+    memory = plan.deployment.memory
+    table = Table(title="memory per GPU (largest pipeline stage), GB = 10^9 bytes")
+    table.add_column("part")
+    table.add_column("placement")
+    table.add_column("GB", justify="right")
+    for component in memory.components:
+        if component.bytes_per_gpu:
+            table.add_row(component.component, component.placement, f"{component.bytes_per_gpu / GB:,.2f}")
+    table.add_row("[bold]weights[/]", plan.deployment.fmt.name, f"[bold]{memory.weights_bytes_per_gpu / GB:,.2f}[/]")
+    table.add_row("activations + CUDA graphs", "reserve", f"{memory.reserve_bytes_per_gpu / GB:,.2f}")
+    table.add_row("KV cache", memory.kv_placement, f"{memory.kv_cache_bytes_per_gpu / GB:,.2f}")
+    utilization = plan.config.gpu_memory_utilization
+    share = f"{utilization:g} x {plan.deployment.accelerator.memory_gib:g} GiB"
+    table.add_row("engine budget", share, f"{memory.budget_bytes_per_gpu / GB:,.2f}")
+    return table
+
+
+def _predictions_table(plan: Plan) -> Table:
+    table = Table(title=f"predicted at {plan.config.input_len} in / {plan.config.output_len} out tokens")
+    for column in ("concurrency", "running", "output tok/s", "TPOT ms", "TTFT ms", "$ / 1M output tokens"):
+        table.add_column(column, justify="right")
+    for p in plan.predictions:
+        cost = plan.cost_per_million_output_tokens_usd(p)
+        table.add_row(
+            str(p.concurrency),
+            str(p.running),
+            f"{p.output_throughput_tok_s:,.0f}",
+            f"{p.tpot_ms:,.1f}",
+            f"{p.ttft_ms:,.0f}",
+            "--gpu-hour-usd" if cost is None else f"{cost:,.3f}",
+        )
+    return table
+
+
+def _shortfall(plan: Plan) -> str:
+    memory = plan.deployment.memory
+    if memory.kv_cache_bytes_per_gpu <= 0:
+        missing = -memory.kv_cache_bytes_per_gpu / GB
+        return (
+            f"weights {memory.weights_bytes_per_gpu / GB:,.1f} GB + reserve {memory.reserve_bytes_per_gpu / GB:,.1f} "
+            f"GB per GPU exceed the {memory.budget_bytes_per_gpu / GB:,.1f} GB budget by {missing:,.1f} GB; use more "
+            "GPUs (--gpus/--nodes), a smaller format (--weights awq-int4) or a larger GPU"
+        )
+    return (
+        f"the KV cache holds {memory.kv_cache_tokens:,} tokens, fewer than max_model_len {memory.max_model_len:,}; "
+        "lower --max-model-len or add memory"
+    )
+
+
+def _validate(args: argparse.Namespace) -> int:
+    result = validate()
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print_validation(Console(), result)
+    return 0
+
+
+def print_validation(console: Console, result: Validation) -> None:
+    table = Table(title="published figures the model predicts")
+    for column in ("row", "setup", "predicted", "published", "ratio", "factors"):
+        table.add_column(column, justify="right" if column in ("predicted", "published", "ratio") else "left")
+    for r in result.results:
+        label = r.row.label().split(" ", 1)[1]
+        table.add_row(
+            str(r.row.number),
+            label,
+            f"{r.predicted:,.2f}",
+            f"{r.row.value:,.2f} {r.row.unit}",
+            f"{r.ratio:.2f}",
+            r.profile if r.provenance == "fitted" else f"{r.profile} (transferred)",
+        )
+    console.print(table)
+    worst = result.worst
+    console.print(
+        f"MAPE over {len(result.results)} predicted rows: {result.mape_pct:.1f}% "
+        f"(rows of fitted profiles: {result.mape_pct_of(True):.1f}%); worst ratio "
+        f"{worst.ratio:.2f} (row {worst.row.number})"
+        if worst
+        else "no predictable rows",
+        highlight=False,
+    )
+    off = result.off_by_more_than_2x
+    console.print(
+        f"off by more than 2x: {', '.join(f'row {r.row.number} ({r.provenance})' for r in off) or 'none'}",
+        highlight=False,
+    )
+    console.print("[bold]rows the model cannot predict[/]")
+    for skipped in result.skipped:
+        console.print(f"  {skipped.row.label()}: {skipped.reason}", highlight=False)
+
+
+def _fit(args: argparse.Namespace) -> int:
+    fits = fit_profiles()
+    if not fits:
+        raise ConfigError("no profile has enough predictable published rows to fit")
+    if args.write:
+        print(f"wrote {write_fits(fits)}")
+    print(json.dumps(fits_to_json(fits)["profiles"], indent=1))
+    return 0

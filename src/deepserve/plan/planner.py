@@ -1,0 +1,262 @@
+"""`deepserve plan`: from a model, a GPU type and a GPU count to memory, fit, speed, capacity, cost and commands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from deepserve.config import Section
+from deepserve.errors import ConfigError
+from deepserve.hardware.catalog import Accelerator, Network, get_accelerator, get_network
+from deepserve.models.resolve import load_spec
+from deepserve.models.spec import ModelSpec
+from deepserve.plan.factors import ProfileKey, SelectedFactors, select_factors, weight_family
+from deepserve.plan.formats import WeightFormat, checkpoint_format, get_format
+from deepserve.plan.layout import Layout, check_layout, default_layout, layout_links
+from deepserve.plan.memory import MemoryPlan, plan_memory
+from deepserve.plan.perf import PerformanceModel, Prediction, Workload
+
+DEFAULT_CONCURRENCY = (1, 8, 16, 32, 64, 128, 256)
+
+
+class PlanConfig(Section):
+    """What `deepserve plan` is asked; CLI flags derive from these fields (section `plan` of the config file)."""
+
+    model: str = Field("deepseek-ai/DeepSeek-V3", description="preset name (`deepserve model list`) or model dir")
+    gpu: str = Field("h100", description="GPU type from the catalog, case-insensitive (h100 = H100 SXM)")
+    gpus: int = Field(8, ge=1, description="total GPUs (all nodes)")
+    nodes: int = Field(1, ge=1, description="nodes the GPUs are spread over")
+    weights: str | None = Field(None, description="bf16, fp16, fp8, fp8-dynamic, awq-int4 (default: the checkpoint's)")
+    kv_dtype: str = Field("auto", description="KV-cache dtype: auto (the activation dtype, 16-bit) or fp8")
+    max_model_len: int | None = Field(None, ge=16, description="context length (default: 32768 or the model's)")
+    input_len: int = Field(1024, ge=1, description="prompt tokens per request")
+    output_len: int = Field(256, ge=2, description="output tokens per request")
+    concurrency: list[int] = Field(default_factory=lambda: list(DEFAULT_CONCURRENCY), description="levels")
+    slo_itl_ms: float | None = Field(50.0, gt=0, description="inter-token latency objective (mean, ms)")
+    gpu_hour_usd: float | None = Field(None, gt=0, description="price of one GPU-hour, for cost per 1M tokens")
+    engine: str = Field("vllm", description="engine whose efficiency factors to use: vllm or sglang")
+    tp: int | None = Field(None, ge=1, description="tensor-parallel size (default: GPUs per node)")
+    pp: int | None = Field(None, ge=1, description="pipeline-parallel size (default: nodes)")
+    dp: int = Field(1, ge=1, description="data-parallel attention replicas (with --ep)")
+    ep: bool = Field(False, description="expert parallelism: whole experts per GPU instead of split experts")
+    network: str = Field("infiniband-ndr", description="between nodes: infiniband-ndr, roce-400g, ethernet-100g")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory the engine uses")
+    max_num_seqs: int | None = Field(None, ge=1, description="running-batch cap (default: what the KV cache holds)")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="tokens per step (sizes the activation reserve)")
+    calibration: Path | None = Field(None, description="JSON from benchmarks/calibrate_gpu.py (measured factors)")
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive_levels(cls, levels: list[int]) -> list[int]:
+        if not levels or any(level < 1 for level in levels):
+            raise ValueError("concurrency levels must be positive integers, e.g. 1,8,64")
+        return sorted(set(levels))
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Model x format x layout x hardware, resolved and checked; everything except the efficiency factors."""
+
+    spec: ModelSpec
+    fmt: WeightFormat
+    layout: Layout
+    accelerator: Accelerator
+    nodes: int
+    network: Network
+    engine: str
+    kv_dtype: str
+    memory: MemoryPlan
+    max_num_seqs: int | None
+
+    @property
+    def running_cap(self) -> int:
+        """Most requests running at once: what the KV cache holds at the planned lengths, and max_num_seqs per
+        pipeline micro-batch."""
+        cap = self.memory.max_concurrent_sequences
+        if self.max_num_seqs is not None:
+            cap = min(cap, self.max_num_seqs * self.layout.pp)
+        return max(cap, 0)
+
+    def profile_key(self) -> ProfileKey:
+        return ProfileKey(self.accelerator.hardware_class, self.engine, weight_family(self.fmt.name))
+
+    def performance_model(self, selected: SelectedFactors) -> PerformanceModel:
+        links = layout_links(self.layout, self.accelerator, self.nodes, self.network)
+        return PerformanceModel(
+            self.spec, self.fmt, self.layout, self.accelerator, links, selected.factors, self.kv_dtype
+        )
+
+
+def resolve_kv_dtype(kv_dtype: str, fmt: WeightFormat) -> str:
+    """vLLM's `auto` caches in the activation dtype: FP16 for AWQ, BF16 otherwise (both 2 bytes)."""
+    if kv_dtype == "auto":
+        return "float16" if fmt.compute_dtype == "fp16" else "bfloat16"
+    return {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(kv_dtype, kv_dtype)
+
+
+def build_deployment(
+    spec: ModelSpec,
+    gpu: str,
+    gpus: int,
+    nodes: int = 1,
+    weights: str | None = None,
+    layout: Layout | None = None,
+    engine: str = "vllm",
+    kv_dtype: str = "auto",
+    network: str = "infiniband-ndr",
+    gpu_memory_utilization: float = 0.9,
+    max_model_len: int | None = None,
+    workload: Workload | None = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int = 8192,
+) -> Deployment:
+    accelerator = get_accelerator(gpu)
+    if engine not in ("vllm", "sglang", "trtllm"):
+        raise ConfigError(f"unknown engine {engine!r}; valid: sglang, vllm")
+    fmt = get_format(weights) if weights else checkpoint_format(spec)
+    layout = layout or default_layout(gpus, nodes)
+    check_layout(layout, spec, gpus)
+    if nodes > 1 and gpus // nodes > accelerator.devices_per_node:
+        raise ConfigError(f"{gpus // nodes} GPUs per node exceeds the {accelerator.devices_per_node} a node holds")
+    workload = workload or Workload(1024, 256)
+    context = max_model_len or min(32768, spec.max_position_embeddings)
+    kv = resolve_kv_dtype(kv_dtype, fmt)
+    memory = plan_memory(
+        spec,
+        fmt,
+        layout,
+        accelerator,
+        kv,
+        gpu_memory_utilization,
+        context,
+        workload.input_len + workload.output_len,
+        max_num_batched_tokens,
+    )
+    return Deployment(spec, fmt, layout, accelerator, nodes, get_network(network), engine, kv, memory, max_num_seqs)
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: PlanConfig
+    deployment: Deployment
+    factors: SelectedFactors
+    predictions: tuple[Prediction, ...]
+    max_concurrency_within_slo: int | None
+    commands: dict[str, str]
+
+    @property
+    def fits(self) -> bool:
+        return self.deployment.memory.fits
+
+    def cost_per_million_output_tokens_usd(self, prediction: Prediction) -> float | None:
+        if self.config.gpu_hour_usd is None or prediction.output_throughput_tok_s <= 0:
+            return None
+        dollars_per_s = self.config.gpu_hour_usd * self.deployment.layout.gpus / 3600
+        return dollars_per_s / prediction.output_throughput_tok_s * 1e6
+
+    def to_json(self) -> dict[str, Any]:
+        d, memory = self.deployment, self.deployment.memory
+        predictions = []
+        for prediction in self.predictions:
+            row: dict[str, Any] = prediction.to_json()
+            cost = self.cost_per_million_output_tokens_usd(prediction)
+            row["usd_per_million_output_tokens"] = None if cost is None else round(cost, 4)
+            predictions.append(row)
+        return {
+            "model": d.spec.name,
+            "gpu": d.accelerator.name,
+            "gpus": d.layout.gpus,
+            "nodes": d.nodes,
+            "layout": {"tp": d.layout.tp, "pp": d.layout.pp, "dp": d.layout.dp, "ep": d.layout.ep},
+            "weights": d.fmt.name,
+            "kv_dtype": d.kv_dtype,
+            "fits": self.fits,
+            "kv_bytes_per_token": memory.kv_bytes_per_token,
+            "kv_bytes_per_token_per_gpu": memory.kv_bytes_per_token_per_gpu,
+            "weights_bytes_per_gpu": memory.weights_bytes_per_gpu,
+            "weights_by_component": {
+                c.component: {"bytes_per_gpu": c.bytes_per_gpu, "placement": c.placement} for c in memory.components
+            },
+            "reserve_bytes_per_gpu": memory.reserve_bytes_per_gpu,
+            "budget_bytes_per_gpu": memory.budget_bytes_per_gpu,
+            "kv_cache_bytes_per_gpu": memory.kv_cache_bytes_per_gpu,
+            "kv_cache_tokens": memory.kv_cache_tokens,
+            "max_model_len": memory.max_model_len,
+            "max_concurrent_sequences": memory.max_concurrent_sequences,
+            "input_len": self.config.input_len,
+            "output_len": self.config.output_len,
+            "efficiency_factors": {
+                **self.factors.factors.to_json(),
+                "profile": self.factors.profile,
+                "provenance": self.factors.provenance,
+            },
+            "predictions": predictions,
+            "slo_itl_ms": self.config.slo_itl_ms,
+            "max_concurrency_within_slo": self.max_concurrency_within_slo,
+            "commands": self.commands,
+        }
+
+
+def make_plan(config: PlanConfig) -> Plan:
+    from deepserve.plan.commands import engine_commands
+
+    spec = load_spec(config.model)
+    layout = _layout_from(config)
+    workload = Workload(config.input_len, config.output_len)
+    deployment = build_deployment(
+        spec,
+        config.gpu,
+        config.gpus,
+        nodes=config.nodes,
+        weights=config.weights,
+        layout=layout,
+        engine=config.engine,
+        kv_dtype=config.kv_dtype,
+        network=config.network,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=config.max_model_len,
+        workload=workload,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
+    selected = select_factors(deployment.profile_key(), calibration=config.calibration)
+    assert selected is not None  # across_engines=True always finds a profile when any is fitted
+    predictions: tuple[Prediction, ...] = ()
+    within_slo = None
+    if deployment.memory.fits and deployment.running_cap > 0:
+        model = deployment.performance_model(selected)
+        cap = deployment.running_cap
+        predictions = tuple(model.predict(c, workload, cap) for c in config.concurrency)
+        if config.slo_itl_ms is not None:
+            within_slo = highest_concurrency_within(model, workload, cap, config.slo_itl_ms)
+    commands = engine_commands(deployment, config)
+    return Plan(config, deployment, selected, predictions, within_slo, commands)
+
+
+def highest_concurrency_within(model: PerformanceModel, workload: Workload, cap: int, slo_itl_ms: float) -> int | None:
+    """Largest concurrency (up to the running cap) whose predicted TPOT meets the SLO; TPOT grows with
+    concurrency, so a bisection finds it. None when even one request misses it."""
+    if model.predict(1, workload, cap).tpot_ms > slo_itl_ms:
+        return None
+    low, high = 1, max(cap, 1)
+    if model.predict(high, workload, cap).tpot_ms <= slo_itl_ms:
+        return high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if model.predict(middle, workload, cap).tpot_ms <= slo_itl_ms:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _layout_from(config: PlanConfig) -> Layout | None:
+    if config.tp is None and config.pp is None and config.dp == 1 and not config.ep:
+        return None
+    dp = config.dp
+    pp = config.pp or config.nodes
+    tp = config.tp or max(config.gpus // (pp * dp), 1)
+    return Layout(tp=tp, pp=pp, dp=dp, ep=config.ep)

@@ -1,0 +1,186 @@
+"""The published serving figures (calibration set) and how each row becomes a prediction of the model.
+
+Rows come from ../shared/published/serving_figures.csv, copied to data/serving_figures.json. A row is predictable
+when its workload (input and output lengths) is known and a profile for its engine was fitted (or fits by transfer
+from other hardware with the same engine and weights). Setup facts the CSV leaves out but the seeds state (the
+engine's max_num_seqs, the network between nodes, the concurrency sweep) are listed in SOURCE_SETUPS.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from deepserve.models.presets import preset_spec
+from deepserve.models.spec import ModelSpec
+from deepserve.plan.factors import EfficiencyFactors, ProfileKey, SelectedFactors
+from deepserve.plan.layout import Layout
+from deepserve.plan.perf import PerformanceModel, Prediction, Workload
+from deepserve.plan.planner import Deployment, build_deployment
+
+FIGURES_PATH = Path(__file__).with_name("data") / "serving_figures.json"
+
+
+@dataclass(frozen=True)
+class SourceSetup:
+    """What a seed document says about its setup beyond the CSV's columns."""
+
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    network: str = "infiniband-ndr"
+    concurrency_sweep: tuple[int, ...] = ()  # a "best over the sweep" row is the best of these levels
+    rate_sweep: bool = False  # rows without a concurrency are peaks over a request-rate sweep
+
+
+SOURCE_SETUPS = {
+    # 001: vLLM 0.7.3, MAX_NUM_SEQS=128 and MAX_MODEL_LEN=8000; two nodes over 100 Gb/s Ethernet, no InfiniBand;
+    # its figures without a concurrency come from request-rate sweeps (QPS 1-20).
+    "001_5e41702b812a2cc2.txt": SourceSetup(
+        max_num_seqs=128, max_model_len=8000, network="ethernet-100g", rate_sweep=True
+    ),
+    # 002: vLLM 0.16 on B200, --max-model-len 32768 --gpu-memory-utilization 0.90; vLLM's default max_num_seqs
+    # for large GPUs (1024).
+    "002_9b8c54d8c5a2373d.txt": SourceSetup(max_num_seqs=1024, max_model_len=32768),
+    # 004: online sweep at concurrency 4, 8, ..., 128 with 3200 input and 800 output tokens.
+    "004_857d13a67e4d6d20.txt": SourceSetup(concurrency_sweep=(4, 8, 16, 32, 64, 128)),
+}
+
+
+@dataclass(frozen=True)
+class PublishedRow:
+    number: int  # 1-based data row of the CSV
+    source: str
+    hardware: str
+    gpus: int
+    engine: str
+    engine_version: str
+    model: str
+    weights: str
+    kv_dtype: str
+    tp: int
+    pp: int
+    input_len: int | None
+    output_len: int | None
+    concurrency: int | None
+    metric: str
+    value: float
+    unit: str
+    note: str
+
+    def label(self) -> str:
+        setup = f"{self.hardware} x{self.gpus} {self.engine} {self.weights} TP{self.tp}" + (
+            f" PP{self.pp}" if self.pp > 1 else ""
+        )
+        lengths = f"{self.input_len}/{self.output_len}" if self.input_len else "?/?"
+        level = f"c={self.concurrency}" if self.concurrency else "peak"
+        return f"#{self.number} {setup} {lengths} {level} {self.metric}"
+
+    @property
+    def setup(self) -> SourceSetup:
+        return SOURCE_SETUPS.get(self.source, SourceSetup())
+
+
+def load_rows(path: Path = FIGURES_PATH) -> list[PublishedRow]:
+    rows = []
+    for number, raw in enumerate(json.loads(path.read_text())["rows"], start=1):
+        rows.append(
+            PublishedRow(
+                number=number,
+                source=raw["source"],
+                hardware=raw["hardware"],
+                gpus=int(raw["gpus"]),
+                engine=raw["engine"],
+                engine_version=raw["engine_version"],
+                model=raw["model"],
+                weights=raw["weights"],
+                kv_dtype=raw["kv_dtype"],
+                tp=int(raw["tp"]),
+                pp=int(raw["pp"]),
+                input_len=_int_or_none(raw["input_len"]),
+                output_len=_int_or_none(raw["output_len"]),
+                concurrency=_int_or_none(raw["concurrency"]),
+                metric=raw["metric"],
+                value=float(raw["value"]),
+                unit=raw["unit"],
+                note=raw["note"],
+            )
+        )
+    return rows
+
+
+# Metrics the model predicts, as functions of the prediction at the row's concurrency and the workload.
+METRICS: dict[str, Callable[[Prediction, Workload], float]] = {
+    "output_throughput": lambda p, w: p.output_throughput_tok_s,
+    "total_throughput": lambda p, w: p.output_throughput_tok_s * (w.input_len + w.output_len) / w.output_len,
+    "request_throughput": lambda p, w: p.output_throughput_tok_s / w.output_len,
+    "tpot_mean": lambda p, w: p.tpot_ms,
+    "ttft_mean": lambda p, w: p.ttft_ms,
+}
+
+
+def row_spec(row: PublishedRow) -> ModelSpec:
+    """V3, V3-0324 and R1 share one architecture; the AWQ rows load cognitivecomputations' export (no MTP)."""
+    if row.weights.startswith("awq"):
+        return preset_spec("cognitivecomputations/DeepSeek-V3-AWQ")
+    return preset_spec("deepseek-ai/DeepSeek-V3")
+
+
+def unpredictable_reason(row: PublishedRow) -> str | None:
+    """Why the model cannot predict ROW from its columns alone, or None."""
+    if row.metric not in METRICS:
+        return f"metric {row.metric} (offline batch throughput) is not what the serving model predicts"
+    if row.input_len is None or row.output_len is None:
+        return "input/output lengths and concurrency not given (a figure quoted from a third-party report)"
+    if row.concurrency is None and not row.setup.concurrency_sweep and not row.setup.rate_sweep:
+        return "no concurrency and no sweep to take the peak of"
+    return None
+
+
+def row_deployment(row: PublishedRow) -> Deployment:
+    assert row.input_len is not None and row.output_len is not None
+    setup = row.setup
+    nodes = max(row.gpus // 8, 1)
+    return build_deployment(
+        row_spec(row),
+        row.hardware,
+        row.gpus,
+        nodes=nodes,
+        weights=row.weights,
+        layout=Layout(tp=row.tp, pp=row.pp),
+        engine=row.engine,
+        kv_dtype="auto" if row.kv_dtype == "auto" else row.kv_dtype,
+        network=setup.network,
+        gpu_memory_utilization=setup.gpu_memory_utilization,
+        max_model_len=setup.max_model_len or row.input_len + row.output_len,
+        workload=Workload(row.input_len, row.output_len),
+        max_num_seqs=setup.max_num_seqs,
+    )
+
+
+def predict_row(row: PublishedRow, deployment: Deployment, model: PerformanceModel) -> float:
+    """The model's value for ROW's metric: at its concurrency, at saturation for a peak over a request-rate sweep,
+    or the best over the seed's concurrency sweep."""
+    assert row.input_len is not None and row.output_len is not None
+    workload = Workload(row.input_len, row.output_len)
+    cap = deployment.running_cap
+    metric = METRICS[row.metric]
+    if row.concurrency is not None:
+        return metric(model.predict(row.concurrency, workload, cap), workload)
+    if row.setup.concurrency_sweep:
+        return max(metric(model.predict(c, workload, cap), workload) for c in row.setup.concurrency_sweep)
+    return metric(model.predict(cap, workload, cap), workload)  # a request-rate sweep peaks when the batch is full
+
+
+def row_profile(row: PublishedRow, deployment: Deployment) -> ProfileKey:
+    return deployment.profile_key()
+
+
+def with_factors(deployment: Deployment, factors: EfficiencyFactors) -> PerformanceModel:
+    return deployment.performance_model(SelectedFactors(factors, "fit", "fit"))
+
+
+def _int_or_none(text: str) -> int | None:
+    return int(text) if text.strip() else None
