@@ -23,6 +23,8 @@ from deepserve.gateway.errors import (
     ClientGone,
     GatewayError,
     MethodNotAllowed,
+    ModelNotFound,
+    NoHealthyUpstream,
     NotFound,
     Overloaded,
     PermissionDenied,
@@ -247,7 +249,7 @@ class GatewayApp:
             headers = _request_headers(scope, self.config.session_header.encode())
             exchange.key = self._authenticate(headers.authorization)
             raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes)
-            parsed = parse_request(endpoint, raw, self.pool.models, self.aliases)
+            parsed = self._parse(endpoint, raw)
             exchange.parsed = parsed
             self._authorize(exchange.key, parsed.client_model, parsed.model)
             self._admit_key(exchange, parsed)
@@ -268,6 +270,14 @@ class GatewayApp:
             if watcher is not None:
                 watcher.cancel()
             self._account(exchange)
+
+    def _parse(self, endpoint: Endpoint, raw: bytes) -> ParsedRequest:
+        try:
+            return parse_request(endpoint, raw, self.pool.models, self.aliases)
+        except ModelNotFound as exc:
+            if not self.pool.models:  # not the client's fault: no replica is up to tell us what it serves
+                raise NoHealthyUpstream("no healthy upstream; the engine may still be starting") from exc
+            raise
 
     def _authenticate(self, authorization: bytes | None) -> ApiKey | None:
         key = None

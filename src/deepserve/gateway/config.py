@@ -20,7 +20,7 @@ class GatewayConfig(Section):
         default_factory=list, description="engine base URL, e.g. http://127.0.0.1:8001/v1; repeat for replicas"
     )
     host: str = Field("127.0.0.1", description="address to listen on (anything but loopback requires keys)")
-    port: int = Field(8080, ge=1, le=65535, description="port to listen on")
+    port: int = Field(8080, ge=0, le=65535, description="port to listen on (0: any free port)")
     require_keys: bool = Field(False, description="require an API key even on loopback")
     insecure_open: bool = Field(False, description="allow a non-loopback bind without keys (not recommended)")
     balancing: str = Field("least_outstanding", description="policy: " + ", ".join(BALANCING_POLICIES))

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -188,6 +189,32 @@ def uvicorn_config(app: FakeUpstream, port: int, host: str = "127.0.0.1") -> uvi
         app, host=host, port=port, loop="none", http="httptools", lifespan="off", access_log=False,
         log_level="warning", server_header=False, date_header=False, backlog=4096,
     )  # fmt: skip
+
+
+class _QuietServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the host process (a test) owns the signals
+        yield
+
+
+@contextlib.asynccontextmanager
+async def running_fake_upstream(
+    behaviour: FakeBehaviour | None = None, port: int = 0
+) -> AsyncIterator[tuple[FakeUpstream, str]]:
+    """A fake upstream serving in this event loop until the block ends; yields it and its base URL."""
+    app = FakeUpstream(behaviour)
+    server = _QuietServer(uvicorn_config(app, port))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.005)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield app, f"http://127.0.0.1:{bound}/v1"
+    finally:
+        server.should_exit = True
+        await task
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -107,16 +107,23 @@ async def serve(config: GatewayConfig, on_ready: Callable[[str], None]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(config: GatewayConfig, app: GatewayApp | None = None) -> AsyncIterator[GatewayApp]:
-    """The gateway serving in this event loop until the block ends (for tests and benchmarks)."""
+async def running_gateway(
+    config: GatewayConfig, app: GatewayApp | None = None
+) -> AsyncIterator[tuple[GatewayApp, str]]:
+    """The gateway serving in this event loop until the block ends; yields the app and its base URL (for tests and
+    benchmarks; port 0 picks a free port)."""
     app = app or GatewayApp(config)
     await app.start()
-    ready = asyncio.Event()
-    server = _Server(_uvicorn_config(app, config), lambda port: ready.set(), own_signals=False)
+    bound: list[int] = []
+    server = _Server(_uvicorn_config(app, config), bound.append, own_signals=False)
     task = asyncio.create_task(server.serve())
     try:
-        await asyncio.wait_for(ready.wait(), timeout=10)
-        yield app
+        while not bound:
+            if task.done():
+                task.result()
+                raise RuntimeError("the gateway stopped before it listened")
+            await asyncio.sleep(0.005)
+        yield app, base_url(config, bound[0])
     finally:
         server.should_exit = True
         await task

@@ -1,0 +1,106 @@
+"""Helpers for gateway integration tests: fake upstreams and gateways, in this event loop or as processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.server import gateway_argv
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def gateway_config(*upstreams: str, **fields: object) -> GatewayConfig:
+    values = {"upstream": list(upstreams), "port": 0, "health_check_interval_s": 0.2, **fields}
+    return GatewayConfig.model_validate(values)
+
+
+@dataclass
+class Child:
+    """A process that announces its URL with a READY line on stdout."""
+
+    process: subprocess.Popen[str]
+    url: str = ""
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(timeout=5)
+
+
+def start_child(argv: list[str], ready_prefix: str, timeout_s: float = 30) -> Child:
+    process = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, env=os.environ
+    )
+    child = Child(process)
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            child.output.append(line.rstrip())
+            if line.startswith(ready_prefix):
+                child.url = line.split()[-1]
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(timeout_s) or not child.url:
+        child.kill()
+        raise AssertionError(f"{argv} did not become ready:\n" + "\n".join(child.output[-30:]))
+    return child
+
+
+def start_fake(*args: str) -> Child:
+    argv = [sys.executable, "-m", "deepserve.gateway.fake_upstream", "--port", str(free_port()), *args]
+    return start_child(argv, "FAKE READY")
+
+
+def start_gateway(config: GatewayConfig) -> Child:
+    return start_child(gateway_argv(config, sys.executable), "GATEWAY READY")
+
+
+@pytest.fixture
+def children() -> Iterator[list[Child]]:
+    """Processes a test starts; all are stopped at the end, whatever happens."""
+    started: list[Child] = []
+    yield started
+    for child in started:
+        child.kill()
+
+
+def wait_until(condition: object, timeout_s: float, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(interval_s)
+    return False

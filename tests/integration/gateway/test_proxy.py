@@ -1,0 +1,152 @@
+"""The gateway in front of an in-process fake upstream: pass-through, streaming, validation, keys, health."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour, running_fake_upstream
+from deepserve.gateway.keys import KeyStore
+from deepserve.gateway.ledger import summarise
+from deepserve.gateway.limits import KeyLimits
+from deepserve.gateway.server import running_gateway
+
+from .conftest import free_port, gateway_config
+
+CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+async def test_non_streamed_pass_through_models_and_ledger() -> None:
+    async with running_fake_upstream() as (fake, upstream):
+        async with running_gateway(gateway_config(upstream)) as (_, url), httpx.AsyncClient(base_url=url) as client:
+            models = (await client.get("/models")).json()
+            assert [card["id"] for card in models["data"]] == [FAKE_MODEL]
+            assert models["data"][0]["max_model_len"] == 4096
+            response = await client.post("/chat/completions", json=CHAT)
+            assert response.status_code == 200
+            body = response.json()
+            assert body["choices"][0]["message"]["content"] == "tttt"
+            assert fake.stats.bodies[-1] == CHAT  # forwarded unchanged
+            completion = await client.post("/completions", json={"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 2})
+            assert completion.json()["choices"][0]["text"] == "tt"
+    (row,) = summarise()
+    assert row.key == "anonymous" and row.requests == 2 and row.errors == 0
+    assert row.completion_tokens == 6
+
+
+async def test_stream_chunks_are_forwarded_as_they_arrive_and_usage_is_accounted() -> None:
+    behaviour = FakeBehaviour(itl_ms=150)
+    async with running_fake_upstream(behaviour) as (fake, upstream):
+        async with running_gateway(gateway_config(upstream)) as (app, url), httpx.AsyncClient(base_url=url) as client:
+            started = time.perf_counter()
+            arrivals: list[float] = []
+            text = b""
+            async with client.stream("POST", "/chat/completions", json={**CHAT, "stream": True}) as response:
+                assert response.headers["content-type"].startswith("text/event-stream")
+                async for chunk in response.aiter_raw():
+                    arrivals.append(time.perf_counter() - started)
+                    text += chunk
+            events = [event for event in text.split(b"\n\n") if event]
+            assert events[-1] == b"data: [DONE]"
+            assert len(events) == 5  # 4 tokens + [DONE]: the usage chunk the gateway asked for is not shown
+            assert b"usage" not in text
+            assert fake.stats.bodies[-1]["stream_options"] == {"include_usage": True}
+            # never buffered: the first token arrived long before the last was produced
+            assert arrivals[0] < 0.2 and arrivals[-1] > 0.4
+            assert len(arrivals) >= 4
+            metrics = app.metrics.render().decode()
+            assert f'deepserve_gateway_ttft_seconds_count{{model="{FAKE_MODEL}"}} 1.0' in metrics
+            assert f'deepserve_gateway_completion_tokens_total{{key="anonymous",model="{FAKE_MODEL}"}} 4.0' in metrics
+
+
+async def test_stream_usage_kept_when_the_client_asked() -> None:
+    async with running_fake_upstream() as (_, upstream):
+        async with running_gateway(gateway_config(upstream)) as (_, url), httpx.AsyncClient(base_url=url) as client:
+            request = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+            response = await client.post("/chat/completions", json=request)
+            usage = [json.loads(e[6:]) for e in response.text.split("\n\n") if '"usage"' in e]
+            assert usage[0]["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"{oops", 400),
+        (json.dumps({**CHAT, "max_tokens": "many"}).encode(), 400),
+        (json.dumps({**CHAT, "max_tokens": 5000}).encode(), 400),  # beyond the upstream's max_model_len 4096
+        (json.dumps({**CHAT, "frobnicate": 1}).encode(), 400),
+        (json.dumps({**CHAT, "model": "gpt-4"}).encode(), 404),
+        (json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 70_000}]}).encode(), 413),
+    ],
+)
+async def test_bad_requests_get_4xx_in_openai_shape_and_are_not_forwarded(body: bytes, status: int) -> None:
+    async with running_fake_upstream() as (fake, upstream):
+        config = gateway_config(upstream, max_body_bytes=65_536)
+        async with running_gateway(config) as (_, url), httpx.AsyncClient(base_url=url) as client:
+            response = await client.post("/chat/completions", content=body)
+            assert response.status_code == status
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+            assert fake.stats.requests == 0
+
+
+async def test_model_alias_is_mapped() -> None:
+    async with running_fake_upstream() as (fake, upstream):
+        config = gateway_config(upstream, model_alias=["deepseek-v3=" + FAKE_MODEL])
+        async with running_gateway(config) as (_, url), httpx.AsyncClient(base_url=url) as client:
+            response = await client.post("/chat/completions", json={**CHAT, "model": "deepseek-v3"})
+            assert response.status_code == 200
+            assert fake.stats.bodies[-1] == CHAT
+            ids = {card["id"] for card in (await client.get("/models")).json()["data"]}
+            assert ids == {FAKE_MODEL, "deepseek-v3"}
+
+
+async def test_keys_limits_models_and_revocation() -> None:
+    store = KeyStore()
+    _, limited = store.create("limited", KeyLimits(rpm=2))
+    _, other_model = store.create("other", models=["some-other-model"])
+    async with running_fake_upstream() as (_, upstream):
+        config = gateway_config(upstream, require_keys=True)
+        async with running_gateway(config) as (_, url), httpx.AsyncClient(base_url=url) as client:
+            assert (await client.post("/chat/completions", json=CHAT)).status_code == 401
+            wrong = await client.post("/chat/completions", json=CHAT, headers={"Authorization": "Bearer dsk-x-y"})
+            assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+            auth = {"Authorization": f"Bearer {limited}"}
+            assert [
+                (await client.post("/chat/completions", json=CHAT, headers=auth)).status_code for _ in range(2)
+            ] == [
+                200,
+                200,
+            ]
+            third = await client.post("/chat/completions", json=CHAT, headers=auth)
+            assert third.status_code == 429 and int(third.headers["retry-after"]) >= 1
+            assert third.json()["error"]["code"] == "rate_limit_exceeded"
+            denied = await client.post(
+                "/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {other_model}"}
+            )
+            assert denied.status_code == 403
+            _, late = store.create("late")
+            store.revoke("limited")
+            await asyncio.sleep(1.3)  # the gateway re-reads keys every second
+            assert (await client.post("/chat/completions", json=CHAT, headers=auth)).status_code == 401
+            late_auth = {"Authorization": f"Bearer {late}"}
+            assert (await client.post("/chat/completions", json=CHAT, headers=late_auth)).status_code == 200
+    keys = {row.key: row for row in summarise()}
+    assert keys["limited"].requests == 3 and keys["limited"].errors == 1
+
+
+async def test_health_and_ready_without_a_live_upstream() -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    async with running_gateway(gateway_config(dead)) as (_, url), httpx.AsyncClient(base_url=url) as client:
+        root = url.removesuffix("/v1")
+        assert (await client.get(root + "/health")).status_code == 200
+        ready = await client.get(root + "/ready")
+        assert ready.status_code == 503 and ready.json()["healthy_upstreams"] == 0
+        response = await client.post("/chat/completions", json=CHAT)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "no_healthy_upstream"
+        metrics = (await client.get(root + "/metrics")).text
+        assert f'deepserve_gateway_upstream_healthy{{replica="{dead}"}} 0.0' in metrics

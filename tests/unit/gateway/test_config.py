@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from deepserve.cli.flags import add_section_flags, section_overrides
+from deepserve.config import load_section
+from deepserve.errors import ConfigError
+from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.server import gateway_argv
+
+
+def test_defaults_are_safe() -> None:
+    config = GatewayConfig.model_validate({})
+    assert config.host == "127.0.0.1" and not config.keys_required()
+    assert not config.log_bodies
+
+
+def test_non_loopback_requires_keys_unless_insecure_open() -> None:
+    assert GatewayConfig.model_validate({"host": "0.0.0.0"}).keys_required()
+    assert not GatewayConfig.model_validate({"host": "0.0.0.0", "insecure_open": True}).keys_required()
+    assert GatewayConfig.model_validate({"require_keys": True}).keys_required()
+    assert not GatewayConfig.model_validate({"host": "::1"}).keys_required()
+
+
+def test_unknown_policy_and_bad_values_fail_fast() -> None:
+    with pytest.raises(ConfigError, match="least_outstanding"):
+        load_section(GatewayConfig, "gateway", None, {"balancing": "random"})
+    with pytest.raises(ConfigError, match="ALIAS=MODEL"):
+        load_section(GatewayConfig, "gateway", None, {"model_alias": ["nope"]})
+    with pytest.raises(ConfigError, match="http"):
+        load_section(GatewayConfig, "gateway", None, {"upstream": ["localhost:8000"]})
+    with pytest.raises(ConfigError, match="upstream"):
+        GatewayConfig.model_validate({}).check_startable()
+
+
+def test_environment_feeds_the_section(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEEPSERVE_GATEWAY__MAX_QUEUE", "7")
+    assert load_section(GatewayConfig, "gateway").max_queue == 7
+
+
+def test_gateway_argv_round_trips_through_the_cli_flags() -> None:
+    config = GatewayConfig.model_validate(
+        {
+            "upstream": ["http://127.0.0.1:9001/v1", "http://127.0.0.1:9002/v1"],
+            "port": 8000,
+            "host": "0.0.0.0",
+            "require_keys": True,
+            "balancing": "prefix_affinity",
+            "model_alias": ["fast=m"],
+            "queue_timeout_s": 2.5,
+            "max_model_len": 2048,
+        }
+    )
+    argv = gateway_argv(config, "/usr/bin/python3")
+    assert argv[:4] == ["/usr/bin/python3", "-m", "deepserve.cli.main", "gateway"]
+    parser = argparse.ArgumentParser()
+    add_section_flags(parser, GatewayConfig)
+    parsed = load_section(GatewayConfig, "gateway", None, section_overrides(parser.parse_args(argv[4:]), GatewayConfig))
+    assert parsed == config

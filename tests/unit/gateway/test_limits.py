@@ -1,0 +1,129 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deepserve.gateway.errors import Overloaded, RateLimited
+from deepserve.gateway.limits import AdmissionQueue, KeyLimiter, KeyLimits, TokenBucket
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_bucket_refills_continuously_and_reports_wait() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(capacity=60, refill_per_s=1.0, clock=clock)
+    assert bucket.try_take(60) == 0
+    assert bucket.try_take(1) == pytest.approx(1.0)  # empty: one token a second
+    clock.now += 0.5
+    assert bucket.try_take(1) == pytest.approx(0.5)
+    clock.now += 0.5
+    assert bucket.try_take(1) == 0
+    clock.now += 1000
+    assert bucket.tokens == 60  # never above capacity
+
+
+def test_bucket_debt_from_a_correction_delays_later_requests() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(capacity=100, refill_per_s=10.0, clock=clock)
+    assert bucket.try_take(50) == 0
+    bucket.adjust(-100)  # the request used 100 more than charged
+    assert bucket.tokens == -50
+    assert bucket.try_take(10) == pytest.approx(6.0)  # (10 - -50) / 10
+
+
+def test_request_larger_than_bucket_is_admitted_only_when_full() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(capacity=100, refill_per_s=10.0, clock=clock)
+    assert bucket.try_take(500) == 0
+    assert bucket.try_take(500) == pytest.approx(50.0)  # (100 - -400) / 10: back to full
+
+
+def test_key_limiter_rpm_then_retry_after() -> None:
+    clock = FakeClock()
+    limiter = KeyLimiter(KeyLimits(rpm=2), clock)
+    limiter.admit(10)
+    limiter.admit(10)
+    with pytest.raises(RateLimited) as caught:
+        limiter.admit(10)
+    assert caught.value.reason == "key_rpm"
+    assert caught.value.retry_after_s == pytest.approx(30.0)
+    assert caught.value.headers() == [(b"retry-after", b"30")]
+
+
+def test_key_limiter_tpm_charges_then_corrects_with_real_usage() -> None:
+    clock = FakeClock()
+    limiter = KeyLimiter(KeyLimits(rpm=100, tpm=1000), clock)
+    limiter.admit(800)
+    with pytest.raises(RateLimited) as caught:
+        limiter.admit(800)  # 200 left
+    assert caught.value.reason == "key_tpm"
+    limiter.release(800, used_tokens=100)  # it used far less than charged: 700 given back
+    limiter.admit(800)
+    assert limiter.in_flight == 1
+
+
+def test_key_limiter_refused_tpm_does_not_count_against_rpm() -> None:
+    limiter = KeyLimiter(KeyLimits(rpm=1, tpm=10), FakeClock())
+    limiter.admit(10)
+    limiter.release(10, None)
+    with pytest.raises(RateLimited) as caught:
+        limiter.admit(10)
+    assert caught.value.reason in ("key_rpm", "key_tpm")
+
+
+def test_key_concurrency_limit() -> None:
+    limiter = KeyLimiter(KeyLimits(max_concurrency=1), FakeClock())
+    limiter.admit(1)
+    with pytest.raises(RateLimited) as caught:
+        limiter.admit(1)
+    assert caught.value.reason == "key_concurrency"
+    limiter.release(1, 1)
+    limiter.admit(1)
+
+
+async def test_queue_admits_then_queues_then_rejects_when_full() -> None:
+    queue = AdmissionQueue(max_concurrency=1, max_queue=1, timeout_s=5)
+    await queue.acquire()
+    waiter = asyncio.create_task(queue.acquire())
+    await asyncio.sleep(0)
+    assert queue.waiting == 1
+    with pytest.raises(Overloaded) as caught:
+        await queue.acquire()
+    assert caught.value.reason == "queue_full"
+    assert caught.value.status == 503
+    queue.release()  # the slot passes to the waiter
+    await waiter
+    assert queue.in_flight == 1 and queue.waiting == 0
+    queue.release()
+    assert queue.in_flight == 0
+
+
+async def test_queue_times_out() -> None:
+    queue = AdmissionQueue(max_concurrency=1, max_queue=10, timeout_s=0.05)
+    await queue.acquire()
+    with pytest.raises(Overloaded) as caught:
+        await queue.acquire()
+    assert caught.value.reason == "queue_timeout"
+    assert queue.waiting == 0
+
+
+async def test_cancelled_waiter_does_not_leak_the_slot() -> None:
+    queue = AdmissionQueue(max_concurrency=1, max_queue=10, timeout_s=5)
+    await queue.acquire()
+    first = asyncio.create_task(queue.acquire())
+    second = asyncio.create_task(queue.acquire())
+    await asyncio.sleep(0)
+    first.cancel()
+    await asyncio.sleep(0)
+    queue.release()  # skips the cancelled waiter
+    await second
+    assert queue.in_flight == 1
+    queue.release()
+    assert queue.in_flight == 0 and queue.waiting == 0

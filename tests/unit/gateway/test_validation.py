@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepserve.gateway.errors import InvalidRequest, ModelNotFound
+from deepserve.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, parse_request
+
+MODELS = {"m": 1000}
+
+
+def chat(**fields: object) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}], **fields}).encode()
+
+
+def test_valid_body_is_forwarded_as_the_same_bytes() -> None:
+    raw = chat(max_tokens=5, temperature=0.5)
+    parsed = parse_request(CHAT_COMPLETIONS, raw, MODELS, {})
+    assert parsed.body is raw
+    assert parsed.model == "m" and parsed.max_tokens == 5 and not parsed.stream
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (chat(max_tokens="5"), "max_tokens"),
+        (chat(max_tokens=0), "max_tokens"),
+        (chat(max_tokens=True), "max_tokens"),
+        (chat(temperature=3), "temperature"),
+        (chat(stream="yes"), "stream"),
+        (chat(best_of_everything=1), "best_of_everything"),
+        (chat(stream_options={"include_usage": True}), "stream_options"),
+        (chat(max_tokens=1000), "max_tokens"),
+        (json.dumps({"model": "m"}).encode(), "messages"),
+        (json.dumps({"model": "m", "messages": [{"content": "x"}]}).encode(), "messages"),
+        (json.dumps({"model": 5, "messages": [{"role": "user"}]}).encode(), "model"),
+    ],
+)
+def test_bad_requests_are_400_with_the_param(raw: bytes, param: str | None) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(CHAT_COMPLETIONS, raw, MODELS, {})
+    assert caught.value.status == 400
+    assert caught.value.param == param
+    body = json.loads(caught.value.body())
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unknown_model_is_404_listing_the_models() -> None:
+    with pytest.raises(ModelNotFound) as caught:
+        parse_request(CHAT_COMPLETIONS, chat(model="gpt-9"), MODELS, {"alias": "m"})
+    assert caught.value.status == 404
+    assert "m" in caught.value.message and "alias" in caught.value.message
+
+
+def test_completion_prompt_forms() -> None:
+    for prompt in ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]]:
+        raw = json.dumps({"model": "m", "prompt": prompt}).encode()
+        assert parse_request(COMPLETIONS, raw, MODELS, {}).body is raw
+    with pytest.raises(InvalidRequest):
+        parse_request(COMPLETIONS, json.dumps({"model": "m", "prompt": [1, "a"]}).encode(), MODELS, {})
+    with pytest.raises(InvalidRequest):  # a chat field on the completions endpoint
+        parse_request(COMPLETIONS, json.dumps({"model": "m", "prompt": "x", "tools": []}).encode(), MODELS, {})
+
+
+def test_alias_is_the_only_change_to_the_body() -> None:
+    raw = chat(model="fast", max_tokens=3, top_k=5)
+    parsed = parse_request(CHAT_COMPLETIONS, raw, MODELS, {"fast": "m"})
+    forwarded = json.loads(parsed.body)
+    assert forwarded == {**json.loads(raw), "model": "m"}
+    assert parsed.client_model == "fast" and parsed.model == "m"
+
+
+def test_stream_asks_for_usage_only_when_the_client_did_not() -> None:
+    parsed = parse_request(CHAT_COMPLETIONS, chat(stream=True), MODELS, {})
+    assert parsed.strip_usage_chunk
+    assert json.loads(parsed.body)["stream_options"] == {"include_usage": True}
+    raw = chat(stream=True, stream_options={"include_usage": True})
+    asked = parse_request(CHAT_COMPLETIONS, raw, MODELS, {})
+    assert not asked.strip_usage_chunk and asked.body is raw
+
+
+def test_charge_is_prompt_estimate_plus_max_tokens() -> None:
+    raw = json.dumps({"model": "m", "prompt": "x" * 400, "max_tokens": 50}).encode()
+    parsed = parse_request(COMPLETIONS, raw, MODELS, {})
+    assert parsed.prompt_tokens_estimate == 100
+    assert parsed.charged_tokens == 150
+
+
+def test_unknown_context_length_skips_the_check() -> None:
+    parse_request(CHAT_COMPLETIONS, chat(max_tokens=10**6), {"m": None}, {})
