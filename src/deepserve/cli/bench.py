@@ -16,6 +16,7 @@ from deepserve.bench.workloads import WorkloadConfig
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
 from deepserve.errors import ConfigError
+from deepserve.results.store import record_run
 
 # Flags that take several values at once in vLLM (`--goodput ttft:300 tpot:50`), so they are not derived.
 MULTI_VALUE_FLAGS = {"target": ("header",), "metrics": ("goodput",), "output": ("metadata",)}
@@ -31,6 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "goodput in vLLM's layout. `vllm bench serve` flags with the same meaning are accepted unchanged."
         ),
     )
+    add_bench_flags(parser)
+    parser.set_defaults(handler=_bench)
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    """Every `deepserve bench` flag (also used by `deepserve sweep`, which takes the same flags)."""
     parser.add_argument("--config", type=Path, default=None, help="YAML/JSON file with bench_target, bench_load, …")
     parser.add_argument(
         "--backend",
@@ -43,7 +50,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--header", nargs="*", action="extend", default=None, metavar="KEY=VALUE")
     parser.add_argument("--goodput", nargs="+", action="extend", default=None, metavar="KEY:MS")
     parser.add_argument("--metadata", nargs="*", action="extend", default=None, metavar="KEY=VALUE")
-    parser.set_defaults(handler=_bench)
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchConfig:
@@ -66,6 +72,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"deepserve: note: endpoint {config.target.endpoint} is neither of the OpenAI ones", file=sys.stderr)
     result = run_benchmark(config)
     print(console_block(result))
+    print(f"Recorded as run {record_run(result.to_json(), label=config.output.label)} (see `deepserve runs list`)")
     output = config.output
     path = result_path(result)
     if output.save_result or result.incomplete:
