@@ -65,7 +65,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
-        print_plan(Console(), plan)
+        print_plan(Console(soft_wrap=True), plan)
     return 0
 
 
@@ -159,7 +159,7 @@ def _validate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
-        print_validation(Console(), result)
+        print_validation(Console(soft_wrap=True), result)
     return 0
 
 

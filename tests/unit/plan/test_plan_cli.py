@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deepserve.cli import main as cli_main
+
+AWQ = "cognitivecomputations/DeepSeek-V3-AWQ"
+
+
+@pytest.fixture(autouse=True)
+def only_plan_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real entry point, with only this sub-command registered (other commands are not under test here)."""
+    monkeypatch.setattr(cli_main, "COMMANDS", ("plan",))
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli_main.main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_has_the_promised_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--model", AWQ, "--gpu", "H100", "--gpus", "8", "--concurrency", "1,4,16", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["fits"] is True
+    assert plan["kv_bytes_per_token"] == 70_272
+    assert isinstance(plan["weights_bytes_per_gpu"], int) and 42e9 < plan["weights_bytes_per_gpu"] < 55e9
+    assert plan["kv_cache_tokens"] > 100_000
+    assert [p["concurrency"] for p in plan["predictions"]] == [1, 4, 16]
+    for p in plan["predictions"]:
+        assert {"concurrency", "output_throughput_tok_s", "tpot_ms", "ttft_ms"} <= p.keys()
+        assert p["output_throughput_tok_s"] > 0 and p["tpot_ms"] > 0 and p["ttft_ms"] > 0
+    assert plan["weights_by_component"]["attention_latent"]["placement"] == "replicated"
+    assert "--tensor-parallel-size 8" in plan["commands"]["vllm"]
+    assert "--tp-size 8" in plan["commands"]["sglang"]
+
+
+def test_fp8_on_8_h100_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--model", "deepseek-ai/DeepSeek-V3", "--gpu", "h100", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["fits"] is False
+    assert plan["predictions"] == []
+    code, out, _ = run(capsys, "--model", "deepseek-ai/DeepSeek-V3", "--gpu", "h100")
+    assert "does not fit" in out and "--weights awq-int4" in out
+
+
+def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--model", AWQ, "--gpu", "h100", "--gpu-hour-usd", "2.5", "--slo-itl-ms", "60")
+    assert code == 0
+    for text in ("memory per GPU", "routed_experts", "fits", "output tok/s", "highest concurrency", "vllm:", "sglang:"):
+        assert text in out
+
+
+def test_cost_per_million_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    _code, out, _ = run(capsys, "--model", AWQ, "--gpu", "h100", "--gpu-hour-usd", "2", "--concurrency", "8", "--json")
+    p = json.loads(out)["predictions"][0]
+    expected = 2 * 8 / 3600 / p["output_throughput_tok_s"] * 1e6
+    assert p["usd_per_million_output_tokens"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_dp_attention_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    _code, out, _ = run(capsys, "--gpu", "h200", "--tp", "1", "--dp", "8", "--ep", "--json")
+    plan = json.loads(out)
+    assert plan["layout"] == {"tp": 1, "pp": 1, "dp": 8, "ep": True}
+    assert "--data-parallel-size 8" in plan["commands"]["vllm"]
+    assert "--enable-expert-parallel" in plan["commands"]["vllm"]
+    sglang = plan["commands"]["sglang"]
+    assert "--tp-size 8" in sglang and "--dp-size 8" in sglang and "--enable-dp-attention" in sglang
+
+
+def test_on_the_fly_fp8_sets_quantization(capsys: pytest.CaptureFixture[str]) -> None:
+    _code, out, _ = run(capsys, "--gpu", "b200", "--weights", "fp8-dynamic", "--json")
+    assert "--quantization fp8" in json.loads(out)["commands"]["vllm"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--gpu", "h1000"), "unknown GPU 'h1000'; valid: a100-40gb"),
+        (("--gpu", "h100", "--gpus", "6", "--tp", "6"), "does not divide"),
+        (("--gpu", "h100", "--gpus", "8", "--tp", "8", "--pp", "2"), "16 GPUs but --gpus is 8"),
+        (("--gpu", "h100", "--weights", "int3"), "unknown weight format"),
+        (("--gpu", "h100", "--network", "pigeon"), "unknown network"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:
+    code, _out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_model_config_missing_fields(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 1024}))
+    code, _, err = run(capsys, "--model", str(tmp_path))
+    assert code == 2
+    assert "lacks required field(s) num_hidden_layers" in err
+
+
+def test_bad_concurrency_list(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main.main(["plan", "--concurrency", "1,a"])
+    assert exit_info.value.code == 2
+    assert "comma-separated" in capsys.readouterr().err
+
+
+def test_config_file_section(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "deepserve.yaml"
+    config.write_text("plan:\n  gpu: h200\n  input_len: 2048\n  concurrency: [2, 3]\n")
+    _code, out, _ = run(capsys, "--config", str(config), "--json")
+    plan = json.loads(out)
+    assert plan["gpu"] == "h200" and plan["input_len"] == 2048
+    assert [p["concurrency"] for p in plan["predictions"]] == [2, 3]
+
+
+def test_validate_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "validate")
+    assert code == 0
+    assert "MAPE over" in out and "cannot predict" in out and "trtllm" in out
+    code, out, _ = run(capsys, "validate", "--json")
+    data = json.loads(out)
+    assert data["mape_pct_fitted_rows"] <= 25
+    assert len(data["rows"]) + len(data["unpredictable"]) == 31
