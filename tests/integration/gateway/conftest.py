@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,13 +10,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
 
+from deepserve.gateway.app import GatewayApp
 from deepserve.gateway.config import GatewayConfig
-from deepserve.gateway.server import gateway_argv
+from deepserve.gateway.fake_upstream import FakeBehaviour, FakeUpstream, running_fake_upstream
+from deepserve.gateway.server import gateway_argv, running_gateway
 
 
 def free_port() -> int:
@@ -104,3 +108,16 @@ def wait_until(condition: object, timeout_s: float, interval_s: float = 0.02) ->
             return True
         time.sleep(interval_s)
     return False
+
+
+@contextlib.asynccontextmanager
+async def fake_and_gateway(
+    behaviour: FakeBehaviour | None = None, **fields: object
+) -> AsyncIterator[tuple[FakeUpstream, GatewayApp, httpx.AsyncClient]]:
+    """An in-process fake upstream, a gateway in front of it, and a client of the gateway (base URL …/v1)."""
+    async with (
+        running_fake_upstream(behaviour) as (fake, upstream),
+        running_gateway(gateway_config(upstream, **fields)) as (app, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
+        yield fake, app, client

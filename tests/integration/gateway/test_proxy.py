@@ -15,24 +15,23 @@ from deepserve.gateway.ledger import summarise
 from deepserve.gateway.limits import KeyLimits
 from deepserve.gateway.server import running_gateway
 
-from .conftest import free_port, gateway_config
+from .conftest import fake_and_gateway, free_port, gateway_config
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
 async def test_non_streamed_pass_through_models_and_ledger() -> None:
-    async with running_fake_upstream() as (fake, upstream):
-        async with running_gateway(gateway_config(upstream)) as (_, url), httpx.AsyncClient(base_url=url) as client:
-            models = (await client.get("/models")).json()
-            assert [card["id"] for card in models["data"]] == [FAKE_MODEL]
-            assert models["data"][0]["max_model_len"] == 4096
-            response = await client.post("/chat/completions", json=CHAT)
-            assert response.status_code == 200
-            body = response.json()
-            assert body["choices"][0]["message"]["content"] == "tttt"
-            assert fake.stats.bodies[-1] == CHAT  # forwarded unchanged
-            completion = await client.post("/completions", json={"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 2})
-            assert completion.json()["choices"][0]["text"] == "tt"
+    async with fake_and_gateway() as (fake, _, client):
+        models = (await client.get("/models")).json()
+        assert [card["id"] for card in models["data"]] == [FAKE_MODEL]
+        assert models["data"][0]["max_model_len"] == 4096
+        response = await client.post("/chat/completions", json=CHAT)
+        assert response.status_code == 200
+        body = response.json()
+        assert body["choices"][0]["message"]["content"] == "tttt"
+        assert fake.stats.bodies[-1] == CHAT  # forwarded unchanged
+        completion = await client.post("/completions", json={"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 2})
+        assert completion.json()["choices"][0]["text"] == "tt"
     (row,) = summarise()
     assert row.key == "anonymous" and row.requests == 2 and row.errors == 0
     assert row.completion_tokens == 6
@@ -40,36 +39,34 @@ async def test_non_streamed_pass_through_models_and_ledger() -> None:
 
 async def test_stream_chunks_are_forwarded_as_they_arrive_and_usage_is_accounted() -> None:
     behaviour = FakeBehaviour(itl_ms=150)
-    async with running_fake_upstream(behaviour) as (fake, upstream):
-        async with running_gateway(gateway_config(upstream)) as (app, url), httpx.AsyncClient(base_url=url) as client:
-            started = time.perf_counter()
-            arrivals: list[float] = []
-            text = b""
-            async with client.stream("POST", "/chat/completions", json={**CHAT, "stream": True}) as response:
-                assert response.headers["content-type"].startswith("text/event-stream")
-                async for chunk in response.aiter_raw():
-                    arrivals.append(time.perf_counter() - started)
-                    text += chunk
-            events = [event for event in text.split(b"\n\n") if event]
-            assert events[-1] == b"data: [DONE]"
-            assert len(events) == 5  # 4 tokens + [DONE]: the usage chunk the gateway asked for is not shown
-            assert b"usage" not in text
-            assert fake.stats.bodies[-1]["stream_options"] == {"include_usage": True}
-            # never buffered: the first token arrived long before the last was produced
-            assert arrivals[0] < 0.2 and arrivals[-1] > 0.4
-            assert len(arrivals) >= 4
-            metrics = app.metrics.render().decode()
-            assert f'deepserve_gateway_ttft_seconds_count{{model="{FAKE_MODEL}"}} 1.0' in metrics
-            assert f'deepserve_gateway_completion_tokens_total{{key="anonymous",model="{FAKE_MODEL}"}} 4.0' in metrics
+    async with fake_and_gateway(behaviour) as (fake, app, client):
+        started = time.perf_counter()
+        arrivals: list[float] = []
+        text = b""
+        async with client.stream("POST", "/chat/completions", json={**CHAT, "stream": True}) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            async for chunk in response.aiter_raw():
+                arrivals.append(time.perf_counter() - started)
+                text += chunk
+        events = [event for event in text.split(b"\n\n") if event]
+        assert events[-1] == b"data: [DONE]"
+        assert len(events) == 5  # 4 tokens + [DONE]: the usage chunk the gateway asked for is not shown
+        assert b"usage" not in text
+        assert fake.stats.bodies[-1]["stream_options"] == {"include_usage": True}
+        # never buffered: the first token arrived long before the last was produced
+        assert arrivals[0] < 0.2 and arrivals[-1] > 0.4
+        assert len(arrivals) >= 4
+        metrics = app.metrics.render().decode()
+        assert f'deepserve_gateway_ttft_seconds_count{{model="{FAKE_MODEL}"}} 1.0' in metrics
+        assert f'deepserve_gateway_completion_tokens_total{{key="anonymous",model="{FAKE_MODEL}"}} 4.0' in metrics
 
 
 async def test_stream_usage_kept_when_the_client_asked() -> None:
-    async with running_fake_upstream() as (_, upstream):
-        async with running_gateway(gateway_config(upstream)) as (_, url), httpx.AsyncClient(base_url=url) as client:
-            request = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
-            response = await client.post("/chat/completions", json=request)
-            usage = [json.loads(e[6:]) for e in response.text.split("\n\n") if '"usage"' in e]
-            assert usage[0]["usage"]["completion_tokens"] == 4
+    async with fake_and_gateway() as (_, _, client):
+        request = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        response = await client.post("/chat/completions", json=request)
+        usage = [json.loads(e[6:]) for e in response.text.split("\n\n") if '"usage"' in e]
+        assert usage[0]["usage"]["completion_tokens"] == 4
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,147 @@
+"""Faults and load: retries, a replica killed under load, client disconnects, overload, and a 10,000-request soak."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import httpx
+import psutil
+
+from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour, running_fake_upstream
+from deepserve.gateway.server import running_gateway
+
+from .conftest import Child, fake_and_gateway, gateway_config, start_fake, start_gateway
+
+CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+async def test_a_failing_replica_is_retried_on_another() -> None:
+    async with (
+        running_fake_upstream(FakeBehaviour(fail_status=500)) as (broken, broken_url),
+        running_fake_upstream() as (good, good_url),
+        running_gateway(gateway_config(broken_url, good_url, balancing="round_robin")) as (app, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        statuses = [(await client.post("/chat/completions", json=CHAT)).status_code for _ in range(10)]
+        assert statuses == [200] * 10
+        assert broken.stats.requests >= 4 and good.stats.completed == 10
+        assert "deepserve_gateway_retries_total" in app.metrics.render().decode()
+
+
+async def test_client_disconnect_mid_stream_aborts_the_upstream_request() -> None:
+    async with fake_and_gateway(FakeBehaviour(itl_ms=50)) as (fake, app, client):
+        request = {**CHAT, "max_tokens": 200, "stream": True}
+        async with client.stream("POST", "/chat/completions", json=request) as response:
+            async for _ in response.aiter_raw():
+                break  # one chunk, then hang up
+        deadline = time.monotonic() + 3
+        while fake.stats.aborted == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert fake.stats.aborted == 1 and fake.stats.completed == 0
+        await asyncio.sleep(0.05)
+        assert 'status="499"' in app.metrics.render().decode()
+        assert app.queue.in_flight == 0 and all(r.outstanding == 0 for r in app.pool.replicas)
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, object]) -> tuple[int, bytes]:
+    async with session.post(url, json=body) as response:
+        return response.status, await response.read()
+
+
+async def test_replica_killed_under_load(children: list[Child]) -> None:
+    """Non-streamed requests in flight on the dead replica are retried; its streams end with an error event;
+    new requests avoid it at once."""
+    doomed, survivor = (
+        start_fake("--ttft-ms", "300", "--itl-ms", "20"),
+        start_fake("--ttft-ms", "300", "--itl-ms", "20"),
+    )
+    children += [doomed, survivor]
+    config = gateway_config(doomed.url, survivor.url, balancing="round_robin")
+    async with running_gateway(config) as (app, url), aiohttp.ClientSession() as session:
+        plain = [asyncio.create_task(_post(session, url + "/chat/completions", {**CHAT, "max_tokens": 10}))
+                 for _ in range(40)]  # fmt: skip
+        streams = [
+            asyncio.create_task(_post(session, url + "/chat/completions", {**CHAT, "max_tokens": 40, "stream": True}))
+            for _ in range(10)
+        ]
+        await asyncio.sleep(0.45)  # first tokens are out (300 ms), non-streamed answers are not (480 ms)
+        doomed.kill()
+        killed_at = time.monotonic()
+        assert [status for status, _ in await asyncio.gather(*plain)] == [200] * 40
+        endings = []
+        for status, body in await asyncio.gather(*streams):
+            assert status == 200
+            endings.append([event for event in body.split(b"\n\n") if event][-1])
+        errors = [json.loads(end[6:]) for end in endings if end != b"data: [DONE]"]
+        assert len(errors) == 5 and all(error["error"]["code"] == "upstream_unavailable" for error in errors)
+        dead = app.pool.replicas[0]
+        assert not dead.healthy and time.monotonic() - killed_at < 2
+        after = await asyncio.gather(*(_post(session, url + "/chat/completions", CHAT) for _ in range(10)))
+        assert [status for status, _ in after] == [200] * 10
+        assert dead.outstanding == 0
+
+
+def _rss_mb(child: Child) -> float:
+    return psutil.Process(child.pid).memory_info().rss / 2**20
+
+
+def _connections(child: Child) -> int:
+    return len(psutil.Process(child.pid).net_connections(kind="tcp"))
+
+
+async def _blast(url: str, total: int, concurrency: int, body: dict[str, object]) -> dict[int, int]:
+    statuses: dict[int, int] = {}
+    sent = 0
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker() -> None:
+            nonlocal sent
+            while sent < total:
+                sent += 1
+                status, _ = await _post(session, url + "/chat/completions", body)
+                statuses[status] = statuses.get(status, 0) + 1
+
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), timeout=120)
+    return statuses
+
+
+async def test_overload_is_refused_promptly_with_bounded_memory(children: list[Child]) -> None:
+    fake = start_fake("--ttft-ms", "200")
+    children.append(fake)
+    gateway = start_gateway(gateway_config(fake.url, port=0, max_concurrency=8, max_queue=16, queue_timeout_s=0.5))
+    children.append(gateway)
+    baseline_mb = None
+    for _ in range(4):
+        started = time.monotonic()
+        statuses = await _blast(gateway.url, total=600, concurrency=300, body=CHAT)
+        elapsed_s = time.monotonic() - started
+        assert set(statuses) <= {200, 503} and statuses.get(503, 0) > 300
+        # 600 requests of 200 ms each through 8 slots would take 15 s if they were queued; they are refused instead
+        assert elapsed_s < 6
+        rss_mb = _rss_mb(gateway)
+        baseline_mb = baseline_mb or rss_mb
+    assert rss_mb - baseline_mb < 15, f"the gateway grew from {baseline_mb:.0f} to {rss_mb:.0f} MiB under overload"
+    metrics = httpx.get(gateway.url.removesuffix("/v1") + "/metrics").text
+    assert 'deepserve_gateway_rejections_total{reason="queue_full"}' in metrics
+    assert gateway.stop() == 0
+
+
+async def test_soak_10000_requests_without_growth(children: list[Child]) -> None:
+    fake = start_fake()
+    children.append(fake)
+    gateway = start_gateway(gateway_config(fake.url, port=0))
+    children.append(gateway)
+    stream_body = {**CHAT, "stream": True}
+    await _blast(gateway.url, total=2000, concurrency=32, body=CHAT)
+    warm_mb, warm_connections = _rss_mb(gateway), _connections(gateway)
+    for body in (CHAT, stream_body, CHAT, stream_body):
+        statuses = await _blast(gateway.url, total=2000, concurrency=32, body=body)
+        assert statuses == {200: 2000}
+    rss_mb, connections = _rss_mb(gateway), _connections(gateway)
+    assert rss_mb - warm_mb < 8, f"the gateway grew from {warm_mb:.1f} to {rss_mb:.1f} MiB over 8,000 requests"
+    assert connections <= max(warm_connections, 2 * 32 + 8)
+    assert gateway.stop() == 0
