@@ -22,6 +22,9 @@ class Report:
     slo_answers: list[SloAnswer]
     saturation_answers: list[SaturationAnswer]
 
+    def answer_texts(self) -> list[str]:
+        return [answer.text for answer in self.slo_answers] + [answer.text for answer in self.saturation_answers]
+
 
 def load_sets(paths: Sequence[Path], labels: Sequence[str] | None = None) -> list[ResultSet]:
     """One result set per path; LABELS (in the same order) replace the labels the results carry."""

@@ -1,0 +1,146 @@
+"""`deepserve runs list | show | compare | rm`: the results store, where every bench run and sweep point lands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from deepserve.results.points import SUMMARY_COLUMNS, format_rate
+from deepserve.results.store import DB_ENV, ResultsStore, RunRecord
+
+LIST_METRICS = ("completed", "failed", "output_throughput", "median_ttft_ms", "p99_itl_ms")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "runs",
+        help="list, show, compare and remove recorded benchmark runs",
+        description=f"The results store: SQLite at --db, else ${DB_ENV}, else DEEPSERVE_HOME/results/results.db.",
+    )
+    parser.add_argument("--db", type=Path, default=None, help="results store file")
+    commands = parser.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
+
+    listing = commands.add_parser("list", help="recorded runs, newest first")
+    listing.add_argument("--label", default=None, help="only runs with this label")
+    listing.add_argument("--model", default=None, help="only runs of this model")
+    listing.add_argument("--suite", default=None, help="only points of this suite")
+    listing.add_argument("--limit", type=int, default=50, help="at most this many (default 50; 0: all)")
+    listing.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    listing.set_defaults(handler=_list)
+
+    show = commands.add_parser("show", help="one run's metrics and metadata")
+    show.add_argument("run_id", type=int)
+    show.add_argument("--json", action="store_true", help="print the full result JSON")
+    show.set_defaults(handler=_show)
+
+    compare = commands.add_parser("compare", help="runs side by side, with the ratio to the first")
+    compare.add_argument("run_ids", type=int, nargs="+")
+    compare.set_defaults(handler=_compare)
+
+    remove = commands.add_parser("rm", help="delete runs")
+    remove.add_argument("run_ids", type=int, nargs="+")
+    remove.set_defaults(handler=_rm)
+
+
+def _store(args: argparse.Namespace) -> ResultsStore:
+    return ResultsStore(args.db)
+
+
+def _list(args: argparse.Namespace) -> int:
+    store = _store(args)
+    runs = store.list_runs(label=args.label, model=args.model, suite=args.suite, limit=args.limit or None)
+    if args.json:
+        for run in runs:
+            print(json.dumps(_summary(run)))
+        return 0
+    table = Table("id", "date", "label", "model", "point", *(_heading(key) for key in LIST_METRICS))
+    for run in runs:
+        table.add_row(
+            str(run.run_id),
+            run.created_at[:19].replace("T", " "),
+            run.label or "",
+            run.model or "",
+            run.params.describe(),
+            *(_cell(run.metric(key)) for key in LIST_METRICS),
+        )
+    Console().print(table)
+    if not runs:
+        print(f"no runs recorded in {store.path}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    run = _store(args).get(args.run_id)
+    if args.json:
+        print(json.dumps(run.result, indent=2))
+        return 0
+    table = Table(title=f"run {run.run_id}", show_header=False)
+    facts = [
+        ("date", run.created_at),
+        ("label", run.label or ""),
+        ("model", run.model or ""),
+        ("server", run.base_url or ""),
+        ("point", run.params.describe()),
+        ("suite", run.suite or ""),
+        ("sweep", f"{run.sweep_dir} ({run.point_id})" if run.sweep_dir else ""),
+        ("command", " ".join(run.result.get("command_line") or []) or str(run.metadata.get("command", ""))),
+    ]
+    for key, value in facts:
+        if value:
+            table.add_row(key, value)
+    for key, heading in SUMMARY_COLUMNS:
+        table.add_row(heading, _cell(run.metric(key)))
+    Console().print(table)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    runs = _store(args).get_many(args.run_ids)
+    table = Table("metric", *(f"run {run.run_id}" for run in runs), title="compare (ratio to the first run)")
+    table.add_row("label", *(run.label or "" for run in runs))
+    table.add_row("point", *(run.params.describe() for run in runs))
+    table.add_row("rate", *(format_rate(run.params.request_rate) for run in runs))
+    first = runs[0]
+    for key, heading in SUMMARY_COLUMNS:
+        base = first.metric(key)
+        cells = [_cell(base)]
+        for run in runs[1:]:
+            value = run.metric(key)
+            ratio = f" ({value / base:.2f}×)" if value is not None and base else ""
+            cells.append(_cell(value) + ratio)
+        table.add_row(heading, *cells)
+    Console().print(table)
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    store = _store(args)
+    removed = store.remove(args.run_ids)
+    print(f"removed {removed} run(s) from {store.path}")
+    return 0
+
+
+def _summary(run: RunRecord) -> dict[str, object]:
+    return {
+        "id": run.run_id,
+        "created_at": run.created_at,
+        "label": run.label,
+        "model": run.model,
+        "suite": run.suite,
+        **run.params.as_dict(),
+        **{key: run.metric(key) for key, _ in SUMMARY_COLUMNS},
+    }
+
+
+def _heading(key: str) -> str:
+    return dict(SUMMARY_COLUMNS).get(key, key)
+
+
+def _cell(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.0f}" if value >= 100 or value.is_integer() else f"{value:,.2f}"
