@@ -15,6 +15,7 @@ from deepserve.bench.types import ChatMessages
 if TYPE_CHECKING:
     from deepserve.bench.workloads import WorkloadConfig
 
+ALL_REQUESTS = 0  # default_num_prompts of file datasets: every usable request of the file, once
 CUSTOM_DEFAULT_OUTPUT_LEN = 256  # vLLM's --custom-output-len default
 CUSTOM_EXAMPLE = '{"prompt": "...", "output_tokens": 128} or {"messages": [{"role": "user", "content": "..."}]}'
 SHAREGPT_EXAMPLE = '[{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}, ...]'
@@ -192,11 +193,13 @@ class CustomDataset:
     """vLLM's `custom`: JSONL, one {"prompt": ...} or {"messages": [...]} per line, optional "output_tokens"."""
 
     name = "custom"
-    default_num_prompts = 1000
+    default_num_prompts = ALL_REQUESTS
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         path = _require_path(config, self.name)
-        items = _ordered(load_custom_jsonl(path), config, ctx)[:num_prompts]
+        items = _ordered(load_custom_jsonl(path), config, ctx)
+        num_prompts = num_prompts or len(items)
+        items = items[:num_prompts]
         fixed = config.custom_output_len if config.custom_output_len not in (None, -1) else None
         requests = []
         for item in items:
@@ -213,14 +216,15 @@ class ShareGPTDataset:
     1024, both over 2048) are dropped here too."""
 
     name = "sharegpt"
-    default_num_prompts = 1000
+    default_num_prompts = ALL_REQUESTS
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         path = _require_path(config, self.name)
         requests: list[DraftRequest] = []
         skipped = 0
-        for item in _ordered(load_sharegpt(path), config, ctx):
-            if len(requests) >= num_prompts:
+        items = _ordered(load_sharegpt(path), config, ctx)
+        for item in items:
+            if num_prompts and len(requests) >= num_prompts:
                 break
             assert isinstance(item.prompt, str) and item.reference_output is not None
             text_len = len(ctx.counter.prompt_ids(item.prompt))
@@ -234,7 +238,7 @@ class ShareGPTDataset:
         if not requests:
             raise DatasetError(f"{path}: every conversation was too short or too long ({skipped} skipped)")
         details = {"dataset_path": str(path), "skipped_by_length": skipped}
-        return DatasetResult(_oversampled(requests, num_prompts, config, ctx), details)
+        return DatasetResult(_oversampled(requests, num_prompts or len(requests), config, ctx), details)
 
 
 def _valid_pair(prompt_len: int, output_len: int, check_output: bool) -> bool:
