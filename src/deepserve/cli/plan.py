@@ -12,7 +12,7 @@ from rich.table import Table
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
 from deepserve.errors import ConfigError
-from deepserve.plan.fit import fit_profiles, fits_to_json, write_fits
+from deepserve.plan.fit import HeldOut, fit_profiles, fits_to_json, leave_one_out, write_fits
 from deepserve.plan.planner import Plan, PlanConfig, make_plan
 from deepserve.plan.validate import Validation, validate
 
@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     check = actions.add_parser("validate", help="predicted vs published figures, MAPE, unpredictable rows")
     check.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    check.add_argument(
+        "--cross-validate", action="store_true", help="also predict each fitted row from factors fitted without it"
+    )
     check.set_defaults(handler=_validate)
 
     fit = actions.add_parser("fit", help="refit the efficiency factors to the published figures")
@@ -156,11 +159,43 @@ def _shortfall(plan: Plan) -> str:
 
 def _validate(args: argparse.Namespace) -> int:
     result = validate()
+    held = leave_one_out() if args.cross_validate else None
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
-    else:
-        print_validation(Console(soft_wrap=True), result)
+        data = result.to_json()
+        if held is not None:
+            data["leave_one_out"] = {
+                "mape_pct": round(_mape(held), 2),
+                "rows": [
+                    {"row": h.row.number, "predicted": round(h.predicted, 2), "ratio": round(h.ratio, 3)} for h in held
+                ],
+            }
+        print(json.dumps(data, indent=2))
+        return 0
+    console = Console(soft_wrap=True)
+    print_validation(console, result)
+    if held is not None:
+        print_leave_one_out(console, held)
     return 0
+
+
+def _mape(held: list[HeldOut]) -> float:
+    return sum(abs(h.ratio - 1) for h in held) / max(len(held), 1) * 100
+
+
+def print_leave_one_out(console: Console, held: list[HeldOut]) -> None:
+    table = Table(title="leave-one-out: each row predicted by factors fitted without it")
+    for column in ("row", "setup", "predicted", "published", "ratio"):
+        table.add_column(column, justify="left" if column == "setup" else "right")
+    for h in held:
+        label = h.row.label().split(" ", 1)[1]
+        table.add_row(str(h.row.number), label, f"{h.predicted:,.2f}", f"{h.row.value:,.2f}", f"{h.ratio:.2f}")
+    console.print(table)
+    worst = max(held, key=lambda h: max(h.ratio, 1 / h.ratio))
+    console.print(
+        f"leave-one-out MAPE over {len(held)} rows: {_mape(held):.1f}%; worst ratio {worst.ratio:.2f} "
+        f"(row {worst.row.number})",
+        highlight=False,
+    )
 
 
 def print_validation(console: Console, result: Validation) -> None:

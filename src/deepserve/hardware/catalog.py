@@ -265,3 +265,29 @@ def get_network(name: str) -> Network:
         if net.name == wanted:
             return net
     raise ConfigError(unknown_name("network", name, [net.name for net in NETWORKS] + list(_NETWORK_ALIASES)))
+
+
+# Substrings of the names drivers report (torch.cuda.get_device_name, nvidia-smi, rocm-smi), most specific first.
+_DEVICE_NAME_RULES = (
+    ("h100 pcie", "h100-pcie"),
+    ("h100", "h100-sxm"),
+    ("h200", "h200"),
+    ("h20", "h20"),
+    ("b200", "b200"),
+    ("a100-sxm4-40gb", "a100-40gb"),
+    ("a100-pcie-40gb", "a100-40gb"),
+    ("a100", "a100-80gb"),
+    ("mi325x", "mi325x"),
+    ("mi300x", "mi300x"),
+    ("l40s", "l40s"),
+    ("rtx 6000 ada", "rtx-6000-ada"),
+)
+
+
+def match_device_name(reported: str) -> Accelerator | None:
+    """The catalog entry for a device name as the driver reports it (e.g. "NVIDIA H100 80GB HBM3"), or None."""
+    lowered = reported.lower()
+    for needle, name in _DEVICE_NAME_RULES:
+        if needle in lowered:
+            return get_accelerator(name)
+    return None

@@ -110,6 +110,8 @@ def load_calibration(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"calibration file {path} is not JSON: {exc}") from exc
+    if isinstance(data, dict) and data.get("smoke"):
+        raise ConfigError(f"calibration file {path} comes from a --smoke run, which measures nothing; run it on a GPU")
     planner = data.get("planner") if isinstance(data, dict) else None
     if not isinstance(planner, dict) or not {"memory_efficiency", "compute_efficiency"} <= planner.keys():
         raise ConfigError(

@@ -164,3 +164,27 @@ def fits_to_json(fits: list[ProfileFit]) -> dict[str, Any]:
 def write_fits(fits: list[ProfileFit], path: Path = FACTORS_PATH) -> Path:
     path.write_text(json.dumps(fits_to_json(fits), indent=1) + "\n")
     return path
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    row: PublishedRow
+    predicted: float  # by factors fitted without this row
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.row.value
+
+
+def leave_one_out() -> list[HeldOut]:
+    """Refit each fitted profile once per row without that row and predict it: how the model does on a figure it
+    has not seen, with everything else about the setup the same."""
+    held = []
+    for key, members in sorted(fittable_rows().items(), key=lambda item: item[0].describe()):
+        if len(members) < FACTOR_COUNT * MIN_ROWS_PER_FACTOR:
+            continue
+        for index, (row, deployment) in enumerate(members):
+            others = members[:index] + members[index + 1 :]
+            factors = fit_profile(key, others).factors
+            held.append(HeldOut(row, predict_row(row, deployment, with_factors(deployment, factors))))
+    return held

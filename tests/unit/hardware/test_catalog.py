@@ -60,3 +60,30 @@ def test_networks() -> None:
     assert get_network("ethernet").bandwidth_gb_s_per_node == pytest.approx(12.5)
     with pytest.raises(ConfigError, match="valid"):
         get_network("carrier-pigeon")
+
+
+@pytest.mark.parametrize(
+    ("reported", "name"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H20", "h20"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("AMD Instinct MI300X", "mi300x"),
+        ("NVIDIA RTX 6000 Ada Generation", "rtx-6000-ada"),
+    ],
+)
+def test_driver_device_names_match_catalog_entries(reported: str, name: str) -> None:
+    from deepserve.hardware.catalog import match_device_name
+
+    found = match_device_name(reported)
+    assert found is not None and found.name == name
+
+
+def test_unknown_device_name_matches_nothing() -> None:
+    from deepserve.hardware.catalog import match_device_name
+
+    assert match_device_name("Voodoo 3 3000") is None

@@ -126,3 +126,16 @@ def test_validate_command(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out)
     assert data["mape_pct_fitted_rows"] <= 25
     assert len(data["rows"]) + len(data["unpredictable"]) == 31
+
+
+def test_calibration_file_is_used(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(
+        json.dumps(
+            {"device": "NVIDIA H100 80GB HBM3", "planner": {"memory_efficiency": 0.5, "compute_efficiency": 0.4}}
+        )
+    )
+    _code, out, _ = run(capsys, "--model", AWQ, "--gpu", "h100", "--calibration", str(calibration), "--json")
+    factors = json.loads(out)["efficiency_factors"]
+    assert factors["memory_efficiency"] == 0.5 and factors["compute_efficiency"] == 0.4
+    assert factors["provenance"].startswith("measured on NVIDIA H100")
