@@ -213,15 +213,16 @@ def print_validation(console: Console, result: Validation) -> None:
             r.profile if r.provenance == "fitted" else f"{r.profile} (transferred)",
         )
     console.print(table)
-    worst = result.worst
-    console.print(
-        f"MAPE over {len(result.results)} predicted rows: {result.mape_pct:.1f}% "
-        f"(rows of fitted profiles: {result.mape_pct_of(True):.1f}%); worst ratio "
-        f"{worst.ratio:.2f} (row {worst.row.number})"
-        if worst
-        else "no predictable rows",
-        highlight=False,
-    )
+    worst, worst_fitted = result.worst, result.worst_fitted
+    if worst is None or worst_fitted is None:
+        console.print("no predictable rows")
+    else:
+        console.print(
+            f"MAPE over {len(result.results)} predicted rows: {result.mape_pct:.1f}%, worst ratio {worst.ratio:.2f} "
+            f"(row {worst.row.number}); over the rows of fitted profiles: {result.mape_pct_of(True):.1f}%, worst "
+            f"ratio {worst_fitted.ratio:.2f} (row {worst_fitted.row.number})",
+            highlight=False,
+        )
     off = result.off_by_more_than_2x
     console.print(
         f"off by more than 2x: {', '.join(f'row {r.row.number} ({r.provenance})' for r in off) or 'none'}",

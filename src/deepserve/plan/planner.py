@@ -94,7 +94,8 @@ def resolve_kv_dtype(kv_dtype: str, fmt: WeightFormat) -> str:
     """vLLM's `auto` caches in the activation dtype: FP16 for AWQ, BF16 otherwise (both 2 bytes)."""
     if kv_dtype == "auto":
         return "float16" if fmt.compute_dtype == "fp16" else "bfloat16"
-    return {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}.get(kv_dtype, kv_dtype)
+    aliases = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "bf16": "bfloat16", "fp16": "float16"}
+    return aliases.get(kv_dtype.lower(), kv_dtype.lower())
 
 
 def build_deployment(

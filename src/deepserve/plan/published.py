@@ -131,7 +131,7 @@ def row_spec(row: PublishedRow) -> ModelSpec:
 def unpredictable_reason(row: PublishedRow) -> str | None:
     """Why the model cannot predict ROW from its columns alone, or None."""
     if row.metric not in METRICS:
-        return f"metric {row.metric} (offline batch throughput) is not what the serving model predicts"
+        return f"metric {row.metric}: an offline batch run (all requests submitted at once), not online serving"
     if row.input_len is None or row.output_len is None:
         return "input/output lengths and concurrency not given (a figure quoted from a third-party report)"
     if row.concurrency is None and not row.setup.concurrency_sweep and not row.setup.rate_sweep:

@@ -50,6 +50,11 @@ class Validation:
         return max(self.results, key=lambda r: max(r.ratio, 1 / r.ratio), default=None)
 
     @property
+    def worst_fitted(self) -> RowResult | None:
+        fitted = [r for r in self.results if r.provenance == "fitted"]
+        return max(fitted, key=lambda r: max(r.ratio, 1 / r.ratio), default=None)
+
+    @property
     def off_by_more_than_2x(self) -> list[RowResult]:
         return [r for r in self.results if not 0.5 <= r.ratio <= 2.0]
 
@@ -59,6 +64,7 @@ class Validation:
             "mape_pct": round(self.mape_pct, 2),
             "mape_pct_fitted_rows": round(self.mape_pct_of(True), 2),
             "worst_ratio": round(worst.ratio, 3) if worst else None,
+            "worst_ratio_fitted_rows": round(self.worst_fitted.ratio, 3) if self.worst_fitted else None,
             "rows": [
                 {
                     "row": r.row.number,
@@ -95,5 +101,9 @@ def validate(factors_path: Path = FACTORS_PATH) -> Validation:
                 value = predict_row(row, deployment, deployment.performance_model(selected))
                 results.append(RowResult(row, value, selected.profile, selected.provenance))
                 continue
+        if row.engine not in {key.engine for key in fitted} and "engine" not in reason:
+            reason += (
+                f"; and no efficiency factors exist for engine {row.engine} (no other published row to fit them on)"
+            )
         skipped.append(Skipped(row, reason))
     return Validation(tuple(results), tuple(skipped))
