@@ -14,8 +14,11 @@ import json
 import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
+
+import httptools
+import orjson
 
 from deepserve.bench.types import RequestSpec
 
@@ -109,7 +112,7 @@ def _messages_text(messages: list[dict[str, str]]) -> str:
 
 
 class Tally:
-    """Events received over all of a client's connections (read by the progress display)."""
+    """Body pieces received over all of a client's connections (≈ SSE events; read by the progress display)."""
 
     __slots__ = ("events",)
 
@@ -118,19 +121,19 @@ class Tally:
 
 
 class _ResponseParser:
-    """Incremental HTTP/1.1 response parser: status and headers, then a chunked, sized or until-close body whose
-    SSE events are framed as they arrive. Fed from `data_received`; keeps the per-read work to byte searches."""
+    """One response, parsed incrementally by httptools (llhttp, in C): status, headers, and a chunked, sized or
+    until-close body. The callback per body piece only appends the bytes and the time of the read that brought
+    them; SSE framing and JSON wait until the response has ended (`frame_events`, `decode_events`)."""
 
     __slots__ = (
-        "_body_left",
-        "_chunk_left",
-        "_chunked",
-        "_head",
-        "_in_body",
-        "_pending",
-        "_sse",
+        "_framed",
+        "_http",
+        "_now",
+        "_until_close",
+        "body_parts",
+        "body_times",
         "done",
-        "keep_alive",
+        "headers_done",
         "response",
         "tally",
     )
@@ -139,141 +142,100 @@ class _ResponseParser:
         self.tally = tally
         self.response = RawResponse()
         self.done = False
-        self.keep_alive = True
-        self._head = bytearray()
-        self._in_body = False
-        self._chunked = False
-        self._body_left = -1  # -1: until the connection closes
-        self._chunk_left = 0  # bytes left in the current HTTP chunk; 0: expecting a size line
-        self._pending = bytearray()  # chunked framing bytes not yet parsed
-        self._sse = bytearray()  # SSE text not yet split into events
+        self.headers_done = False
+        self.body_parts: list[bytes] = []
+        self.body_times: list[float] = []
+        self._now = 0.0
+        self._until_close = False
+        self._framed = False
+        self._http = httptools.HttpResponseParser(self)
+
+    @property
+    def keep_alive(self) -> bool:
+        return self.done and not self._until_close and bool(self._http.should_keep_alive())
 
     def feed(self, data: bytes, now: float) -> None:
-        if not self._in_body:
-            self._head += data
-            cut = self._head.find(b"\r\n\r\n")
-            if cut < 0:
-                return
-            data = bytes(self._head[cut + 4 :])
-            self._parse_head(bytes(self._head[:cut]))
-            self._in_body = True
-            if self.done or not data:
-                return
-        if self._chunked:
-            self._feed_chunked(data, now)
+        self._now = now
+        try:
+            self._http.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.response.error = f"malformed HTTP response: {exc}"
+            self._finish()
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        lowered = name.lower()
+        if lowered == b"content-length" or (lowered == b"transfer-encoding" and b"chunked" in value.lower()):
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
+        self.response.status = int(self._http.get_status_code())
+        self._until_close = not self._framed
+
+    def on_body(self, body: bytes) -> None:
+        self.body_parts.append(body)
+        self.body_times.append(self._now)
+        self.tally.events += 1
+
+    def on_message_complete(self) -> None:
+        self._finish()
+
+    def _finish(self) -> None:
+        if self.done:
+            return
+        self.response.end_s = self._now
+        self.done = True
+        self._collect()
+
+    def _collect(self) -> None:
+        if self.response.status == 200:
+            frame_events(self.body_parts, self.body_times, self.response)
         else:
-            self._feed_sized(data, now)
+            self.response.body = b"".join(self.body_parts)[:MAX_ERROR_BODY_BYTES]
 
-    def _parse_head(self, head: bytes) -> None:
-        lines = head.decode("latin-1").split("\r\n")
-        status_parts = lines[0].split(" ", 2)
-        self.response.status = int(status_parts[1]) if len(status_parts) > 1 and status_parts[1].isdigit() else 0
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            name, value = name.strip().lower(), value.strip().lower()
-            if name == "transfer-encoding" and "chunked" in value:
-                self._chunked = True
-            elif name == "content-length" and value.isdigit():
-                self._body_left = int(value)
-            elif name == "connection" and value == "close":
-                self.keep_alive = False
-        if lines[0].startswith("HTTP/1.0"):
-            self.keep_alive = False
-        if not self._chunked and self._body_left == 0:
-            self._finish(time.perf_counter())
-        elif not self._chunked and self._body_left < 0:
-            self.keep_alive = False
-
-    def _feed_sized(self, data: bytes, now: float) -> None:
-        if self._body_left >= 0:
-            data = data[: self._body_left]
-            self._body_left -= len(data)
-        self._body(data, now)
-        if self._body_left == 0:
-            self._finish(now)
-
-    def _feed_chunked(self, data: bytes, now: float) -> None:
-        buf = self._pending
-        buf += data
-        pos = 0
-        end = len(buf)
-        while pos < end:
-            if self._chunk_left > 0:
-                take = min(self._chunk_left, end - pos)
-                self._body(bytes(buf[pos : pos + take]), now)
-                pos += take
-                self._chunk_left -= take
-                if self._chunk_left == 0:
-                    self._chunk_left = -2  # the CRLF after the chunk data
-                continue
-            if self._chunk_left == -2:
-                if end - pos < 2:
-                    break
-                pos += 2
-                self._chunk_left = 0
-                continue
-            line_end = buf.find(b"\r\n", pos)
-            if line_end < 0:
-                break
-            size_text = bytes(buf[pos:line_end]).split(b";", 1)[0].strip()
-            pos = line_end + 2
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                self.response.error = f"malformed HTTP chunk size {size_text[:20]!r}"
-                self.keep_alive = False
-                self._finish(now)
-                return
-            if size == 0:  # last chunk; trailers (if any) are ignored
-                self._finish(now)
-                return
-            self._chunk_left = size
-        del buf[:pos]
-
-    def _body(self, data: bytes, now: float) -> None:
-        if self.response.status != 200:
-            if len(self.response.body) < MAX_ERROR_BODY_BYTES:
-                self.response.body += data
+    def close(self, now: float, reason: str) -> None:
+        """The connection ended. For a body delimited by the close that is its end; otherwise, if the response
+        was not finished, it was cut short."""
+        if self.done:
             return
-        sse = self._sse
-        sse += data
-        if sse.find(b"\n\n") < 0 and sse.find(b"\r\n\r\n") < 0:
+        self._now = now
+        if self.headers_done and self._until_close:
+            self._finish()
             return
-        text = bytes(sse).replace(b"\r\n", b"\n") if b"\r" in sse else bytes(sse)
-        events = text.split(b"\n\n")
-        sse[:] = events.pop()  # the unfinished tail
-        self.tally.events += len(events)
-        payloads = self.response.event_payloads
-        times = self.response.event_times
+        self.response.error = reason
+        self._finish()
+
+
+def frame_events(parts: list[bytes], times: list[float], response: RawResponse) -> None:
+    """Split body PARTS into SSE events; each event is stamped with the arrival of the part that completed it."""
+    buffer = b""
+    payloads, stamps = response.event_payloads, response.event_times
+    for part, arrived_s in zip(parts, times, strict=True):
+        if not buffer and part.startswith(b"data: ") and part.find(b"\n") == len(part) - 2 and part[-1:] == b"\n":
+            payloads.append(part[6:-2])  # the usual case: one piece, one single-line event
+            stamps.append(arrived_s)
+            continue
+        if not buffer and part.endswith(b"\n\n") and part.count(b"\n\n") == 1 and b"\r" not in part:
+            events = [part]  # one piece, one event
+        else:
+            buffer += part
+            if b"\r" in buffer:
+                buffer = buffer.replace(b"\r\n", b"\n")
+            if b"\n\n" not in buffer:
+                continue
+            *events, buffer = buffer.split(b"\n\n")
         for event in events:
             payload = _sse_data(event)
             if payload is not None:
                 payloads.append(payload)
-                times.append(now)
-
-    def _finish(self, now: float) -> None:
-        if self.done:
-            return
-        tail = bytes(self._sse).strip()
-        if tail and self.response.status == 200:  # a last event without its blank line
-            payload = _sse_data(tail)
-            if payload is not None:
-                self.response.event_payloads.append(payload)
-                self.response.event_times.append(now)
-        self.response.end_s = now
-        self.done = True
-
-    def close(self, now: float, reason: str) -> None:
-        """The connection ended. Without a length or chunk framing that is the end of the body; otherwise, if the
-        response was not finished, it was cut short."""
-        if self.done:
-            return
-        if self._in_body and not self._chunked and self._body_left < 0:
-            self._finish(now)
-            return
-        self.response.error = reason
-        self.response.end_s = now
-        self.done = True
+                stamps.append(arrived_s)
+    tail = buffer.strip()
+    if tail and times:  # a last event without its blank line
+        payload = _sse_data(tail)
+        if payload is not None:
+            payloads.append(payload)
+            stamps.append(times[-1])
 
 
 def _sse_data(event: bytes) -> bytes | None:
@@ -301,8 +263,7 @@ class _Connection(asyncio.Protocol):
         self.bytes_received = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
@@ -451,8 +412,8 @@ def decode_events(response: RawResponse) -> DecodedStream:
         if payload == DONE:
             continue
         try:
-            event = json.loads(payload)
-        except ValueError:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
             out.error = f"malformed SSE event: {payload[:80].decode('utf-8', 'replace')!r}"
             break
         if not isinstance(event, dict):

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 JSON_HEADERS = "Content-Type: application/json\r\n"
 SSE_HEADERS = "Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
@@ -68,8 +68,7 @@ class _Handler(asyncio.Protocol):
         self.resume: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
 
     def pause_writing(self) -> None:
         self.resume = asyncio.get_running_loop().create_future()
@@ -179,7 +178,7 @@ class _Handler(asyncio.Protocol):
             if script.itl_s > 0 or position == 0:
                 await self._flush(pending, log)
                 await _sleep_until(due_s)
-            pending.append(_event(_token_chunk(script, chat, position, tokens)))
+            pending.append(_cached_token_event(script, chat, position, tokens))
             log.tokens.append(tokens)
             if len(pending) >= script.chunks_per_write or script.itl_s > 0:
                 await self._flush(pending, log)
@@ -246,6 +245,19 @@ def _token_chunk(script: FakeScript, chat: bool, position: int, tokens: int) -> 
         choice["token_ids"] = [position] * tokens
     kind = "chat.completion.chunk" if chat else "text_completion"
     return {"id": "cmpl-fake", "object": kind, "created": 0, "model": script.model, "choices": [choice]}
+
+
+_CHUNK_CACHE: dict[tuple[str, bool, int], bytes] = {}
+
+
+def _cached_token_event(script: FakeScript, chat: bool, position: int, tokens: int) -> bytes:
+    """Token events are the same bytes after the first (no ids): encoded once, so the server stays cheap."""
+    if position == 0 or script.send_token_ids:
+        return _event(_token_chunk(script, chat, position, tokens))
+    key = (script.model, chat, tokens)
+    if key not in _CHUNK_CACHE:
+        _CHUNK_CACHE[key] = _event(_token_chunk(script, chat, position, tokens))
+    return _CHUNK_CACHE[key]
 
 
 def _event(payload: dict[str, Any]) -> bytes:

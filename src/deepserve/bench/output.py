@@ -43,6 +43,7 @@ class BenchResult:
     incomplete: bool = False  # interrupted (Ctrl-C): partial results
     warmups_done: int = 0
     started_at: datetime = field(default_factory=datetime.now)
+    clock_origin_s: float = 0.0  # t = 0 of the record times, as time.perf_counter() (system-wide monotonic)
 
     def summary(self) -> dict[str, Any]:
         metrics_config = self.config.metrics
@@ -88,6 +89,7 @@ class BenchResult:
                 "tokenizer_source": self.tokenizer_source,
                 "output_tokens_source": self.output_tokens_source,
                 "token_attribution": self.token_attribution,
+                "clock_origin_perf_counter_s": self.clock_origin_s,
                 "server_metrics": self.server.to_json(),
             }
         )

