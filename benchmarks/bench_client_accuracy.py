@@ -32,6 +32,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from deepserve.models.tiny import write_tiny_model
+
 PYTHON = sys.executable
 VLLM_SHIM = (
     "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
@@ -165,10 +167,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-client-"))
     tokenizer = str(work / "tokenizer")
-    subprocess.run(
-        [PYTHON, "-c", f"from deepserve.models.tiny import write_tiny_model as w; from pathlib import Path; w(Path({tokenizer!r}))"],
-        check=True,
-    )  # fmt: skip
+    write_tiny_model(Path(tokenizer))  # vLLM's client needs a tokenizer for its random prompts; so does ours
     rows: dict[str, dict[str, Any]] = {name: {} for name in clients}
 
     with FakeServer("--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--log-sends") as server:
