@@ -368,7 +368,7 @@ def _fit_timed(
     overrides: dict[str, Any] | None,
     notes: list[str],
 ) -> float:
-    """Shrink lengths until one request at the heaviest point takes at most a third of a point's duration, so that
+    """Shrink lengths until one request at the heaviest point takes at most half of a point's duration, so that
     each point completes several rounds of requests and its drain stays short."""
     start = factor
     while factor > 1e-3:
@@ -376,7 +376,7 @@ def _fit_timed(
         worst_s = max(
             probe.request_s(point.input_len or 0, point.output_len or 0, _load_of(point, probe)) for point in scaled
         )
-        if worst_s <= duration_s / 3:
+        if worst_s <= duration_s / 2:
             break
         factor *= 0.8
     if factor < start:
