@@ -62,8 +62,8 @@ def test_cli_report_writes_html_and_pngs(tmp_path: Path, capsys):
 
 
 def test_cli_report_from_stored_runs(tmp_path: Path, capsys):
-    from deepserve.results.sweepdir import load_result_set
     from deepserve.results.store import record_run
+    from deepserve.results.sweepdir import load_result_set
 
     ids = [
         str(record_run(point.result, label="stored")) for point in load_result_set(FIXTURES / "b200_vllm_loose").points
