@@ -105,6 +105,13 @@ def print_plan(console: Console, plan: Plan) -> None:
     )
     for engine, line in plan.commands.items():
         console.print(f"[bold]{engine}[/]: {line}", soft_wrap=True, highlight=False)
+    if plan.deployment.nodes > 1:
+        console.print(
+            f"on {plan.deployment.nodes} nodes: start a Ray cluster over them before vLLM (`ray start --head` here, "
+            "`ray start --address HEAD_NODE_IP:6379` on the others); run SGLang's line on every node with its "
+            "own --node-rank",
+            highlight=False,
+        )
 
 
 def _memory_table(plan: Plan) -> Table:

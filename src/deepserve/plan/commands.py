@@ -35,8 +35,17 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
             "quantization": deployment.fmt.vllm_quantization,
             "kv_cache_dtype": "fp8" if deployment.kv_dtype == "fp8" else None,
             "trust_remote_code": True,
+            "extra_args": _multi_node_args(deployment, engine),
         }
     )
+
+
+def _multi_node_args(deployment: Deployment, engine: str) -> list[str]:
+    """SGLang starts one process per node and needs to know which; vLLM's head process finds the others through a
+    Ray cluster started beforehand, so its command line is the same on one node or several."""
+    if engine != "sglang" or deployment.nodes == 1:
+        return []
+    return ["--nnodes", str(deployment.nodes), "--node-rank", "0", "--dist-init-addr", "HEAD_NODE_IP:5000"]
 
 
 def engine_commands(deployment: Deployment, config: PlanConfig) -> dict[str, str]:

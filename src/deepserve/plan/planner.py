@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -29,22 +29,26 @@ class PlanConfig(Section):
     gpu: str = Field("h100", description="GPU type from the catalog, case-insensitive (h100 = H100 SXM)")
     gpus: int = Field(8, ge=1, description="total GPUs (all nodes)")
     nodes: int = Field(1, ge=1, description="nodes the GPUs are spread over")
-    weights: str | None = Field(None, description="bf16, fp16, fp8, fp8-dynamic, awq-int4 (default: the checkpoint's)")
+    weights: str | None = Field(
+        None, description="bf16, fp16, fp8, fp8-dynamic, awq-int4; None = the checkpoint's format"
+    )
     kv_dtype: str = Field("auto", description="KV-cache dtype: auto (the activation dtype, 16-bit) or fp8")
-    max_model_len: int | None = Field(None, ge=16, description="context length (default: 32768 or the model's)")
+    max_model_len: int | None = Field(
+        None, ge=16, description="context length; None = 32768 or the model's maximum if smaller"
+    )
     input_len: int = Field(1024, ge=1, description="prompt tokens per request")
     output_len: int = Field(256, ge=2, description="output tokens per request")
     concurrency: list[int] = Field(default_factory=lambda: list(DEFAULT_CONCURRENCY), description="levels")
     slo_itl_ms: float | None = Field(50.0, gt=0, description="inter-token latency objective (mean, ms)")
     gpu_hour_usd: float | None = Field(None, gt=0, description="price of one GPU-hour, for cost per 1M tokens")
-    engine: str = Field("vllm", description="engine whose efficiency factors to use: vllm or sglang")
-    tp: int | None = Field(None, ge=1, description="tensor-parallel size (default: GPUs per node)")
-    pp: int | None = Field(None, ge=1, description="pipeline-parallel size (default: nodes)")
+    engine: Literal["vllm", "sglang"] = Field("vllm", description="engine whose efficiency factors to use")
+    tp: int | None = Field(None, ge=1, description="tensor-parallel size; None = GPUs per node")
+    pp: int | None = Field(None, ge=1, description="pipeline-parallel size; None = the number of nodes")
     dp: int = Field(1, ge=1, description="data-parallel attention replicas (with --ep)")
     ep: bool = Field(False, description="expert parallelism: whole experts per GPU instead of split experts")
     network: str = Field("infiniband-ndr", description="between nodes: infiniband-ndr, roce-400g, ethernet-100g")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory the engine uses")
-    max_num_seqs: int | None = Field(None, ge=1, description="running-batch cap (default: what the KV cache holds)")
+    max_num_seqs: int | None = Field(None, ge=1, description="running-batch cap; None = what the KV cache holds")
     max_num_batched_tokens: int = Field(8192, ge=1, description="tokens per step (sizes the activation reserve)")
     calibration: Path | None = Field(None, description="JSON from benchmarks/calibrate_gpu.py (measured factors)")
 

@@ -139,3 +139,19 @@ def test_calibration_file_is_used(capsys: pytest.CaptureFixture[str], tmp_path: 
     factors = json.loads(out)["efficiency_factors"]
     assert factors["memory_efficiency"] == 0.5 and factors["compute_efficiency"] == 0.4
     assert factors["provenance"].startswith("measured on NVIDIA H100")
+
+
+def test_two_nodes_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    _code, out, _ = run(capsys, "--gpu", "h100", "--gpus", "16", "--nodes", "2", "--weights", "fp8", "--json")
+    plan = json.loads(out)
+    assert plan["layout"] == {"tp": 8, "pp": 2, "dp": 1, "ep": False}
+    assert "--pipeline-parallel-size 2" in plan["commands"]["vllm"]
+    assert "--nnodes 2" in plan["commands"]["sglang"] and "--pp-size 2" in plan["commands"]["sglang"]
+    _code, out, _ = run(capsys, "--gpu", "h100", "--gpus", "16", "--nodes", "2", "--weights", "fp8")
+    assert "Ray cluster" in out
+
+
+def test_unknown_engine_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli_main.main(["plan", "--engine", "trtllm"])
+    assert "invalid choice" in capsys.readouterr().err
