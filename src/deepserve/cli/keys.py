@@ -47,7 +47,7 @@ def _create(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     store = KeyStore()
     try:
-        keys = store.keys()
+        keys = store.all_keys()
     finally:
         store.close()
     table = Table("name", "id", "rpm", "tpm", "max concurrency", "models", "created", "status")

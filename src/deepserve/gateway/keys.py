@@ -110,10 +110,10 @@ class KeyStore:
             "UPDATE keys SET revoked_at = ? WHERE name = ? AND revoked_at IS NULL", (time.time(), name)
         )
         if cursor.rowcount == 0:
-            valid = [key.name for key in self.keys() if key.revoked_at is None]
+            valid = [key.name for key in self.all_keys() if key.revoked_at is None]
             raise ConfigError(f"no active key named {name!r}; active keys: {', '.join(valid) or 'none'}")
 
-    def keys(self) -> list[ApiKey]:
+    def all_keys(self) -> list[ApiKey]:
         return [stored.key for stored in self._load()]
 
     def data_version(self) -> int:
@@ -170,6 +170,8 @@ class KeyRing:
         if prefix != KEY_PREFIX or not secret:
             return None
         stored = self._keys.get(key_id)
+        if stored is None and self.refresh():  # a key created a moment ago: usable at once
+            stored = self._keys.get(key_id)
         if stored is None:
             return None
         if not hmac.compare_digest(_hash(stored.salt, secret), stored.secret_hash):

@@ -20,6 +20,7 @@ import uvicorn
 from deepserve.engines.base import url_host
 from deepserve.gateway.app import GatewayApp
 from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.keys import KeyStore
 
 READY_PREFIX = "GATEWAY READY"
 _SHUTDOWN_GRACE_S = 5
@@ -134,12 +135,29 @@ def run_gateway(config: GatewayConfig) -> int:
     """Blocking entry point for the CLI."""
     config.check_startable()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s gateway %(levelname)s %(message)s")
+    if config.keys_required():
+        _warn_if_no_keys()
 
     def announce(url: str) -> None:
         print(f"{READY_PREFIX} {url}", flush=True)
 
     _run(serve(config, announce))
     return 0
+
+
+def _warn_if_no_keys() -> None:
+    store = KeyStore()
+    try:
+        active = [key for key in store.all_keys() if key.revoked_at is None]
+    finally:
+        store.close()
+    if not active:
+        print(
+            "deepserve gateway: API keys are required (non-loopback bind or --require-keys) and none exist yet; "
+            "every request is refused until you run `deepserve keys create NAME`",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _run(main: Any) -> None:

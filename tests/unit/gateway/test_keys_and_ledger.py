@@ -55,3 +55,9 @@ def test_ledger_batches_rows_and_summarises_per_key_and_day(tmp_path: Path) -> N
     assert rows["b"].mean_latency_ms == 40.0
     texts = sqlite3.connect(path).execute("SELECT request_body, response_body FROM usage").fetchall()
     assert all(row == (None, None) for row in texts)
+
+
+def test_a_new_key_works_at_once(tmp_path: Path) -> None:
+    ring = KeyRing(KeyStore(tmp_path / "keys.sqlite"))
+    _, secret = KeyStore(tmp_path / "keys.sqlite").create("fresh")
+    assert ring.verify(secret) is not None  # no wait for the periodic refresh

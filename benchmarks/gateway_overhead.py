@@ -1,0 +1,370 @@
+"""What the gateway adds: the same streaming and non-streaming load sent straight to a fast fake upstream, through
+deepserve's gateway, and through LiteLLM's proxy (the peer), side by side in one run.
+
+Every server is its own process on loopback: the fake upstream (deepserve.gateway.fake_upstream), the gateway
+(`deepserve gateway`, one process), LiteLLM's proxy (one worker, in its own virtualenv, created on demand), and this
+load generator (aiohttp on uvloop). On a small shared machine all of them compete for the same cores, so read the
+*differences and ratios* between the columns of one run, not the absolute numbers.
+
+    .venv/bin/python benchmarks/gateway_overhead.py                  # the table in docs/PERFORMANCE.md
+    .venv/bin/python benchmarks/gateway_overhead.py --no-litellm     # without the peer
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.fake_upstream import FAKE_MODEL
+from deepserve.gateway.server import gateway_argv
+
+REPO = Path(__file__).resolve().parent.parent
+LITELLM_VENV = REPO / ".bench-venvs" / "litellm"
+
+
+# ---- processes ----------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Server:
+    name: str
+    url: str  # base URL ending in /v1
+    process: subprocess.Popen[str]
+    output: list[str] = field(default_factory=list)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_server(name: str, argv: list[str], ready_line: str | None, url: str, health: str, timeout_s: float) -> Server:
+    """Start ARGV; ready when READY_LINE is printed (if given) and HEALTH answers 200."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
+    server = Server(name, url, process)
+    seen = threading.Event()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            server.output = [*server.output[-50:], line.rstrip()]
+            if ready_line and line.startswith(ready_line):
+                seen.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        if (ready_line is None or seen.is_set()) and _answers(health):
+            return server
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"{name} did not start:\n" + "\n".join(server.output[-30:]))
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def start_fake(itl_ms: float) -> Server:
+    port = free_port()
+    argv = [sys.executable, "-m", "deepserve.gateway.fake_upstream", "--port", str(port), "--itl-ms", str(itl_ms)]
+    url = f"http://127.0.0.1:{port}"
+    return start_server("fake upstream", argv, "FAKE READY", url + "/v1", url + "/health", 30)
+
+
+def start_gateway(upstream: str) -> Server:
+    port = free_port()
+    config = GatewayConfig.model_validate(
+        {"upstream": [upstream], "port": port, "max_concurrency": 8192, "max_queue": 8192}
+    )
+    url = f"http://127.0.0.1:{port}"
+    return start_server("deepserve gateway", gateway_argv(config, sys.executable), "GATEWAY READY", url + "/v1",
+                        url + "/ready", 60)  # fmt: skip
+
+
+def ensure_litellm() -> Path | None:
+    """LiteLLM's proxy in its own virtualenv (created on first use); None, with a note, if that fails."""
+    binary = LITELLM_VENV / "bin" / "litellm"
+    if binary.exists():
+        return binary
+    print(f"creating {LITELLM_VENV} and installing litellm[proxy] (once; a few minutes) …", flush=True)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
+        pip = [str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"]
+        subprocess.run(pip, check=True, timeout=900)
+    except (subprocess.SubprocessError, OSError) as exc:
+        print(f"note: LiteLLM skipped: could not install it into {LITELLM_VENV} ({exc})", flush=True)
+        return None
+    return binary if binary.exists() else None
+
+
+def start_litellm(binary: Path, upstream: str, workdir: Path) -> Server:
+    port = free_port()
+    config = workdir / "litellm.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "model_list": [
+                    {
+                        "model_name": FAKE_MODEL,
+                        "litellm_params": {"model": "openai/" + FAKE_MODEL, "api_base": upstream, "api_key": "none"},
+                    }
+                ],
+                "litellm_settings": {"telemetry": False},
+            }
+        )
+    )
+    argv = [str(binary), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
+    url = f"http://127.0.0.1:{port}"
+    os.environ.setdefault("LITELLM_LOG", "ERROR")
+    return start_server("LiteLLM proxy", argv, None, url + "/v1", url + "/health/liveliness", 180)
+
+
+# ---- load ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamResult:
+    ttft_s: float
+    itl_s: float | None  # mean gap between events after the first
+    ok: bool
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes) -> StreamResult:
+    started = time.perf_counter()
+    first = last = 0.0
+    events = 0
+    try:
+        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
+            if response.status != 200:
+                await response.read()
+                return StreamResult(0.0, None, False)
+            async for chunk in response.content.iter_any():
+                now = time.perf_counter()
+                count = chunk.count(b"data:")
+                if not count:
+                    continue
+                if not events:
+                    first = now
+                events += count
+                last = now
+    except aiohttp.ClientError:
+        return StreamResult(0.0, None, False)
+    # [DONE] is an event but no token; the gaps are between token events
+    tokens = events - 1
+    itl = (last - first) / (tokens - 1) if tokens > 1 else None
+    return StreamResult(first - started, itl, tokens > 0)
+
+
+async def stream_load(url: str, concurrency: int, rounds: int, tokens: int) -> list[StreamResult]:
+    """CONCURRENCY streams at all times, ROUNDS each; the first round (connection set-up) is not counted."""
+    body = json.dumps(
+        {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": tokens, "stream": True}
+    ).encode()
+    results: list[StreamResult] = []
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def worker() -> None:
+            for round_index in range(rounds):
+                result = await one_stream(session, url + "/chat/completions", body)
+                if round_index:
+                    results.append(result)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+async def request_rate(url: str, concurrency: int, duration_s: float) -> tuple[float, int]:
+    """Non-streamed 1-token requests, CONCURRENCY at a time for DURATION_S: (completed per second, failures)."""
+    body = json.dumps({"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    done = failed = 0
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        warm_until = time.perf_counter() + min(1.0, duration_s / 4)
+        stop_at = warm_until + duration_s
+        started = warm_until
+
+        async def worker() -> None:
+            nonlocal done, failed
+            while (now := time.perf_counter()) < stop_at:
+                try:
+                    async with session.post(url + "/completions", data=body,
+                                            headers={"Content-Type": "application/json"}) as response:  # fmt: skip
+                        await response.read()
+                        ok = response.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if now >= warm_until:
+                    done += ok
+                    failed += not ok
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / (time.perf_counter() - started), failed
+
+
+# ---- metrics and table --------------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (Q in 0..100), as numpy's default."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass
+class StreamSummary:
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_mean_ms: float
+    failures: int
+    count: int
+
+
+def summarise(results: list[StreamResult]) -> StreamSummary:
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft_s * 1000 for r in ok]
+    itls = [r.itl_s * 1000 for r in ok if r.itl_s is not None]
+    return StreamSummary(
+        percentile(ttfts, 50), percentile(ttfts, 99), statistics.fmean(itls) if itls else float("nan"),
+        len(results) - len(ok), len(results),
+    )  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1000], help="concurrent streams")
+    parser.add_argument("--tokens", type=int, default=20, help="tokens per stream")
+    parser.add_argument("--itl-ms", type=float, default=50.0, help="the fake upstream's inter-token latency")
+    parser.add_argument("--rounds", type=int, default=3, help="streams per worker (the first is warm-up)")
+    parser.add_argument("--rate-concurrency", type=int, default=64, help="concurrency of the requests/s test")
+    parser.add_argument("--rate-duration-s", type=float, default=5.0)
+    parser.add_argument("--litellm-max-streams", type=int, default=64, help="LiteLLM only up to this concurrency")
+    parser.add_argument("--no-litellm", action="store_true")
+    args = parser.parse_args()
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["DEEPSERVE_HOME"] = tmp  # the gateway's ledger and keys go to a throw-away home
+        return runner(_run(args, Path(tmp)))
+
+
+async def _run(args: argparse.Namespace, workdir: Path) -> int:
+    print(f"machine: {os.cpu_count()} CPUs (shared); every server is one process on loopback", flush=True)
+    fake = start_fake(args.itl_ms)
+    servers = [fake]
+    try:
+        targets = {"direct": fake.url}
+        gateway = start_gateway(fake.url)
+        servers.append(gateway)
+        targets["gateway"] = gateway.url
+        binary = None if args.no_litellm else ensure_litellm()
+        if binary is not None:
+            try:
+                litellm = start_litellm(binary, fake.url, workdir)
+                servers.append(litellm)
+                targets["litellm"] = litellm.url
+            except RuntimeError as exc:
+                print(f"note: LiteLLM skipped: {exc}", flush=True)
+        rows = await _measure(args, targets)
+    finally:
+        for server in reversed(servers):
+            server.stop()
+    _print_tables(args, rows)
+    return 0
+
+
+async def _measure(args: argparse.Namespace, targets: dict[str, str]) -> dict[str, object]:
+    rows: dict[str, object] = {}
+    for concurrency in args.concurrency:
+        for name, url in targets.items():
+            if name == "litellm" and concurrency > args.litellm_max_streams:
+                continue
+            started = time.perf_counter()
+            summary = summarise(await stream_load(url, concurrency, args.rounds, args.tokens))
+            rows[f"stream/{concurrency}/{name}"] = summary
+            print(f"  {concurrency:>5} streams via {name:<8} {summary} ({time.perf_counter() - started:.1f} s)",
+                  flush=True)  # fmt: skip
+    for name, url in targets.items():
+        rate, failed = await request_rate(url, args.rate_concurrency, args.rate_duration_s)
+        rows[f"rate/{name}"] = (rate, failed)
+        print(f"  requests/s via {name:<8} {rate:,.0f} ({failed} failed)", flush=True)
+    return rows
+
+
+def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
+    print()
+    print(f"Streams of {args.tokens} tokens, fake upstream ITL {args.itl_ms:g} ms; added = via − direct, same run")
+    print("| streams | path | TTFT p50 ms | TTFT p99 ms | ITL mean ms | added TTFT p50 ms | added TTFT p99 ms "
+          "| added ITL ms | failed |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for concurrency in args.concurrency:
+        direct = rows.get(f"stream/{concurrency}/direct")
+        for name in ("direct", "gateway", "litellm"):
+            summary = rows.get(f"stream/{concurrency}/{name}")
+            if not isinstance(summary, StreamSummary) or not isinstance(direct, StreamSummary):
+                continue
+            added = (
+                f"{summary.ttft_p50_ms - direct.ttft_p50_ms:+.2f} | {summary.ttft_p99_ms - direct.ttft_p99_ms:+.2f} | "
+                f"{summary.itl_mean_ms - direct.itl_mean_ms:+.2f}"
+                if name != "direct" else "– | – | –"
+            )  # fmt: skip
+            print(f"| {concurrency} | {name} | {summary.ttft_p50_ms:.2f} | {summary.ttft_p99_ms:.2f} | "
+                  f"{summary.itl_mean_ms:.2f} | {added} | {summary.failures}/{summary.count} |")  # fmt: skip
+    print()
+    print(f"Non-streamed 1-token completions, {args.rate_concurrency} concurrent, {args.rate_duration_s:g} s")
+    print("| path | requests/s | failed | vs LiteLLM |")
+    print("|---|---|---|---|")
+    litellm = rows.get("rate/litellm")
+    for name in ("direct", "gateway", "litellm"):
+        value = rows.get(f"rate/{name}")
+        if not isinstance(value, tuple):
+            continue
+        ratio = f"{value[0] / litellm[0]:.1f}×" if isinstance(litellm, tuple) and litellm[0] else "–"
+        print(f"| {name} | {value[0]:,.0f} | {value[1]} | {ratio} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
