@@ -134,6 +134,7 @@ class _ResponseParser:
         "body_times",
         "done",
         "headers_done",
+        "keep_alive",
         "response",
         "tally",
     )
@@ -142,6 +143,7 @@ class _ResponseParser:
         self.tally = tally
         self.response = RawResponse()
         self.done = False
+        self.keep_alive = False  # set when a response ended cleanly and the server keeps the connection open
         self.headers_done = False
         self.body_parts: list[bytes] = []
         self.body_times: list[float] = []
@@ -149,10 +151,6 @@ class _ResponseParser:
         self._until_close = False
         self._framed = False
         self._http = httptools.HttpResponseParser(self)
-
-    @property
-    def keep_alive(self) -> bool:
-        return self.done and not self._until_close and bool(self._http.should_keep_alive())
 
     def feed(self, data: bytes, now: float) -> None:
         self._now = now
@@ -179,6 +177,8 @@ class _ResponseParser:
         self.tally.events += 1
 
     def on_message_complete(self) -> None:
+        # llhttp answers should_keep_alive() only inside its callbacks: the parser resets once the message ends.
+        self.keep_alive = self.response.error is None and bool(self._http.should_keep_alive())
         self._finish()
 
     def _finish(self) -> None:

@@ -1,0 +1,69 @@
+"""Parsing the vLLM series we report out of Prometheus text, and summarising the scrapes of a run."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepserve.bench.server_metrics import parse_metrics, summarize_samples
+
+TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.5
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 1000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 250.0
+vllm:num_preemptions_total{engine="0",model_name="tiny"} 1.0
+vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="tiny"} 7.0
+vllm:num_requests_running_extra 99
+other_metric 5
+"""
+
+
+def test_parse_sums_label_sets_and_ignores_other_series():
+    values = parse_metrics(TEXT)
+    assert values == {
+        "vllm:num_requests_running": 5.0,
+        "vllm:num_requests_waiting": 4.0,
+        "vllm:kv_cache_usage_perc": 0.5,
+        "vllm:prefix_cache_queries_total": 1000.0,
+        "vllm:prefix_cache_hits_total": 250.0,
+        "vllm:num_preemptions_total": 1.0,
+    }
+
+
+def test_summary_peaks_and_counter_growth_over_the_run():
+    first = parse_metrics(TEXT)
+    later = dict(first)
+    later.update({
+        "vllm:num_requests_running": 9.0,
+        "vllm:kv_cache_usage_perc": 0.75,
+        "vllm:prefix_cache_queries_total": 1400.0,
+        "vllm:prefix_cache_hits_total": 350.0,
+        "vllm:num_preemptions_total": 4.0,
+    })  # fmt: skip
+    summary = summarize_samples([first, later])
+    assert summary.available and summary.scrapes == 2
+    assert summary.peak_running == 9.0
+    assert summary.peak_waiting == 4.0
+    assert summary.peak_kv_cache_usage_perc == 0.75
+    assert summary.prefix_cache_queries == 400.0  # counters: last - first
+    assert summary.prefix_cache_hits == 100.0
+    assert summary.prefix_cache_hit_rate == pytest.approx(0.25)
+    assert summary.preemptions == 3.0
+
+
+def test_hit_rate_over_the_run_only():
+    before = {"vllm:prefix_cache_queries_total": 100.0, "vllm:prefix_cache_hits_total": 90.0}
+    after = {"vllm:prefix_cache_queries_total": 300.0, "vllm:prefix_cache_hits_total": 140.0}
+    summary = summarize_samples([before, after])
+    assert summary.prefix_cache_hit_rate == pytest.approx(50 / 200)  # the 90 earlier hits are not ours
+
+
+def test_a_server_without_vllm_series_is_noted():
+    summary = summarize_samples([{}, {}])
+    assert summary.available
+    assert "none of the vLLM series" in summary.note
+    assert summary.peak_running is None
