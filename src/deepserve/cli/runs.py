@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -67,7 +68,7 @@ def _list(args: argparse.Namespace) -> int:
             run.params.describe(),
             *(_cell(run.metric(key)) for key in LIST_METRICS),
         )
-    Console().print(table)
+    _console().print(table)
     if not runs:
         print(f"no runs recorded in {store.path}")
     return 0
@@ -94,7 +95,7 @@ def _show(args: argparse.Namespace) -> int:
             table.add_row(key, value)
     for key, heading in SUMMARY_COLUMNS:
         table.add_row(heading, _cell(run.metric(key)))
-    Console().print(table)
+    _console().print(table)
     return 0
 
 
@@ -113,7 +114,7 @@ def _compare(args: argparse.Namespace) -> int:
             ratio = f" ({value / base:.2f}×)" if value is not None and base else ""
             cells.append(_cell(value) + ratio)
         table.add_row(heading, *cells)
-    Console().print(table)
+    _console().print(table)
     return 0
 
 
@@ -144,3 +145,8 @@ def _cell(value: float | None) -> str:
     if value is None:
         return "–"
     return f"{value:,.0f}" if value >= 100 or value.is_integer() else f"{value:,.2f}"
+
+
+def _console() -> Console:
+    """Tables keep their columns when piped (rich would otherwise squeeze them into 80 characters)."""
+    return Console() if sys.stdout.isatty() else Console(width=200)

@@ -79,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    console = Console(stderr=True, highlight=False)
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
     if args.list_suites:
         _print_suites()
         return 0

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deepserve.report import series as sr
-from deepserve.report.slo import Slo
+from deepserve.report.slo import Slo, metric_words
 from deepserve.results.points import ResultSet
 
 PLATEAU_FRACTION = 0.95  # within 5% of the best is "on the plateau"
@@ -53,7 +53,7 @@ def _slo_answer(line: sr.Series, slos: Sequence[Slo]) -> SloAnswer:
         best = point
     if best is None:
         first = line.points[0]
-        measured = ", ".join(f"{slo.metric} {_ms(first.metric(slo.metric))}" for slo in slos)
+        measured = ", ".join(f"{metric_words(slo.metric)} {_ms(first.metric(slo.metric))}" for slo in slos)
         text = (
             f"{line.label}: no measured concurrency meets {words}; even concurrency "
             f"{first.params.max_concurrency} has {measured}."

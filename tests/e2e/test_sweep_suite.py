@@ -1,0 +1,93 @@
+"""Suites end to end on the tiny model: real vLLM, the real benchmark runner, at a small time budget."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+from deepserve.cli.main import main
+from deepserve.results.store import ResultsStore
+
+
+def engine_url(served) -> str:
+    """The engine itself: the workload counts prompt tokens with its /tokenize, which the gateway does not serve."""
+    return getattr(served, "engine_url", "") or served.base_url
+
+
+def test_concurrency_suite_runs_resumes_records_and_reports(served_tiny, tmp_path: Path, capsys):
+    out = tmp_path / "sweep"
+    command = [
+        "sweep",
+        "--base-url",
+        engine_url(served_tiny),
+        "--suite",
+        "concurrency",
+        "--time-budget-s",
+        "60",
+        "--result-dir",
+        str(out),
+        "--label",
+        "tiny",
+    ]
+    started = time.monotonic()
+    assert main(command) == 0
+    elapsed_s = time.monotonic() - started
+    assert elapsed_s < 150, f"a 60 s budget took {elapsed_s:.0f} s"
+
+    index = json.loads((out / "index.json").read_text())
+    assert index["suite"] == "concurrency" and index["label"] == "tiny"
+    assert index["metadata"]["engine"] == "vllm" and index["metadata"]["max_model_len"]
+    assert index["metadata"]["scale"]["length_factor"] < 1  # scaled down to the budget
+    done = [p for p in index["points"] if p["status"] == "done"]
+    assert len(done) >= 3
+    assert [p["params"]["max_concurrency"] for p in done] == sorted(p["params"]["max_concurrency"] for p in done)
+    for point in done:
+        result = json.loads((out / point["result_file"]).read_text())
+        assert result["completed"] > 0 and result["failed"] == 0
+        assert result["max_concurrency"] == point["params"]["max_concurrency"]
+        assert result["output_throughput"] > 0 and result["p99_itl_ms"] > 0
+    # Points not run were skipped for a stated reason: saturation or the budget.
+    for point in index["points"]:
+        assert point["status"] in ("done", "skipped")
+        if point["status"] == "skipped":
+            assert "saturated" in point["note"] or "time budget" in point["note"]
+
+    html = (out / "report" / "report.html").read_text()
+    assert len(re.findall(r'<img src="data:image/png;base64,', html)) >= 3
+    assert "the highest concurrency that meets P99 ITL" in html or "no measured concurrency meets" in html
+    runs = ResultsStore().list_runs(suite="concurrency")
+    assert {run.point_id for run in runs} == {p["point_id"] for p in done}
+
+    capsys.readouterr()
+    started = time.monotonic()
+    assert main(command) == 0  # the same command again: everything kept, no probe, nothing re-run
+    assert time.monotonic() - started < 30
+    printed = capsys.readouterr().err
+    assert "Resuming the planned suite" in printed
+    assert f"0 ran, {len(done)} kept from before" in printed
+    assert len(ResultsStore().list_runs(suite="concurrency")) == len(done)
+
+
+def test_prefix_suite_compares_sharing_on_and_off(served_tiny, tmp_path: Path):
+    out = tmp_path / "prefix"
+    command = [
+        "sweep",
+        "--base-url",
+        engine_url(served_tiny),
+        "--suite",
+        "prefix-cache",
+        "--time-budget-s",
+        "40",
+        "--result-dir",
+        str(out),
+    ]
+    assert main(command) == 0
+    index = json.loads((out / "index.json").read_text())
+    variants = {p["params"]["variant"]: p for p in index["points"]}
+    assert set(variants) == {"no sharing", "shared prefix"}
+    assert all(p["status"] == "done" for p in variants.values())
+    shared = variants["shared prefix"]["overrides"]
+    assert 0 < shared["shared_prefix_len"] < shared["random_input_len"]
+    assert (out / "report" / "prefix_sharing.png").is_file()
