@@ -130,3 +130,12 @@ def _describe_validation_error(section: str, exc: ValidationError) -> str:
         where = ".".join(str(part) for part in error["loc"])
         problems.append(f"{section}.{where}: {error['msg']} (got {error.get('input')!r})")
     return "invalid configuration: " + "; ".join(problems)
+
+
+class ServeConfig(Section):
+    """How `deepserve serve` arranges its processes: the engine alone, or behind the gateway."""
+
+    gateway: bool = Field(True, description="put the gateway (keys, limits, metrics) in front of the engine")
+    engine_port: int | None = Field(
+        None, ge=1, le=65535, description="the engine's internal port behind the gateway (default: a free one)"
+    )

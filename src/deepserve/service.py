@@ -1,5 +1,5 @@
 """`deepserve serve`: resolve the model and device, check everything that can be checked before starting, launch
-the engine under supervision, report progress, and stop it cleanly."""
+the engine (and, by default, the gateway in front of it) under supervision, report progress, and stop cleanly."""
 
 from __future__ import annotations
 
@@ -10,16 +10,19 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from deepserve.config import EngineConfig, deepserve_home
+from deepserve.config import EngineConfig, ServeConfig, deepserve_home
 from deepserve.engines.base import Engine, LaunchSpec, ResolvedModel
 from deepserve.engines.registry import get_engine
-from deepserve.engines.supervisor import EngineProcess
+from deepserve.engines.supervisor import SupervisedProcess
 from deepserve.errors import ConfigError, EngineError
+from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.server import base_url as gateway_base_url
+from deepserve.gateway.server import gateway_argv
 from deepserve.hardware.detect import has_gpu
 from deepserve.models.resolve import resolve_model
 
@@ -30,17 +33,30 @@ _GPU_ONLY_QUANTIZATIONS = {"fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "m
 class ServicePlan:
     """Everything decided before anything starts; `--dry-run` prints it."""
 
-    config: EngineConfig
+    config: EngineConfig  # as the engine runs it (behind the gateway: on loopback, on an internal port)
     engine: Engine
     model: ResolvedModel
     launch: LaunchSpec
+    gateway: LaunchSpec | None = None  # the front door, when there is one
 
     @property
     def device(self) -> str:
         return "cpu" if self.model.on_cpu else "cuda"
 
+    @property
+    def public(self) -> LaunchSpec:
+        """What clients talk to: the gateway if there is one, else the engine."""
+        return self.gateway or self.launch
 
-def plan_service(config: EngineConfig, python: str = sys.executable) -> ServicePlan:
+
+def plan_service(
+    config: EngineConfig,
+    serve: ServeConfig | None = None,
+    gateway: GatewayConfig | None = None,
+    python: str = sys.executable,
+) -> ServicePlan:
+    """SERVE.gateway puts GATEWAY in front: it takes the public host and port, and the engine moves to loopback."""
+    serve = serve or ServeConfig(gateway=False)
     on_cpu = _uses_cpu(config)
     if on_cpu:
         _reject_gpu_only_flags(config)
@@ -48,7 +64,27 @@ def plan_service(config: EngineConfig, python: str = sys.executable) -> ServiceP
     model = resolve_model(config.model, on_cpu)
     if config.served_model_name:
         model = ResolvedModel(model.source, config.served_model_name, model.on_cpu)
-    return ServicePlan(config, engine, model, engine.launch_spec(config, model, python))
+    if not serve.gateway:
+        return ServicePlan(config, engine, model, engine.launch_spec(config, model, python))
+    engine_config = config.model_copy(update={"host": "127.0.0.1", "port": serve.engine_port or free_port()})
+    launch = engine.launch_spec(engine_config, model, python)
+    front = (gateway or GatewayConfig()).model_copy(
+        update={"upstream": [launch.base_url], "host": config.host, "port": config.port}
+    )
+    front.check_startable()
+    gateway_launch = LaunchSpec(
+        argv=gateway_argv(front, python),
+        ready_path="/health",
+        served_model_name=model.served_name,
+        base_url=gateway_base_url(front),
+    )
+    return ServicePlan(engine_config, engine, model, launch, gateway_launch)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def preflight(plan: ServicePlan) -> None:
@@ -56,6 +92,9 @@ def preflight(plan: ServicePlan) -> None:
     if importlib.util.find_spec(plan.engine.package) is None:
         raise EngineError(f"{plan.engine.name} is not installed in {sys.prefix}: {plan.engine.install_hint}")
     ensure_port_free(plan.config.host, plan.config.port)
+    if plan.gateway is not None:
+        public = plan.gateway.base_url.removesuffix("/v1").rsplit(":", 1)
+        ensure_port_free(_bind_host(plan.gateway), int(public[1]))
 
 
 def ensure_port_free(host: str, port: int) -> None:
@@ -73,37 +112,67 @@ def ensure_port_free(host: str, port: int) -> None:
 
 def dry_run_text(plan: ServicePlan) -> str:
     env = json.dumps(plan.launch.env, sort_keys=True) if plan.launch.env else "{}"
-    return "\n".join(
-        [
-            f"# engine: {plan.engine.name} on {plan.device}; model {plan.model.source}",
-            f"# environment added: {env}",
-            plan.launch.shell_line(),
-        ]
-    )
+    lines = [
+        f"# engine: {plan.engine.name} on {plan.device}; model {plan.model.source}",
+        f"# environment added: {env}",
+        plan.launch.shell_line(),
+    ]
+    if plan.gateway is not None:
+        lines += [f"# gateway in front, serving {plan.gateway.base_url}", plan.gateway.shell_line()]
+    return "\n".join(lines)
 
 
-def engine_log_path(port: int) -> Path:
-    return deepserve_home() / "logs" / f"engine-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
+def log_path(name: str, port: int) -> Path:
+    return deepserve_home() / "logs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
 
 
 ProgressCallback = Callable[[str, float], None]
+ReadyCallback = Callable[[float, list[SupervisedProcess]], None]
+GATEWAY_STARTUP_TIMEOUT_S = 120.0
 
 
-def run_service(
-    plan: ServicePlan, on_progress: ProgressCallback, on_ready: Callable[[float, EngineProcess], None]
-) -> int:
-    """Start the engine, wait until it is ready, then until it exits or we are told to stop (SIGINT/SIGTERM).
-    Returns 0 after a requested stop; raises EngineDied if the engine exits on its own."""
-    process = EngineProcess(plan.launch, plan.engine, engine_log_path(plan.config.port))
-    with _stop_on_sigterm(), process:
+def run_service(plan: ServicePlan, on_progress: ProgressCallback, on_ready: ReadyCallback) -> int:
+    """Start the engine (then the gateway), wait until they are ready, then until one exits or we are told to stop
+    (SIGINT/SIGTERM). Returns 0 after a requested stop; raises ProcessDied if a child exits on its own. Children
+    stop in reverse order: the gateway before the engine."""
+    started = time.monotonic()
+    with _stop_on_sigterm(), ExitStack() as children:
         try:
-            ready_s = process.wait_ready(plan.config.startup_timeout_s, on_progress)
-            on_ready(ready_s, process)
-            process.wait()
-            process.raise_if_died()
+            running = [children.enter_context(_engine_process(plan))]
+            running[0].wait_ready(plan.config.startup_timeout_s, on_progress)
+            if plan.gateway is not None:
+                running.append(children.enter_context(_gateway_process(plan.gateway)))
+                running[-1].wait_ready(GATEWAY_STARTUP_TIMEOUT_S, on_progress)
+            on_ready(time.monotonic() - started, running)
+            _wait_until_one_exits(running)
         except KeyboardInterrupt:
             return 0
     return 0
+
+
+def _engine_process(plan: ServicePlan) -> SupervisedProcess:
+    return SupervisedProcess("engine", plan.launch, plan.engine.phase_of, log_path("engine", plan.config.port))
+
+
+def _gateway_process(launch: LaunchSpec) -> SupervisedProcess:
+    port = int(launch.base_url.removesuffix("/v1").rsplit(":", 1)[1])
+    return SupervisedProcess("gateway", launch, _gateway_phase, log_path("gateway", port))
+
+
+def _gateway_phase(line: str) -> str | None:
+    return "starting gateway"
+
+
+def _wait_until_one_exits(running: list[SupervisedProcess]) -> None:
+    while True:
+        for process in running:
+            process.raise_if_died()
+        time.sleep(0.5)
+
+
+def _bind_host(launch: LaunchSpec) -> str:
+    argv = launch.argv
+    return argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
 
 
 @contextmanager

@@ -26,10 +26,11 @@ STARTUP_TIMEOUT_S = 600
 
 @dataclass
 class ServedTiny:
-    base_url: str  # http://127.0.0.1:PORT/v1, what clients use
+    base_url: str  # http://127.0.0.1:PORT/v1, what clients use (the gateway)
     model: str  # the served model name
     process: subprocess.Popen[str]
     home: Path
+    engine_url: str = ""  # the engine's own base URL behind the gateway (its /metrics are vLLM's)
     output: list[str] = field(default_factory=list)
 
     @property
@@ -72,7 +73,7 @@ def _pump(served: ServedTiny, ready: threading.Event) -> None:
     for line in served.process.stdout:
         served.output.append(line.rstrip())
         if line.startswith("READY "):
-            _, served.base_url, served.model = line.split()
+            _, served.base_url, served.model, served.engine_url = line.split()
             ready.set()
     ready.set()  # the process ended: wake the waiter, which sees no base_url
 

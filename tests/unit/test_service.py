@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from deepserve import service
-from deepserve.config import EngineConfig
+from deepserve.config import EngineConfig, ServeConfig
 from deepserve.errors import ConfigError, EngineError, ModelError
 from deepserve.models.presets import TINY_MODEL_NAME
 
@@ -81,3 +81,30 @@ def test_engine_not_installed_says_how_to_install(no_gpu: None, monkeypatch: pyt
     monkeypatch.setattr(service.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(EngineError, match='sglang is not installed.*pip install "sglang\\[all\\]"'):
         service.preflight(plan)
+
+
+def test_gateway_takes_the_public_address_and_the_engine_moves_behind_it(no_gpu: None) -> None:
+    plan = service.plan_service(EngineConfig(host="0.0.0.0", port=9000), ServeConfig(engine_port=9001))
+    assert plan.gateway is not None
+    assert plan.public.base_url == "http://127.0.0.1:9000/v1"
+    assert (plan.config.host, plan.config.port) == ("127.0.0.1", 9001)
+    gateway_argv = plan.gateway.argv
+    assert gateway_argv[gateway_argv.index("--upstream") + 1] == "http://127.0.0.1:9001/v1"
+    assert gateway_argv[gateway_argv.index("--host") + 1] == "0.0.0.0"
+    assert plan.public.served_model_name == plan.launch.served_model_name
+
+
+def test_no_gateway_serves_the_engine_on_the_public_address(no_gpu: None) -> None:
+    plan = service.plan_service(EngineConfig(port=9000), ServeConfig(gateway=False))
+    assert plan.gateway is None
+    assert plan.public.base_url == "http://127.0.0.1:9000/v1"
+
+
+def test_public_port_in_use_is_reported_with_the_gateway_in_front(no_gpu: None) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        plan = service.plan_service(EngineConfig(port=port), ServeConfig())
+        with pytest.raises(ConfigError, match=f"port {port} .* already in use"):
+            service.preflight(plan)

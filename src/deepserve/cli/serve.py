@@ -9,8 +9,9 @@ from pathlib import Path
 from rich.console import Console
 
 from deepserve.cli.flags import add_section_flags, section_overrides
-from deepserve.config import EngineConfig, load_section
-from deepserve.engines.supervisor import EngineProcess
+from deepserve.config import EngineConfig, ServeConfig, load_section
+from deepserve.engines.supervisor import SupervisedProcess
+from deepserve.gateway.config import GatewayConfig
 from deepserve.service import ServicePlan, dry_run_text, plan_service, preflight, run_service
 
 
@@ -18,11 +19,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="start an OpenAI-compatible service (the tiny model on CPU when no GPU and no --model)",
-        description="Start the engine as a supervised child process. Flags after `--` go to the engine unchanged.",
+        description=(
+            "Start the engine and, in front of it, the gateway (keys, limits, metrics), as supervised child "
+            "processes. --host/--port are the public address; the engine listens on loopback behind the gateway "
+            "(--no-gateway serves the engine directly). Other gateway settings come from the `gateway` section of "
+            "--config or DEEPSERVE_GATEWAY__* variables. Flags after `--` go to the engine unchanged."
+        ),
     )
-    parser.add_argument("--config", type=Path, default=None, help="YAML or JSON config file (section `engine`)")
-    parser.add_argument("--dry-run", action="store_true", help="print the engine command line and environment, exit")
+    parser.add_argument(
+        "--config", type=Path, default=None, help="YAML or JSON config file (sections engine, serve, gateway)"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the command lines and environment, exit")
     add_section_flags(parser, EngineConfig, skip=("extra_args",))
+    add_section_flags(parser, ServeConfig)
+    for name in ("require_keys", "insecure_open"):  # the gateway's safety switches belong on the serve line too
+        field = GatewayConfig.model_fields[name]
+        parser.add_argument("--" + name.replace("_", "-"), action="store_true", default=None, help=field.description)
     parser.set_defaults(handler=_serve)
 
 
@@ -31,7 +43,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.passthrough:
         overrides["extra_args"] = args.passthrough
     config = load_section(EngineConfig, "engine", args.config, overrides)
-    plan = plan_service(config)
+    serve = load_section(ServeConfig, "serve", args.config, section_overrides(args, ServeConfig))
+    gateway_flags = {"require_keys": args.require_keys, "insecure_open": args.insecure_open}
+    gateway = load_section(GatewayConfig, "gateway", args.config, gateway_flags) if serve.gateway else None
+    plan = plan_service(config, serve, gateway)
     if args.dry_run:
         print(dry_run_text(plan))
         return 0
@@ -60,7 +75,7 @@ class _ProgressLine:
     def __exit__(self, *exc: object) -> None:
         if self._status:
             self._status.stop()
-        self.console.print("deepserve: engine stopped")
+        self.console.print("deepserve: stopped")
 
     def update(self, phase: str, elapsed_s: float) -> None:
         if self._status:
@@ -69,11 +84,11 @@ class _ProgressLine:
             self.console.print(f"  [{elapsed_s:5.0f} s] {phase}")
         self._last_phase = phase
 
-    def ready(self, ready_s: float, process: EngineProcess) -> None:
+    def ready(self, ready_s: float, processes: list[SupervisedProcess]) -> None:
         if self._status:
             self._status.stop()
             self._status = None
-        launch = self.plan.launch
+        launch = self.plan.public
         curl = (
             f"curl {launch.base_url}/chat/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{launch.served_model_name}", '
@@ -83,11 +98,13 @@ class _ProgressLine:
             f"[bold green]deepserve is ready[/] after {ready_s:.0f} s",
             f"  base URL  {launch.base_url}",
             f"  model     {launch.served_model_name}",
-            f"  engine    {self.plan.engine.name} on {self.plan.device}, pid {process.pid}, log {process.log_path}",
+            f"  engine    {self.plan.engine.name} on {self.plan.device} at {self.plan.launch.base_url}",
+            *(f"  {proc.name:<9} pid {proc.pid}, log {proc.log_path}" for proc in processes),
             f"  try       {curl}",
             "Press Ctrl-C to stop.",
         ]
         for line in lines:
             self.console.print(line, soft_wrap=True, highlight=False)
-        # A machine-readable line for scripts and tests: READY <base URL> <served model name>
-        print(f"READY {launch.base_url} {launch.served_model_name}", file=sys.stdout, flush=True)
+        # A machine-readable line for scripts and tests: READY <public base URL> <served model name> <engine base URL>
+        ready_line = f"READY {launch.base_url} {launch.served_model_name} {self.plan.launch.base_url}"
+        print(ready_line, file=sys.stdout, flush=True)

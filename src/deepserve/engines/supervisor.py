@@ -1,5 +1,6 @@
-"""Run an engine as a supervised child: its own process group, a log file, start-up phases, readiness, and a stop
-that leaves nothing running (vLLM forks an engine-core and worker processes; all of them go)."""
+"""Run a child (the engine, or the gateway in front of it) under supervision: its own process group, a log file,
+start-up phases, readiness, and a stop that leaves nothing running (vLLM forks an engine-core and worker
+processes; all of them go)."""
 
 from __future__ import annotations
 
@@ -16,29 +17,33 @@ from pathlib import Path
 import httpx
 import psutil
 
-from deepserve.engines.base import Engine, LaunchSpec
+from deepserve.engines.base import LaunchSpec
 from deepserve.errors import EngineError
 
 LOG_TAIL_LINES = 40
 
 
-class EngineDied(EngineError):
-    """The engine exited on its own. Carries the last lines of its log."""
+PhaseReader = Callable[[str], "str | None"]
 
-    def __init__(self, returncode: int | None, log_tail: list[str], log_path: Path, hint: str) -> None:
+
+class ProcessDied(EngineError):
+    """A supervised child exited on its own. Carries the last lines of its log."""
+
+    def __init__(self, name: str, returncode: int | None, log_tail: list[str], log_path: Path, hint: str) -> None:
         self.returncode = returncode
         self.log_tail = log_tail
         self.log_path = log_path
         tail = "\n".join("  | " + line for line in log_tail)
-        super().__init__(f"the engine exited with code {returncode}. Last lines of {log_path}:\n{tail}\nhint: {hint}")
+        super().__init__(f"the {name} exited with code {returncode}. Last lines of {log_path}:\n{tail}\nhint: {hint}")
 
 
-class EngineProcess:
-    """One engine child process. Use as a context manager so that it is always stopped."""
+class SupervisedProcess:
+    """One child process. Use as a context manager so that it is always stopped."""
 
-    def __init__(self, spec: LaunchSpec, engine: Engine, log_path: Path) -> None:
+    def __init__(self, name: str, spec: LaunchSpec, phase_of: PhaseReader, log_path: Path) -> None:
+        self.name = name
         self.spec = spec
-        self.engine = engine
+        self.phase_of = phase_of
         self.log_path = log_path
         self.phase = "launching"
         self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
@@ -57,11 +62,11 @@ class EngineProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: a terminal's Ctrl-C reaches us, and we stop it
         )
-        self._reader = threading.Thread(target=self._pump_log, name="engine-log", daemon=True)
+        self._reader = threading.Thread(target=self._pump_log, name=f"{self.name}-log", daemon=True)
         self._reader.start()
 
     def wait_ready(self, timeout_s: float, on_progress: Callable[[str, float], None] | None = None) -> float:
-        """Block until the engine answers its ready path; return the seconds it took."""
+        """Block until the child answers its ready path; return the seconds it took."""
         started = time.monotonic()
         url = self.spec.base_url.removesuffix("/v1") + self.spec.ready_path
         with httpx.Client(timeout=2.0) as client:
@@ -74,7 +79,7 @@ class EngineProcess:
                     return elapsed
                 if elapsed > timeout_s:
                     raise EngineError(
-                        f"the engine was not ready after {timeout_s:.0f} s (last phase: {self.phase}); "
+                        f"the {self.name} was not ready after {timeout_s:.0f} s (last phase: {self.phase}); "
                         f"see {self.log_path}, or raise --startup-timeout-s"
                     )
                 time.sleep(0.5)
@@ -83,12 +88,10 @@ class EngineProcess:
         if self._proc is not None and self._proc.poll() is not None:
             if self._reader:
                 self._reader.join(timeout=2)
-            raise EngineDied(self._proc.returncode, list(self._tail), self.log_path, self._hint())
+            raise ProcessDied(self.name, self._proc.returncode, list(self._tail), self.log_path, self._hint())
 
-    def wait(self) -> int:
-        """Block until the engine exits on its own."""
-        assert self._proc is not None
-        return self._proc.wait()
+    def exited(self) -> bool:
+        return self._proc is not None and self._proc.poll() is not None
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the whole tree, wait up to GRACE_S, then SIGKILL whatever is left."""
@@ -114,7 +117,7 @@ class EngineProcess:
     def log_tail(self) -> list[str]:
         return list(self._tail)
 
-    def __enter__(self) -> EngineProcess:
+    def __enter__(self) -> SupervisedProcess:
         self.start()
         return self
 
@@ -139,7 +142,7 @@ class EngineProcess:
                 log.flush()
                 line = raw.decode(errors="replace").rstrip()
                 self._tail.append(line)
-                self.phase = self.engine.phase_of(line) or self.phase
+                self.phase = self.phase_of(line) or self.phase
 
     def _hint(self) -> str:
         text = "\n".join(self._tail)

@@ -12,7 +12,7 @@ import pytest
 
 from deepserve.engines.base import LaunchSpec
 from deepserve.engines.registry import get_engine
-from deepserve.engines.supervisor import EngineDied, EngineProcess
+from deepserve.engines.supervisor import ProcessDied, SupervisedProcess
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
 
@@ -23,16 +23,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def fake_engine(tmp_path: Path, *args: str) -> EngineProcess:
+def fake_engine(tmp_path: Path, *args: str) -> SupervisedProcess:
     port = free_port()
     spec = LaunchSpec(
         argv=[sys.executable, str(FAKE_ENGINE), "--port", str(port), *args],
         base_url=f"http://127.0.0.1:{port}/v1",
     )
-    return EngineProcess(spec, get_engine("vllm"), tmp_path / "logs" / "engine.log")
+    return SupervisedProcess("engine", spec, get_engine("vllm").phase_of, tmp_path / "logs" / "engine.log")
 
 
-def child_pid(process: EngineProcess) -> int:
+def child_pid(process: SupervisedProcess) -> int:
     line = next(line for line in process.log_tail() if line.startswith("CHILD "))
     return int(line.split()[1])
 
@@ -61,10 +61,11 @@ def test_engine_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
 
 def test_engine_death_carries_log_tail_and_a_hint(tmp_path: Path) -> None:
     died_engine = fake_engine(tmp_path, "--die-with", "torch.OutOfMemoryError: CUDA out of memory")
-    with died_engine as process, pytest.raises(EngineDied) as died:
+    with died_engine as process, pytest.raises(ProcessDied) as died:
         process.wait_ready(30)
     message = str(died.value)
     assert died.value.returncode == 1
+    assert message.startswith("the engine exited with code 1")
     assert "CUDA out of memory" in message
     assert "lower --max-model-len" in message
     assert str(tmp_path / "logs" / "engine.log") in message

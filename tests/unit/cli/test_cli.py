@@ -28,8 +28,11 @@ def test_serve_dry_run_prints_command_and_environment(
     out = capsys.readouterr().out
     assert "VLLM_CPU_OMP_THREADS_BIND=auto" in out
     assert "-m vllm.entrypoints.openai.api_server" in out
-    assert "--port 8765" in out and "--max-num-seqs 16" in out
-    assert out.rstrip().endswith("--seed 7")
+    engine_line = next(line for line in out.splitlines() if "vllm.entrypoints" in line)
+    gateway_line = out.rstrip().splitlines()[-1]
+    assert "--max-num-seqs 16" in engine_line and engine_line.endswith("--seed 7")
+    assert "--port 8765" not in engine_line  # the engine hides behind the gateway on an internal port
+    assert "deepserve.cli.main gateway" in gateway_line and "--port 8765" in gateway_line
 
 
 def test_errors_are_one_line_with_exit_code_2(
