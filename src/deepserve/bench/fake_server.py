@@ -275,8 +275,8 @@ async def _sleep_until(due_s: float) -> None:
         await asyncio.sleep(delay_s)
 
 
-async def serve(script: FakeScript, host: str, port: int) -> asyncio.AbstractServer:
-    state = FakeState(script)
+async def serve(script: FakeScript, host: str, port: int, state: FakeState | None = None) -> asyncio.AbstractServer:
+    state = state or FakeState(script)
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: _Handler(state), host, port, backlog=4096)
 
@@ -286,6 +286,7 @@ class FakeServerThread:
 
     def __init__(self, script: FakeScript, host: str = "127.0.0.1", port: int = 0) -> None:
         self.script = script
+        self.state = FakeState(script)  # requests seen, send log
         self.host = host
         self.port = port
         self._loop = asyncio.new_event_loop()
@@ -298,7 +299,7 @@ class FakeServerThread:
 
     def __enter__(self) -> FakeServerThread:
         self._thread.start()
-        future = asyncio.run_coroutine_threadsafe(serve(self.script, self.host, self.port), self._loop)
+        future = asyncio.run_coroutine_threadsafe(serve(self.script, self.host, self.port, self.state), self._loop)
         self._server = future.result(10)
         assert isinstance(self._server, asyncio.Server)
         self.port = self._server.sockets[0].getsockname()[1]

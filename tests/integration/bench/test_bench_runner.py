@@ -1,0 +1,177 @@
+"""The runner and client against the scripted fake OpenAI server on loopback: success, load modes, faults."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from deepserve.bench.config import BenchConfig
+from deepserve.bench.fake_server import FakeScript, running
+from deepserve.bench.runner import BenchError, preflight, run_workload
+from deepserve.bench.types import RequestSpec
+from deepserve.bench.workloads import Workload
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def specs(n: int, output_len: int = 10) -> list[RequestSpec]:
+    return [RequestSpec(index=i, prompt=f"prompt {i}", prompt_len=3, output_len=output_len) for i in range(n)]
+
+
+def config(base_url: str, **sections) -> BenchConfig:
+    sections.setdefault("target", {})
+    sections["target"] = {"base_url": base_url, **sections["target"]}
+    sections.setdefault("metrics", {})
+    sections["metrics"] = {"server_metrics_interval_s": 0.1, **sections["metrics"]}
+    return BenchConfig.model_validate(sections)
+
+
+def run(server, n=6, output_len=10, counter=None, **sections):
+    bench_config = config(server.base_url, **sections)
+    model = preflight(bench_config)
+    workload = Workload(specs(n, output_len), {"dataset": "hand-made"}, "test")
+    return run_workload(bench_config, model, workload, counter, display=False)
+
+
+def test_success_measures_the_scripted_timings():
+    with running(FakeScript(ttft_s=0.03, itl_s=0.01)) as server:
+        result = run(server, n=6, output_len=8, load={"max_concurrency": 3})
+    data = result.to_json()
+    assert (data["completed"], data["failed"]) == (6, 0)
+    assert data["total_output_tokens"] == 48  # from the server's usage
+    assert data["output_tokens_source"] == "usage"
+    assert data["total_input_tokens"] == 6 * (1 + len("prompt 0"))  # usage.prompt_tokens replaces the spec's 3
+    assert 28 <= data["median_ttft_ms"] <= 60
+    assert 9 <= data["median_tpot_ms"] <= 20
+    assert 9 <= data["median_itl_ms"] <= 20
+    assert data["max_concurrent_requests"] == 3
+    assert data["server_metrics"]["available"] is False  # the fake has no /metrics by default: noted
+    assert "no metrics endpoint" in data["server_metrics"]["note"]
+    record = result.records[0]
+    assert len(record.chunk_times_s) == 8 and record.chunk_tokens == [1] * 8
+
+
+def test_model_defaults_to_the_first_served_one_and_wrong_names_list_the_served():
+    with running(FakeScript(model="served-one")) as server:
+        assert preflight(config(server.base_url)) == "served-one"
+        assert preflight(config(server.base_url + "/v1")) == "served-one"  # a trailing /v1 is fine
+        with pytest.raises(BenchError, match=r"unknown model 'nope'.*served-one"):
+            preflight(config(server.base_url, target={"model": "nope"}))
+
+
+def test_unreachable_server_fails_before_the_run():
+    with running(FakeScript()) as server:
+        url = server.base_url
+    with pytest.raises(BenchError, match="cannot reach the server"):
+        preflight(config(url))
+
+
+def test_401_says_to_pass_an_api_key(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with running(FakeScript(api_key="sekret")) as server:
+        with pytest.raises(BenchError, match=r"HTTP 401.*--api-key"):
+            preflight(config(server.base_url))
+        result = run(server, n=2, target={"api_key": "sekret"})
+        assert result.to_json()["completed"] == 2
+        monkeypatch.setenv("OPENAI_API_KEY", "sekret")
+        assert preflight(config(server.base_url)) == "fake-model"
+
+
+def test_server_errors_mid_run_become_failed_requests():
+    script = FakeScript(
+        fail_request_indices=frozenset({1, 4}),
+        fail_mid_stream_indices=frozenset({2}),
+        malformed_indices=frozenset({3}),
+        drop_indices=frozenset({5}),
+    )
+    with running(script) as server:
+        result = run(server, n=8, load={"max_concurrency": 1})  # one at a time: arrival order = index
+    data = result.to_json()
+    assert (data["completed"], data["failed"]) == (3, 5)
+    errors = data["errors_by_message"]
+    assert errors["HTTP 500: scripted server error"] == 2
+    assert errors["stream error: scripted mid-stream failure"] == 1
+    assert sum(count for message, count in errors.items() if message.startswith("malformed SSE event")) == 1
+    assert sum(count for message, count in errors.items() if message.startswith("connection closed")) == 1
+    failed = {record.index for record in result.records if not record.success}
+    assert failed == {1, 2, 3, 4, 5}
+    assert data["total_output_tokens"] == 3 * 10  # failed requests excluded
+
+
+def test_multi_token_chunks_with_token_ids():
+    with running(FakeScript(itl_s=0.005, tokens_per_chunk=3, send_token_ids=True)) as server:
+        result = run(server, n=2, output_len=10)
+    record = result.records[0]
+    assert record.chunk_tokens == [3, 3, 3, 1]
+    assert result.token_attribution == "token_ids"
+    assert len(record.chunk_times_s) == 4 and record.output_len == 10
+
+
+def test_without_usage_tokens_come_from_the_tokenizer_or_the_chunks():
+    class WordCounter:
+        source = "words"
+
+        def count(self, text: str) -> int:
+            return len(text.split())
+
+    with running(FakeScript(send_usage=False, tokens_per_chunk=2)) as server:
+        by_tokenizer = run(server, n=2, output_len=6, counter=WordCounter())
+        by_chunks = run(server, n=2, output_len=6)
+    assert by_tokenizer.output_tokens_source == "tokenizer"
+    assert by_tokenizer.records[0].output_len == 6  # " tok tok" per chunk -> 2 words each
+    assert by_chunks.output_tokens_source == "chunks"
+    assert by_chunks.records[0].output_len == 3  # one per chunk: all we know without usage or a tokenizer
+
+
+def test_server_metrics_are_scraped_beside_the_run():
+    text = "vllm:num_requests_running 4\nvllm:kv_cache_usage_perc 0.4\nvllm:num_preemptions_total 0\n"
+    with running(FakeScript(itl_s=0.01, metrics_text=text)) as server:
+        result = run(server, n=4, output_len=20)
+    summary = result.to_json()["server_metrics"]
+    assert summary["available"] is True and summary["scrapes"] >= 2
+    assert summary["peak_running"] == 4.0 and summary["peak_kv_cache_usage_perc"] == 0.4
+    assert summary["preemptions"] == 0.0
+
+
+def test_open_loop_rate_with_a_concurrency_cap_queues_in_the_client():
+    with running(FakeScript(itl_s=0.01)) as server:
+        result = run(server, n=8, output_len=5, load={"request_rate": 200.0, "max_concurrency": 1})
+    scheduled = [record.scheduled_s for record in result.records]
+    assert scheduled == sorted(scheduled) and scheduled[-1] > 0  # arrivals spread by the Poisson process
+    queue_ms = [(record.sent_s - record.scheduled_s) * 1000 for record in result.records]
+    assert max(queue_ms) > 20  # 5 x 10 ms per request against 5 ms between arrivals: they wait for the slot
+    assert result.to_json()["max_concurrent_requests"] == 1
+
+
+def test_warmups_are_sent_but_not_counted():
+    with running(FakeScript()) as server:
+        result = run(server, n=3, load={"num_warmups": 2})
+    assert server.state.requests == 5
+    assert len(result.records) == 3 and result.warmups_done == 2
+    assert result.to_json()["num_warmups"] == 2
+
+
+def test_duration_bound_run_cycles_the_workload_and_stops():
+    with running(FakeScript(itl_s=0.01)) as server:
+        result = run(server, n=2, output_len=5, load={"duration_s": 0.5, "max_concurrency": 2})
+    assert len(result.records) > 2  # the two specs were sent again and again
+    assert max(record.sent_s for record in result.records) < 0.5
+    assert len({record.index for record in result.records}) == len(result.records)
+
+
+def test_closed_loop_ramp_raises_concurrency_gradually():
+    with running(FakeScript(itl_s=0.01)) as server:
+        result = run(server, n=12, output_len=10, load={"max_concurrency": 4, "ramp_up_s": 0.3})
+    first = min(result.records, key=lambda record: record.sent_s)
+    overlapping_first = [r for r in result.records if r.sent_s < (first.end_s or math.inf) and r is not first]
+    assert len(overlapping_first) < 3  # at t = 0 the limit is 1, not 4
+    assert result.to_json()["max_concurrent_requests"] <= 4
+
+
+def test_load_spread_over_worker_processes_merges_records():
+    with running(FakeScript(itl_s=0.002)) as server:
+        result = run(server, n=10, output_len=5, load={"num_workers": 2, "max_concurrency": 4})
+    assert sorted(record.index for record in result.records) == list(range(10))
+    assert result.to_json()["completed"] == 10
+    assert all(record.sent_s >= 0 for record in result.records)  # one shared clock origin
