@@ -67,6 +67,8 @@ def load_token_counter(tokenizer: str | None, base_url: str, model: str, api_key
 class LocalTokenCounter:
     """A Hugging Face tokenizer loaded from a local directory (tokenizer.json, tokenizer_config.json); no network."""
 
+    concurrent = False  # one process, one tokenizer: builds run in turn
+
     def __init__(self, hf_tokenizer: Any, path: str) -> None:
         self._tok = hf_tokenizer
         self.source = f"local:{path}"
@@ -145,6 +147,8 @@ def _stable_vocab_pieces(hf_tokenizer: Any) -> list[str]:
 
 class ServerTokenCounter:
     """The server's tokenizer over HTTP: vLLM's POST /tokenize and /detokenize (at the server root, not /v1)."""
+
+    concurrent = True  # calls are HTTP round trips: prompt builds may overlap them (httpx.Client is thread-safe)
 
     def __init__(self, base_url: str, model: str, api_key: str | None, client: httpx.Client | None = None) -> None:
         self.root_url = base_url.rstrip("/").removesuffix("/v1")

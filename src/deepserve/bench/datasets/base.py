@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -15,6 +16,8 @@ from deepserve.errors import ConfigError
 
 if TYPE_CHECKING:
     from deepserve.bench.workloads import WorkloadConfig
+
+TOKENIZE_CONCURRENCY = 8  # /tokenize calls in flight while building prompts with a server tokenizer
 
 
 class DatasetError(ConfigError):
@@ -70,6 +73,22 @@ class DatasetContext:
         if stream == "lengths":
             return np.random.default_rng(self.seed)
         return np.random.default_rng([self.seed, *(ord(c) for c in stream)])
+
+    def build_texts(self, targets: list[int], heads: list[str] | None = None, stream: str = "text") -> list[str]:
+        """Texts of exactly TARGETS[i] server tokens, each on HEADS[i]. Request i draws its text from its own
+        stream, so the result does not depend on the order of work: with a server tokenizer the builds overlap
+        (each one is a few HTTP round trips), with a local one they run in turn."""
+        heads = heads or [""] * len(targets)
+        for head in set(heads):  # measure each shared head once, before the builds share it
+            self.builder.head_info(head)
+
+        def one(i: int) -> str:
+            return self.builder.build(targets[i], self.rng(f"{stream}/{i}"), heads[i])
+
+        if not getattr(self.counter, "concurrent", False) or len(targets) < 2:
+            return [one(i) for i in range(len(targets))]
+        with ThreadPoolExecutor(max_workers=TOKENIZE_CONCURRENCY) as pool:
+            return list(pool.map(one, range(len(targets))))
 
     def special_tokens(self) -> int:
         """Tokens the tokenizer adds to a bare text prompt (the BOS): vLLM's num_special_tokens_to_add()."""

@@ -58,14 +58,12 @@ class RandomDataset:
         rng = ctx.rng("lengths")
         input_lens = draw_uniform_ints(rng, low, high, num_prompts)
         output_lens = _output_lens(config, rng, num_prompts)
-        text_rng = ctx.rng("text")
         header, _ = ctx.builder.template_split()
-        head = ctx.builder.prefix(header + config.random_prefix_len, text_rng) if config.random_prefix_len else ""
+        prefix_rng = ctx.rng("prefix")
+        head = ctx.builder.prefix(header + config.random_prefix_len, prefix_rng) if config.random_prefix_len else ""
         targets = [config.random_prefix_len + length + special for length in input_lens]
-        requests = [
-            _draft(ctx, ctx.builder.build(target, text_rng, head), target, out)
-            for target, out in zip(targets, output_lens, strict=True)
-        ]
+        texts = ctx.build_texts(targets, [head] * len(targets))
+        requests = [_draft(ctx, *args) for args in zip(texts, targets, output_lens, strict=True)]
         return DatasetResult(
             requests,
             {
@@ -88,9 +86,9 @@ class LongDataset:
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         output_lens = _output_lens(config, ctx.rng("lengths"), num_prompts)
-        text_rng = ctx.rng("text")
-        length = config.long_prompt_len
-        requests = [_draft(ctx, ctx.builder.build(length, text_rng), length, out) for out in output_lens]
+        targets = [config.long_prompt_len] * num_prompts
+        texts = ctx.build_texts(targets)
+        requests = [_draft(ctx, *args) for args in zip(texts, targets, output_lens, strict=True)]
         return DatasetResult(requests, {"input_len": config.long_prompt_len})
 
 
@@ -106,11 +104,8 @@ class SampledDataset:
         rng = ctx.rng("lengths")
         input_lens = draw_uniform_ints(rng, low, high, num_prompts)
         output_lens = _output_lens(config, rng, num_prompts)
-        text_rng = ctx.rng("text")
-        requests = [
-            _draft(ctx, ctx.builder.build(length, text_rng), length, out)
-            for length, out in zip(input_lens, output_lens, strict=True)
-        ]
+        texts = ctx.build_texts(input_lens)
+        requests = [_draft(ctx, *args) for args in zip(texts, input_lens, output_lens, strict=True)]
         return DatasetResult(requests, {"input_len_range": [low, high]})
 
 
@@ -119,9 +114,8 @@ def _grouped_prompts(
 ) -> tuple[list[str], int | None]:
     """Texts for requests in GROUPS (group index per request) with TOTALS tokens each; requests of a group share
     their first SHARED_TOKENS tokens. Returns the texts and the shared tokens measured on group 0."""
-    text_rng = ctx.rng("text")
-    heads = [ctx.builder.prefix(shared_tokens, text_rng) for _ in range(num_groups)]
-    texts = [ctx.builder.build(total, text_rng, heads[g]) for g, total in zip(groups, totals, strict=True)]
+    heads = [ctx.builder.prefix(shared_tokens, ctx.rng(f"prefix/{g}")) for g in range(num_groups)]
+    texts = ctx.build_texts(totals, [heads[g] for g in groups])
     first_two = [i for i, g in enumerate(groups) if g == groups[0]][:2] if groups else []
     measured = None
     if len(first_two) == 2:

@@ -19,7 +19,8 @@ from deepserve.bench.types import ChatMessages
 from deepserve.errors import ConfigError
 
 MAX_ADJUST_ROUNDS = 24  # each round moves by the measured error; two or three are the norm
-CALIBRATION_PIECES = 256
+CALIBRATION_PIECES = 1024
+OVERSHOOT = 0.03  # 3 % more text than the estimate (plus two tokens), then one exact cut
 PSEUDO_WORD_COUNT = 4096
 _CONSONANTS = "bcdfghjklmnprstvwz"
 _VOWELS = "aeiou"
@@ -44,17 +45,30 @@ def render_prompt(text: str, chat: bool) -> str | ChatMessages:
     return [{"role": "user", "content": text}] if chat else text
 
 
+@dataclass(frozen=True)
+class HeadInfo:
+    text: str
+    prompt_len: int  # measure(text)
+    shared_ids: list[int]  # the server tokens every prompt built on this head starts with
+
+
 @dataclass
 class PromptBuilder:
     """Builds texts whose rendered prompt is exactly N tokens as the server counts them (BOS and chat template
-    included). `head` lets prompts share an exact prefix: the head's tokens are kept unchanged."""
+    included). `head` lets prompts share an exact prefix: the head's tokens are kept unchanged.
+
+    Tokenizer calls are what a build costs (each is an HTTP round trip with the server's /tokenize), so a build
+    measures once, and when it must cut, cuts the measured ids and decodes once: usually one call with a
+    vocabulary that does not merge, three with pseudo-words."""
 
     counter: TokenCounter
     chat: bool
     pieces: list[str] = field(default_factory=list)
     text_source: str = ""
     tokens_per_piece: float = 1.0
+    overshoot: float = 0.0  # extra fraction of random text when pieces merge: cutting is exact, padding is not
     _split: tuple[int, int] | None = None
+    _heads: dict[str, HeadInfo] = field(default_factory=dict)
 
     @classmethod
     def create(cls, counter: TokenCounter, chat: bool) -> PromptBuilder:
@@ -62,16 +76,14 @@ class PromptBuilder:
         pieces, source = (vocab, "vocab") if vocab else (pseudo_words(), "pseudo_words")
         builder = cls(counter, chat, pieces, source)
         sample = "".join(pieces[i % len(pieces)] for i in range(0, CALIBRATION_PIECES * 7, 7))
-        builder.tokens_per_piece = max(counter.count(sample), 1) / CALIBRATION_PIECES
+        sample_tokens = counter.count(sample)
+        builder.tokens_per_piece = max(sample_tokens, 1) / CALIBRATION_PIECES
+        builder.overshoot = 0.0 if sample_tokens == CALIBRATION_PIECES else OVERSHOOT
         return builder
 
     def measure(self, text: str) -> int:
         """Tokens the server processes for TEXT sent as the prompt."""
         return len(self.counter.prompt_ids(render_prompt(text, self.chat)))
-
-    def overhead(self) -> int:
-        """Tokens an empty prompt costs: the BOS, or the chat template around an empty user message."""
-        return self.measure("")
 
     def template_split(self) -> tuple[int, int]:
         """(header, trailer): tokens the server puts before and after the prompt text: (1, 0) for a BOS-adding
@@ -96,40 +108,57 @@ class PromptBuilder:
             )
         return self.build(shared_tokens + trailer, rng) if shared_tokens > header else ""
 
-    def random_text(self, rng: np.random.Generator, n_tokens: int) -> str:
-        """About N_TOKENS tokens of seeded random pieces (not exact: `build` makes it exact)."""
-        n_pieces = max(math.ceil(n_tokens / self.tokens_per_piece), 0)
+    def random_text(self, rng: np.random.Generator, n_tokens: int, overshoot: float = 0.0) -> str:
+        """About N_TOKENS (plus OVERSHOOT) tokens of seeded random pieces (`build` makes the count exact)."""
+        wanted = n_tokens * (1 + overshoot) + (2 if overshoot and n_tokens else 0)
+        n_pieces = max(math.ceil(wanted / self.tokens_per_piece), 0)
         return "".join(self.pieces[i] for i in rng.integers(0, len(self.pieces), size=n_pieces))
 
     def build(self, target: int, rng: np.random.Generator, head: str = "") -> str:
-        """A text T = HEAD + tail such that measure(T) == TARGET and encode(T) starts with encode(HEAD)."""
-        floor = self.measure(head)
-        if target < floor:
+        """A text T = HEAD + tail such that measure(T) == TARGET and the server's tokens of T start with those of
+        HEAD's prompt (minus what the template puts after the text)."""
+        base = self.head_info(head)
+        if target < base.prompt_len:
             what = "the chat template" if self.chat else "the special tokens (BOS)"
             raise ConfigError(
-                f"a prompt of {target} tokens is impossible: {floor} tokens go to {what}"
+                f"a prompt of {target} tokens is impossible: {base.prompt_len} tokens go to {what}"
                 + (" and the shared prefix" if head else "")
                 + "; ask for a longer input length"
             )
-        head_ids = self.counter.encode(head)
-        tail = self.random_text(rng, target - floor)
+        tail = self.random_text(rng, target - base.prompt_len, self.overshoot)
         for _ in range(MAX_ADJUST_ROUNDS):
-            text = head + tail
-            error = self.measure(text) - target
-            if error == 0 and self.counter.encode(text)[: len(head_ids)] == head_ids:
-                return text
+            ids = self.counter.prompt_ids(render_prompt(head + tail, self.chat))
+            error = len(ids) - target
+            if error == 0 and ids[: len(base.shared_ids)] == base.shared_ids:
+                return head + tail
             if error > 0:
-                tail = self._trim(tail, error)
+                tail = self._cut(ids, head, tail, error)
             elif error < 0:
                 tail += self.random_text(rng, -error)
             else:  # right count, but the tail merged into the head's last token: start the tail afresh
-                tail = self.random_text(rng, target - floor)
+                tail = self.random_text(rng, target - base.prompt_len)
         raise TokenizerError(
             f"could not build a prompt of exactly {target} tokens with {self.counter.source} "
             f"after {MAX_ADJUST_ROUNDS} adjustments (the tokenizer keeps merging the random text)"
         )
 
-    def _trim(self, tail: str, n_tokens: int) -> str:
-        """TAIL without its last N_TOKENS tokens (cut at a token boundary, so the rest re-encodes alike)."""
-        ids = self.counter.encode(tail)
-        return self.counter.decode(ids[: max(len(ids) - n_tokens, 0)])
+    def head_info(self, head: str) -> HeadInfo:
+        """HEAD measured once and remembered: every prompt of a group builds on it."""
+        if head not in self._heads:
+            ids = self.counter.prompt_ids(render_prompt(head, self.chat))
+            _, trailer = self.template_split()
+            shared = ids[: len(ids) - trailer] if head else []
+            self._heads[head] = HeadInfo(head, len(ids), shared)
+        return self._heads[head]
+
+    def _cut(self, ids: list[int], head: str, tail: str, n_tokens: int) -> str:
+        """TAIL without its last N_TOKENS tokens, cut at a token boundary of the measured IDS (one decode), so
+        that the rest re-encodes alike; if the template's tokens do not frame the text cleanly, cut the tail
+        on its own instead."""
+        header, trailer = self.template_split()
+        text_ids = ids[header : len(ids) - trailer]
+        cut = self.counter.decode(text_ids[: max(len(text_ids) - n_tokens, 0)])
+        if cut.startswith(head) and len(cut) < len(head + tail):
+            return cut[len(head) :]
+        tail_ids = self.counter.encode(tail)
+        return self.counter.decode(tail_ids[: max(len(tail_ids) - n_tokens, 0)])
