@@ -32,8 +32,8 @@ from deepserve.plan.published import (
 
 FACTOR_COUNT = 3
 MIN_ROWS_PER_FACTOR = 2  # at least 6 rows for the 3 factors of a profile
-START = (100.0, 0.7, 0.2)  # layer overhead (us), memory efficiency, compute efficiency
-BOUNDS = ((1.0, 5000.0), (0.05, 1.0), (0.005, 1.0))
+# Starting points (layer overhead in us, memory efficiency, compute efficiency): the corners of what engines do.
+STARTS = ((100.0, 0.7, 0.2), (400.0, 0.3, 0.05), (30.0, 0.9, 0.5), (1000.0, 0.1, 0.02))
 
 
 @dataclass(frozen=True)
@@ -74,23 +74,33 @@ def fit_profile(key: ProfileKey, members: list[tuple[PublishedRow, Deployment]])
         return np.array(errors)
 
     def loss(x: np.ndarray) -> float:
-        factors = _factors_from(x)
-        if factors is None:
-            return 1e9
-        return float(np.sum(residuals(factors) ** 2))
+        return float(np.sum(residuals(_factors_from(x)) ** 2))
 
-    best = _nelder_mead(loss, np.log(np.array(START)))
+    # Nelder-Mead finds a local minimum; start it from a few corners of the plausible range and keep the best.
+    candidates = [_nelder_mead(loss, _to_search_space(start)) for start in STARTS]
+    best = min(candidates, key=loss)
     factors = _factors_from(best)
-    assert factors is not None
     rms = float(np.sqrt(np.mean(residuals(factors) ** 2)))
     return ProfileFit(key, factors, tuple(row for row, _ in members), rms)
 
 
-def _factors_from(x: np.ndarray) -> EfficiencyFactors | None:
-    values = np.exp(x)
-    if any(not low <= v <= high for v, (low, high) in zip(values, BOUNDS, strict=True)):
-        return None
-    return EfficiencyFactors(float(values[0]), float(values[1]), float(values[2]))
+def _to_search_space(start: tuple[float, float, float]) -> np.ndarray:
+    overhead, memory, compute = start
+    return np.array([math.log(overhead), _logit(memory), _logit(compute)])
+
+
+def _factors_from(x: np.ndarray) -> EfficiencyFactors:
+    """Search space to factors: the overhead is exp(x0); the efficiencies are logistic, so they stay in (0, 1)
+    without a penalty wall the simplex could stick to."""
+    return EfficiencyFactors(float(math.exp(x[0])), _logistic(x[1]), _logistic(x[2]))
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+def _logistic(u: float) -> float:
+    return 1 / (1 + math.exp(-min(max(u, -50.0), 50.0)))
 
 
 def _nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, iterations: int = 600) -> np.ndarray:
@@ -155,8 +165,11 @@ def fits_to_json(fits: list[ProfileFit]) -> dict[str, Any]:
     return {
         "generated_by": "deepserve plan fit --write",
         "generated_on": date.today().isoformat(),
-        "method": "least squares on log(predicted/published), Nelder-Mead over log factors, per profile",
-        "start": dict(zip(("layer_overhead_us", "memory_efficiency", "compute_efficiency"), START, strict=True)),
+        "method": "least squares on log(predicted/published) per profile; Nelder-Mead from each start, best kept",
+        "starts": [
+            dict(zip(("layer_overhead_us", "memory_efficiency", "compute_efficiency"), start, strict=True))
+            for start in STARTS
+        ],
         "profiles": profiles,
     }
 

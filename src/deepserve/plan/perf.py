@@ -93,7 +93,7 @@ class PerformanceModel:
         self.factors = factors
         self.kv_dtype = kv_dtype
         self._stage = stage_layers(spec, layout.pp)[0]  # the first stage is the largest and holds the dense layers
-        self._moe_layers, self._static_params, self._static_bytes = _stage_weights(spec, fmt, layout)
+        self._moe_layers, self._layer_params, self._head_params, self._static_bytes = _stage_weights(spec, fmt, layout)
 
     # ---- one step ---------------------------------------------------------------------------------------------
 
@@ -130,7 +130,9 @@ class PerformanceModel:
         spec, layout = self.spec, self.layout
         tokens = decode_tokens + prefill_tokens
         rank_tokens = tokens / layout.dp
-        linear = 2 * rank_tokens * self._static_params
+        # The output head runs for the tokens that are sampled: every decode token, one per prompt.
+        head_tokens = (decode_tokens + (1 if prefill_tokens else 0)) / layout.dp
+        linear = 2 * rank_tokens * self._layer_params + 2 * head_tokens * self._head_params
         routed = 2 * tokens * spec.num_experts_per_tok * spec.expert_params / layout.expert_shards
         linear += routed * self._moe_layers
         heads = spec.num_attention_heads / layout.tp
@@ -202,9 +204,10 @@ class PerformanceModel:
 
 
 @lru_cache(maxsize=256)
-def _stage_weights(spec: ModelSpec, fmt: WeightFormat, layout: Layout) -> tuple[int, float, float]:
-    """MoE layers of the first stage, and the params and bytes every step reads on one of its GPUs whatever the
-    batch: everything but the routed experts, plus the output head (read once per step on the last stage)."""
+def _stage_weights(spec: ModelSpec, fmt: WeightFormat, layout: Layout) -> tuple[int, float, float, float]:
+    """For one GPU of the first stage: its MoE layers, its non-expert layer params, its output-head params, and the
+    bytes every step reads there whatever the batch (everything but the routed experts, plus the output head, read
+    once per step on the last stage)."""
     stage = stage_layers(spec, layout.pp)[0]
     moe_layers, params, total = 0, 0.0, 0.0
     for index in stage:
@@ -216,7 +219,7 @@ def _stage_weights(spec: ModelSpec, fmt: WeightFormat, layout: Layout) -> tuple[
             params += share
             total += share * fmt.bytes_per_param(key)
     head = spec.parameter_breakdown()["lm_head"] / layout.tp
-    return moe_layers, params + head, total + head * fmt.bytes_per_param("lm_head")
+    return moe_layers, params, head, total + head * fmt.bytes_per_param("lm_head")
 
 
 def _all_reduce_s(message_bytes: float, ranks: int, link: Link) -> float:
