@@ -318,6 +318,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
 
 async def _measure(args: argparse.Namespace, targets: dict[str, str]) -> dict[str, object]:
     rows: dict[str, object] = {}
+    for url in targets.values():  # warm every path (imports, connection pools, caches) before anything counts
+        await request_rate(url, 16, 1.0)
     for concurrency in args.concurrency:
         for name, url in targets.items():
             if name == "litellm" and concurrency > args.litellm_max_streams:
@@ -325,8 +327,10 @@ async def _measure(args: argparse.Namespace, targets: dict[str, str]) -> dict[st
             started = time.perf_counter()
             summary = summarise(await stream_load(url, concurrency, args.rounds, args.tokens))
             rows[f"stream/{concurrency}/{name}"] = summary
-            print(f"  {concurrency:>5} streams via {name:<8} {summary} ({time.perf_counter() - started:.1f} s)",
-                  flush=True)  # fmt: skip
+            elapsed_s = time.perf_counter() - started
+            print(f"  {concurrency:>5} streams via {name:<8} TTFT p50 {summary.ttft_p50_ms:.2f} ms, "
+                  f"p99 {summary.ttft_p99_ms:.2f} ms, ITL {summary.itl_mean_ms:.2f} ms, "
+                  f"{summary.failures}/{summary.count} failed ({elapsed_s:.1f} s)", flush=True)  # fmt: skip
     for name, url in targets.items():
         rate, failed = await request_rate(url, args.rate_concurrency, args.rate_duration_s)
         rows[f"rate/{name}"] = (rate, failed)
