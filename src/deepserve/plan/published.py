@@ -15,7 +15,7 @@ from pathlib import Path
 
 from deepserve.models.presets import preset_spec
 from deepserve.models.spec import ModelSpec
-from deepserve.plan.factors import EfficiencyFactors, ProfileKey, SelectedFactors
+from deepserve.plan.factors import EfficiencyFactors, SelectedFactors
 from deepserve.plan.layout import Layout
 from deepserve.plan.perf import PerformanceModel, Prediction, Workload
 from deepserve.plan.planner import Deployment, build_deployment
@@ -172,10 +172,6 @@ def predict_row(row: PublishedRow, deployment: Deployment, model: PerformanceMod
     if row.setup.concurrency_sweep:
         return max(metric(model.predict(c, workload, cap), workload) for c in row.setup.concurrency_sweep)
     return metric(model.predict(cap, workload, cap), workload)  # a request-rate sweep peaks when the batch is full
-
-
-def row_profile(row: PublishedRow, deployment: Deployment) -> ProfileKey:
-    return deployment.profile_key()
 
 
 def with_factors(deployment: Deployment, factors: EfficiencyFactors) -> PerformanceModel:
