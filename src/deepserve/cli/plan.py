@@ -80,6 +80,12 @@ def print_plan(console: Console, plan: Plan) -> None:
         highlight=False,
     )
     console.print(_memory_table(plan))
+    mtp = d.spec.mtp_params()
+    if mtp:
+        console.print(
+            f"not loaded: the MTP module ({mtp / 1e9:.1f}B parameters); engines load it only for speculative decoding",
+            highlight=False,
+        )
     if plan.fits:
         console.print(
             f"[bold green]fits[/]: the KV cache holds {memory.kv_cache_tokens:,} tokens "
@@ -90,6 +96,12 @@ def print_plan(console: Console, plan: Plan) -> None:
         )
     else:
         console.print(f"[bold red]does not fit[/]: {_shortfall(plan)}", highlight=False)
+        if plan.smallest_fitting_gpus:
+            console.print(
+                f"it fits on {plan.smallest_fitting_gpus} x {d.accelerator.name} "
+                f"({plan.smallest_fitting_gpus // d.accelerator.devices_per_node} node(s), TP in a node, PP across)",
+                highlight=False,
+            )
         return
     console.print(_predictions_table(plan))
     if plan.config.slo_itl_ms is not None:

@@ -151,6 +151,7 @@ class Plan:
     predictions: tuple[Prediction, ...]
     max_concurrency_within_slo: int | None
     commands: dict[str, str]
+    smallest_fitting_gpus: int | None = None  # when it does not fit: GPUs of this type (whole nodes) that would
 
     @property
     def fits(self) -> bool:
@@ -201,6 +202,8 @@ class Plan:
             "predictions": predictions,
             "slo_itl_ms": self.config.slo_itl_ms,
             "max_concurrency_within_slo": self.max_concurrency_within_slo,
+            "smallest_fitting_gpus": self.smallest_fitting_gpus,
+            "mtp_params_not_loaded": d.spec.mtp_params(),
             "commands": self.commands,
         }
 
@@ -238,7 +241,38 @@ def make_plan(config: PlanConfig) -> Plan:
         if config.slo_itl_ms is not None:
             within_slo = highest_concurrency_within(model, workload, cap, config.slo_itl_ms)
     commands = engine_commands(deployment, config)
-    return Plan(config, deployment, selected, predictions, within_slo, commands)
+    smallest = None if deployment.memory.fits else smallest_fitting_gpus(config)
+    return Plan(config, deployment, selected, predictions, within_slo, commands, smallest)
+
+
+MAX_NODES_SEARCHED = 8
+
+
+def smallest_fitting_gpus(config: PlanConfig) -> int | None:
+    """Fewest GPUs of the planned type, in whole nodes with TP inside a node and PP across nodes, on which the
+    model fits with the planned format, context and memory settings; None beyond MAX_NODES_SEARCHED nodes."""
+    spec = load_spec(config.model)
+    per_node = get_accelerator(config.gpu).devices_per_node
+    for nodes in range(1, MAX_NODES_SEARCHED + 1):
+        try:
+            deployment = build_deployment(
+                spec,
+                config.gpu,
+                per_node * nodes,
+                nodes=nodes,
+                weights=config.weights,
+                kv_dtype=config.kv_dtype,
+                network=config.network,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                max_model_len=config.max_model_len,
+                workload=Workload(config.input_len, config.output_len),
+                max_num_batched_tokens=config.max_num_batched_tokens,
+            )
+        except ConfigError:
+            continue  # e.g. a node size whose TP does not divide the heads
+        if deployment.memory.fits:
+            return per_node * nodes
+    return None
 
 
 def highest_concurrency_within(model: PerformanceModel, workload: Workload, cap: int, slo_itl_ms: float) -> int | None:

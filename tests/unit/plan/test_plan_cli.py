@@ -155,3 +155,15 @@ def test_unknown_engine_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli_main.main(["plan", "--engine", "trtllm"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_plan_that_does_not_fit_names_the_gpus_that_would(capsys: pytest.CaptureFixture[str]) -> None:
+    _code, out, _ = run(capsys, "--model", "deepseek-ai/DeepSeek-V3", "--gpu", "h100", "--json")
+    plan = json.loads(out)
+    assert plan["smallest_fitting_gpus"] == 16  # FP8 needs two nodes of H100
+    assert plan["mtp_params_not_loaded"] > 10e9
+    _code, out, _ = run(capsys, "--model", "deepseek-ai/DeepSeek-V3", "--gpu", "h200", "--json")
+    assert json.loads(out)["fits"] is True and json.loads(out)["smallest_fitting_gpus"] is None
+    _code, out, _ = run(capsys, "--model", "deepseek-ai/DeepSeek-V3", "--gpu", "h100")
+    assert "it fits on 16 x h100-sxm (2 node(s)" in out
+    assert "MTP module" in out

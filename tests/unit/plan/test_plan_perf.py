@@ -109,3 +109,11 @@ def test_pipeline_parallel_token_interval_spans_all_stages(v3) -> None:
     p = model.predict(1, Workload(1000, 100), deployment.running_cap)
     # one request: every token crosses both stages (the other stage idles: a pipeline bubble)
     assert p.tpot_ms == pytest.approx(2 * model.step(1, 0, 1050).total_s * 1e3, rel=1e-6)
+
+
+def test_ttft_grows_with_the_running_batch(v3) -> None:
+    """A new prompt waits for the step in flight and for the prompts queued ahead of it."""
+    deployment, model = _model(v3)
+    workload = Workload(2048, 512)
+    ttfts = [model.predict(c, workload, deployment.running_cap).ttft_ms for c in (1, 16, 64, 256)]
+    assert ttfts == sorted(ttfts) and ttfts[-1] > 1.5 * ttfts[0]
