@@ -18,6 +18,7 @@ from deepserve.bench.types import ChatMessages
 from deepserve.errors import ConfigError, DeepserveError
 
 TOKENIZE_TIMEOUT_S = 60.0
+PROBE_TIMEOUT_S = 5.0
 
 
 class TokenizerError(DeepserveError):
@@ -54,14 +55,49 @@ class TokenCounter(Protocol):
 
 def load_token_counter(tokenizer: str | None, base_url: str, model: str, api_key: str | None) -> TokenCounter:
     """A local tokenizer directory when TOKENIZER is given or MODEL names a local directory, else the server's
-    /tokenize and /detokenize (vLLM and SGLang have them; the check happens here, before any work starts)."""
-    if tokenizer:
-        return LocalTokenCounter.load(tokenizer)
-    if model and Path(model).expanduser().is_dir():
-        return LocalTokenCounter.load(model)
+    /tokenize and /detokenize (vLLM's). Checked here, before any work starts: the server's tokenizer must answer,
+    and a local one must count like the server wherever the server can tell (see `check_against_server`)."""
+    path = tokenizer or (model if model and Path(model).expanduser().is_dir() else None)
+    if path:
+        local = LocalTokenCounter.load(path)
+        probe = ServerTokenCounter(base_url, model, api_key, probe=True)
+        try:
+            local.server_check = check_against_server(local, probe)
+        finally:
+            probe.close()
+        return local
     counter = ServerTokenCounter(base_url, model, api_key)
     counter.check()
     return counter
+
+
+# Texts whose token counts differ between tokenizers that load or add specials differently: spaces, digits,
+# punctuation, non-ASCII, as a completion prompt and as a chat message.
+CHECK_PROMPTS: list[str | ChatMessages] = [
+    "Hello, world! deepserve measures 2048 tokens; naïve café ✓",
+    [{"role": "user", "content": "How long is this prompt, in tokens?"}],
+]
+
+
+def check_against_server(local: TokenCounter, server: ServerTokenCounter) -> str:
+    """Compare LOCAL with the server's own tokenizer on a few prompts: a mismatch (another tokenizer, a BOS added
+    on one side only, another chat template) would make every prompt length wrong, so it is an error. A server
+    without /tokenize cannot be asked: the result says the counts are unverified."""
+    for prompt in CHECK_PROMPTS:
+        try:
+            remote_ids = server.prompt_ids(prompt)
+        except TokenizerError as exc:
+            return f"unverified ({exc})"
+        local_ids = local.prompt_ids(prompt)
+        if local_ids != remote_ids:
+            where = next((i for i, (a, b) in enumerate(zip(local_ids, remote_ids, strict=False)) if a != b), None)
+            where = min(len(local_ids), len(remote_ids)) if where is None else where
+            raise TokenizerError(
+                f"the tokenizer {local.source} does not count like the server ({server.source}): {prompt!r} is "
+                f"{len(local_ids)} tokens here and {len(remote_ids)} there (first difference at token {where}); "
+                "point --tokenizer at the served model's tokenizer, or leave it out to count with the server's"
+            )
+    return f"matches {server.source}"
 
 
 class LocalTokenCounter:
@@ -72,6 +108,7 @@ class LocalTokenCounter:
     def __init__(self, hf_tokenizer: Any, path: str) -> None:
         self._tok = hf_tokenizer
         self.source = f"local:{path}"
+        self.server_check: str | None = None  # set by load_token_counter: "matches …" or "unverified (…)"
         self._pieces: list[str] | None = None
 
     @classmethod
@@ -130,12 +167,13 @@ class LocalTokenCounter:
 
 
 def _stable_vocab_pieces(hf_tokenizer: Any) -> list[str]:
-    """Single tokens whose text is printable ASCII and re-encodes to that same one token.
+    """Single vocabulary tokens whose text is printable ASCII and re-encodes to that same one token.
 
     ASCII keeps every cut between tokens a cut between characters (no half UTF-8 sequences); word-like pieces with
     a leading space are preferred where the vocabulary has enough of them, because a space starts a new
     pre-token in byte-level BPE, so neighbours rarely merge."""
-    special = set(hf_tokenizer.all_special_ids)
+    # added tokens (specials, reserved placeholders, chat markers) are control tokens, not text
+    special = set(hf_tokenizer.all_special_ids) | set(hf_tokenizer.get_added_vocab().values())
     ids = [i for i in range(len(hf_tokenizer)) if i not in special]
     texts = hf_tokenizer.batch_decode([[i] for i in ids], clean_up_tokenization_spaces=False)
     candidates = [(i, t) for i, t in zip(ids, texts, strict=True) if t.isascii() and t.isprintable() and t.strip()]
@@ -150,12 +188,22 @@ class ServerTokenCounter:
 
     concurrent = True  # calls are HTTP round trips: prompt builds may overlap them (httpx.Client is thread-safe)
 
-    def __init__(self, base_url: str, model: str, api_key: str | None, client: httpx.Client | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None,
+        client: httpx.Client | None = None,
+        probe: bool = False,
+    ) -> None:
+        """PROBE: a short timeout, for a check that must not hold up a run whose server cannot answer."""
         self.root_url = base_url.rstrip("/").removesuffix("/v1")
         self.model = model
         self.source = f"server:{self.root_url}/tokenize"
+        self.server_check = "is the server's"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = client or httpx.Client(timeout=TOKENIZE_TIMEOUT_S, headers=headers)
+        timeout = PROBE_TIMEOUT_S if probe else TOKENIZE_TIMEOUT_S
+        self._client = client or httpx.Client(timeout=timeout, headers=headers)
 
     def check(self) -> None:
         """Fail fast, with the fix in the message, when the server cannot tokenize for us."""

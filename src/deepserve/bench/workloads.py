@@ -189,6 +189,7 @@ def build_workload(config: WorkloadConfig, counter: TokenCounter, chat: bool) ->
         "num_requests": len(requests),
         "endpoint": "chat" if chat else "completions",
         "tokenizer_source": counter.source,
+        "tokenizer_check": getattr(counter, "server_check", None),  # local tokenizers: compared with the server's
         "input_len_unit": "server prompt tokens (BOS and chat template included)",
         "text_source": ctx.text_source(),
         **result.details,

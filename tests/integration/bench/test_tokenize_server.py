@@ -28,6 +28,7 @@ def _error(message: str, kind: str, code: int, param: str | None = None) -> dict
 class FakeVLLMTokenizer(BaseHTTPRequestHandler):
     tokenizer: LocalTokenCounter
     calls: list[str]
+    double_bos = False  # a server whose tokenizer adds one more BOS than ours: must be caught
 
     def log_message(self, format: str, *args: object) -> None:  # keep pytest output clean
         pass
@@ -53,6 +54,7 @@ class FakeVLLMTokenizer(BaseHTTPRequestHandler):
             add_special = body.get("add_special_tokens", True)
             prompt = body["prompt"]
             tokens = self.tokenizer.prompt_ids(prompt) if add_special else self.tokenizer.encode(prompt)
+            tokens = tokens[:1] + tokens if self.double_bos and add_special else tokens
         else:
             return self._send(400, _error("Field required: prompt", "BadRequestError", 400))
         self._send(200, {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens, "token_strs": None})
@@ -74,9 +76,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LocalTokenCounter:
 
 
 @pytest.fixture
-def server(tiny: LocalTokenCounter) -> Iterator[tuple[str, list[str]]]:
+def server(tiny: LocalTokenCounter, request) -> Iterator[tuple[str, list[str]]]:
     calls: list[str] = []
-    handler = type("Handler", (FakeVLLMTokenizer,), {"tokenizer": tiny, "calls": calls})
+    double_bos = getattr(request, "param", False)
+    handler = type("Handler", (FakeVLLMTokenizer,), {"tokenizer": tiny, "calls": calls, "double_bos": double_bos})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -119,3 +122,27 @@ def test_wrong_model_is_reported_with_the_servers_words(server) -> None:
 def test_missing_api_key_is_a_401(server) -> None:
     with pytest.raises(TokenizerError, match="HTTP 401: Unauthorized"):
         load_token_counter(None, server[0], MODEL, None)
+
+
+def test_a_local_tokenizer_is_checked_against_the_server(server, tiny: LocalTokenCounter) -> None:
+    local_dir = tiny.source.removeprefix("local:")
+    counter = load_token_counter(local_dir, server[0], MODEL, API_KEY)
+    assert isinstance(counter, LocalTokenCounter)
+    assert counter.server_check == f"matches {counter_source(server[0])}"
+    workload = build_workload(WorkloadConfig(num_prompts=2, random_input_len=20), counter, chat=False)
+    assert workload.definition["tokenizer_check"] == counter.server_check
+    assert workload.definition["text_source"] == "vocab"
+
+
+@pytest.mark.parametrize("server", [True], indirect=True, ids=["server-adds-a-second-bos"])
+def test_a_local_tokenizer_that_counts_differently_is_refused(server, tiny: LocalTokenCounter) -> None:
+    local_dir = tiny.source.removeprefix("local:")
+    with pytest.raises(
+        TokenizerError,
+        match=r"does not count like the server.* is 63 tokens here and 64 there \(first difference at token 1\)",
+    ):
+        load_token_counter(local_dir, server[0], MODEL, API_KEY)
+
+
+def counter_source(base_url: str) -> str:
+    return "server:" + base_url.removesuffix("/v1") + "/tokenize"

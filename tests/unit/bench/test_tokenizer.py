@@ -66,6 +66,9 @@ def test_load_prefers_the_local_directory(tiny_dir: Path) -> None:
     assert counter.source == f"local:{tiny_dir.resolve()}"
     by_model = load_token_counter(None, "http://127.0.0.1:9/v1", str(tiny_dir), None)
     assert by_model.source.startswith("local:")
+    # nothing listens on port 9: the counts cannot be compared with the server's, and the results say so
+    assert isinstance(counter, LocalTokenCounter)
+    assert counter.server_check is not None and counter.server_check.startswith("unverified (cannot reach")
 
 
 def test_load_rejects_a_tokenizer_that_is_not_a_directory(tmp_path: Path) -> None:
