@@ -291,7 +291,7 @@ def _line_chart(
 ) -> Chart | None:
     if not lines:
         return None
-    fig, ax = _figure(title)
+    fig, ax = _figure(title + _workload_words(lines))
     handles: list[Line2D] = []
     for color, line in zip(_colors(), lines, strict=False):
         for metric in metrics:
@@ -304,6 +304,16 @@ def _line_chart(
     _labels(ax, x_label, y_label)
     _scale_axes(ax, lines, metrics)
     return _save(fig, ax, out_dir, name, title, caption, handles)
+
+
+def _workload_words(lines: list[sr.Series]) -> str:
+    """ " (input 1024, output 256 tokens)" when every point shares those lengths: the chart says what it measured."""
+    points = [point for line in lines for point in line.points]
+    inputs = {point.params.input_len for point in points}
+    outputs = {point.params.output_len for point in points}
+    if len(inputs) == 1 and len(outputs) == 1 and None not in inputs | outputs:
+        return f" (input {inputs.pop()}, output {outputs.pop()} tokens)"
+    return ""
 
 
 def _figure(title: str) -> tuple[Figure, Axes]:
