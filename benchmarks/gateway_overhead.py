@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.fake_upstream import FAKE_MODEL
@@ -51,6 +52,22 @@ class Server:
     url: str  # base URL ending in /v1
     process: subprocess.Popen[str]
     output: list[str] = field(default_factory=list)
+
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the server and its children."""
+        try:
+            root = psutil.Process(self.process.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0.0
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -143,6 +160,8 @@ def start_litellm(binary: Path, upstream: str, workdir: Path) -> Server:
                     }
                 ],
                 "litellm_settings": {"telemetry": False},
+                # LiteLLM refuses to start open; the load generator sends this key to every target
+                "general_settings": {"master_key": "sk-bench-master-key"},
             }
         )
     )
@@ -162,12 +181,15 @@ class StreamResult:
     ok: bool
 
 
+HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench-master-key"}
+
+
 async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes) -> StreamResult:
     started = time.perf_counter()
     first = last = 0.0
     events = 0
     try:
-        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
+        async with session.post(url, data=body, headers=HEADERS) as response:
             if response.status != 200:
                 await response.read()
                 return StreamResult(0.0, None, False)
@@ -188,8 +210,9 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes) -> S
     return StreamResult(first - started, itl, tokens > 0)
 
 
-async def stream_load(url: str, concurrency: int, rounds: int, tokens: int) -> list[StreamResult]:
-    """CONCURRENCY streams at all times, ROUNDS each; the first round (connection set-up) is not counted."""
+async def stream_load(url: str, concurrency: int, rounds: int, tokens: int, stream_s: float) -> list[StreamResult]:
+    """CONCURRENCY streams at all times, ROUNDS each; the first round (connection set-up) is not counted. Workers
+    start spread over one stream's duration (STREAM_S), so that arrivals are steady rather than one burst."""
     body = json.dumps(
         {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": tokens, "stream": True}
     ).encode()
@@ -198,20 +221,22 @@ async def stream_load(url: str, concurrency: int, rounds: int, tokens: int) -> l
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
-        async def worker() -> None:
+        async def worker(offset_s: float) -> None:
+            await asyncio.sleep(offset_s)
             for round_index in range(rounds):
                 result = await one_stream(session, url + "/chat/completions", body)
                 if round_index:
                     results.append(result)
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(stream_s * index / concurrency) for index in range(concurrency)))
     return results
 
 
-async def request_rate(url: str, concurrency: int, duration_s: float) -> tuple[float, int]:
-    """Non-streamed 1-token requests, CONCURRENCY at a time for DURATION_S: (completed per second, failures)."""
+async def request_rate(url: str, concurrency: int, duration_s: float) -> tuple[float, int, int]:
+    """Non-streamed 1-token requests, CONCURRENCY at a time for DURATION_S after a short warm-up:
+    (completed per second, failures, all requests answered including the warm-up)."""
     body = json.dumps({"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 1}).encode()
-    done = failed = 0
+    done = failed = answered = 0
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
         warm_until = time.perf_counter() + min(1.0, duration_s / 4)
@@ -219,21 +244,21 @@ async def request_rate(url: str, concurrency: int, duration_s: float) -> tuple[f
         started = warm_until
 
         async def worker() -> None:
-            nonlocal done, failed
+            nonlocal done, failed, answered
             while (now := time.perf_counter()) < stop_at:
                 try:
-                    async with session.post(url + "/completions", data=body,
-                                            headers={"Content-Type": "application/json"}) as response:  # fmt: skip
+                    async with session.post(url + "/completions", data=body, headers=HEADERS) as response:
                         await response.read()
                         ok = response.status == 200
                 except aiohttp.ClientError:
                     ok = False
+                answered += 1
                 if now >= warm_until:
                     done += ok
                     failed += not ok
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return done / (time.perf_counter() - started), failed
+    return done / (time.perf_counter() - started), failed, answered
 
 
 # ---- metrics and table --------------------------------------------------------------------------------------------
@@ -257,6 +282,7 @@ class StreamSummary:
     itl_mean_ms: float
     failures: int
     count: int
+    proxy_cpu_ms_per_stream: float = float("nan")  # CPU of the process the requests went to, per stream
 
 
 def summarise(results: list[StreamResult]) -> StreamSummary:
@@ -296,16 +322,16 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
     fake = start_fake(args.itl_ms)
     servers = [fake]
     try:
-        targets = {"direct": fake.url}
+        targets = {"direct": fake}
         gateway = start_gateway(fake.url)
         servers.append(gateway)
-        targets["gateway"] = gateway.url
+        targets["gateway"] = gateway
         binary = None if args.no_litellm else ensure_litellm()
         if binary is not None:
             try:
                 litellm = start_litellm(binary, fake.url, workdir)
                 servers.append(litellm)
-                targets["litellm"] = litellm.url
+                targets["litellm"] = litellm
             except RuntimeError as exc:
                 print(f"note: LiteLLM skipped: {exc}", flush=True)
         rows = await _measure(args, targets)
@@ -316,25 +342,35 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
     return 0
 
 
-async def _measure(args: argparse.Namespace, targets: dict[str, str]) -> dict[str, object]:
+async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict[str, object]:
+    """Each path in turn under the same load. For the proxies, also the CPU the proxy process itself used per
+    request: unlike latency, that does not depend on what else the shared cores are doing."""
     rows: dict[str, object] = {}
-    for url in targets.values():  # warm every path (imports, connection pools, caches) before anything counts
-        await request_rate(url, 16, 1.0)
+    stream_s = args.tokens * args.itl_ms / 1000
+    for server in targets.values():  # warm every path (imports, connection pools, caches) before anything counts
+        await request_rate(server.url, 16, 1.0)
     for concurrency in args.concurrency:
-        for name, url in targets.items():
+        for name, server in targets.items():
             if name == "litellm" and concurrency > args.litellm_max_streams:
                 continue
-            started = time.perf_counter()
-            summary = summarise(await stream_load(url, concurrency, args.rounds, args.tokens))
+            started, cpu_before = time.perf_counter(), server.cpu_s()
+            results = await stream_load(server.url, concurrency, args.rounds, args.tokens, stream_s)
+            summary = summarise(results)
+            summary.proxy_cpu_ms_per_stream = (
+                (server.cpu_s() - cpu_before) * 1000 / len(results) / (args.rounds / (args.rounds - 1))
+            )
             rows[f"stream/{concurrency}/{name}"] = summary
             elapsed_s = time.perf_counter() - started
             print(f"  {concurrency:>5} streams via {name:<8} TTFT p50 {summary.ttft_p50_ms:.2f} ms, "
                   f"p99 {summary.ttft_p99_ms:.2f} ms, ITL {summary.itl_mean_ms:.2f} ms, "
                   f"{summary.failures}/{summary.count} failed ({elapsed_s:.1f} s)", flush=True)  # fmt: skip
-    for name, url in targets.items():
-        rate, failed = await request_rate(url, args.rate_concurrency, args.rate_duration_s)
-        rows[f"rate/{name}"] = (rate, failed)
-        print(f"  requests/s via {name:<8} {rate:,.0f} ({failed} failed)", flush=True)
+    for name, server in targets.items():
+        cpu_before = server.cpu_s()
+        rate, failed, completed = await request_rate(server.url, args.rate_concurrency, args.rate_duration_s)
+        cpu_us = (server.cpu_s() - cpu_before) * 1e6 / max(1, completed)
+        rows[f"rate/{name}"] = (rate, failed, cpu_us)
+        print(f"  requests/s via {name:<8} {rate:,.0f} ({failed} failed), {cpu_us:,.0f} µs CPU per request "
+              "in that process", flush=True)  # fmt: skip
     return rows
 
 
@@ -342,8 +378,8 @@ def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
     print()
     print(f"Streams of {args.tokens} tokens, fake upstream ITL {args.itl_ms:g} ms; added = via − direct, same run")
     print("| streams | path | TTFT p50 ms | TTFT p99 ms | ITL mean ms | added TTFT p50 ms | added TTFT p99 ms "
-          "| added ITL ms | failed |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| added ITL ms | server CPU ms/stream | failed |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for concurrency in args.concurrency:
         direct = rows.get(f"stream/{concurrency}/direct")
         for name in ("direct", "gateway", "litellm"):
@@ -356,18 +392,25 @@ def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
                 if name != "direct" else "– | – | –"
             )  # fmt: skip
             print(f"| {concurrency} | {name} | {summary.ttft_p50_ms:.2f} | {summary.ttft_p99_ms:.2f} | "
-                  f"{summary.itl_mean_ms:.2f} | {added} | {summary.failures}/{summary.count} |")  # fmt: skip
+                  f"{summary.itl_mean_ms:.2f} | {added} | {summary.proxy_cpu_ms_per_stream:.2f} | "
+                  f"{summary.failures}/{summary.count} |")  # fmt: skip
     print()
     print(f"Non-streamed 1-token completions, {args.rate_concurrency} concurrent, {args.rate_duration_s:g} s")
-    print("| path | requests/s | failed | vs LiteLLM |")
-    print("|---|---|---|---|")
+    print(
+        "| path | requests/s | failed | vs LiteLLM | server CPU µs/request | requests/s per server core | vs LiteLLM |"
+    )
+    print("|---|---|---|---|---|---|---|")
     litellm = rows.get("rate/litellm")
     for name in ("direct", "gateway", "litellm"):
         value = rows.get(f"rate/{name}")
         if not isinstance(value, tuple):
             continue
-        ratio = f"{value[0] / litellm[0]:.1f}×" if isinstance(litellm, tuple) and litellm[0] else "–"
-        print(f"| {name} | {value[0]:,.0f} | {value[1]} | {ratio} |")
+        ratio = cpu_ratio = "–"
+        if isinstance(litellm, tuple) and litellm[0]:
+            ratio = f"{value[0] / litellm[0]:.1f}×"
+            cpu_ratio = f"{litellm[2] / value[2]:.1f}×"
+        print(f"| {name} | {value[0]:,.0f} | {value[1]} | {ratio} | {value[2]:,.0f} | {1e6 / value[2]:,.0f} | "
+              f"{cpu_ratio} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ def _uvicorn_config(app: GatewayApp, config: GatewayConfig) -> uvicorn.Config:
         log_level="warning",
         server_header=False,
         date_header=False,
+        proxy_headers=False,  # the gateway is the edge: X-Forwarded-* from clients are not trusted
         timeout_keep_alive=30,
         timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
         backlog=4096,

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+from yarl import URL
 
 from deepserve.gateway.balancing import BalancingPolicy, RoutingHints
 from deepserve.gateway.errors import (
@@ -40,6 +41,13 @@ class UpstreamReplica:
     models: dict[str, int | None] = field(default_factory=dict)  # served model → max_model_len
     checks_since_models: int = 0
     last_error: str | None = None
+    _urls: dict[str, URL] = field(default_factory=dict)  # parsed once per path, not per request
+
+    def url_of(self, path: str) -> URL:
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = URL(self.root + path)
+        return url
 
     @property
     def root(self) -> str:
@@ -126,7 +134,7 @@ class UpstreamPool:
     async def post(self, replica: UpstreamReplica, path: str, body: bytes) -> aiohttp.ClientResponse:
         """Send BODY; return the response once its headers arrived. The caller must release it."""
         try:
-            return await self.session.post(replica.root + path, data=body, headers=_JSON_HEADERS)
+            return await self.session.post(replica.url_of(path), data=body, headers=_JSON_HEADERS)
         except Exception as exc:
             raise upstream_error(exc, replica) from exc
 
