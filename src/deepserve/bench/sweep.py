@@ -163,7 +163,9 @@ def parse_list(flag: str, text: str | None, kind: type) -> list[Any] | None:
         try:
             value = kind(item)
         except ValueError as exc:
-            raise ConfigError(f"--{flag.replace('_', '-')} {text!r}: {item!r} is not a {kind.__name__}") from exc
+            raise ConfigError(
+                f"--{flag.replace('_', '-')} {text!r}: {item!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from exc
         if isinstance(value, int | float) and value <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} {text!r}: values must be positive")
         values.append(value)

@@ -26,6 +26,7 @@ from deepserve.bench.sweep import (
     suite_spec,
 )
 from deepserve.cli.bench import add_bench_flags, config_from_args
+from deepserve.errors import ConfigError
 from deepserve.report.build import build_report, load_sets
 from deepserve.report.slo import parse_slos
 from deepserve.results.sweepdir import read_index
@@ -155,7 +156,11 @@ def _spec(
         spec.metadata.update(metadata)
         return spec
     suite = get_suite(args.suite)
-    given = {name: values[0] for name, values in lists.items() if values and len(values) == 1}
+    several = [name for name, values in lists.items() if values and len(values) > 1]
+    if several:
+        flags = ", ".join("--" + name.replace("_", "-") for name in several)
+        raise ConfigError(f"with --suite, {flags} take one value (it applies to every point); drop --suite for a grid")
+    given = {name: values[0] for name, values in lists.items() if values}
     index = read_index(directory)
     if index is not None and (index.model_extra or {}).get("signature") == signature({"suite": suite.name, **asked}):
         console.print(f"Resuming the planned suite in {directory} (no new speed probe)")

@@ -197,3 +197,29 @@ def test_points_are_recorded_in_the_store(tmp_path: Path, isolated_home: Path):
     assert runs[0].sweep_dir == str((tmp_path / "s").resolve())
     index = json.loads((tmp_path / "s" / "index.json").read_text())
     assert index["label"] == "recorded"
+
+
+def test_cli_lists_suites_and_rejects_bad_lists(capsys):
+    from deepserve.cli.main import main
+
+    assert main(["sweep", "--list-suites"]) == 0
+    listed = capsys.readouterr().out
+    for name in (
+        "concurrency",
+        "request-rate",
+        "input-length",
+        "output-length",
+        "long-prompt",
+        "mixed-inputs",
+        "concurrency-2k",
+        "prefix-cache",
+        "offline",
+    ):
+        assert f"{name} " in listed
+    assert main(["sweep", "--base-url", "http://127.0.0.1:9", "--max-concurrency", "1,x"]) == 2
+    assert "'x' is not an integer" in capsys.readouterr().err
+    code = main(["sweep", "--base-url", "http://127.0.0.1:9", "--suite", "concurrency", "--max-concurrency", "1,2"])
+    assert code == 2
+    assert "with --suite, --max-concurrency take one value" in capsys.readouterr().err
+    assert main(["sweep", "--base-url", "http://127.0.0.1:9", "--suite", "nope"]) == 2
+    assert "unknown suite 'nope'; valid:" in capsys.readouterr().err
