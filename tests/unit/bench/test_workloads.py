@@ -387,3 +387,26 @@ def test_sharegpt_errors_name_file_line_and_expectation(tmp_path: Path, tiny, te
     path = _write(tmp_path, "sg.json", text)
     with pytest.raises(DatasetError, match=message):
         build_workload(WorkloadConfig(dataset_name="sharegpt", dataset_path=path), tiny, chat=False)
+
+
+def test_messages_on_completions_need_a_local_chat_template(tmp_path: Path, tiny: LocalTokenCounter) -> None:
+    """The server's /tokenize cannot render a template to text, so a messages line on /v1/completions is refused
+    with the two ways out."""
+    import httpx
+
+    from deepserve.bench.tokenizer import ServerTokenCounter
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        tokens = tiny.prompt_ids(body["messages"]) if "messages" in body else tiny.prompt_ids(body["prompt"])
+        return httpx.Response(200, json={"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+
+    server = ServerTokenCounter(
+        "http://127.0.0.1:8000/v1", "m", None, client=httpx.Client(transport=httpx.MockTransport(handle))
+    )
+    path = _write(tmp_path, "chat.jsonl", '{"messages": [{"role": "user", "content": "hi there"}]}\n')
+    config = WorkloadConfig(dataset_name="custom", dataset_path=path)
+    with pytest.raises(DatasetError, match=r"chat\.jsonl:1: 'messages' on the completions endpoint.*--tokenizer"):
+        build_workload(config, server, chat=False)
+    (spec,) = build_workload(config, server, chat=True).requests
+    assert spec.prompt_len == len(tiny.prompt_ids([{"role": "user", "content": "hi there"}]))
