@@ -67,10 +67,12 @@ class WorkloadConfig(BaseModel):
     )
     random_input_len: int = Field(default=1024, ge=1, description="input tokens per request (random, shared_prefix)")
     random_output_len: int = Field(default=128, ge=1, description="output tokens per request (synthetic datasets)")
-    random_range_ratio: float | dict[str, float] = Field(
+    # str first, so that the derived flag takes text, as vLLM's does: "0.3" or '{"input": 0.3, "output": 0.5}'
+    # (the validator below turns it into a number or an object; a str never survives validation)
+    random_range_ratio: str | float | dict[str, float] = Field(
         default=0.0,
-        description='lengths vary uniformly within ± this fraction, in [0, 1); {"input": r, "output": r} '
-        "sets them apart (in a config file)",
+        description='lengths vary uniformly within ± this fraction, in [0, 1); \'{"input": r, "output": r}\' '
+        "sets them apart",
     )
     random_prefix_len: int = Field(default=0, ge=0, description="tokens of a prefix shared by all random requests")
     prefix_repetition_prefix_len: int = Field(default=256, ge=1, description="shared prefix tokens (prefix_repetition)")

@@ -410,3 +410,19 @@ def test_messages_on_completions_need_a_local_chat_template(tmp_path: Path, tiny
         build_workload(config, server, chat=False)
     (spec,) = build_workload(config, server, chat=True).requests
     assert spec.prompt_len == len(tiny.prompt_ids([{"role": "user", "content": "hi there"}]))
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("0.3", (0.3, 0.3)), ('{"input": 0.25, "output": 0.75}', (0.25, 0.75))])
+def test_range_ratio_flag_takes_vllms_number_or_json(flag: str, expected: tuple[float, float]) -> None:
+    import argparse
+
+    from deepserve.cli.flags import add_section_flags, section_overrides
+
+    parser = argparse.ArgumentParser()
+    add_section_flags(parser, WorkloadConfig)
+    args = parser.parse_args(["--random-range-ratio", flag, "--dataset-name", "random"])
+    config = WorkloadConfig(**section_overrides(args, WorkloadConfig))
+    assert config.range_ratios() == expected
+    assert not isinstance(config.random_range_ratio, str)
+    with pytest.raises(ValidationError, match="expected a number or"):
+        WorkloadConfig(random_range_ratio="wide")
