@@ -300,7 +300,7 @@ class SuitePlan:
     def describe(self) -> dict[str, Any]:
         return {
             "length_factor": round(self.length_factor, 4),
-            "point_duration_s": self.point_duration_s,
+            "point_duration_s": None if self.point_duration_s is None else round(self.point_duration_s, 1),
             "notes": self.notes,
         }
 

@@ -8,6 +8,7 @@ import html
 import math
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from typing import Any
 
 from deepserve.report.answers import SaturationAnswer, SloAnswer
 from deepserve.report.charts import Chart
@@ -128,9 +129,28 @@ def _metadata_html(sets: list[ResultSet]) -> str:
             if value in (None, "") or heading in shown:
                 continue
             shown.add(heading)
-            rows.append(f"<tr><th>{_e(heading)}</th><td>{_e(_text(value))}</td></tr>")
+            text = _scale_words(value) if key == "scale" and isinstance(value, dict) else _text(value)
+            rows.append(f"<tr><th>{_e(heading)}</th><td>{_e(text)}</td></tr>")
         blocks.append(f'<h3>{_e(result_set.label)}</h3><table class="meta">{"".join(rows)}</table>')
     return "".join(blocks)
+
+
+def _scale_words(scale: dict[str, Any]) -> str:
+    """A suite's plan in words: "budget 900 s; lengths × 0.41; each point issues requests for 35 s; probe: …"."""
+    parts = []
+    if scale.get("time_budget_s"):
+        parts.append(f"time budget {scale['time_budget_s']:g} s")
+    parts.append(f"lengths × {scale.get('length_factor', 1):.3g}")
+    if scale.get("point_duration_s"):
+        parts.append(f"each concurrency/rate point issues requests for {scale['point_duration_s']:.0f} s")
+    probe = scale.get("probe")
+    if isinstance(probe, dict):
+        parts.append(
+            f"speed probe: prefill {probe.get('prefill_tok_s', 0):,.0f} tok/s, "
+            f"{probe.get('tpot_s', 0) * 1000:.1f} ms/token alone, peak {probe.get('peak_output_tok_s', 0):,.0f} "
+            "output tok/s"
+        )
+    return "; ".join(parts)
 
 
 def _td(value: float | int | None) -> str:
