@@ -1,0 +1,57 @@
+"""`deepserve bench` against real vLLM serving the tiny model: a few requests, usage-based token counts, vLLM keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepserve.bench.config import BenchConfig
+from deepserve.bench.runner import run_benchmark, save_result
+from deepserve.models.tiny import write_tiny_model
+
+VLLM_KEYS = (
+    "completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+    "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms",
+    "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
+    "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms", "max_output_tokens_per_s", "max_concurrent_requests",
+)  # fmt: skip
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_bench_tiny_model(served_tiny, tmp_path_factory, tmp_path, endpoint):
+    tokenizer = tmp_path_factory.getbasetemp() / "tiny-tokenizer"
+    if not tokenizer.exists():
+        write_tiny_model(tokenizer)  # the served model's own tokenizer files (the gateway has no /tokenize)
+    engine_root = (served_tiny.engine_url or served_tiny.base_url).removesuffix("/v1")
+    config = BenchConfig.model_validate(
+        {
+            "target": {"base_url": served_tiny.base_url, "endpoint": endpoint},
+            "workload": {
+                "tokenizer": str(tokenizer),
+                "dataset_name": "random",
+                "random_input_len": 32,
+                "random_output_len": 12,
+                "num_prompts": 4,
+                "ignore_eos": True,
+            },
+            "load": {"max_concurrency": 2, "num_warmups": 1},
+            "metrics": {"server_metrics_interval_s": 0.5, "server_metrics_url": engine_root + "/metrics"},
+        }
+    )
+    result = run_benchmark(config, display=False)
+    data = json.loads(save_result(result, tmp_path / "r.json").read_text())
+    assert data["completed"] == 4, data["errors_by_message"]
+    assert data["model_id"] == served_tiny.model
+    # ignore_eos: exactly max_tokens each, counted by the server (usage), even where chunks carry no text
+    assert data["total_output_tokens"] == 4 * 12
+    assert data["output_tokens_source"] == "usage"
+    assert all(sum(record.chunk_tokens) == 12 for record in result.records)
+    assert data["total_input_tokens"] >= 4 * 32 * 0.9  # the server's prompt_tokens
+    assert [key for key in VLLM_KEYS if key not in data] == []
+    assert data["median_ttft_ms"] > 0 and data["median_tpot_ms"] > 0
+    assert data["server_metrics"]["available"] is True  # vLLM serves /metrics
+    assert data["server_metrics"]["peak_kv_cache_usage_perc"] is not None
+    assert data["tokenizer_source"] == f"local:{tokenizer}"
