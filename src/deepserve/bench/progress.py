@@ -49,11 +49,18 @@ class LiveCounters:
 class ProgressDisplay:
     """A rich progress bar on stderr while the run lasts (only on a terminal, and only when enabled)."""
 
-    def __init__(self, counters: LiveCounters, total: int | None, duration_s: float | None, enabled: bool) -> None:
+    def __init__(
+        self,
+        counters: LiveCounters,
+        total: int | None,
+        duration_s: float | None,
+        enabled: bool,
+        console: Console | None = None,
+    ) -> None:
         self.counters = counters
         self.total = total
         self.duration_s = duration_s
-        console = Console(stderr=True)
+        console = console or Console(stderr=True)
         self.enabled = enabled and console.is_terminal
         self.progress = Progress(
             TextColumn("bench"),

@@ -115,6 +115,7 @@ def run_workload(
     if not workload.requests:
         raise BenchError("the workload has no requests; check --num-prompts and the dataset")
     plan = make_plan(config, model, workload.requests)
+    raise_open_files_limit()
     started_at = datetime.now()
     outcome, server = run_async(_measure(config, plan, display))
     records = finish_records(outcome, counter)
@@ -141,6 +142,16 @@ def run_async(coroutine: Coroutine[Any, Any, T]) -> T:
     factory = uvloop.new_event_loop if uvloop is not None else None
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(coroutine)
+
+
+def raise_open_files_limit() -> None:
+    """One socket per concurrent stream: lift the soft limit on open files (often 1,024) to the hard limit."""
+    with contextlib.suppress(ImportError, ValueError, OSError):
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 @contextlib.contextmanager
