@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -232,33 +233,42 @@ async def stream_load(url: str, concurrency: int, rounds: int, tokens: int, stre
     return results
 
 
-async def request_rate(url: str, concurrency: int, duration_s: float) -> tuple[float, int, int]:
-    """Non-streamed 1-token requests, CONCURRENCY at a time for DURATION_S after a short warm-up:
-    (completed per second, failures, all requests answered including the warm-up)."""
+async def request_rate(
+    url: str, concurrency: int, duration_s: float, warm_s: float = 2.0, cpu_s: Callable[[], float] = lambda: 0.0
+) -> tuple[float, int, float]:
+    """Non-streamed 1-token requests, CONCURRENCY at a time: completions that END inside a window of DURATION_S
+    (after WARM_S) per second, so that slow servers are measured fairly. Returns (requests/s, failures in the
+    window, CPU µs the server (CPU_S) used per request completed in the window). Requests still in flight at the
+    end are abandoned."""
     body = json.dumps({"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 1}).encode()
-    done = failed = answered = 0
+    done = failed = 0
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
-        warm_until = time.perf_counter() + min(1.0, duration_s / 4)
-        stop_at = warm_until + duration_s
-        started = warm_until
+    window_start = time.perf_counter() + warm_s
+    window_end = window_start + duration_s
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
 
         async def worker() -> None:
-            nonlocal done, failed, answered
-            while (now := time.perf_counter()) < stop_at:
+            nonlocal done, failed
+            while time.perf_counter() < window_end:
                 try:
                     async with session.post(url + "/completions", data=body, headers=HEADERS) as response:
                         await response.read()
                         ok = response.status == 200
                 except aiohttp.ClientError:
                     ok = False
-                answered += 1
-                if now >= warm_until:
+                if window_start <= time.perf_counter() < window_end:
                     done += ok
                     failed += not ok
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return done / (time.perf_counter() - started), failed, answered
+        workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        await asyncio.sleep(window_start - time.perf_counter())
+        cpu_start = cpu_s()
+        await asyncio.sleep(window_end - time.perf_counter())
+        cpu_us = (cpu_s() - cpu_start) * 1e6 / max(1, done)
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    return done / duration_s, failed, cpu_us
 
 
 # ---- metrics and table --------------------------------------------------------------------------------------------
@@ -302,7 +312,7 @@ def main() -> int:
     parser.add_argument("--itl-ms", type=float, default=50.0, help="the fake upstream's inter-token latency")
     parser.add_argument("--rounds", type=int, default=3, help="streams per worker (the first is warm-up)")
     parser.add_argument("--rate-concurrency", type=int, default=64, help="concurrency of the requests/s test")
-    parser.add_argument("--rate-duration-s", type=float, default=5.0)
+    parser.add_argument("--rate-duration-s", type=float, default=8.0)
     parser.add_argument("--litellm-max-streams", type=int, default=64, help="LiteLLM only up to this concurrency")
     parser.add_argument("--no-litellm", action="store_true")
     args = parser.parse_args()
@@ -348,7 +358,7 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
     rows: dict[str, object] = {}
     stream_s = args.tokens * args.itl_ms / 1000
     for server in targets.values():  # warm every path (imports, connection pools, caches) before anything counts
-        await request_rate(server.url, 16, 1.0)
+        await request_rate(server.url, 16, 1.0, warm_s=0.0)
     for concurrency in args.concurrency:
         for name, server in targets.items():
             if name == "litellm" and concurrency > args.litellm_max_streams:
@@ -365,9 +375,9 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
                   f"p99 {summary.ttft_p99_ms:.2f} ms, ITL {summary.itl_mean_ms:.2f} ms, "
                   f"{summary.failures}/{summary.count} failed ({elapsed_s:.1f} s)", flush=True)  # fmt: skip
     for name, server in targets.items():
-        cpu_before = server.cpu_s()
-        rate, failed, completed = await request_rate(server.url, args.rate_concurrency, args.rate_duration_s)
-        cpu_us = (server.cpu_s() - cpu_before) * 1e6 / max(1, completed)
+        rate, failed, cpu_us = await request_rate(
+            server.url, args.rate_concurrency, args.rate_duration_s, cpu_s=server.cpu_s
+        )
         rows[f"rate/{name}"] = (rate, failed, cpu_us)
         print(f"  requests/s via {name:<8} {rate:,.0f} ({failed} failed), {cpu_us:,.0f} µs CPU per request "
               "in that process", flush=True)  # fmt: skip
