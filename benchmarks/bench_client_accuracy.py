@@ -25,7 +25,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +59,7 @@ class FakeServer:
     def __init__(self, *flags: str) -> None:
         self.port = free_port()
         command = [PYTHON, "-m", "deepserve.bench.fake_server", "--port", str(self.port), "--max-seconds", "1800"]
+        command.append("--no-tokenize")  # the clients count with the tiny model's tokenizer, which it cannot match
         self.process = subprocess.Popen([*command, *flags], stdout=subprocess.PIPE, text=True)
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
@@ -124,6 +124,8 @@ def client_chunk_times(name: str, result: dict[str, Any]) -> list[tuple[str, flo
 
 def timing_errors(name: str, result: dict[str, Any], server_log: dict[str, Any]) -> dict[str, float]:
     ttft_errors: list[float] = []
+    late_first: list[float] = []  # client noticed the first chunk after the server wrote it
+    transit: list[float] = []  # client's start stamp until the server read the request
     itl_errors: list[float] = []
     for request_id, start, arrivals in client_chunk_times(name, result):
         entry = server_log.get(request_id)
@@ -131,6 +133,8 @@ def timing_errors(name: str, result: dict[str, Any], server_log: dict[str, Any])
             continue
         sends = entry["sends_s"]
         ttft_errors.append(((arrivals[0] - start) - (sends[0] - entry["recv_s"])) * 1000)
+        late_first.append((arrivals[0] - sends[0]) * 1000)
+        transit.append((entry["recv_s"] - start) * 1000)
         itl_errors += list((np.diff(arrivals) - np.diff(sends)) * 1000)
     if not ttft_errors:
         raise RuntimeError(f"no {name} request matched the server's log")
@@ -141,7 +145,11 @@ def timing_errors(name: str, result: dict[str, Any], server_log: dict[str, Any])
         "ttft_err_p99_ms": float(np.percentile(ttft, 99)),
         "itl_err_p50_ms": float(np.percentile(itl, 50)),
         "itl_err_p99_ms": float(np.percentile(itl, 99)),
-        "server_itl_p50_ms": result["median_itl_ms"],
+        "first_chunk_late_p50_ms": float(np.percentile(late_first, 50)),
+        "first_chunk_late_p99_ms": float(np.percentile(late_first, 99)),
+        "request_transit_p50_ms": float(np.percentile(transit, 50)),
+        "request_transit_p99_ms": float(np.percentile(transit, 99)),
+        "client_median_itl_ms": result["median_itl_ms"],
     }
 
 
@@ -158,11 +166,13 @@ def main() -> None:
     parser.add_argument("--capacity-output-len", type=int, default=2000)
     parser.add_argument("--capacity-chunks-per-write", type=int, default=16)
     parser.add_argument("--clients", default="deepserve,vllm")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; the best round of each client is reported")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     args = parser.parse_args()
     if args.quick:
         args.streams, args.requests, args.output_len = 50, 100, 30
         args.capacity_streams, args.capacity_requests, args.capacity_output_len = 20, 40, 500
+        args.repeat = 1
     clients = args.clients.split(",")
 
     work = Path(tempfile.mkdtemp(prefix="bench-client-"))
@@ -170,23 +180,26 @@ def main() -> None:
     write_tiny_model(Path(tokenizer))  # vLLM's client needs a tokenizer for its random prompts; so does ours
     rows: dict[str, dict[str, Any]] = {name: {} for name in clients}
 
-    with FakeServer("--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--log-sends") as server:
-        for name in clients:
-            flags = common_flags(server, tokenizer, args, args.streams, args.requests, args.output_len)
-            started = time.perf_counter()
-            result = run_client(name, flags, work / f"timing-{name}.json")
-            rows[name].update(timing_errors(name, result, server.log()))
-            rows[name]["timing_wall_s"] = time.perf_counter() - started
-
-    with FakeServer("--chunks-per-write", str(args.capacity_chunks_per_write)) as server:
-        for name in clients:
-            flags = common_flags(
-                server, tokenizer, args, args.capacity_streams, args.capacity_requests, args.capacity_output_len
-            )
-            result = run_client(name, flags, work / f"capacity-{name}.json")
-            chunks = result["total_output_tokens"]  # one token per chunk from this server
-            rows[name]["chunks_per_s"] = chunks / result["duration"]
-            rows[name]["capacity_failed"] = result["failed"]
+    for round_ in range(args.repeat):  # best of N: other load on the machine only ever adds error
+        order = clients if round_ % 2 == 0 else clients[::-1]
+        with FakeServer("--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--log-sends") as server:
+            for name in order:
+                flags = common_flags(server, tokenizer, args, args.streams, args.requests, args.output_len)
+                result = run_client(name, flags, work / f"timing-{name}-{round_}.json")
+                errors = timing_errors(name, result, server.log())
+                print(f"round {round_} timing {name}: {errors}", file=sys.stderr)
+                if errors["itl_err_p99_ms"] < rows[name].get("itl_err_p99_ms", float("inf")):
+                    rows[name].update(errors)
+        with FakeServer("--chunks-per-write", str(args.capacity_chunks_per_write)) as server:
+            for name in order:
+                flags = common_flags(
+                    server, tokenizer, args, args.capacity_streams, args.capacity_requests, args.capacity_output_len
+                )
+                result = run_client(name, flags, work / f"capacity-{name}-{round_}.json")
+                chunks_per_s = result["total_output_tokens"] / result["duration"]  # one token per chunk here
+                print(f"round {round_} capacity {name}: {chunks_per_s:,.0f} chunks/s", file=sys.stderr)
+                if chunks_per_s > rows[name].get("chunks_per_s", 0.0):
+                    rows[name].update(chunks_per_s=chunks_per_s, capacity_failed=result["failed"])
 
     print_table(args, rows)
 

@@ -43,6 +43,7 @@ class FakeScript:
     drop_indices: frozenset[int] = frozenset()  # these lose their connection after the first token
     metrics_text: str | None = None  # Prometheus text served at /metrics; None: 404
     log_sends: bool = False  # keep per-chunk send times (served at /fake/log)
+    tokenize: bool = True  # serve /tokenize and /detokenize (byte-level); off: 404, as a server without them
 
 
 @dataclass
@@ -121,6 +122,8 @@ class _Handler(asyncio.Protocol):
                 self._json(404, {"detail": "Not Found"})
             else:
                 self._reply(200, "Content-Type: text/plain\r\n", script.metrics_text.encode())
+        elif path in ("/tokenize", "/detokenize") and not script.tokenize:
+            self._json(404, {"detail": "Not Found"})
         elif path == "/tokenize":
             self._tokenize(json.loads(body))
         elif path == "/detokenize":
@@ -332,6 +335,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-chunk", type=int, default=1)
     parser.add_argument("--chunks-per-write", type=int, default=1)
     parser.add_argument("--log-sends", action="store_true")
+    parser.add_argument("--no-tokenize", action="store_true", help="answer 404 to /tokenize and /detokenize")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="exit after this long, whatever happens")
     args = parser.parse_args()
     script = FakeScript(
@@ -341,6 +345,7 @@ def main() -> None:
         tokens_per_chunk=args.tokens_per_chunk,
         chunks_per_write=args.chunks_per_write,
         log_sends=args.log_sends,
+        tokenize=not args.no_tokenize,
     )
     with contextlib.suppress(ImportError):
         import uvloop
