@@ -22,6 +22,7 @@ from deepserve.gateway.errors import (
     BodyTooLarge,
     ClientGone,
     GatewayError,
+    InternalError,
     MethodNotAllowed,
     ModelNotFound,
     NoHealthyUpstream,
@@ -261,6 +262,9 @@ class GatewayApp:
                 self.queue.release()
         except GatewayError as exc:
             await self._fail(exchange, exc, send)
+        except Exception as exc:  # a bug of ours: still answer in OpenAI's shape, and keep the traceback in the log
+            log.exception("unexpected error while proxying %s", endpoint.path)
+            await self._fail(exchange, InternalError(f"internal gateway error ({type(exc).__name__})"), send)
         except asyncio.CancelledError:
             if not exchange.client_gone:
                 raise

@@ -32,6 +32,12 @@ class GatewayError(Exception):
         return b"data: " + self.body() + b"\n\n"
 
 
+class InternalError(GatewayError):
+    """A bug in the gateway (logged with its traceback); the client still gets OpenAI's error shape."""
+
+    code = "internal_error"
+
+
 class InvalidRequest(GatewayError):
     status = 400
     error_type = "invalid_request_error"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 
 import httpx
@@ -11,7 +12,7 @@ import pytest
 
 from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour, running_fake_upstream
 from deepserve.gateway.keys import KeyStore
-from deepserve.gateway.ledger import summarise
+from deepserve.gateway.ledger import default_ledger_path, summarise
 from deepserve.gateway.limits import KeyLimits
 from deepserve.gateway.server import running_gateway
 
@@ -147,3 +148,18 @@ async def test_health_and_ready_without_a_live_upstream() -> None:
         assert response.json()["error"]["code"] == "no_healthy_upstream"
         metrics = (await client.get(root + "/metrics")).text
         assert f'deepserve_gateway_upstream_healthy{{replica="{dead}"}} 0.0' in metrics
+
+
+async def test_bodies_are_logged_only_when_opted_in() -> None:
+    for log_bodies in (False, True):
+        async with fake_and_gateway(log_bodies=log_bodies) as (_, _, client):
+            await client.post("/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "private"}]})
+            await client.post("/chat/completions", json={**CHAT, "stream": True})
+        rows = (
+            sqlite3.connect(default_ledger_path()).execute("SELECT request_body, response_body FROM usage").fetchall()
+        )
+        texts = [text for row in rows[-2:] for text in row]
+        if log_bodies:
+            assert "private" in (texts[0] or "") and "tttt" in (texts[1] or "") and "data:" in (texts[3] or "")
+        else:
+            assert texts == [None] * 4

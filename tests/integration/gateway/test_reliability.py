@@ -9,6 +9,7 @@ import time
 import aiohttp
 import httpx
 import psutil
+import pytest
 
 from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour, running_fake_upstream
 from deepserve.gateway.server import running_gateway
@@ -18,17 +19,32 @@ from .conftest import Child, fake_and_gateway, gateway_config, start_fake, start
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
-async def test_a_failing_replica_is_retried_on_another() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_failing_replica_is_retried_on_another(stream: bool) -> None:
     async with (
         running_fake_upstream(FakeBehaviour(fail_status=500)) as (broken, broken_url),
         running_fake_upstream() as (good, good_url),
         running_gateway(gateway_config(broken_url, good_url, balancing="round_robin")) as (app, url),
         httpx.AsyncClient(base_url=url) as client,
     ):
-        statuses = [(await client.post("/chat/completions", json=CHAT)).status_code for _ in range(10)]
-        assert statuses == [200] * 10
+        responses = [await client.post("/chat/completions", json={**CHAT, "stream": stream}) for _ in range(10)]
+        assert [response.status_code for response in responses] == [200] * 10
+        assert all(response.text.endswith("data: [DONE]\n\n") == stream for response in responses)
         assert broken.stats.requests >= 4 and good.stats.completed == 10
         assert "deepserve_gateway_retries_total" in app.metrics.render().decode()
+
+
+async def test_upstream_4xx_is_passed_through_and_not_retried() -> None:
+    async with (
+        running_fake_upstream(FakeBehaviour(fail_status=422)) as (first, first_url),
+        running_fake_upstream(FakeBehaviour(fail_status=422)) as (second, second_url),
+        running_gateway(gateway_config(first_url, second_url)) as (_, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        response = await client.post("/chat/completions", json=CHAT)
+        assert response.status_code == 422
+        assert response.json()["error"]["message"] == "injected failure"
+        assert first.stats.requests + second.stats.requests == 1
 
 
 async def test_client_disconnect_mid_stream_aborts_the_upstream_request() -> None:
