@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -154,12 +155,13 @@ def timing_errors(name: str, result: dict[str, Any], server_log: dict[str, Any])
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the fake servers are stopped too
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=500, help="concurrent streams in the timing test")
     parser.add_argument("--requests", type=int, default=1000, help="requests in the timing test")
-    parser.add_argument("--output-len", type=int, default=100, help="tokens per request in the timing test")
+    parser.add_argument("--output-len", type=int, default=60, help="tokens per request in the timing test")
     parser.add_argument("--ttft-ms", type=float, default=50.0)
-    parser.add_argument("--itl-ms", type=float, default=10.0)
+    parser.add_argument("--itl-ms", type=float, default=50.0, help="500 streams at 50 ms: 10,000 chunks/s")
     parser.add_argument("--input-len", type=int, default=16)
     parser.add_argument("--capacity-streams", type=int, default=100)
     parser.add_argument("--capacity-requests", type=int, default=200)

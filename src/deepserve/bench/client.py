@@ -452,6 +452,8 @@ def _take_choice(choice: dict[str, Any], arrived_s: float, out: DecodedStream, t
             return  # the role header chunk some servers send before the first token: carries no token
     else:
         text = choice.get("text") or ""
+    if not isinstance(text, str):  # e.g. content parts: the text is only needed when there is no usage
+        text = ""
     tokens, source = _chunk_token_count(choice)
     if tokens == 0:
         return

@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - uvloop is a Linux/macOS dependency
 from deepserve.bench.arrivals import arrival_offsets_s
 from deepserve.bench.client import (
     Endpoint,
+    RawResponse,
     StreamingClient,
     build_payload,
     build_request_bytes,
@@ -372,10 +373,21 @@ class _Driver:
     async def _one(self, index: int, request: PreparedRequest, scheduled_s: float) -> None:
         try:
             sent_abs, response = await self.client.send(request.wire)
+        except Exception as exc:  # a client bug must not end the run: the request fails, with the reason
+            now = time.perf_counter()
+            sent_abs, response = now, RawResponse(error=f"client error: {exc.__class__.__name__}: {exc}", end_s=now)
         finally:
             self.in_flight -= 1
             self.slot_freed.set()
-        record, text, source = build_record(index, request.prompt_len, scheduled_s, sent_abs, response, self.t0)
+        try:
+            record, text, source = build_record(index, request.prompt_len, scheduled_s, sent_abs, response, self.t0)
+        except Exception as exc:
+            error = f"undecodable response: {exc.__class__.__name__}: {exc}"
+            record, text, source = (
+                RequestRecord(index, request.prompt_len, scheduled_s, sent_abs - self.t0, error=error),
+                "",
+                "",
+            )
         self.outcome.records.append(record)
         if record.output_len_source == "tokenizer":
             self.outcome.texts[index] = text

@@ -168,3 +168,9 @@ def test_payload_and_request_bytes():
     assert b"Authorization: Bearer k" in head and b"x-request-id: bench-0" in head
     assert json.loads(body) == payload
     assert b"Content-Length: %d" % len(body) in head
+
+
+def test_chat_content_parts_do_not_break_decoding():
+    parts = {"choices": [{"index": 0, "delta": {"content": [{"type": "text", "text": "x"}]}, "finish_reason": None}]}
+    decoded = decode_events(RawResponse(200, [json.dumps(parts).encode()], [1.0]))
+    assert decoded.error is None and decoded.chunk_tokens == [1] and decoded.text == ""
