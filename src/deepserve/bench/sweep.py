@@ -200,16 +200,20 @@ def prepare_index(directory: Path, spec: SweepSpec) -> SweepIndex:
     that holds a different sweep's finished points is refused rather than mixed."""
     index = read_index(directory)
     if index is not None:
-        if index.model_extra and index.model_extra.get("signature") == spec.signature:
+        if index.signature == spec.signature:
             return index
         if any(entry.status == "done" for entry in index.points):
             raise ConfigError(
                 f"{directory} already holds a different sweep ({index.suite or 'grid'} '{index.label}'); "
                 "pick another --result-dir, or delete that directory to start over"
             )
-    index = SweepIndex(label=spec.label, suite=spec.suite, metadata=spec.metadata)
-    index.signature = spec.signature  # type: ignore[attr-defined]  # an extra field, kept in the JSON
-    index.sweep_axis = spec.sweep_axis  # type: ignore[attr-defined]
+    index = SweepIndex(
+        label=spec.label,
+        suite=spec.suite,
+        signature=spec.signature,
+        sweep_axis=spec.sweep_axis,
+        metadata=spec.metadata,
+    )
     for point in spec.points:
         index.points.append(PointEntry(point_id=point.point_id, params=point.params, overrides=point.overrides))
     write_index(directory, index)
@@ -218,10 +222,7 @@ def prepare_index(directory: Path, spec: SweepSpec) -> SweepIndex:
 
 def stored_points(index: SweepIndex) -> list[SweepPoint]:
     """The points an index planned (a resumed suite runs exactly what was planned, without probing again)."""
-    return [
-        SweepPoint(entry.point_id, dict((entry.model_extra or {}).get("overrides") or {}), entry.params.get("variant"))
-        for entry in index.points
-    ]
+    return [SweepPoint(entry.point_id, dict(entry.overrides), entry.params.get("variant")) for entry in index.points]
 
 
 def run_sweep(
@@ -235,7 +236,7 @@ def run_sweep(
     """Run every unfinished point of SPEC into DIRECTORY; see the module doc for resume and early stop."""
     started = time.monotonic()
     index = prepare_index(directory, spec)
-    axis = (index.model_extra or {}).get("sweep_axis", spec.sweep_axis)
+    axis = index.sweep_axis
     points = stored_points(index)
     counts = {"ran": 0, "kept": 0, "skipped": 0, "failed": 0}
     for number, point in enumerate(points, start=1):

@@ -162,7 +162,7 @@ def _spec(
         raise ConfigError(f"with --suite, {flags} take one value (it applies to every point); drop --suite for a grid")
     given = {name: values[0] for name, values in lists.items() if values}
     index = read_index(directory)
-    if index is not None and (index.model_extra or {}).get("signature") == signature({"suite": suite.name, **asked}):
+    if index is not None and index.signature == signature({"suite": suite.name, **asked}):
         console.print(f"Resuming the planned suite in {directory} (no new speed probe)")
         spec = SweepSpec(label, stored_points(index), suite.sweep_axis, signature({"suite": suite.name, **asked}))
         spec.suite = suite.name

@@ -39,7 +39,8 @@ class PointEntry(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     point_id: str
-    params: dict[str, Any]
+    params: dict[str, Any]  # where the point sits on the report's axes (PointParams' fields)
+    overrides: dict[str, Any] = Field(default_factory=dict)  # the bench config fields it sets: what runs
     status: PointStatus = "pending"
     result_file: str | None = None  # relative to the directory
     note: str = ""  # why a point failed or was skipped, in words
@@ -54,6 +55,8 @@ class SweepIndex(BaseModel):
     format: str = INDEX_FORMAT
     label: str
     suite: str | None = None
+    signature: str | None = None  # a hash of what was asked: a re-run with the same signature resumes
+    sweep_axis: str | None = None  # the parameter along which lines saturate
     created_at: str = Field(default_factory=lambda: now_iso())
     updated_at: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
