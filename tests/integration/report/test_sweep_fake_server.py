@@ -1,0 +1,99 @@
+"""`deepserve sweep` with the real benchmark runner against the scripted fake server on loopback: a grid and a
+suite run, resume, land in the store and produce a report, in seconds and without vLLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deepserve.bench.fake_server import FakeScript, running
+from deepserve.cli.main import main
+from deepserve.results.store import ResultsStore
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def fake():
+    with running(FakeScript(model="fake-model", ttft_s=0.02, itl_s=0.002)) as server:
+        yield server
+
+
+def test_grid_sweep_runs_resumes_records_and_reports(fake, tmp_path: Path, capsys):
+    out = tmp_path / "grid"
+    command = [
+        "sweep",
+        "--base-url",
+        fake.base_url,
+        "--max-concurrency",
+        "1,2,4",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "8",
+        "--num-prompts",
+        "8",
+        "--ignore-eos",
+        "--result-dir",
+        str(out),
+        "--label",
+        "fake",
+        "--no-stop-at-saturation",
+        "--metadata",
+        "hardware=loopback fake",
+    ]
+    assert main(command) == 0
+    index = json.loads((out / "index.json").read_text())
+    assert [p["status"] for p in index["points"]] == ["done", "done", "done"]
+    assert index["metadata"]["hardware"] == "loopback fake"  # --metadata wins over detection
+    for point, concurrency in zip(index["points"], (1, 2, 4), strict=True):
+        result = json.loads((out / point["result_file"]).read_text())
+        assert result["max_concurrency"] == concurrency
+        assert result["completed"] == 8 and result["failed"] == 0
+        assert result["total_output_tokens"] == 64
+        assert result["median_ttft_ms"] >= 20  # the fake server's TTFT
+    runs = ResultsStore().list_runs(label="fake")
+    assert sorted(run.params.max_concurrency for run in runs) == [1, 2, 4]
+    html = (out / "report" / "report.html").read_text()
+    assert "Throughput vs concurrency" in html and "loopback fake" in html
+
+    requests_before = fake.state.requests
+    capsys.readouterr()
+    assert main(command) == 0
+    assert "0 ran, 3 kept from before" in capsys.readouterr().err
+    assert fake.state.requests - requests_before < 3  # at most the metadata look-ups, no benchmark requests
+    assert len(ResultsStore().list_runs(label="fake")) == 3
+
+
+def test_suite_probes_plans_and_runs(fake, tmp_path: Path, capsys):
+    out = tmp_path / "long"
+    assert (
+        main(
+            [
+                "sweep",
+                "--base-url",
+                fake.base_url,
+                "--suite",
+                "long-prompt",
+                "--time-budget-s",
+                "30",
+                "--result-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().err
+    assert "Speed probe: prefill" in printed
+    index = json.loads((out / "index.json").read_text())
+    assert index["suite"] == "long-prompt"
+    assert index["metadata"]["scale"]["probe"]["prefill_tok_s"] > 0
+    lengths = [p["overrides"]["long_prompt_len"] for p in index["points"]]
+    assert lengths == [10240, 16384]  # a fast server keeps the seed's lengths
+    for point in index["points"]:
+        result = json.loads((out / point["result_file"]).read_text())
+        assert result["completed"] == 1
+        assert result["total_input_tokens"] == pytest.approx(point["overrides"]["long_prompt_len"], rel=0.01)
+    assert (out / "report" / "latency_vs_input_len.png").is_file()
