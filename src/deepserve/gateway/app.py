@@ -367,7 +367,7 @@ class GatewayApp:
         self, exchange: _Exchange, parsed: ParsedRequest, content_type: str, chunks: Any, send: Send
     ) -> None:
         tap = StreamTap(parsed.strip_usage_chunk)
-        itl = self.metrics.itl_s.labels(parsed.client_model)
+        itl = self.metrics.for_model(parsed.client_model).itl_s
         logged = exchange.logged_body = [] if self.config.log_bodies else None
         last_s = 0.0
         async for chunk in chunks:
@@ -428,15 +428,17 @@ class GatewayApp:
     def _observe(self, exchange: _Exchange) -> None:
         model, key = exchange.model, exchange.key_name
         metrics = self.metrics
-        metrics.requests.labels(key, model, str(exchange.status)).inc()
+        metrics.request_counter(key, model, exchange.status).inc()
         if exchange.parsed is None:
             return
-        metrics.e2e_s.labels(model).observe(time.perf_counter() - exchange.started_s)
+        per_model = metrics.for_model(model)
+        per_model.e2e_s.observe(time.perf_counter() - exchange.started_s)
         if exchange.ttft_s is not None:
-            metrics.ttft_s.labels(model).observe(exchange.ttft_s)
+            per_model.ttft_s.observe(exchange.ttft_s)
         if exchange.usage:
-            metrics.prompt_tokens.labels(key, model).inc(exchange.usage.get("prompt_tokens") or 0)
-            metrics.completion_tokens.labels(key, model).inc(exchange.usage.get("completion_tokens") or 0)
+            prompt_tokens, completion_tokens = metrics.token_counters(key, model)
+            prompt_tokens.inc(exchange.usage.get("prompt_tokens") or 0)
+            completion_tokens.inc(exchange.usage.get("completion_tokens") or 0)
 
     def _usage_row(self, exchange: _Exchange) -> UsageRow:
         usage = exchange.usage or {}

@@ -4,6 +4,8 @@ live state (queue depth, in-flight, replica health) are read only when /metrics 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -53,9 +55,43 @@ class GatewayMetrics:
         )  # fmt: skip
         self.retries = Counter("deepserve_gateway_retries", "Requests retried on another replica", registry=r)
         r.register(_LiveState(pool, queue))
+        # Labelled children, looked up once: prometheus_client's labels() validates and locks on every call.
+        self._requests: dict[tuple[str, str, int], Any] = {}
+        self._tokens: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._models: dict[str, ModelMetrics] = {}
+
+    def request_counter(self, key: str, model: str, status: int) -> Any:
+        child = self._requests.get((key, model, status))
+        if child is None:
+            child = self._requests[(key, model, status)] = self.requests.labels(key, model, str(status))
+        return child
+
+    def token_counters(self, key: str, model: str) -> tuple[Any, Any]:
+        pair = self._tokens.get((key, model))
+        if pair is None:
+            pair = self._tokens[(key, model)] = (
+                self.prompt_tokens.labels(key, model),
+                self.completion_tokens.labels(key, model),
+            )
+        return pair
+
+    def for_model(self, model: str) -> ModelMetrics:
+        per_model = self._models.get(model)
+        if per_model is None:
+            per_model = self._models[model] = ModelMetrics(
+                self.ttft_s.labels(model), self.itl_s.labels(model), self.e2e_s.labels(model)
+            )
+        return per_model
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True)
+class ModelMetrics:
+    ttft_s: Any
+    itl_s: Any
+    e2e_s: Any
 
 
 class _LiveState(Collector):
