@@ -72,32 +72,51 @@ def rendezvous(key: str, replicas: Sequence[Replica]) -> Replica:
     return max(replicas, key=lambda replica: zlib.crc32(replica.url.encode(), key_hash))
 
 
-class PrefixAffinity:
+def overloaded(replica: Replica, replicas: Sequence[Replica]) -> bool:
+    """Affinity yields to load when the preferred replica has more than twice the requests (plus slack) of the
+    idlest: one hot system prompt must not pile everything onto one replica while others idle."""
+    least = min(candidate.outstanding for candidate in replicas)
+    return replica.outstanding > 2 * least + AFFINITY_SLACK_REQUESTS
+
+
+AFFINITY_SLACK_REQUESTS = 16
+
+
+class _Affinity:
+    """Rendezvous-hash a key to a replica; least outstanding without a key or when the preferred one is overloaded."""
+
+    def __init__(self) -> None:
+        self._fallback = LeastOutstanding()
+
+    def key(self, hints: RoutingHints) -> str | None:
+        raise NotImplementedError
+
+    def choose(self, replicas: Sequence[Replica], hints: RoutingHints) -> Replica:
+        key = self.key(hints)
+        if not key:
+            return self._fallback.choose(replicas, hints)
+        preferred = rendezvous(key, replicas)
+        if overloaded(preferred, replicas):
+            return self._fallback.choose(replicas, hints)
+        return preferred
+
+
+class PrefixAffinity(_Affinity):
     """Requests whose prompts start alike go to the same replica, to reuse its prefix cache."""
 
     name = "prefix_affinity"
 
-    def __init__(self) -> None:
-        self._fallback = LeastOutstanding()
-
-    def choose(self, replicas: Sequence[Replica], hints: RoutingHints) -> Replica:
-        if not hints.prefix:
-            return self._fallback.choose(replicas, hints)
-        return rendezvous(hints.prefix, replicas)
+    def key(self, hints: RoutingHints) -> str | None:
+        return hints.prefix
 
 
-class SessionAffinity:
+class SessionAffinity(_Affinity):
     """Requests with the same session header go to the same replica; others go to the least loaded."""
 
     name = "session_affinity"
 
-    def __init__(self) -> None:
-        self._fallback = LeastOutstanding()
-
-    def choose(self, replicas: Sequence[Replica], hints: RoutingHints) -> Replica:
-        if hints.session is None:
-            return self._fallback.choose(replicas, hints)
-        return rendezvous(hints.session, replicas)
+    def key(self, hints: RoutingHints) -> str | None:
+        return hints.session
 
 
 POLICIES: dict[str, Callable[[], BalancingPolicy]] = {

@@ -18,6 +18,8 @@ DEFAULT_CHARGED_OUTPUT_TOKENS = 512
 # Characters per prompt token assumed before the real count is known (corrected with the upstream's usage).
 CHARS_PER_TOKEN_ESTIMATE = 4
 # How much of the prompt decides prefix affinity: enough to tell system prompts apart, short enough to hash fast.
+# For chat it is the start of the first message (the system prompt, or a conversation's first turn), so that
+# requests sharing a system prompt, and all turns of one conversation, land where that prefix is cached.
 AFFINITY_PREFIX_CHARS = 256
 
 Check = Callable[[Any], bool]
@@ -238,7 +240,7 @@ def parse_request(
         stream=stream,
         max_tokens=max_tokens,
         prompt_tokens_estimate=-(-len(prompt_text) // CHARS_PER_TOKEN_ESTIMATE),
-        affinity_text=prompt_text[:AFFINITY_PREFIX_CHARS],
+        affinity_text=_affinity_text(request[endpoint.prompt_field], prompt_text),
         strip_usage_chunk=strip_usage,
         request=request,
     )
@@ -278,6 +280,12 @@ def _check_context(max_tokens: int | None, max_model_len: int | None) -> None:
             param="max_tokens",
             code="context_length_exceeded",
         )
+
+
+def _affinity_text(prompt: Any, prompt_text: str) -> str:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        return _prompt_text(prompt[:1])[:AFFINITY_PREFIX_CHARS]
+    return prompt_text[:AFFINITY_PREFIX_CHARS]
 
 
 def _prompt_text(prompt: Any) -> str:

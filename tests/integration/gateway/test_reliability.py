@@ -161,3 +161,46 @@ async def test_soak_10000_requests_without_growth(children: list[Child]) -> None
     assert rss_mb - warm_mb < 8, f"the gateway grew from {warm_mb:.1f} to {rss_mb:.1f} MiB over 8,000 requests"
     assert connections <= max(warm_connections, 2 * 32 + 8)
     assert gateway.stop() == 0
+
+
+async def test_an_unhealthy_replica_leaves_and_returns() -> None:
+    async with (
+        running_fake_upstream() as (flaky, flaky_url),
+        running_fake_upstream() as (_, steady_url),
+        running_gateway(gateway_config(flaky_url, steady_url, balancing="round_robin")) as (app, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        flaky.behaviour.healthy = False
+        deadline = time.monotonic() + 2
+        while app.pool.replicas[0].healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert not app.pool.replicas[0].healthy
+        before = flaky.stats.requests
+        for _ in range(6):
+            assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
+        assert flaky.stats.requests == before  # out of rotation
+        flaky.behaviour.healthy = True
+        deadline = time.monotonic() + 2
+        while not app.pool.replicas[0].healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for _ in range(6):
+            assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
+        assert flaky.stats.requests == before + 3  # back in rotation
+
+
+async def test_prefix_affinity_keeps_a_prompt_on_one_replica() -> None:
+    async with (
+        running_fake_upstream() as (first, first_url),
+        running_fake_upstream() as (second, second_url),
+        running_gateway(gateway_config(first_url, second_url, balancing="prefix_affinity")) as (_, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        for index in range(8):
+            before = (first.stats.requests, second.stats.requests)
+            system = {"role": "system", "content": f"system prompt number {index} " * 8}
+            for question in ("a", "b", "c"):
+                body = {**CHAT, "messages": [system, {"role": "user", "content": question}]}
+                assert (await client.post("/chat/completions", json=body)).status_code == 200
+            grew = (first.stats.requests - before[0], second.stats.requests - before[1])
+            assert grew in ((3, 0), (0, 3))
+        assert first.stats.requests and second.stats.requests  # different prompts spread over both

@@ -56,3 +56,27 @@ def test_unknown_policy_lists_the_valid_ones() -> None:
         make_policy("fastest")
     for name in POLICIES:
         assert name in str(caught.value)
+
+
+def test_affinity_yields_to_load_when_the_preferred_replica_is_swamped() -> None:
+    policy = make_policy("prefix_affinity")
+    replicas = [R("http://a"), R("http://b")]
+    preferred = policy.choose(replicas, RoutingHints(prefix="hot system prompt"))
+    other = next(r for r in replicas if r is not preferred)
+    preferred.outstanding = 16  # within 2 × 0 + 16: still preferred
+    assert policy.choose(replicas, RoutingHints(prefix="hot system prompt")) is preferred
+    preferred.outstanding = 17
+    assert policy.choose(replicas, RoutingHints(prefix="hot system prompt")) is other
+
+
+def test_chat_affinity_key_is_the_first_message() -> None:
+    import json
+
+    from deepserve.gateway.validation import CHAT_COMPLETIONS, parse_request
+
+    def key(*messages: str) -> str:
+        body = {"model": "m", "messages": [{"role": "user", "content": text} for text in messages]}
+        return parse_request(CHAT_COMPLETIONS, json.dumps(body).encode(), {"m": None}, {}).affinity_text
+
+    assert key("system", "question 1") == key("system", "question 2", "more") == "system"
+    assert key("x" * 1000) == "x" * 256
