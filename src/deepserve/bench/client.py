@@ -10,8 +10,12 @@ response has ended (`decode_events`). See docs/METRICS.md for how tokens are att
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import math
+import socket
 import ssl
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -23,6 +27,9 @@ import orjson
 from deepserve.bench.types import RequestSpec
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
+READ_BYTES = 256 * 1024
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux's value; Python's socket module does not export it
+TIMESTAMP_SPACE = socket.CMSG_SPACE(16)  # one struct timespec
 DONE = b"[DONE]"
 
 
@@ -251,8 +258,129 @@ def _sse_data(event: bytes) -> bytes | None:
     return b"\n".join(lines)
 
 
-class _Connection(asyncio.Protocol):
-    """One keep-alive connection; it carries one response at a time."""
+class ArrivalClock:
+    """Kernel receive timestamps (SO_TIMESTAMPNS: CLOCK_REALTIME) on the perf_counter (CLOCK_MONOTONIC) scale.
+    The offset between the two clocks is re-read every second, so clock slewing cannot accumulate."""
+
+    def __init__(self) -> None:
+        self._offset_ns = 0
+        self._refreshed_s = -math.inf
+
+    def perf_s(self, realtime_ns: int, now_s: float) -> float:
+        if now_s - self._refreshed_s > 1.0:
+            self._offset_ns = min(_clock_offset_ns() for _ in range(3))  # the tightest of three back-to-back reads
+            self._refreshed_s = now_s
+        return min((realtime_ns - self._offset_ns) / 1e9, now_s)
+
+
+def _clock_offset_ns() -> int:
+    realtime_ns = time.clock_gettime_ns(time.CLOCK_REALTIME)
+    return realtime_ns - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+class _SocketConnection:
+    """One keep-alive plain-TCP connection read with recvmsg, so every read comes with the kernel's receive time:
+    chunk times then do not depend on how soon the event loop gets to the socket (under load, or with hundreds
+    of streams whose chunks arrive in the same instant). It carries one response at a time."""
+
+    def __init__(self, sock: socket.socket, tally: Tally, clock: ArrivalClock) -> None:
+        self.sock = sock
+        self.tally = tally
+        self.clock = clock
+        self.closed = False
+        self.parser: _ResponseParser | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.bytes_received = 0
+        self._loop = asyncio.get_running_loop()
+        self._fd = sock.fileno()
+        self._loop.add_reader(self._fd, self._on_readable)  # also while idle: notices the server closing it
+
+    @classmethod
+    async def open(cls, endpoint: Endpoint, tally: Tally, clock: ArrivalClock) -> _SocketConnection:
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with contextlib.suppress(OSError):  # without kernel timestamps, reads are stamped on arrival in Python
+                sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            await loop.sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, tally, clock)
+
+    def _on_readable(self) -> None:
+        try:
+            data, ancillary, _, _ = self.sock.recvmsg(READ_BYTES, TIMESTAMP_SPACE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._lost(exc)
+            return
+        now = time.perf_counter()
+        if not data:
+            self._lost(None)
+            return
+        parser = self.parser
+        if parser is None:
+            return  # nothing asked: ignore
+        self.bytes_received += len(data)
+        parser.feed(data, self._arrival_s(ancillary, now))
+        if parser.done:
+            self._wake()
+
+    def _arrival_s(self, ancillary: list[tuple[int, int, bytes]], now: float) -> float:
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
+                seconds, nanoseconds = struct.unpack_from("qq", payload)
+                return self.clock.perf_s(seconds * 1_000_000_000 + nanoseconds, now)
+        return now
+
+    def _lost(self, exc: Exception | None) -> None:
+        self.abort()
+        if self.parser is not None and not self.parser.done:
+            reason = f"connection closed by server: {exc}" if exc else "connection closed by server mid-response"
+            self.parser.close(time.perf_counter(), reason)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def start(self, request: bytes) -> asyncio.Future[None]:
+        self.parser = _ResponseParser(self.tally)
+        self.bytes_received = 0
+        self.waiter = self._loop.create_future()
+        try:
+            sent = self.sock.send(request)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self._lost(exc)
+            return self.waiter
+        if sent < len(request):  # a full socket buffer: rare for a request, so the slow path is fine
+            rest = self._loop.create_task(self._loop.sock_sendall(self.sock, request[sent:]))
+            rest.add_done_callback(self._after_send)
+        return self.waiter
+
+    def _after_send(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._lost(cast(Exception, task.exception()))
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._fd)
+        self.sock.close()
+
+
+class _ProtocolConnection(asyncio.Protocol):
+    """One keep-alive connection over an asyncio transport (TLS): reads are stamped when Python sees them."""
 
     def __init__(self, tally: Tally) -> None:
         self.tally = tally
@@ -303,6 +431,9 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
+_Connection = _SocketConnection | _ProtocolConnection
+
+
 class StreamingClient:
     """Sends pre-encoded requests over a pool of keep-alive connections and returns what arrived, with times."""
 
@@ -312,6 +443,7 @@ class StreamingClient:
         self.connect_timeout_s = connect_timeout_s
         self._idle: list[_Connection] = []
         self._open: set[_Connection] = set()
+        self.clock = ArrivalClock()
         self._ssl = ssl.create_default_context() if endpoint.use_tls else None
         self.tally = Tally()
 
@@ -355,13 +487,18 @@ class StreamingClient:
             if not conn.closed:
                 return conn
             self._open.discard(conn)
-        loop = asyncio.get_running_loop()
-        connect = loop.create_connection(
-            lambda: _Connection(self.tally), self.endpoint.host, self.endpoint.port, ssl=self._ssl
-        )
-        _, conn = await asyncio.wait_for(connect, self.connect_timeout_s)
-        self._open.add(conn)
-        return conn
+        if self.endpoint.use_tls:
+            loop = asyncio.get_running_loop()
+            connect = loop.create_connection(
+                lambda: _ProtocolConnection(self.tally), self.endpoint.host, self.endpoint.port, ssl=self._ssl
+            )
+            _, conn = await asyncio.wait_for(connect, self.connect_timeout_s)
+            connection: _Connection = conn
+        else:
+            opening = _SocketConnection.open(self.endpoint, self.tally, self.clock)
+            connection = await asyncio.wait_for(opening, self.connect_timeout_s)
+        self._open.add(connection)
+        return connection
 
     def _release(self, conn: _Connection, reusable: bool) -> None:
         if reusable and not conn.closed:
@@ -408,6 +545,7 @@ def decode_events(response: RawResponse) -> DecodedStream:
         out.error = response.error or http_error_message(response.status, response.body)
         return out
     texts: list[str] = []
+    times, tokens = out.chunk_times, out.chunk_tokens
     for payload, arrived_s in zip(response.event_payloads, response.event_times, strict=True):
         if payload == DONE:
             continue
@@ -423,10 +561,20 @@ def decode_events(response: RawResponse) -> DecodedStream:
             error = event["error"]
             out.error = "stream error: " + str(error.get("message", error) if isinstance(error, dict) else error)
             break
-        _take_usage(event, out)
+        if event.get("usage"):
+            _take_usage(event, out)
         choices = event.get("choices")
-        if choices and isinstance(choices, list) and isinstance(choices[0], dict):
-            _take_choice(choices[0], arrived_s, out, texts)
+        if not choices or type(choices) is not list:
+            continue
+        choice = choices[0]
+        text = choice.get("text") if type(choice) is dict else None
+        if type(text) is str and choice.get("logprobs") is None and "token_ids" not in choice:
+            # the common completions chunk, inlined: one token, its text (this loop runs once per token)
+            times.append(arrived_s)
+            tokens.append(1)
+            texts.append(text)
+        elif type(choice) is dict:
+            _take_choice(choice, arrived_s, out, texts)
     out.text = "".join(texts)
     if out.error is None:
         out.error = response.error
