@@ -86,6 +86,10 @@ class WorkloadConfig(BaseModel):
         default=None, ge=1, description="output tokens for sharegpt (default: the length of the conversation's reply)"
     )
     disable_shuffle: bool = Field(default=False, description="keep file and prefix_repetition requests in order")
+    skip_chat_template: bool = Field(
+        default=False,
+        description="vLLM's flag, accepted: custom prompts on /v1/completions are sent as written either way",
+    )
     no_oversample: bool = Field(
         default=False, description="send fewer requests when a file has fewer than --num-prompts"
     )
