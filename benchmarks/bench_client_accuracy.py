@@ -46,6 +46,7 @@ DEEPSERVE_SHIM = (
     "bench.register(p.add_subparsers()); a = p.parse_args(['bench', *sys.argv[1:]]); sys.exit(a.handler(a))"
 )
 RUN_TIMEOUT_S = 900
+TRUTH_WINDOW_S = 0.0002
 
 
 def free_port() -> int:
@@ -124,24 +125,35 @@ def client_chunk_times(name: str, result: dict[str, Any]) -> list[tuple[str, flo
 
 
 def timing_errors(name: str, result: dict[str, Any], server_log: dict[str, Any]) -> dict[str, float]:
+    """Client-measured TTFT and chunk gaps against the server's. The server's send time of a chunk is the middle
+    of its write call; a write that took longer than TRUTH_WINDOW_S (the server was preempted inside it) makes
+    that instant uncertain, so samples involving it are left out (and counted)."""
     ttft_errors: list[float] = []
-    late_first: list[float] = []  # client noticed the first chunk after the server wrote it
-    transit: list[float] = []  # client's start stamp until the server read the request
+    late_first: list[float] = []  # the first chunk reached the client's socket after the server wrote it
+    transit: list[float] = []  # client's send stamp until the request reached the server's socket
     itl_errors: list[float] = []
+    dropped = total = 0
     for request_id, start, arrivals in client_chunk_times(name, result):
         entry = server_log.get(request_id)
         if entry is None or len(entry["sends_s"]) != len(arrivals):
             continue
-        sends = entry["sends_s"]
-        ttft_errors.append(((arrivals[0] - start) - (sends[0] - entry["recv_s"])) * 1000)
-        late_first.append((arrivals[0] - sends[0]) * 1000)
-        transit.append((entry["recv_s"] - start) * 1000)
-        itl_errors += list((np.diff(arrivals) - np.diff(sends)) * 1000)
+        windows = np.asarray(entry["send_windows_s"])
+        sends = np.asarray(entry["sends_s"]) + windows / 2
+        sure = windows <= TRUTH_WINDOW_S
+        total += len(arrivals)
+        dropped += int((~sure).sum())
+        if sure[0]:
+            ttft_errors.append(((arrivals[0] - start) - (sends[0] - entry["recv_s"])) * 1000)
+            late_first.append((arrivals[0] - sends[0]) * 1000)
+            transit.append((entry["recv_s"] - start) * 1000)
+        gaps_sure = sure[1:] & sure[:-1]
+        itl_errors += list(((np.diff(arrivals) - np.diff(sends)) * 1000)[gaps_sure])
     if not ttft_errors:
         raise RuntimeError(f"no {name} request matched the server's log")
     ttft, itl = np.abs(ttft_errors), np.abs(itl_errors)
     return {
         "requests": len(ttft_errors),
+        "server_writes_too_slow_to_trust_pct": 100.0 * dropped / max(total, 1),
         "ttft_err_p50_ms": float(np.percentile(ttft, 50)),
         "ttft_err_p99_ms": float(np.percentile(ttft, 99)),
         "itl_err_p50_ms": float(np.percentile(itl, 50)),

@@ -15,11 +15,15 @@ import argparse
 import asyncio
 import contextlib
 import json
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
+
+from deepserve.bench.client import SO_TIMESTAMPNS, TIMESTAMP_SPACE, ArrivalClock
 
 JSON_HEADERS = "Content-Type: application/json\r\n"
 SSE_HEADERS = "Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
@@ -49,7 +53,8 @@ class FakeScript:
 @dataclass
 class SendLog:
     recv_s: float
-    sends_s: list[float] = field(default_factory=list)
+    sends_s: list[float] = field(default_factory=list)  # just before the write
+    send_windows_s: list[float] = field(default_factory=list)  # how long the write took (preemption shows here)
     tokens: list[int] = field(default_factory=list)
 
 
@@ -65,6 +70,8 @@ class _Handler(asyncio.Protocol):
         self.state = state
         self.buffer = bytearray()
         self.transport: asyncio.Transport | None = None
+        self.read_s = 0.0  # when the last read arrived (kernel time with the raw transport)
+        self.read_s_hint: float | None = None  # set by the raw transport just before data_received
         self.busy = False
         self.resume: asyncio.Future[None] | None = None
 
@@ -84,6 +91,8 @@ class _Handler(asyncio.Protocol):
         self.resume_writing()
 
     def data_received(self, data: bytes) -> None:
+        self.read_s = self.read_s_hint if self.read_s_hint is not None else time.perf_counter()
+        self.read_s_hint = None
         self.buffer += data
         if not self.busy:
             self._next_request()
@@ -149,7 +158,7 @@ class _Handler(asyncio.Protocol):
 
     async def _stream(self, request: dict[str, Any], chat: bool, headers: dict[str, str]) -> None:
         state, script = self.state, self.state.script
-        recv_s = time.perf_counter()
+        recv_s = self.read_s  # the read that completed the request: its arrival, not when we got round to it
         index = state.requests
         state.requests += 1
         if request.get("model") != script.model:
@@ -204,9 +213,13 @@ class _Handler(asyncio.Protocol):
             await self.resume
         data = b"".join(pending)
         pending.clear()
-        if log_send and self.state.script.log_sends:
-            log.sends_s.append(time.perf_counter())
+        if not (log_send and self.state.script.log_sends):
+            self._write(data)
+            return
+        before_s = time.perf_counter()
         self._write(data)
+        log.sends_s.append(before_s)
+        log.send_windows_s.append(time.perf_counter() - before_s)
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None:
@@ -276,6 +289,113 @@ async def _sleep_until(due_s: float) -> None:
     delay_s = due_s - time.perf_counter()
     if delay_s > 0:
         await asyncio.sleep(delay_s)
+
+
+class _RawTransport:
+    """A minimal transport over a raw socket read with recvmsg, so that request arrival times are the kernel's
+    (SO_TIMESTAMPNS): the benchmark's ground truth must not include this server's own event-loop lag."""
+
+    HIGH_WATER = 256 * 1024
+    LOW_WATER = 64 * 1024
+
+    def __init__(self, sock: socket.socket, protocol: _Handler) -> None:
+        self.sock = sock
+        self.protocol = protocol
+        self.loop = asyncio.get_running_loop()
+        self.fd = sock.fileno()
+        self.out = bytearray()
+        self.paused = False
+        self.closed = False
+        self.clock = ArrivalClock()
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        protocol.connection_made(cast(asyncio.Transport, self))
+        self.loop.add_reader(self.fd, self._on_readable)
+
+    def _on_readable(self) -> None:
+        try:
+            data, ancillary, _, _ = self.sock.recvmsg(256 * 1024, TIMESTAMP_SPACE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.abort()
+            return
+        if not data:
+            self.abort()
+            return
+        now = time.perf_counter()
+        self.protocol.read_s_hint = now
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
+                seconds, nanoseconds = struct.unpack_from("qq", payload)
+                self.protocol.read_s_hint = self.clock.perf_s(seconds * 1_000_000_000 + nanoseconds, now)
+        self.protocol.data_received(data)
+
+    def write(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if not self.out:
+            try:
+                sent = self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self.abort()
+                return
+            if sent == len(data):
+                return
+            data = data[sent:]
+            self.loop.add_writer(self.fd, self._on_writable)
+        self.out += data
+        if len(self.out) > self.HIGH_WATER and not self.paused:
+            self.paused = True
+            self.protocol.pause_writing()
+
+    def _on_writable(self) -> None:
+        try:
+            sent = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.abort()
+            return
+        del self.out[:sent]
+        if not self.out:
+            self.loop.remove_writer(self.fd)
+        if self.paused and len(self.out) < self.LOW_WATER:
+            self.paused = False
+            self.protocol.resume_writing()
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.loop.remove_reader(self.fd)
+        if self.out:
+            self.loop.remove_writer(self.fd)
+        self.sock.close()
+        self.protocol.connection_lost(None)
+
+
+async def serve_raw(script: FakeScript, host: str, port: int) -> socket.socket:
+    """Listen on HOST:PORT with raw-socket connections (kernel arrival times); returns the listening socket."""
+    state = FakeState(script)
+    listener = socket.create_server((host, port), backlog=4096)
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            _RawTransport(conn, _Handler(state))
+
+    loop.add_reader(listener.fileno(), accept)
+    return listener
 
 
 async def serve(script: FakeScript, host: str, port: int, state: FakeState | None = None) -> asyncio.AbstractServer:
@@ -353,10 +473,12 @@ def main() -> None:
         uvloop.install()
 
     async def run() -> None:
-        server = await serve(script, args.host, args.port)
+        listener = await serve_raw(script, args.host, args.port)
         print(f"READY http://{args.host}:{args.port}", flush=True)
-        async with server:
+        try:
             await asyncio.sleep(args.max_seconds)
+        finally:
+            listener.close()
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
