@@ -256,11 +256,20 @@ def get_suite(name: str) -> Suite:
 
 @dataclass(frozen=True)
 class SpeedProbe:
-    """How fast the server is, measured by two short runs before a budgeted suite (see `deepserve.bench.sweep`)."""
+    """How fast the server is, measured by short runs before a budgeted suite (see `deepserve.bench.sweep`).
 
-    prefill_tok_s: float  # input tokens per second of one prefill
+    Prefill time for a prompt of L tokens: t(L) = L / prefill_tok_s + prefill_s_per_tok2 · L². The quadratic term
+    is attention; on the tiny CPU model it dominates beyond a few thousand tokens (16K tokens take far longer than
+    16 times 1K), on a GPU deployment it is small."""
+
+    prefill_tok_s: float  # the linear part: input tokens per second
     tpot_s: float  # seconds per output token of one request alone
     peak_output_tok_s: float  # output tokens per second with many requests in flight
+    prefill_s_per_tok2: float = 0.0  # the quadratic part of prefill time
+
+    def prefill_s(self, input_len: float, input_len_squared: float | None = None) -> float:
+        squared = input_len * input_len if input_len_squared is None else input_len_squared
+        return input_len / self.prefill_tok_s + self.prefill_s_per_tok2 * squared
 
     def decode_tok_s(self, concurrency: float) -> float:
         return min(concurrency / self.tpot_s, self.peak_output_tok_s)
@@ -269,22 +278,39 @@ class SpeedProbe:
         """One request's latency with CONCURRENCY in flight: its prefill, waiting behind the others' prefills, and
         its decode at the per-request rate the batch leaves it."""
         per_request_tok_s = self.decode_tok_s(concurrency) / max(concurrency, 1)
-        return input_len * max(concurrency, 1) / self.prefill_tok_s + output_len / per_request_tok_s
+        return self.prefill_s(input_len) * max(concurrency, 1) + output_len / per_request_tok_s
 
     def count_bounded_s(self, point: SuitePoint) -> float:
         """Estimated time of a point that sends a fixed number of requests."""
         n = point.num_prompts
         concurrency = min(point.concurrency or n, n)
-        input_len = point.input_len or _mean_sampled_input(point)
+        mean_len, mean_squared = _input_moments(point)
         output_len = point.output_len or 0
-        work_s = n * input_len / self.prefill_tok_s + n * output_len / self.decode_tok_s(concurrency)
-        return max(work_s, self.request_s(input_len, output_len, 1))
+        work_s = n * self.prefill_s(mean_len, mean_squared) + n * output_len / self.decode_tok_s(concurrency)
+        return max(work_s, self.request_s(round(mean_len), output_len, 1))
 
 
-def _mean_sampled_input(point: SuitePoint) -> int:
-    low = int(point.params.get("sampled_min_input_len") or 0)
-    high = int(point.params.get("sampled_max_input_len") or 0)
-    return (low + high) // 2
+def _input_moments(point: SuitePoint) -> tuple[float, float]:
+    """Mean input length and mean squared input length: a sampled set draws lengths uniformly in [low, high]."""
+    if point.input_len is not None:
+        return float(point.input_len), float(point.input_len) ** 2
+    low = float(point.params.get("sampled_min_input_len") or 0)
+    high = float(point.params.get("sampled_max_input_len") or 0)
+    mean_squared = (high**3 - low**3) / (3 * (high - low)) if high > low else low * low
+    return (low + high) / 2, mean_squared
+
+
+def fit_prefill(short_len: int, short_s: float, long_len: int, long_s: float) -> tuple[float, float]:
+    """(prefill_tok_s, prefill_s_per_tok2) through two measured prefills; a noisy pair that would give a negative
+    term falls back to what one of them alone says."""
+    quadratic = (long_s / long_len - short_s / short_len) / (long_len - short_len)
+    linear_s_per_tok = short_s / short_len - quadratic * short_len
+    if quadratic <= 0:
+        return long_len / long_s if long_s > 0 else short_len / short_s, 0.0
+    if linear_s_per_tok <= 0:  # all attention: keep a small linear part
+        linear_s_per_tok = 0.1 * short_s / short_len
+        quadratic = (short_s - linear_s_per_tok * short_len) / short_len**2
+    return 1 / linear_s_per_tok, quadratic
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.suites import SpeedProbe, SuitePlan
+from deepserve.bench.suites import SpeedProbe, SuitePlan, fit_prefill
 from deepserve.errors import ConfigError, DeepserveError
 from deepserve.hardware.detect import local_gpus
 from deepserve.results.points import PointParams, params_from_result
@@ -430,27 +430,31 @@ def local_hardware() -> str:
 
 
 def probe_speed(base: BenchConfig, run_point: PointRunner, context_len: int | None) -> SpeedProbe:
-    """Two short runs that tell a suite how far to scale: one request alone (prefill speed, time per token) and
-    32 at once (peak output tokens/s). A few seconds on the tiny model."""
-    input_len = min(1024, (context_len or 4096) // 4)
+    """Three short runs that tell a suite how far to scale: a short and a long prompt alone (prefill time against
+    length, time per output token) and 64 requests at concurrency 32 (peak output tokens/s). Seconds on the tiny
+    model."""
+    short_len = min(1024, (context_len or 4096) // 8)
+    long_len = min(4 * short_len, (context_len or 4096) // 2)
     common = {"dataset_name": "random", "request_rate": None, "duration_s": None, "ignore_eos": True}
-    alone = run_point(
-        apply_overrides(
-            base,
-            common | {"num_prompts": 2, "max_concurrency": 1, "random_input_len": input_len, "random_output_len": 32},
-        )
-    )
+    alone = {"max_concurrency": 1, "random_output_len": 32}
+    short = run_point(apply_overrides(base, common | alone | {"num_prompts": 2, "random_input_len": short_len}))
+    long = run_point(apply_overrides(base, common | alone | {"num_prompts": 1, "random_input_len": long_len}))
     batch = run_point(
         apply_overrides(
             base, common | {"num_prompts": 64, "max_concurrency": 32, "random_input_len": 64, "random_output_len": 64}
         )
     )
-    ttft_ms, tpot_ms, peak = alone.get("median_ttft_ms"), alone.get("median_tpot_ms"), batch.get("output_throughput")
-    if not ttft_ms or not tpot_ms or not peak:
+    short_ms, long_ms = short.get("median_ttft_ms"), long.get("median_ttft_ms")
+    tpot_ms, peak = short.get("median_tpot_ms"), batch.get("output_throughput")
+    if not short_ms or not long_ms or not tpot_ms or not peak:
         raise ConfigError(
             "the speed probe got no timings from the server (every probe request failed?); check the server, or pass "
             "--time-budget-s 0 to run the suite at the seeds' sizes"
         )
+    prefill_tok_s, quadratic = fit_prefill(short_len, float(short_ms) / 1000, long_len, float(long_ms) / 1000)
     return SpeedProbe(
-        prefill_tok_s=input_len / (float(ttft_ms) / 1000), tpot_s=float(tpot_ms) / 1000, peak_output_tok_s=float(peak)
+        prefill_tok_s=prefill_tok_s,
+        tpot_s=float(tpot_ms) / 1000,
+        peak_output_tok_s=float(peak),
+        prefill_s_per_tok2=quadratic,
     )

@@ -171,7 +171,8 @@ def _spec(
     probe = probe_speed(base, _run_point, facts.get("max_model_len")) if budget_s else None
     if probe is not None:
         console.print(
-            f"Speed probe: prefill {probe.prefill_tok_s:,.0f} tok/s, {probe.tpot_s * 1000:.1f} ms/token alone, "
+            f"Speed probe: prefill of 1K tokens {probe.prefill_s(1024):.2f} s, of 16K {probe.prefill_s(16384):.1f} s; "
+            f"{probe.tpot_s * 1000:.1f} ms/token alone, "
             f"peak {probe.peak_output_tok_s:,.0f} output tok/s"
         )
     plan = plan_suite(suite, facts.get("max_model_len"), budget_s or None, probe, _fixed_fields(args) | given)

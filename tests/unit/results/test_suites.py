@@ -7,12 +7,13 @@ import math
 import pytest
 
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.suites import SUITES, SpeedProbe, get_suite, plan_suite
+from deepserve.bench.suites import SUITES, SpeedProbe, fit_prefill, get_suite, plan_suite
 from deepserve.bench.sweep import apply_overrides
 from deepserve.errors import ConfigError
 
-# Roughly the tiny model on 2 CPU cores: 116 output tok/s alone, about 870 at concurrency 64 (docs/DESIGN.md).
-TINY_CPU = SpeedProbe(prefill_tok_s=8000.0, tpot_s=1 / 116, peak_output_tok_s=900.0)
+# Roughly the tiny model on 2 CPU cores: 116 output tok/s alone, about 870 at concurrency 64 (docs/DESIGN.md);
+# prefill 0.3 s at 1K tokens, 27 s at 10K, 68 s at 16K (measured: attention dominates).
+TINY_CPU = SpeedProbe(prefill_tok_s=20000.0, tpot_s=1 / 116, peak_output_tok_s=900.0, prefill_s_per_tok2=2.5e-7)
 # Roughly 8xH100 serving V3 (seed 001): 33 output tok/s alone, a plateau near 620.
 H100 = SpeedProbe(prefill_tok_s=20000.0, tpot_s=1 / 33, peak_output_tok_s=620.0)
 
@@ -108,3 +109,20 @@ def test_a_slow_server_gets_shorter_requests():
 def test_flags_the_user_gave_are_not_scaled():
     plan = plan_suite(get_suite("output-length"), 32768, 900, TINY_CPU, {"random_input_len": 1000})
     assert {p.input_len for p in plan.points} == {1000}
+
+
+def test_prefill_fit_recovers_linear_and_quadratic_parts():
+    truth = SpeedProbe(prefill_tok_s=20000.0, tpot_s=0.01, peak_output_tok_s=1.0, prefill_s_per_tok2=2.5e-7)
+    rate, quadratic = fit_prefill(512, truth.prefill_s(512), 2048, truth.prefill_s(2048))
+    assert rate == pytest.approx(20000.0, rel=1e-6) and quadratic == pytest.approx(2.5e-7, rel=1e-6)
+    # Noise that would make the quadratic part negative falls back to a plain rate.
+    rate, quadratic = fit_prefill(512, 0.2, 2048, 0.5)
+    assert quadratic == 0.0 and rate == pytest.approx(2048 / 0.5)
+
+
+def test_long_prompts_shrink_when_prefill_is_quadratic():
+    linear = SpeedProbe(prefill_tok_s=20000.0, tpot_s=1 / 116, peak_output_tok_s=900.0)
+    assert plan_suite(get_suite("long-prompt"), 32768, 120, linear).length_factor == 1.0
+    plan = plan_suite(get_suite("long-prompt"), 32768, 120, TINY_CPU)
+    assert plan.length_factor < 1.0
+    assert sum(TINY_CPU.count_bounded_s(point) for point in plan.points) <= 0.8 * 120
