@@ -311,6 +311,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=20, help="tokens per stream")
     parser.add_argument("--itl-ms", type=float, default=50.0, help="the fake upstream's inter-token latency")
     parser.add_argument("--rounds", type=int, default=3, help="streams per worker (the first is warm-up)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per path and concurrency, in alternating order")
     parser.add_argument("--rate-concurrency", type=int, default=64, help="concurrency of the requests/s test")
     parser.add_argument("--rate-duration-s", type=float, default=8.0)
     parser.add_argument("--litellm-max-streams", type=int, default=64, help="LiteLLM only up to this concurrency")
@@ -360,20 +361,25 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
     for server in targets.values():  # warm every path (imports, connection pools, caches) before anything counts
         await request_rate(server.url, 16, 1.0, warm_s=0.0)
     for concurrency in args.concurrency:
-        for name, server in targets.items():
-            if name == "litellm" and concurrency > args.litellm_max_streams:
-                continue
-            started, cpu_before = time.perf_counter(), server.cpu_s()
-            results = await stream_load(server.url, concurrency, args.rounds, args.tokens, stream_s)
-            summary = summarise(results)
-            summary.proxy_cpu_ms_per_stream = (
-                (server.cpu_s() - cpu_before) * 1000 / len(results) / (args.rounds / (args.rounds - 1))
-            )
+        names = [name for name in targets if name != "litellm" or concurrency <= args.litellm_max_streams]
+        results: dict[str, list[StreamResult]] = {name: [] for name in names}
+        cpu_s: dict[str, float] = dict.fromkeys(names, 0.0)
+        for repeat in range(args.repeats):
+            # alternate the order (A B, B A, …) so that a change in the machine's load hits every path alike
+            for name in names if repeat % 2 == 0 else names[::-1]:
+                server = targets[name]
+                started, cpu_before = time.perf_counter(), server.cpu_s()
+                batch = await stream_load(server.url, concurrency, args.rounds, args.tokens, stream_s)
+                cpu_s[name] += (server.cpu_s() - cpu_before) * (args.rounds - 1) / args.rounds
+                results[name] += batch
+                one, elapsed_s = summarise(batch), time.perf_counter() - started
+                print(f"  {concurrency:>5} streams via {name:<8} TTFT p50 {one.ttft_p50_ms:.2f} ms, "
+                      f"p99 {one.ttft_p99_ms:.2f} ms, ITL {one.itl_mean_ms:.2f} ms, "
+                      f"{one.failures}/{one.count} failed ({elapsed_s:.1f} s)", flush=True)  # fmt: skip
+        for name in names:
+            summary = summarise(results[name])
+            summary.proxy_cpu_ms_per_stream = cpu_s[name] * 1000 / max(1, len(results[name]))
             rows[f"stream/{concurrency}/{name}"] = summary
-            elapsed_s = time.perf_counter() - started
-            print(f"  {concurrency:>5} streams via {name:<8} TTFT p50 {summary.ttft_p50_ms:.2f} ms, "
-                  f"p99 {summary.ttft_p99_ms:.2f} ms, ITL {summary.itl_mean_ms:.2f} ms, "
-                  f"{summary.failures}/{summary.count} failed ({elapsed_s:.1f} s)", flush=True)  # fmt: skip
     for name, server in targets.items():
         rate, failed, cpu_us = await request_rate(
             server.url, args.rate_concurrency, args.rate_duration_s, cpu_s=server.cpu_s
