@@ -266,6 +266,7 @@ class SpeedProbe:
     tpot_s: float  # seconds per output token of one request alone
     peak_output_tok_s: float  # output tokens per second with many requests in flight
     prefill_s_per_tok2: float = 0.0  # the quadratic part of prefill time
+    batched_prefill_tok_s: float | None = None  # input tokens/s with many prompts prefilled together
 
     def prefill_s(self, input_len: float, input_len_squared: float | None = None) -> float:
         squared = input_len * input_len if input_len_squared is None else input_len_squared
@@ -278,7 +279,15 @@ class SpeedProbe:
         """One request's latency with CONCURRENCY in flight: its prefill, waiting behind the others' prefills, and
         its decode at the per-request rate the batch leaves it."""
         per_request_tok_s = self.decode_tok_s(concurrency) / max(concurrency, 1)
-        return self.prefill_s(input_len) * max(concurrency, 1) + output_len / per_request_tok_s
+        return self.prefills_s(input_len, max(concurrency, 1)) + output_len / per_request_tok_s
+
+    def prefills_s(self, input_len: float, count: float, input_len_squared: float | None = None) -> float:
+        """COUNT prefills together: the linear part batches (at the batched rate), attention's part does not."""
+        squared = input_len * input_len if input_len_squared is None else input_len_squared
+        if count <= 1:
+            return self.prefill_s(input_len, squared)
+        rate = max(self.batched_prefill_tok_s or self.prefill_tok_s, self.prefill_tok_s)
+        return count * (input_len / rate + self.prefill_s_per_tok2 * squared)
 
     def count_bounded_s(self, point: SuitePoint) -> float:
         """Estimated time of a point that sends a fixed number of requests."""
@@ -286,7 +295,7 @@ class SpeedProbe:
         concurrency = min(point.concurrency or n, n)
         mean_len, mean_squared = _input_moments(point)
         output_len = point.output_len or 0
-        work_s = n * self.prefill_s(mean_len, mean_squared) + n * output_len / self.decode_tok_s(concurrency)
+        work_s = self.prefills_s(mean_len, n, mean_squared) + n * output_len / self.decode_tok_s(concurrency)
         return max(work_s, self.request_s(round(mean_len), output_len, 1))
 
 

@@ -430,9 +430,9 @@ def local_hardware() -> str:
 
 
 def probe_speed(base: BenchConfig, run_point: PointRunner, context_len: int | None) -> SpeedProbe:
-    """Three short runs that tell a suite how far to scale: a short and a long prompt alone (prefill time against
-    length, time per output token) and 64 requests at concurrency 32 (peak output tokens/s). Seconds on the tiny
-    model."""
+    """Four short runs that tell a suite how far to scale: a short and a long prompt alone (prefill time against
+    length, time per output token), 64 requests at concurrency 32 (peak output tokens/s) and 32 prompts at once
+    (batched prefill tokens/s). Seconds on the tiny model."""
     short_len = min(1024, (context_len or 4096) // 8)
     long_len = min(4 * short_len, (context_len or 4096) // 2)
     common = {"dataset_name": "random", "request_rate": None, "duration_s": None, "ignore_eos": True}
@@ -442,6 +442,11 @@ def probe_speed(base: BenchConfig, run_point: PointRunner, context_len: int | No
     batch = run_point(
         apply_overrides(
             base, common | {"num_prompts": 64, "max_concurrency": 32, "random_input_len": 64, "random_output_len": 64}
+        )
+    )
+    prefills = run_point(
+        apply_overrides(
+            base, common | {"num_prompts": 32, "max_concurrency": 32, "random_input_len": 512, "random_output_len": 1}
         )
     )
     short_ms, long_ms = short.get("median_ttft_ms"), long.get("median_ttft_ms")
@@ -457,4 +462,10 @@ def probe_speed(base: BenchConfig, run_point: PointRunner, context_len: int | No
         tpot_s=float(tpot_ms) / 1000,
         peak_output_tok_s=float(peak),
         prefill_s_per_tok2=quadratic,
+        batched_prefill_tok_s=_input_tok_s(prefills),
     )
+
+
+def _input_tok_s(result: dict[str, Any]) -> float | None:
+    tokens, duration_s = result.get("total_input_tokens"), result.get("duration")
+    return float(tokens) / float(duration_s) if tokens and duration_s else None

@@ -172,7 +172,7 @@ def _spec(
     if probe is not None:
         console.print(
             f"Speed probe: prefill of 1K tokens {probe.prefill_s(1024):.2f} s, of 16K {probe.prefill_s(16384):.1f} s; "
-            f"{probe.tpot_s * 1000:.1f} ms/token alone, "
+            f"{probe.batched_prefill_tok_s or 0:,.0f} prompt tok/s batched; {probe.tpot_s * 1000:.1f} ms/token alone, "
             f"peak {probe.peak_output_tok_s:,.0f} output tok/s"
         )
     plan = plan_suite(suite, facts.get("max_model_len"), budget_s or None, probe, _fixed_fields(args) | given)

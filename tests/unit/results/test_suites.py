@@ -13,7 +13,13 @@ from deepserve.errors import ConfigError
 
 # Roughly the tiny model on 2 CPU cores: 116 output tok/s alone, about 870 at concurrency 64 (docs/DESIGN.md);
 # prefill 0.3 s at 1K tokens, 27 s at 10K, 68 s at 16K (measured: attention dominates).
-TINY_CPU = SpeedProbe(prefill_tok_s=20000.0, tpot_s=1 / 116, peak_output_tok_s=900.0, prefill_s_per_tok2=2.5e-7)
+TINY_CPU = SpeedProbe(
+    prefill_tok_s=20000.0,
+    tpot_s=1 / 116,
+    peak_output_tok_s=900.0,
+    prefill_s_per_tok2=2.5e-7,
+    batched_prefill_tok_s=30000.0,
+)
 # Roughly 8xH100 serving V3 (seed 001): 33 output tok/s alone, a plateau near 620.
 H100 = SpeedProbe(prefill_tok_s=20000.0, tpot_s=1 / 33, peak_output_tok_s=620.0)
 
