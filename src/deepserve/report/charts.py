@@ -307,13 +307,17 @@ def _line_chart(
 
 
 def _workload_words(lines: list[sr.Series]) -> str:
-    """ " (input 1024, output 256 tokens)" when every point shares those lengths: the chart says what it measured."""
+    """ " (input 1024, output 256 tokens)": the lengths every point of the chart shares, so the title says what
+    was measured."""
     points = [point for line in lines for point in line.points]
-    inputs = {point.params.input_len for point in points}
-    outputs = {point.params.output_len for point in points}
-    if len(inputs) == 1 and len(outputs) == 1 and None not in inputs | outputs:
-        return f" (input {inputs.pop()}, output {outputs.pop()} tokens)"
-    return ""
+    words = []
+    for name, values in (
+        ("input", {point.params.input_len for point in points}),
+        ("output", {point.params.output_len for point in points}),
+    ):
+        if len(values) == 1 and None not in values:
+            words.append(f"{name} {values.pop()}")
+    return f" ({', '.join(words)} tokens)" if words else ""
 
 
 def _figure(title: str) -> tuple[Figure, Axes]:
@@ -327,6 +331,7 @@ def _labels(ax: Axes, x_label: str, y_label: str) -> None:
     ax.set_xlabel(x_label)
     ax.set_ylabel(y_label)
     ax.yaxis.set_major_formatter(FuncFormatter(_thousands))
+    ax.xaxis.set_major_formatter(FuncFormatter(_thousands))
 
 
 def _scale_axes(ax: Axes, lines: list[sr.Series], metrics: Sequence[Metric]) -> None:
