@@ -133,6 +133,7 @@ class _ResponseParser:
     them; SSE framing and JSON wait until the response has ended (`frame_events`, `decode_events`)."""
 
     __slots__ = (
+        "_first_now",
         "_framed",
         "_http",
         "_now",
@@ -155,12 +156,16 @@ class _ResponseParser:
         self.body_parts: list[bytes] = []
         self.body_times: list[float] = []
         self._now = 0.0
+        self._first_now = 0.0
         self._until_close = False
         self._framed = False
         self._http = httptools.HttpResponseParser(self)
 
-    def feed(self, data: bytes, now: float) -> None:
+    def feed(self, data: bytes, now: float, first_now: float | None = None) -> None:
+        """NOW: when DATA arrived (its last byte); FIRST_NOW: when its first byte did, if earlier (a read that
+        drained several writes): the first body piece gets that time, the others NOW."""
         self._now = now
+        self._first_now = now if first_now is None else first_now
         try:
             self._http.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -180,7 +185,8 @@ class _ResponseParser:
 
     def on_body(self, body: bytes) -> None:
         self.body_parts.append(body)
-        self.body_times.append(self._now)
+        self.body_times.append(self._first_now)
+        self._first_now = self._now
         self.tally.events += 1
 
     def on_message_complete(self) -> None:
@@ -314,6 +320,9 @@ class _SocketConnection:
 
     def _on_readable(self) -> None:
         try:
+            # Peek one byte first: its timestamp is the arrival of the oldest unread write. When the client fell
+            # behind, one read drains several writes and carries only the newest one's time.
+            _, head_ancillary, _, _ = self.sock.recvmsg(1, TIMESTAMP_SPACE, socket.MSG_PEEK)
             data, ancillary, _, _ = self.sock.recvmsg(READ_BYTES, TIMESTAMP_SPACE)
         except (BlockingIOError, InterruptedError):
             return
@@ -328,7 +337,7 @@ class _SocketConnection:
         if parser is None:
             return  # nothing asked: ignore
         self.bytes_received += len(data)
-        parser.feed(data, self._arrival_s(ancillary, now))
+        parser.feed(data, self._arrival_s(ancillary, now), self._arrival_s(head_ancillary, now))
         if parser.done:
             self._wake()
 

@@ -174,3 +174,12 @@ def test_chat_content_parts_do_not_break_decoding():
     parts = {"choices": [{"index": 0, "delta": {"content": [{"type": "text", "text": "x"}]}, "finish_reason": None}]}
     decoded = decode_events(RawResponse(200, [json.dumps(parts).encode()], [1.0]))
     assert decoded.error is None and decoded.chunk_tokens == [1] and decoded.text == ""
+
+
+def test_a_read_that_drained_several_writes_keeps_the_first_ones_arrival():
+    parser = _ResponseParser(Tally())
+    parser.feed(HEAD, 0.5)
+    first, second = sse(completion_chunk("a")), sse(completion_chunk("b"))
+    parser.feed(b"%x\r\n%s\r\n%x\r\n%s\r\n" % (len(first), first, len(second), second), now=2.0, first_now=1.0)
+    parser.feed(b"0\r\n\r\n", 2.5)
+    assert parser.response.event_times == [1.0, 2.0]
