@@ -323,8 +323,8 @@ class GatewayApp:
                 return
             except UpstreamError as exc:
                 self.metrics.upstream_failures.labels(replica.url, exc.code or "").inc()
-                if isinstance(exc, UpstreamUnavailable):
-                    self.pool.mark_down(replica, exc.message)
+                if isinstance(exc, UpstreamUnavailable) and exc.refused:
+                    self.pool.mark_down(replica, exc.message)  # nothing listens: no new request should wait for it
                 if exchange.response_started or not exc.retryable or len(tried) > self.config.max_retries:
                     raise
                 self.metrics.retries.inc()

@@ -120,10 +120,15 @@ class UpstreamError(GatewayError):
 
 
 class UpstreamUnavailable(UpstreamError):
-    """Could not connect, or the connection dropped: the replica is likely down."""
+    """Could not connect, or the connection dropped. `refused` (nothing listens) is proof that the replica is down;
+    a dropped or slow connection alone is not (an overloaded replica is slow, not dead)."""
 
     status = 503
     code = "upstream_unavailable"
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class UpstreamTimeout(UpstreamError):

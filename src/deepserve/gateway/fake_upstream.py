@@ -47,6 +47,7 @@ class FakeBehaviour:
     itl_ms: float = 0.0  # between tokens
     fail_status: int | None = None  # answer every generation request with this status
     healthy: bool = True
+    health_delay_s: float = 0.0  # answer /health this late (an overloaded replica)
     model: str = FAKE_MODEL
     max_model_len: int = FAKE_MAX_MODEL_LEN
 
@@ -61,6 +62,8 @@ class FakeUpstream:
             return
         path = scope["path"]
         if path == "/health":
+            if self.behaviour.health_delay_s:
+                await asyncio.sleep(self.behaviour.health_delay_s)
             await _respond(send, 200 if self.behaviour.healthy else 503, b"{}")
         elif path == "/v1/models":
             card = {"id": self.behaviour.model, "object": "model", "max_model_len": self.behaviour.max_model_len}

@@ -31,6 +31,8 @@ HEALTH_PATH = "/health"
 MODELS_PATH = "/v1/models"
 # Re-read /v1/models every this many healthy checks, to notice a replica that was restarted with another model.
 MODELS_REFRESH_EVERY = 30
+# A replica that answers nothing within the health timeout this many times in a row is taken out.
+CHECK_TIMEOUTS_TO_FAIL = 3
 
 
 @dataclass
@@ -40,6 +42,7 @@ class UpstreamReplica:
     outstanding: int = 0
     models: dict[str, int | None] = field(default_factory=dict)  # served model → max_model_len
     checks_since_models: int = 0
+    failed_checks: int = 0  # consecutive health checks that timed out
     last_error: str | None = None
     _urls: dict[str, URL] = field(default_factory=dict)  # parsed once per path, not per request
 
@@ -153,6 +156,9 @@ class UpstreamPool:
                 log.exception("upstream health check failed")
 
     async def _check(self, replica: UpstreamReplica) -> None:
+        """Healthy on a 200 from /health (and a model listing). Down at once when the replica refuses connections or
+        answers an error; down after CHECK_TIMEOUTS_TO_FAIL timeouts in a row, since under heavy load a live replica
+        can be slow to answer while it streams to everyone else."""
         try:
             async with self.session.get(replica.root + HEALTH_PATH, timeout=self._health_timeout) as response:
                 if response.status != 200:
@@ -160,16 +166,25 @@ class UpstreamPool:
             if not replica.healthy or not replica.models or replica.checks_since_models >= MODELS_REFRESH_EVERY:
                 replica.models = await self._fetch_models(replica)
                 replica.checks_since_models = 0
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            replica.failed_checks += 1
+            if replica.failed_checks >= CHECK_TIMEOUTS_TO_FAIL:
+                self._fail_check(replica, f"{replica.failed_checks} health checks timed out ({type(exc).__name__})")
+        except Exception as exc:
+            self._fail_check(replica, str(exc) or type(exc).__name__)
+        else:
             replica.checks_since_models += 1
+            replica.failed_checks = 0
             if not replica.healthy:
                 log.warning("upstream %s is healthy", replica.url)
             replica.healthy = True
             replica.last_error = None
-        except Exception as exc:
-            if replica.healthy:
-                log.warning("upstream %s failed its health check: %s", replica.url, exc)
-            replica.healthy = False
-            replica.last_error = str(exc) or type(exc).__name__
+
+    def _fail_check(self, replica: UpstreamReplica, reason: str) -> None:
+        if replica.healthy:
+            log.warning("upstream %s failed its health check: %s", replica.url, reason)
+        replica.healthy = False
+        replica.last_error = reason
 
     async def _fetch_models(self, replica: UpstreamReplica) -> dict[str, int | None]:
         async with self.session.get(replica.root + MODELS_PATH, timeout=self._health_timeout) as response:
@@ -194,6 +209,8 @@ def upstream_error(exc: BaseException, replica: UpstreamReplica) -> UpstreamErro
         return exc
     if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return UpstreamTimeout(f"{where} did not answer in time")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamUnavailable(f"{where} refused the connection ({exc.os_error})", refused=True)
     if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)):
         return UpstreamUnavailable(f"{where} is unreachable or dropped the connection ({type(exc).__name__})")
     return UpstreamError(f"{where} failed: {type(exc).__name__}: {exc}")

@@ -204,3 +204,20 @@ async def test_prefix_affinity_keeps_a_prompt_on_one_replica() -> None:
             grew = (first.stats.requests - before[0], second.stats.requests - before[1])
             assert grew in ((3, 0), (0, 3))
         assert first.stats.requests and second.stats.requests  # different prompts spread over both
+
+
+async def test_a_slow_health_check_is_not_death_until_it_repeats() -> None:
+    async with fake_and_gateway() as (fake, app, _):
+        replica = app.pool.replicas[0]
+        fake.behaviour.health_delay_s = 5.0  # beyond the 0.5 s health timeout of a 0.2 s interval
+        deadline = time.monotonic() + 10
+        while replica.failed_checks < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert replica.failed_checks >= 1 and replica.healthy  # one slow answer: still in rotation
+        while replica.failed_checks < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert not replica.healthy
+        fake.behaviour.health_delay_s = 0.0
+        while not replica.healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert replica.healthy and replica.failed_checks == 0
