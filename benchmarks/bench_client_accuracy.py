@@ -126,8 +126,9 @@ def client_chunk_times(name: str, result: dict[str, Any]) -> list[tuple[str, flo
 
 def timing_errors(name: str, result: dict[str, Any], server_log: dict[str, Any]) -> dict[str, float]:
     """Client-measured TTFT and chunk gaps against the server's. The server's send time of a chunk is the middle
-    of its write call; a write that took longer than TRUTH_WINDOW_S (the server was preempted inside it) makes
-    that instant uncertain, so samples involving it are left out (and counted)."""
+    of its write call. That instant is uncertain when the write took longer than TRUTH_WINDOW_S (the server was
+    preempted inside it) or left bytes in the kernel's send queue (transmitted later, e.g. by a deferred softirq
+    on a loaded machine): samples involving such writes are left out, and counted."""
     ttft_errors: list[float] = []
     late_first: list[float] = []  # the first chunk reached the client's socket after the server wrote it
     transit: list[float] = []  # client's send stamp until the request reached the server's socket
@@ -139,7 +140,7 @@ def timing_errors(name: str, result: dict[str, Any], server_log: dict[str, Any])
             continue
         windows = np.asarray(entry["send_windows_s"])
         sends = np.asarray(entry["sends_s"]) + windows / 2
-        sure = windows <= TRUTH_WINDOW_S
+        sure = (windows <= TRUTH_WINDOW_S) & (np.asarray(entry["unsent_bytes"]) == 0)
         total += len(arrivals)
         dropped += int((~sure).sum())
         if sure[0]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import json
 import socket
 import struct
@@ -25,6 +26,7 @@ from typing import Any, cast
 
 from deepserve.bench.client import SO_TIMESTAMPNS, TIMESTAMP_SPACE, ArrivalClock
 
+SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent
 JSON_HEADERS = "Content-Type: application/json\r\n"
 SSE_HEADERS = "Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
 
@@ -55,6 +57,7 @@ class SendLog:
     recv_s: float
     sends_s: list[float] = field(default_factory=list)  # just before the write
     send_windows_s: list[float] = field(default_factory=list)  # how long the write took (preemption shows here)
+    unsent_bytes: list[int] = field(default_factory=list)  # left in the kernel's send queue after it (-1: unknown)
     tokens: list[int] = field(default_factory=list)
 
 
@@ -220,6 +223,21 @@ class _Handler(asyncio.Protocol):
         self._write(data)
         log.sends_s.append(before_s)
         log.send_windows_s.append(time.perf_counter() - before_s)
+        log.unsent_bytes.append(self._unsent_bytes())
+
+    def _unsent_bytes(self) -> int:
+        """Bytes the kernel has not transmitted yet (SIOCOUTQNSD): a write still queued there (TCP small queues,
+        deferred softirq) reaches the client later than the write call, so its time is no ground truth."""
+        transport = self.transport
+        if not isinstance(transport, _RawTransport) or transport.closed:
+            return -1
+        if transport.out:
+            return len(transport.out)
+        try:
+            raw = fcntl.ioctl(transport.fd, SIOCOUTQNSD, b"\0\0\0\0")
+        except OSError:
+            return -1
+        return int(struct.unpack("i", raw)[0])
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None:
