@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import socket
@@ -179,7 +180,11 @@ def start_litellm(binary: Path, upstream: str, workdir: Path) -> Server:
 class StreamResult:
     ttft_s: float
     itl_s: float | None  # mean gap between events after the first
-    ok: bool
+    error: str | None = None  # why the stream failed (a failure is data, not an exception)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench-master-key"}
@@ -192,10 +197,12 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes) -> S
     try:
         async with session.post(url, data=body, headers=HEADERS) as response:
             if response.status != 200:
-                await response.read()
-                return StreamResult(0.0, None, False)
+                detail = (await response.read())[:120].decode(errors="replace")
+                return StreamResult(0.0, None, f"HTTP {response.status}: {detail}")
             async for chunk in response.content.iter_any():
                 now = time.perf_counter()
+                if b'"error"' in chunk:
+                    return StreamResult(0.0, None, "error event: " + chunk[:160].decode(errors="replace"))
                 count = chunk.count(b"data:")
                 if not count:
                     continue
@@ -203,12 +210,12 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes) -> S
                     first = now
                 events += count
                 last = now
-    except aiohttp.ClientError:
-        return StreamResult(0.0, None, False)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return StreamResult(0.0, None, f"{type(exc).__name__}: {exc}")
     # [DONE] is an event but no token; the gaps are between token events
     tokens = events - 1
     itl = (last - first) / (tokens - 1) if tokens > 1 else None
-    return StreamResult(first - started, itl, tokens > 0)
+    return StreamResult(first - started, itl, None if tokens > 0 else "no tokens")
 
 
 async def stream_load(url: str, concurrency: int, rounds: int, tokens: int, stream_s: float) -> list[StreamResult]:
@@ -373,6 +380,8 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
                 cpu_s[name] += (server.cpu_s() - cpu_before) * (args.rounds - 1) / args.rounds
                 results[name] += batch
                 one, elapsed_s = summarise(batch), time.perf_counter() - started
+                for reason, count in collections.Counter(r.error for r in batch if r.error).most_common(3):
+                    print(f"        {count} failed: {reason}", flush=True)
                 print(f"  {concurrency:>5} streams via {name:<8} TTFT p50 {one.ttft_p50_ms:.2f} ms, "
                       f"p99 {one.ttft_p99_ms:.2f} ms, ITL {one.itl_mean_ms:.2f} ms, "
                       f"{one.failures}/{one.count} failed ({elapsed_s:.1f} s)", flush=True)  # fmt: skip

@@ -311,10 +311,21 @@ class GatewayApp:
         exchange.admitted_limiter = limiter
 
     async def _forward(self, exchange: _Exchange, parsed: ParsedRequest, hints: RoutingHints, send: Send) -> None:
-        """Try replicas until one answers, while the client has received nothing."""
+        """Try replicas until one answers, while the client has received nothing. Another replica is preferred for
+        a retry; when there is none, a replica that dropped the connection (rather than refusing it) is tried
+        again: a keep-alive connection it had just closed fails exactly like that, and a new one is fine."""
         tried: list[UpstreamReplica] = []
+        failure: UpstreamError | None = None  # the last attempt's
         while True:
-            replica = self.pool.choose(parsed.model, hints, tried)
+            try:
+                replica = self.pool.choose(parsed.model, hints, tried)
+            except NoHealthyUpstream:
+                if failure is None:
+                    raise
+                dropped = isinstance(failure, UpstreamUnavailable) and not failure.refused
+                if not (dropped and tried[-1].healthy):
+                    raise failure from None  # what went wrong, rather than "no replica left"
+                replica = tried[-1]
             tried.append(replica)
             exchange.upstream = replica.url
             replica.outstanding += 1
@@ -327,6 +338,7 @@ class GatewayApp:
                     self.pool.mark_down(replica, exc.message)  # nothing listens: no new request should wait for it
                 if exchange.response_started or not exc.retryable or len(tried) > self.config.max_retries:
                     raise
+                failure = exc
                 self.metrics.retries.inc()
             finally:
                 replica.outstanding -= 1

@@ -31,6 +31,8 @@ HEALTH_PATH = "/health"
 MODELS_PATH = "/v1/models"
 # Re-read /v1/models every this many healthy checks, to notice a replica that was restarted with another model.
 MODELS_REFRESH_EVERY = 30
+# Below uvicorn's default keep-alive timeout (5 s), which vLLM and SGLang use.
+IDLE_CONNECTION_S = 4.0
 # A replica that answers nothing within the health timeout this many times in a row is taken out.
 CHECK_TIMEOUTS_TO_FAIL = 3
 
@@ -81,7 +83,9 @@ class UpstreamPool:
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=300)
+        # Idle connections are closed before the engine closes them (uvicorn, under vLLM and SGLang, after 5 s), so a
+        # request rarely picks a connection the server is closing at that moment.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_S, ttl_dns_cache=300)
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=self._timeout,

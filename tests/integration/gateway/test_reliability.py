@@ -221,3 +221,12 @@ async def test_a_slow_health_check_is_not_death_until_it_repeats() -> None:
         while not replica.healthy and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert replica.healthy and replica.failed_checks == 0
+
+
+async def test_the_only_replica_failing_shows_its_error() -> None:
+    async with fake_and_gateway(FakeBehaviour(fail_status=500)) as (fake, _, client):
+        response = await client.post("/chat/completions", json=CHAT)
+        assert response.status_code == 502
+        error = response.json()["error"]
+        assert error["code"] == "upstream_bad_status" and "injected failure" in error["message"]
+        assert fake.stats.requests == 1  # a 5xx is not retried on the same replica
