@@ -31,7 +31,8 @@ def _free_port() -> int:
 def gateway_url(served_tiny) -> Iterator[str]:  # type: ignore[no-untyped-def]
     config = GatewayConfig.model_validate(
         {
-            "upstream": [served_tiny.base_url],
+            # straight in front of vLLM (served_tiny's public URL is itself a gateway, wired by `deepserve serve`)
+            "upstream": [served_tiny.engine_url or served_tiny.base_url],
             "port": _free_port(),
             "require_keys": True,
             "model_alias": ["v3=" + served_tiny.model],
@@ -104,6 +105,11 @@ def test_openai_client_through_the_gateway(served_tiny, gateway_url: str) -> Non
 
     metrics = httpx.get(gateway_url.removesuffix("/v1") + "/metrics").text
     assert 'deepserve_gateway_requests_total{key="e2e"' in metrics
+
+    if served_tiny.engine_url:  # `deepserve serve` put a gateway in front of its engine: it is ready and proxies
+        assert httpx.get(served_tiny.root_url + "/ready").json()["healthy_upstreams"] == 1
+        public = openai.OpenAI(base_url=served_tiny.base_url, api_key="unused", max_retries=0, timeout=120)
+        assert public.completions.create(model=served_tiny.model, prompt="a", max_tokens=2).usage is not None
 
 
 def test_ledger_counts_tokens_but_keeps_no_text(served_tiny, gateway_url: str) -> None:  # type: ignore[no-untyped-def]
