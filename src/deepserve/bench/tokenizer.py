@@ -67,8 +67,28 @@ def load_token_counter(tokenizer: str | None, base_url: str, model: str, api_key
             probe.close()
         return local
     counter = ServerTokenCounter(base_url, model, api_key)
-    counter.check()
+    try:
+        counter.check()
+    except TokenizerError as exc:
+        tiny_dir = _tiny_tokenizer_dir(model)
+        if tiny_dir is None:
+            raise TokenizerError(f"{exc}; pass --tokenizer DIR (a local tokenizer directory) instead") from exc
+        local = LocalTokenCounter.load(str(tiny_dir))
+        local.server_check = f"unverified ({exc}); deepserve's tiny model, whose tokenizer it writes byte for byte"
+        return local
     return counter
+
+
+def _tiny_tokenizer_dir(model: str) -> Path | None:
+    """The tokenizer of deepserve's own tiny model when MODEL names it: generated here exactly as the server's was,
+    so a front end without /tokenize (deepserve's gateway) does not stop a benchmark of it."""
+    from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name
+    from deepserve.models.resolve import models_cache_dir
+    from deepserve.models.tiny import ensure_tiny_model
+
+    if not model or canonical_preset_name(model) != TINY_MODEL_NAME:
+        return None
+    return ensure_tiny_model(models_cache_dir())
 
 
 # Texts whose token counts differ between tokenizers that load or add specials differently: spaces, digits,
@@ -206,11 +226,8 @@ class ServerTokenCounter:
         self._client = client or httpx.Client(timeout=timeout, headers=headers)
 
     def check(self) -> None:
-        """Fail fast, with the fix in the message, when the server cannot tokenize for us."""
-        try:
-            self.encode("hello")
-        except TokenizerError as exc:
-            raise TokenizerError(f"{exc}; pass --tokenizer DIR (a local tokenizer directory) instead") from exc
+        """Fail fast when the server cannot tokenize for us (TokenizerError with the server's answer)."""
+        self.encode("hello")
 
     def encode(self, text: str) -> list[int]:
         return self._tokenize({"prompt": text, "add_special_tokens": False})

@@ -152,3 +152,13 @@ def test_server_sends_the_api_key() -> None:
     server._client = httpx.Client(transport=httpx.MockTransport(handle), headers=server._client.headers)
     assert server.count("x") == 1
     assert headers == ["Bearer sk-test"]
+
+
+@pytest.mark.parametrize("name", ["deepserve/tiny-deepseek-v3", "tiny"])
+def test_the_tiny_model_needs_no_tokenize_endpoint(name: str) -> None:
+    """deepserve's gateway does not serve /tokenize; the tiny model's tokenizer is generated locally instead."""
+    counter = load_token_counter(None, "http://127.0.0.1:9/v1", name, None)
+    assert isinstance(counter, LocalTokenCounter)
+    assert counter.source.startswith("local:") and "tiny-deepseek-v3" in counter.source
+    assert counter.server_check is not None and counter.server_check.startswith("unverified (cannot reach")
+    assert counter.prompt_ids("ab") == [BOS_ID, 100, 101]
