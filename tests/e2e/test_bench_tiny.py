@@ -17,8 +17,6 @@ VLLM_KEYS = (
     "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms", "max_output_tokens_per_s", "max_concurrent_requests",
 )  # fmt: skip
 
-pytestmark = pytest.mark.timeout(600)
-
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_bench_tiny_model(served_tiny, tmp_path_factory, tmp_path, endpoint):
