@@ -377,6 +377,7 @@ def _describe(entry: PointEntry) -> str:
         request_rate=math.inf if params.get("request_rate") is None else float(params["request_rate"]),
         input_len=params.get("input_len"),
         output_len=params.get("output_len"),
+        num_prompts=params.get("num_prompts"),
         variant=params.get("variant"),
     ).describe()
 

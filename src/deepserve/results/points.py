@@ -65,6 +65,8 @@ class PointParams:
         parts = []
         if self.variant:
             parts.append(self.variant)
+        if self.variant == "offline" and self.num_prompts is not None:
+            parts.append(f"batch={self.num_prompts}")
         if self.max_concurrency is not None:
             parts.append(f"c={self.max_concurrency}")
         parts.append(f"rate={format_rate(self.request_rate)}")
