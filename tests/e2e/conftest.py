@@ -62,7 +62,12 @@ def start_deepserve(home: Path, *args: str) -> ServedTiny:
     served = ServedTiny(base_url="", model="", process=process, home=home)
     ready = threading.Event()
     threading.Thread(target=_pump, args=(served, ready), daemon=True).start()
-    if not ready.wait(STARTUP_TIMEOUT_S) or not served.base_url:
+    try:
+        became_ready = ready.wait(STARTUP_TIMEOUT_S) and bool(served.base_url)
+    except BaseException:  # Ctrl-C while waiting: never leave the service running on its own
+        stop_deepserve(served)
+        raise
+    if not became_ready:
         stop_deepserve(served)
         pytest.fail("deepserve serve did not become ready:\n" + "\n".join(served.output[-40:]))
     return served
