@@ -31,9 +31,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.fake_upstream import FAKE_MODEL
-from deepserve.gateway.server import gateway_argv
 
 REPO = Path(__file__).resolve().parent.parent
 LITELLM_VENV = REPO / ".bench-venvs" / "litellm"

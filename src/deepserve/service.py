@@ -20,9 +20,8 @@ from deepserve.engines.base import Engine, LaunchSpec, ResolvedModel
 from deepserve.engines.registry import get_engine
 from deepserve.engines.supervisor import SupervisedProcess
 from deepserve.errors import ConfigError, EngineError
-from deepserve.gateway.config import GatewayConfig
-from deepserve.gateway.server import base_url as gateway_base_url
-from deepserve.gateway.server import gateway_argv
+from deepserve.gateway.config import GatewayConfig, gateway_argv
+from deepserve.gateway.config import base_url as gateway_base_url
 from deepserve.hardware.detect import has_gpu
 from deepserve.models.resolve import resolve_model
 

@@ -15,10 +15,9 @@ import httpx
 import openai
 import pytest
 
-from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.keys import KeyStore
 from deepserve.gateway.ledger import UsageSummary, default_ledger_path, summarise
-from deepserve.gateway.server import gateway_argv
 
 
 def _free_port() -> int:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ipaddress
+import sys
 from pathlib import Path
 
 from pydantic import Field, field_validator
 
 from deepserve.config import Section, deepserve_home
+from deepserve.engines.base import url_host
 from deepserve.errors import ConfigError, unknown_name
 
 BALANCING_POLICIES = ("least_outstanding", "round_robin", "prefix_affinity", "session_affinity")
@@ -93,3 +95,26 @@ def gateway_home() -> Path:
     path = deepserve_home() / "gateway"
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
+
+
+def gateway_argv(config: GatewayConfig, python: str = sys.executable) -> list[str]:
+    """`python -m deepserve.cli.main gateway …` with every field that differs from its default."""
+    argv = [python, "-m", "deepserve.cli.main", "gateway"]
+    defaults = GatewayConfig.model_validate({})
+    for name in GatewayConfig.model_fields:
+        value = getattr(config, name)
+        if value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def base_url(config: GatewayConfig, port: int | None = None) -> str:
+    return f"http://{url_host(config.host)}:{port or config.port}/v1"

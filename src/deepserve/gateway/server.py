@@ -1,7 +1,7 @@
 """Run the gateway: uvicorn (httptools parser) on a uvloop event loop, one process.
 
 `GATEWAY READY <base URL>` is printed on stdout once the socket accepts connections and the first round of upstream
-health checks is done; `gateway_argv` is the command line that runs the gateway as its own process (what
+health checks is done; `config.gateway_argv` is the command line that runs the gateway as its own process (what
 `deepserve serve` supervises next to the engine)."""
 
 from __future__ import annotations
@@ -17,36 +17,12 @@ from typing import Any
 
 import uvicorn
 
-from deepserve.engines.base import url_host
 from deepserve.gateway.app import GatewayApp
-from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.config import GatewayConfig, base_url
 from deepserve.gateway.keys import KeyStore
 
 READY_PREFIX = "GATEWAY READY"
 _SHUTDOWN_GRACE_S = 5
-
-
-def gateway_argv(config: GatewayConfig, python: str = sys.executable) -> list[str]:
-    """`python -m deepserve.cli.main gateway …` with every field that differs from its default."""
-    argv = [python, "-m", "deepserve.cli.main", "gateway"]
-    defaults = GatewayConfig.model_validate({})
-    for name in GatewayConfig.model_fields:
-        value = getattr(config, name)
-        if value == getattr(defaults, name):
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list):
-            for item in value:
-                argv += [flag, str(item)]
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-def base_url(config: GatewayConfig, port: int | None = None) -> str:
-    return f"http://{url_host(config.host)}:{port or config.port}/v1"
 
 
 class _Server(uvicorn.Server):

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from deepserve.gateway.app import GatewayApp
-from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.fake_upstream import FakeBehaviour, FakeUpstream, running_fake_upstream
-from deepserve.gateway.server import gateway_argv, running_gateway
+from deepserve.gateway.server import running_gateway
 
 
 def free_port() -> int:

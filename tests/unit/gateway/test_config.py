@@ -7,8 +7,7 @@ import pytest
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
 from deepserve.errors import ConfigError
-from deepserve.gateway.config import GatewayConfig
-from deepserve.gateway.server import gateway_argv
+from deepserve.gateway.config import GatewayConfig, gateway_argv
 
 
 def test_defaults_are_safe() -> None:
