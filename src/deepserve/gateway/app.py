@@ -41,7 +41,14 @@ from deepserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.streaming import StreamTap
 from deepserve.gateway.upstreams import UpstreamPool, UpstreamReplica, iter_chunks, read_body
-from deepserve.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, Endpoint, ParsedRequest, parse_request
+from deepserve.gateway.validation import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    Endpoint,
+    ParsedRequest,
+    load_json_object,
+    parse_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +147,8 @@ class GatewayApp:
             CHAT_COMPLETIONS.path: self._chat_completions,
             COMPLETIONS.path: self._completions,
             "/v1/models": self._models,
+            "/tokenize": self._tokenizer,
+            "/detokenize": self._tokenizer,
             "/health": self._health,
             "/ready": self._ready,
             "/metrics": self._metrics,
@@ -180,7 +189,8 @@ class GatewayApp:
         if scope["type"] == "http":
             handler = self._routes.get(scope["path"])
             if handler is None:
-                await _send_error(send, NotFound(f"no route {scope['path']}; the gateway serves /v1/… and /health"))
+                routes = ", ".join(self._routes)
+                await _send_error(send, NotFound(f"no route {scope['path']}; the gateway serves {routes}"))
             else:
                 await handler(scope, receive, send)
         elif scope["type"] == "lifespan":
@@ -232,6 +242,31 @@ class GatewayApp:
         if key is not None:
             cards = [card for card in cards if key.allows(str(card["id"]))]
         await _send_json(send, 200, json.dumps({"object": "list", "data": cards}).encode())
+
+    async def _tokenizer(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's /tokenize and /detokenize, forwarded to a replica that serves the model, so that clients (the
+        benchmark among them) count tokens exactly as the engine does. Nothing is generated: no queue, no charge."""
+        try:
+            if scope["method"] != "POST":
+                raise MethodNotAllowed(f"{scope['path']} takes POST")
+            headers = _request_headers(scope, self.config.session_header.encode())
+            key = self._authenticate(headers.authorization)
+            raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes)
+            client_model = str(load_json_object(raw).get("model") or next(iter(self.pool.models), ""))
+            model = self.aliases.get(client_model, client_model)
+            self._authorize(key, client_model, model)
+            if model != client_model:
+                raw = json.dumps({**load_json_object(raw), "model": model}).encode()
+            replica = self.pool.choose(model, RoutingHints(), ())
+            response = await self.pool.post(replica, scope["path"], raw)
+            try:
+                body = await read_body(response, replica)
+            finally:
+                response.release()
+        except GatewayError as exc:
+            await _send_error(send, exc)
+            return
+        await _send_json(send, response.status, body)
 
     # ---- the proxied endpoints ----------------------------------------------------------------------------------
 

@@ -72,6 +72,11 @@ class FakeUpstream:
             await _respond(send, 200, json.dumps(asdict(self.stats)).encode())
         elif path in ("/v1/completions", "/v1/chat/completions"):
             await self._generate(path, receive, send)
+        elif path == "/tokenize":  # vLLM's shape; one token per UTF-8 byte, like the tiny model
+            request = json.loads(await _read(receive))
+            tokens = list(str(request.get("prompt", "")).encode())
+            answer = {"count": len(tokens), "max_model_len": self.behaviour.max_model_len, "tokens": tokens}
+            await _respond(send, 200, json.dumps(answer).encode())
         else:
             await _respond(send, 404, b'{"error": {"message": "not found"}}')
 

@@ -216,7 +216,7 @@ def parse_request(
     aliases: Mapping[str, str],
 ) -> ParsedRequest:
     """Validate RAW for ENDPOINT. MODELS maps each served model to its context length (None when unknown)."""
-    request = _load_object(raw)
+    request = load_json_object(raw)
     _check_fields(endpoint, request)
     client_model = request["model"]
     model = aliases.get(client_model, client_model)
@@ -246,7 +246,7 @@ def parse_request(
     )
 
 
-def _load_object(raw: bytes) -> dict[str, Any]:
+def load_json_object(raw: bytes) -> dict[str, Any]:
     try:
         request = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

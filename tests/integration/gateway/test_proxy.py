@@ -163,3 +163,14 @@ async def test_bodies_are_logged_only_when_opted_in() -> None:
             assert "private" in (texts[0] or "") and "tttt" in (texts[1] or "") and "data:" in (texts[3] or "")
         else:
             assert texts == [None] * 4
+
+
+async def test_tokenize_is_forwarded_with_aliases_mapped() -> None:
+    async with fake_and_gateway(model_alias=[f"deepseek-chat={FAKE_MODEL}"]) as (fake, _, client):
+        root = str(client.base_url).removesuffix("/v1/")
+        answer = await client.post(f"{root}/tokenize", json={"model": "deepseek-chat", "prompt": "héllo"})
+        assert answer.status_code == 200
+        assert answer.json()["count"] == len("héllo".encode())
+        unknown = await client.post(f"{root}/tokenize", json={"model": "nope", "prompt": "x"})
+        assert unknown.status_code in (404, 503) and "error" in unknown.json()
+        assert fake.stats.requests == 0  # nothing was generated
