@@ -18,6 +18,17 @@ _FP8_BLOCKWISE = {
     "weight_block_size": [128, 128],
 }
 
+# YaRN: trained at 4K positions, stretched 40x to 160K.
+DEEPSEEK_V3_ROPE_SCALING: dict[str, Any] = {
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "factor": 40,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
+    "type": "yarn",
+}
+
 DEEPSEEK_V3_CONFIG: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
@@ -51,15 +62,7 @@ DEEPSEEK_V3_CONFIG: dict[str, Any] = {
     "qk_rope_head_dim": 64,
     "quantization_config": _FP8_BLOCKWISE,
     "rms_norm_eps": 1e-06,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
+    "rope_scaling": DEEPSEEK_V3_ROPE_SCALING,
     "rope_theta": 10000,
     "routed_scaling_factor": 2.5,
     "scoring_func": "sigmoid",

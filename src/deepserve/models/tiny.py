@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from deepserve.models.presets import DEEPSEEK_V3_ROPE_SCALING
 from deepserve.models.safetensors_io import float32_to_bf16_bits, save_safetensors
 
 TINY_SEED = 20241226  # DeepSeek-V3's release date
@@ -96,15 +97,7 @@ def tiny_config() -> dict[str, Any]:
         "qk_nope_head_dim": 128,
         "qk_rope_head_dim": 64,
         "rms_norm_eps": 1e-06,
-        "rope_scaling": {
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "factor": 40,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 4096,
-            "type": "yarn",
-        },
+        "rope_scaling": dict(DEEPSEEK_V3_ROPE_SCALING),  # the real one: vLLM's CPU build accepts it
         "rope_theta": 10000,
         "routed_scaling_factor": 2.5,
         "scoring_func": "sigmoid",
