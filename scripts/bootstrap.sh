@@ -40,6 +40,4 @@ if [ "$extra" = cpu ]; then
   # break transformers' model imports ("operator torchvision::nms does not exist"). vLLM needs none of them.
   "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >&2 || true
 fi
-command -v chromium >/dev/null 2>&1 ||
-  echo "deepserve: note: the HTML report's browser tests need Debian's chromium (apt-get install -y chromium)" >&2
 echo "$want" > "$stamp"
