@@ -8,7 +8,6 @@ from pathlib import Path
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
 from deepserve.gateway.config import GatewayConfig
-from deepserve.gateway.server import run_gateway
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,4 +24,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _gateway(args: argparse.Namespace) -> int:
     config = load_section(GatewayConfig, "gateway", args.config, section_overrides(args, GatewayConfig))
+    from deepserve.gateway.server import run_gateway  # uvicorn, aiohttp: only when the gateway runs
+
     return run_gateway(config)

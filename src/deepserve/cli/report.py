@@ -6,7 +6,6 @@ import argparse
 from pathlib import Path
 
 from deepserve.errors import ConfigError
-from deepserve.report.build import build_report, load_sets
 from deepserve.report.slo import DEFAULT_SLOS, parse_slos
 from deepserve.results.store import ResultsStore
 
@@ -50,6 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _report(args: argparse.Namespace) -> int:
     if not args.dirs and not args.runs:
         raise ConfigError("give at least one result directory (or --runs ID,...)")
+    from deepserve.report.build import build_report, load_sets  # matplotlib: only when a report is drawn
+
     sets = load_sets(args.dirs, args.label) if args.dirs else []
     if args.runs:
         run_ids = _run_ids(args.runs)

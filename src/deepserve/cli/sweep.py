@@ -27,7 +27,6 @@ from deepserve.bench.sweep import (
 )
 from deepserve.cli.bench import add_bench_flags, config_from_args
 from deepserve.errors import ConfigError
-from deepserve.report.build import build_report, load_sets
 from deepserve.report.slo import parse_slos
 from deepserve.results.sweepdir import read_index
 
@@ -108,6 +107,8 @@ def _sweep(args: argparse.Namespace) -> int:
         f"{outcome.skipped} skipped, {outcome.failed} failed. Index: {directory / 'index.json'}"
     )
     if not args.no_report:
+        from deepserve.report.build import build_report, load_sets  # matplotlib: only when a report is drawn
+
         report = build_report(load_sets([directory]), directory / "report", slos, f"deepserve sweep: {spec.label}")
         for answer in report.answer_texts():
             console.print(answer)
