@@ -37,6 +37,7 @@ class ServicePlan:
     model: ResolvedModel
     launch: LaunchSpec
     gateway: LaunchSpec | None = None  # the front door, when there is one
+    gateway_config: GatewayConfig | None = None
 
     @property
     def device(self) -> str:
@@ -77,7 +78,7 @@ def plan_service(
         served_model_name=model.served_name,
         base_url=gateway_base_url(front),
     )
-    return ServicePlan(engine_config, engine, model, launch, gateway_launch)
+    return ServicePlan(engine_config, engine, model, launch, gateway_launch, front)
 
 
 def free_port() -> int:
@@ -91,9 +92,8 @@ def preflight(plan: ServicePlan) -> None:
     if importlib.util.find_spec(plan.engine.package) is None:
         raise EngineError(f"{plan.engine.name} is not installed in {sys.prefix}: {plan.engine.install_hint}")
     ensure_port_free(plan.config.host, plan.config.port)
-    if plan.gateway is not None:
-        public = plan.gateway.base_url.removesuffix("/v1").rsplit(":", 1)
-        ensure_port_free(_bind_host(plan.gateway), int(public[1]))
+    if plan.gateway_config is not None:
+        ensure_port_free(plan.gateway_config.host, plan.gateway_config.port)
 
 
 def ensure_port_free(host: str, port: int) -> None:
@@ -139,8 +139,8 @@ def run_service(plan: ServicePlan, on_progress: ProgressCallback, on_ready: Read
         try:
             running = [children.enter_context(_engine_process(plan))]
             running[0].wait_ready(plan.config.startup_timeout_s, on_progress)
-            if plan.gateway is not None:
-                running.append(children.enter_context(_gateway_process(plan.gateway)))
+            if plan.gateway is not None and plan.gateway_config is not None:
+                running.append(children.enter_context(_gateway_process(plan.gateway, plan.gateway_config)))
                 running[-1].wait_ready(GATEWAY_STARTUP_TIMEOUT_S, on_progress)
             on_ready(time.monotonic() - started, running)
             _wait_until_one_exits(running)
@@ -153,9 +153,8 @@ def _engine_process(plan: ServicePlan) -> SupervisedProcess:
     return SupervisedProcess("engine", plan.launch, plan.engine.phase_of, log_path("engine", plan.config.port))
 
 
-def _gateway_process(launch: LaunchSpec) -> SupervisedProcess:
-    port = int(launch.base_url.removesuffix("/v1").rsplit(":", 1)[1])
-    return SupervisedProcess("gateway", launch, _gateway_phase, log_path("gateway", port))
+def _gateway_process(launch: LaunchSpec, config: GatewayConfig) -> SupervisedProcess:
+    return SupervisedProcess("gateway", launch, _gateway_phase, log_path("gateway", config.port))
 
 
 def _gateway_phase(line: str) -> str | None:
@@ -167,11 +166,6 @@ def _wait_until_one_exits(running: list[SupervisedProcess]) -> None:
         for process in running:
             process.raise_if_died()
         time.sleep(0.5)
-
-
-def _bind_host(launch: LaunchSpec) -> str:
-    argv = launch.argv
-    return argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
 
 
 @contextmanager
