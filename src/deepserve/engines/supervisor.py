@@ -90,9 +90,6 @@ class SupervisedProcess:
                 self._reader.join(timeout=2)
             raise ProcessDied(self.name, self._proc.returncode, list(self._tail), self.log_path, self._hint())
 
-    def exited(self) -> bool:
-        return self._proc is not None and self._proc.poll() is not None
-
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the whole tree, wait up to GRACE_S, then SIGKILL whatever is left."""
         if self._proc is None:
