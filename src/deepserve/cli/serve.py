@@ -95,11 +95,10 @@ class _ProgressLine:
             f'"messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}\''
         )
         lines = [
-            f"[bold green]deepserve is ready[/] after {ready_s:.0f} s",
+            f"[bold green]deepserve is ready[/] after {ready_s:.0f} s ({self.plan.engine.name} on {self.plan.device})",
             f"  base URL  {launch.base_url}",
             f"  model     {launch.served_model_name}",
-            f"  engine    {self.plan.engine.name} on {self.plan.device} at {self.plan.launch.base_url}",
-            *(f"  {proc.name:<9} pid {proc.pid}, log {proc.log_path}" for proc in processes),
+            *(f"  {proc.name:<9} {proc.spec.base_url}, pid {proc.pid}, log {proc.log_path}" for proc in processes),
             f"  try       {curl}",
             "Press Ctrl-C to stop.",
         ]
