@@ -284,7 +284,42 @@ def _clock_offset_ns() -> int:
     return realtime_ns - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
 
-class _SocketConnection:
+class _ResponseSlot:
+    """The one response a connection carries at a time: its parser, the future that wakes its waiter, and what
+    both kinds of connection do when bytes arrive or the connection ends."""
+
+    tally: Tally
+    parser: _ResponseParser | None = None
+    waiter: asyncio.Future[None] | None = None
+    bytes_received = 0
+
+    def _begin(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        self.parser = _ResponseParser(self.tally)
+        self.bytes_received = 0
+        self.waiter = loop.create_future()
+        return self.waiter
+
+    def _received(self, data: bytes, now: float, first_now: float | None = None) -> None:
+        parser = self.parser
+        if parser is None:
+            return  # nothing asked: ignore
+        self.bytes_received += len(data)
+        parser.feed(data, now, first_now)
+        if parser.done:
+            self._wake()
+
+    def _ended(self, exc: Exception | None) -> None:
+        if self.parser is not None and not self.parser.done:
+            reason = f"connection closed by server: {exc}" if exc else "connection closed by server mid-response"
+            self.parser.close(time.perf_counter(), reason)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+class _SocketConnection(_ResponseSlot):
     """One keep-alive plain-TCP connection read with recvmsg, so every read comes with the kernel's receive time:
     chunk times then do not depend on how soon the event loop gets to the socket (under load, or with hundreds
     of streams whose chunks arrive in the same instant). It carries one response at a time."""
@@ -294,9 +329,6 @@ class _SocketConnection:
         self.tally = tally
         self.clock = clock
         self.closed = False
-        self.parser: _ResponseParser | None = None
-        self.waiter: asyncio.Future[None] | None = None
-        self.bytes_received = 0
         self._loop = asyncio.get_running_loop()
         self._fd = sock.fileno()
         self._loop.add_reader(self._fd, self._on_readable)  # also while idle: notices the server closing it
@@ -333,13 +365,7 @@ class _SocketConnection:
         if not data:
             self._lost(None)
             return
-        parser = self.parser
-        if parser is None:
-            return  # nothing asked: ignore
-        self.bytes_received += len(data)
-        parser.feed(data, self._arrival_s(ancillary, now), self._arrival_s(head_ancillary, now))
-        if parser.done:
-            self._wake()
+        self._received(data, self._arrival_s(ancillary, now), self._arrival_s(head_ancillary, now))
 
     def _arrival_s(self, ancillary: list[tuple[int, int, bytes]], now: float) -> float:
         for level, kind, payload in ancillary:
@@ -350,30 +376,21 @@ class _SocketConnection:
 
     def _lost(self, exc: Exception | None) -> None:
         self.abort()
-        if self.parser is not None and not self.parser.done:
-            reason = f"connection closed by server: {exc}" if exc else "connection closed by server mid-response"
-            self.parser.close(time.perf_counter(), reason)
-        self._wake()
-
-    def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        self._ended(exc)
 
     def start(self, request: bytes) -> asyncio.Future[None]:
-        self.parser = _ResponseParser(self.tally)
-        self.bytes_received = 0
-        self.waiter = self._loop.create_future()
+        waiter = self._begin(self._loop)
         try:
             sent = self.sock.send(request)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError as exc:
             self._lost(exc)
-            return self.waiter
+            return waiter
         if sent < len(request):  # a full socket buffer: rare for a request, so the slow path is fine
             rest = self._loop.create_task(self._loop.sock_sendall(self.sock, request[sent:]))
             rest.add_done_callback(self._after_send)
-        return self.waiter
+        return waiter
 
     def _after_send(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -388,51 +405,32 @@ class _SocketConnection:
         self.sock.close()
 
 
-class _ProtocolConnection(asyncio.Protocol):
+class _ProtocolConnection(_ResponseSlot, asyncio.Protocol):
     """One keep-alive connection over an asyncio transport (TLS): reads are stamped when Python sees them."""
 
     def __init__(self, tally: Tally) -> None:
         self.tally = tally
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.parser: _ResponseParser | None = None
-        self.waiter: asyncio.Future[None] | None = None
-        self.bytes_received = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
 
     def data_received(self, data: bytes) -> None:
-        now = time.perf_counter()
-        parser = self.parser
-        if parser is None:
-            return
-        self.bytes_received += len(data)
-        parser.feed(data, now)
-        if parser.done:
-            self._wake()
+        self._received(data, time.perf_counter())
 
     def eof_received(self) -> bool | None:
         return False  # close the transport
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.parser is not None and not self.parser.done:
-            reason = f"connection closed by server: {exc}" if exc else "connection closed by server mid-response"
-            self.parser.close(time.perf_counter(), reason)
-        self._wake()
-
-    def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        self._ended(exc)
 
     def start(self, request: bytes) -> asyncio.Future[None]:
-        self.parser = _ResponseParser(self.tally)
-        self.bytes_received = 0
-        self.waiter = asyncio.get_running_loop().create_future()
+        waiter = self._begin(asyncio.get_running_loop())
         assert self.transport is not None
         self.transport.write(request)
-        return self.waiter
+        return waiter
 
     def abort(self) -> None:
         self.closed = True
