@@ -254,6 +254,7 @@ class GatewayApp:
             raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes)
             client_model = str(load_json_object(raw).get("model") or next(iter(self.pool.models), ""))
             model = self.aliases.get(client_model, client_model)
+            self._check_served(client_model, model)
             self._authorize(key, client_model, model)
             if model != client_model:
                 raw = json.dumps({**load_json_object(raw), "model": model}).encode()
@@ -317,6 +318,15 @@ class GatewayApp:
             if not self.pool.models:  # not the client's fault: no replica is up to tell us what it serves
                 raise NoHealthyUpstream("no healthy upstream; the engine may still be starting") from exc
             raise
+
+    def _check_served(self, client_model: str, model: str) -> None:
+        """An unknown model is the client's mistake (404), unless no replica is up to say what it serves (503)."""
+        if model in self.pool.models:
+            return
+        if not self.pool.models:
+            raise NoHealthyUpstream("no healthy upstream; the engine may still be starting")
+        valid = ", ".join(sorted({*self.pool.models, *self.aliases}))
+        raise ModelNotFound(f"the model {client_model!r} does not exist; available: {valid}", param="model")
 
     def _authenticate(self, authorization: bytes | None) -> ApiKey | None:
         key = None

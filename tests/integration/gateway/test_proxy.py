@@ -171,6 +171,16 @@ async def test_tokenize_is_forwarded_with_aliases_mapped() -> None:
         answer = await client.post(f"{root}/tokenize", json={"model": "deepseek-chat", "prompt": "héllo"})
         assert answer.status_code == 200
         assert answer.json()["count"] == len("héllo".encode())
-        unknown = await client.post(f"{root}/tokenize", json={"model": "nope", "prompt": "x"})
-        assert unknown.status_code in (404, 503) and "error" in unknown.json()
         assert fake.stats.requests == 0  # nothing was generated
+
+
+async def test_tokenize_of_an_unknown_model_is_a_404_in_openais_shape() -> None:
+    async with fake_and_gateway() as (fake, _, client):
+        root = str(client.base_url).removesuffix("/v1/")
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1, 2]})):
+            answer = await client.post(f"{root}{path}", json={"model": "nope", **body})
+            assert answer.status_code == 404, (path, answer.text)
+            error = answer.json()["error"]
+            assert error["code"] == "model_not_found" and error["param"] == "model"
+            assert error["type"] == "invalid_request_error" and FAKE_MODEL in error["message"]
+        assert fake.stats.requests == 0
