@@ -236,12 +236,16 @@ def print_validation(console: Console, result: Validation) -> None:
     if worst is None or worst_fitted is None:
         console.print("no predictable rows")
     else:
-        console.print(
+        summary = (
             f"MAPE over {len(result.results)} predicted rows: {result.mape_pct:.1f}%, worst ratio {worst.ratio:.2f} "
-            f"(row {worst.row.number}); over the rows of fitted profiles: {result.mape_pct_of(True):.1f}%, worst "
-            f"ratio {worst_fitted.ratio:.2f} (row {worst_fitted.row.number})",
-            highlight=False,
+            f"(row {worst.row.number})"
         )
+        if any(r.provenance != "fitted" for r in result.results):  # factors from the same vendor's other GPUs
+            summary += (
+                f"; over the rows of fitted profiles: {result.mape_pct_of(True):.1f}%, worst ratio "
+                f"{worst_fitted.ratio:.2f} (row {worst_fitted.row.number})"
+            )
+        console.print(summary, highlight=False)
     off = result.off_by_more_than_2x
     console.print(
         f"off by more than 2x: {', '.join(f'row {r.row.number} ({r.provenance})' for r in off) or 'none'}",
@@ -250,6 +254,12 @@ def print_validation(console: Console, result: Validation) -> None:
     console.print("[bold]rows the model cannot predict[/]")
     for skipped in result.skipped:
         console.print(f"  {skipped.row.label()}: {skipped.reason}", highlight=False)
+        if (t := skipped.transferred) is not None:
+            console.print(
+                f"    for information, not counted: {t.profile}'s factors predict {t.predicted:,.2f} {t.row.unit} "
+                f"(ratio {t.ratio:.2f})",
+                highlight=False,
+            )
 
 
 def _fit(args: argparse.Namespace) -> int:

@@ -249,6 +249,14 @@ def accelerator_names() -> list[str]:
     return [acc.name for acc in ACCELERATORS]
 
 
+def class_vendor(hardware_class: str) -> str:
+    """The vendor whose kernel stack a hardware class runs (CUDA for nvidia, ROCm for amd)."""
+    for acc in ACCELERATORS:
+        if acc.hardware_class == hardware_class:
+            return acc.vendor
+    raise ConfigError(unknown_name("hardware class", hardware_class, sorted({a.hardware_class for a in ACCELERATORS})))
+
+
 def get_accelerator(name: str) -> Accelerator:
     """Case-insensitive lookup by name or alias (h100 is the SXM part); unknown names list the valid ones."""
     wanted = name.strip().lower().replace("_", "-").replace(" ", "-")

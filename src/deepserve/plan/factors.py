@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from deepserve.errors import ConfigError
+from deepserve.hardware.catalog import class_vendor
 
 FACTORS_PATH = Path(__file__).with_name("data") / "efficiency_factors.json"
 
@@ -32,6 +33,10 @@ class ProfileKey:
     hardware_class: str
     engine: str
     weights: str  # weight family: fp8, int4, 16bit
+
+    @property
+    def vendor(self) -> str:
+        return class_vendor(self.hardware_class)
 
     def describe(self) -> str:
         return f"{self.hardware_class}/{self.engine}/{self.weights}"
@@ -67,10 +72,13 @@ def select_factors(
     fitted: dict[ProfileKey, EfficiencyFactors] | None = None,
     calibration: Path | None = None,
     across_engines: bool = True,
+    across_vendors: bool = True,
 ) -> SelectedFactors | None:
     """The fitted profile for KEY; else one for the same engine and weights on other hardware, else (when
-    ACROSS_ENGINES) the same engine, else any. The provenance says which, so a transferred prediction is never
-    mistaken for a fitted one. None when nothing may be transferred."""
+    ACROSS_ENGINES) the same engine, else any. Without ACROSS_VENDORS only the same vendor's hardware is a donor:
+    a kernel stack (CUDA against ROCm) differs far more than two generations of one vendor's GPUs do. The
+    provenance says which, so a transferred prediction is never mistaken for a fitted one. None when nothing may
+    be transferred."""
     fitted = load_fitted() if fitted is None else fitted
     if not fitted:
         raise ConfigError(f"no efficiency factors at {FACTORS_PATH}; run `deepserve plan fit --write`")
@@ -80,14 +88,24 @@ def select_factors(
         lambda k: k.engine == key.engine,
         lambda k: across_engines,
     ]
+    donors = [k for k in fitted if across_vendors or k.vendor == key.vendor]
     for rank, matches in enumerate(candidates):
-        found = sorted((k for k in fitted if matches(k)), key=lambda k: k.describe())
+        found = sorted((k for k in donors if matches(k)), key=lambda k: k.describe())
         if found:
             chosen = found[0]
-            provenance = "fitted" if rank == 0 else f"transferred (nothing fitted for {key.describe()})"
+            provenance = "fitted" if rank == 0 else _transfer_note(key, chosen)
             selected = SelectedFactors(fitted[chosen], chosen.describe(), provenance)
             return apply_calibration(selected, calibration) if calibration else selected
     return None
+
+
+def _transfer_note(key: ProfileKey, donor: ProfileKey) -> str:
+    if donor.vendor == key.vendor:
+        return f"transferred (nothing fitted for {key.describe()})"
+    return (
+        f"transferred from {donor.vendor} to {key.vendor} hardware (nothing fitted for {key.describe()}; "
+        "another vendor's kernel stack: a rough estimate only)"
+    )
 
 
 def apply_calibration(selected: SelectedFactors, path: Path) -> SelectedFactors:

@@ -30,6 +30,7 @@ class RowResult:
 class Skipped:
     row: PublishedRow
     reason: str
+    transferred: RowResult | None = None  # what another vendor's factors would predict: shown, never counted
 
 
 @dataclass(frozen=True)
@@ -78,32 +79,54 @@ class Validation:
                 }
                 for r in self.results
             ],
-            "unpredictable": [{"row": s.row.number, "label": s.row.label(), "reason": s.reason} for s in self.skipped],
+            "unpredictable": [_skipped_json(s) for s in self.skipped],
         }
 
 
+def _skipped_json(skipped: Skipped) -> dict[str, object]:
+    entry: dict[str, object] = {"row": skipped.row.number, "label": skipped.row.label(), "reason": skipped.reason}
+    if skipped.transferred is not None:
+        entry["transferred_prediction"] = {
+            "predicted": round(skipped.transferred.predicted, 2),
+            "ratio": round(skipped.transferred.ratio, 3),
+            "profile": skipped.transferred.profile,
+        }
+    return entry
+
+
 def validate(factors_path: Path = FACTORS_PATH) -> Validation:
+    """Rows are predicted only with factors fitted for their engine on their vendor's hardware; a row whose
+    factors would have to come from another engine or vendor is listed as unpredictable, with the reason (and,
+    for another vendor, the transferred figure for information)."""
     fitted = load_fitted(factors_path)
     results, skipped = [], []
     for row in load_rows():
         reason = unpredictable_reason(row)
+        transferred = None
         if reason is None:
             deployment = row_deployment(row)
-            selected = select_factors(deployment.profile_key(), fitted, across_engines=False)
+            key = deployment.profile_key()
+            selected = select_factors(key, fitted, across_engines=False, across_vendors=False)
             if not deployment.memory.fits:
                 reason = "the model says this setup does not fit in memory"
-            elif selected is None:
-                reason = (
-                    f"no efficiency factors for engine {row.engine}: no other published row to fit them on, and "
-                    "fitting them to this row alone would memorise it"
-                )
-            else:
+            elif selected is not None:
                 value = predict_row(row, deployment, deployment.performance_model(selected))
                 results.append(RowResult(row, value, selected.profile, selected.provenance))
                 continue
-        if row.engine not in {key.engine for key in fitted} and "engine" not in reason:
-            reason += (
-                f"; and no efficiency factors exist for engine {row.engine} (no other published row to fit them on)"
+            elif row.engine in {k.engine for k in fitted}:
+                reason = (
+                    f"no efficiency factors for {row.engine} on {key.vendor} hardware ({key.hardware_class}): no other "
+                    f"published {key.vendor} row to fit them on, and fitting them to this row alone would memorise it"
+                )
+                donor = select_factors(key, fitted, across_engines=False)
+                if donor is not None:
+                    value = predict_row(row, deployment, deployment.performance_model(donor))
+                    transferred = RowResult(row, value, donor.profile, donor.provenance)
+        if row.engine not in {key.engine for key in fitted}:
+            prefix = "" if reason is None else reason + "; and "
+            reason = (
+                f"{prefix}no efficiency factors for engine {row.engine}: no other published row to fit them on, "
+                "and fitting them to this row alone would memorise it"
             )
-        skipped.append(Skipped(row, reason))
+        skipped.append(Skipped(row, reason or "", transferred))
     return Validation(tuple(results), tuple(skipped))
