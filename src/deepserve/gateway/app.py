@@ -17,6 +17,7 @@ from typing import Any
 
 from deepserve.gateway.balancing import RoutingHints, make_policy
 from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.engine_metrics import ENGINE_METRICS_PATH, engine_metrics_route
 from deepserve.gateway.errors import (
     AuthenticationFailed,
     BodyTooLarge,
@@ -152,6 +153,7 @@ class GatewayApp:
             "/health": self._health,
             "/ready": self._ready,
             "/metrics": self._metrics,
+            ENGINE_METRICS_PATH: engine_metrics_route(self.pool),
         }
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
