@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -77,11 +78,28 @@ async def serve(config: GatewayConfig, on_ready: Callable[[str], None]) -> None:
     """Serve until SIGINT/SIGTERM."""
     app = GatewayApp(config)
     await app.start()
+
+    def listening(port: int) -> None:
+        freeze_startup_heap()
+        on_ready(base_url(config, port))
+
     try:
-        server = _Server(_uvicorn_config(app, config), lambda port: on_ready(base_url(config, port)))
+        server = _Server(_uvicorn_config(app, config), listening)
         await server.serve()
     finally:
         await app.close()
+
+
+def freeze_startup_heap() -> None:
+    """Put every object alive once the gateway listens (modules, the app and its config, uvicorn's server, pydantic's
+    schemas: about 50,000 long-lived objects) out of the cyclic garbage collector's reach.
+
+    Without this each full (generation 2) collection under load walks all of them while every stream waits: at 256
+    streams on the benchmark's fake upstream, 7 full collections in a run paused the event loop for up to 66 ms each,
+    most of the added TTFT p99. Frozen, a full collection walks only what requests allocated: at most 2 ms. Only for
+    the gateway's own process (`serve`), not for `running_gateway`, whose host process (a test) keeps allocating."""
+    gc.collect()  # garbage made while starting is freed, not frozen
+    gc.freeze()
 
 
 @contextlib.asynccontextmanager
