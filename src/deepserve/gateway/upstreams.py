@@ -25,7 +25,6 @@ from deepserve.gateway.errors import (
 
 log = logging.getLogger(__name__)
 
-_JSON_HEADERS = {"Content-Type": "application/json"}
 # vLLM and SGLang both answer this when the engine can serve.
 HEALTH_PATH = "/health"
 MODELS_PATH = "/v1/models"
@@ -141,7 +140,9 @@ class UpstreamPool:
     async def post(self, replica: UpstreamReplica, path: str, body: bytes) -> aiohttp.ClientResponse:
         """Send BODY; return the response once its headers arrived. The caller must release it."""
         try:
-            return await self.session.post(replica.url_of(path), data=body, headers=_JSON_HEADERS)
+            # A ready payload with its content type: aiohttp skips its payload registry and the headers dict
+            payload = aiohttp.BytesPayload(body, content_type="application/json")
+            return await self.session.post(replica.url_of(path), data=payload)
         except Exception as exc:
             raise upstream_error(exc, replica) from exc
 
@@ -222,8 +223,10 @@ def upstream_error(exc: BaseException, replica: UpstreamReplica) -> UpstreamErro
 
 async def iter_chunks(response: aiohttp.ClientResponse, replica: UpstreamReplica) -> AsyncIterator[bytes]:
     """The response body as it arrives, with client exceptions mapped."""
+    content = response.content
     try:
-        async for chunk in response.content.iter_any():
+        # readany() directly: aiohttp's iter_any() is one more async iterator layer per chunk
+        while chunk := await content.readany():
             yield chunk
     except Exception as exc:
         raise upstream_error(exc, replica) from exc
