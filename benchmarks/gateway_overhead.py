@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import gc
 import json
 import os
 import socket
@@ -299,6 +300,7 @@ class StreamSummary:
     failures: int
     count: int
     proxy_cpu_ms_per_stream: float = float("nan")  # CPU of the process the requests went to, per stream
+    repeats: list[StreamSummary] = field(default_factory=list)  # each repeat's own, in run order
 
 
 def summarise(results: list[StreamResult]) -> StreamSummary:
@@ -316,8 +318,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1000], help="concurrent streams")
     parser.add_argument("--tokens", type=int, default=20, help="tokens per stream")
     parser.add_argument("--itl-ms", type=float, default=50.0, help="the fake upstream's inter-token latency")
-    parser.add_argument("--rounds", type=int, default=3, help="streams per worker (the first is warm-up)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per path and concurrency, in alternating order")
+    # 4 repeats of 4 counted rounds: 4,096 counted streams per path at 256, so that p99 is decided by ~40 values
+    parser.add_argument("--rounds", type=int, default=5, help="streams per worker (the first is warm-up)")
+    parser.add_argument("--repeats", type=int, default=4, help="runs per path and concurrency, in alternating order")
     parser.add_argument("--rate-concurrency", type=int, default=64, help="concurrency of the requests/s test")
     parser.add_argument("--rate-duration-s", type=float, default=8.0)
     parser.add_argument("--litellm-max-streams", type=int, default=64, help="LiteLLM only up to this concurrency")
@@ -366,9 +369,14 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
     stream_s = args.tokens * args.itl_ms / 1000
     for server in targets.values():  # warm every path (imports, connection pools, caches) before anything counts
         await request_rate(server.url, 16, 1.0, warm_s=0.0)
+    # The load generator's own long-lived objects out of the collector's reach: its full collections would pause
+    # the timing of whichever path runs at that moment (the gateway does the same in its own process)
+    gc.collect()
+    gc.freeze()
     for concurrency in args.concurrency:
         names = [name for name in targets if name != "litellm" or concurrency <= args.litellm_max_streams]
         results: dict[str, list[StreamResult]] = {name: [] for name in names}
+        by_repeat: dict[str, list[StreamSummary]] = {name: [] for name in names}
         cpu_s: dict[str, float] = dict.fromkeys(names, 0.0)
         for repeat in range(args.repeats):
             # alternate the order (A B, B A, …) so that a change in the machine's load hits every path alike
@@ -379,6 +387,7 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
                 cpu_s[name] += (server.cpu_s() - cpu_before) * (args.rounds - 1) / args.rounds
                 results[name] += batch
                 one, elapsed_s = summarise(batch), time.perf_counter() - started
+                by_repeat[name].append(one)
                 for reason, count in collections.Counter(r.error for r in batch if r.error).most_common(3):
                     print(f"        {count} failed: {reason}", flush=True)
                 print(f"  {concurrency:>5} streams via {name:<8} TTFT p50 {one.ttft_p50_ms:.2f} ms, "
@@ -387,6 +396,7 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
         for name in names:
             summary = summarise(results[name])
             summary.proxy_cpu_ms_per_stream = cpu_s[name] * 1000 / max(1, len(results[name]))
+            summary.repeats = by_repeat[name]
             rows[f"stream/{concurrency}/{name}"] = summary
     for name, server in targets.items():
         rate, failed, cpu_us = await request_rate(
@@ -398,12 +408,22 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
     return rows
 
 
+def _spread_row(concurrency: int, name: str, summary: StreamSummary, direct: StreamSummary) -> str:
+    """One path's added TTFT per repeat, so that a reader sees how much of a difference is the machine's noise."""
+    pairs = list(zip(summary.repeats, direct.repeats, strict=True))
+    p50s = [via.ttft_p50_ms - base.ttft_p50_ms for via, base in pairs]
+    p99s = [via.ttft_p99_ms - base.ttft_p99_ms for via, base in pairs]
+    return (f"| {concurrency} | {name} | {' / '.join(f'{v:+.2f}' for v in p50s)} | "
+            f"{' / '.join(f'{v:+.2f}' for v in p99s)} | {min(p99s):+.2f} … {max(p99s):+.2f} |")  # fmt: skip
+
+
 def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
     print()
     print(f"Streams of {args.tokens} tokens, fake upstream ITL {args.itl_ms:g} ms; added = via − direct, same run")
     print("| streams | path | TTFT p50 ms | TTFT p99 ms | ITL mean ms | added TTFT p50 ms | added TTFT p99 ms "
           "| added ITL ms | server CPU ms/stream | failed |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
+    spreads = []
     for concurrency in args.concurrency:
         direct = rows.get(f"stream/{concurrency}/direct")
         for name in ("direct", "gateway", "litellm"):
@@ -418,6 +438,14 @@ def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
             print(f"| {concurrency} | {name} | {summary.ttft_p50_ms:.2f} | {summary.ttft_p99_ms:.2f} | "
                   f"{summary.itl_mean_ms:.2f} | {added} | {summary.proxy_cpu_ms_per_stream:.2f} | "
                   f"{summary.failures}/{summary.count} |")  # fmt: skip
+            if name != "direct":
+                spreads.append(_spread_row(concurrency, name, summary, direct))
+    print()
+    print("Added TTFT of each repeat on its own (that repeat's path minus the same repeat's direct), in run order:")
+    print("| streams | path | added TTFT p50 ms by repeat | added TTFT p99 ms by repeat | p99 range |")
+    print("|---|---|---|---|---|")
+    for row in spreads:
+        print(row)
     print()
     print(f"Non-streamed 1-token completions, {args.rate_concurrency} concurrent, {args.rate_duration_s:g} s")
     print(
