@@ -1,8 +1,14 @@
 """Scrape the engine's Prometheus /metrics during a run and summarise what the server saw beside the client's view.
 
 Only the few vLLM series we report are parsed, by line prefix: a full Prometheus parse of vLLM's histograms every
-second would take CPU from the event loop that timestamps chunks. Series with several label sets (engines, models)
-are summed. A server without /metrics is noted in the result, never an error.
+second would take CPU from the event loop that timestamps chunks. Series with several label sets (engines of one
+server, or replicas behind deepserve's gateway) are combined: KV-cache usage is a fraction of each engine's own
+cache, so the max is taken (the fullest engine); requests and counters add up. A server without /metrics is noted
+in the result, never an error.
+
+Behind deepserve's gateway, `<base>/metrics` has only the gateway's series; its `/metrics/engines` has every healthy
+replica's, labelled by replica. When the first URL has no vLLM series, the scraper tries that one; the summary says
+which URL the numbers came from.
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
 WANTED = (RUNNING, WAITING, *KV_CACHE_USAGE, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS)
+MAX_OVER_LABEL_SETS = frozenset(KV_CACHE_USAGE)  # per-engine fractions: the fullest engine, not a sum
+GATEWAY_ENGINES_PATH = "/metrics/engines"  # deepserve's gateway: every replica's /metrics (gateway/engine_metrics.py)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """{series name: value summed over label sets} for the WANTED series in Prometheus text format."""
+    """{series name: value over label sets} for the WANTED series in Prometheus text format: summed, except the
+    KV-cache usage fractions, whose max is taken."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
@@ -38,7 +47,9 @@ def parse_metrics(text: str) -> dict[str, float]:
             value = float(parts[0])
         except (IndexError, ValueError):
             continue
-        values[name] = values.get(name, 0.0) + value
+        if name in values:
+            value = max(values[name], value) if name in MAX_OVER_LABEL_SETS else values[name] + value
+        values[name] = value
     return values
 
 
@@ -48,6 +59,7 @@ class ServerMetricsSummary:
 
     available: bool
     note: str = ""
+    url: str | None = None  # where the numbers came from
     scrapes: int = 0
     peak_running: float | None = None
     peak_waiting: float | None = None
@@ -90,20 +102,43 @@ def summarize_samples(samples: list[dict[str, float]]) -> ServerMetricsSummary:
 
 
 class ServerMetricsScraper:
-    """Polls URL every interval_s from `start()` until `stop()`; one scrape before and after the run."""
+    """Polls URL every interval_s from `start()` until `stop()`; one scrape before and after the run. FALLBACK_URL
+    (a gateway's /metrics/engines) replaces URL when URL answers without any vLLM series and the fallback has some."""
 
-    def __init__(self, url: str, interval_s: float = 1.0, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        interval_s: float = 1.0,
+        headers: dict[str, str] | None = None,
+        fallback_url: str | None = None,
+        verify: bool = True,
+    ) -> None:
         self.url = url
+        self.fallback_url = fallback_url
         self.interval_s = interval_s
-        self._client = httpx.AsyncClient(timeout=5.0, headers=headers or {})
+        self._client = httpx.AsyncClient(timeout=5.0, headers=headers or {}, verify=verify)
         self._samples: list[dict[str, float]] = []
         self._task: asyncio.Task[None] | None = None
         self._unavailable: str | None = None
+        self._fallback_note = ""
 
     async def start(self) -> None:
         await self._scrape()  # the baseline for counters
+        if self.fallback_url and not any(self._samples[-1:]):
+            await self._try_fallback()
         if self._unavailable is None:
             self._task = asyncio.create_task(self._loop())
+
+    async def _try_fallback(self) -> None:
+        assert self.fallback_url is not None
+        try:
+            response = await self._client.get(self.fallback_url)
+        except httpx.HTTPError:
+            return
+        sample = parse_metrics(response.text) if response.status_code == 200 else {}
+        self._fallback_note = f" (nor has {self.fallback_url})"
+        if sample:
+            self.url, self._samples, self._unavailable = self.fallback_url, [sample], None
 
     async def _loop(self) -> None:
         while True:
@@ -131,5 +166,9 @@ class ServerMetricsScraper:
             await self._scrape()
         await self._client.aclose()
         if self._unavailable is not None:
-            return ServerMetricsSummary(available=False, note=self._unavailable)
-        return summarize_samples(self._samples)
+            return ServerMetricsSummary(available=False, note=self._unavailable, url=self.url)
+        summary = summarize_samples(self._samples)
+        summary.url = self.url
+        if summary.note:
+            summary.note += self._fallback_note
+        return summary

@@ -34,6 +34,24 @@ def test_parse_sums_label_sets_and_ignores_other_series():
     }
 
 
+def test_kv_cache_usage_is_the_fullest_engine_not_a_sum_of_fractions():
+    text = (
+        'vllm:kv_cache_usage_perc{replica="http://a/v1",engine="0"} 0.25\n'
+        'vllm:kv_cache_usage_perc{replica="http://b/v1",engine="0"} 0.5\n'
+        'vllm:gpu_cache_usage_perc{engine="1"} 0.125\n'
+        'vllm:gpu_cache_usage_perc{engine="2"} 0.0625\n'
+        'vllm:num_requests_running{replica="http://a/v1"} 3\n'
+        'vllm:num_requests_running{replica="http://b/v1"} 2\n'
+        'vllm:num_preemptions_total{replica="http://a/v1"} 1\n'
+        'vllm:num_preemptions_total{replica="http://b/v1"} 4\n'
+    )
+    values = parse_metrics(text)
+    assert values["vllm:kv_cache_usage_perc"] == 0.5
+    assert values["vllm:gpu_cache_usage_perc"] == 0.125
+    assert values["vllm:num_requests_running"] == 5.0
+    assert values["vllm:num_preemptions_total"] == 5.0
+
+
 def test_summary_peaks_and_counter_growth_over_the_run():
     first = parse_metrics(TEXT)
     later = dict(first)
