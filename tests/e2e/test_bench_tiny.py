@@ -1,4 +1,5 @@
-"""`deepserve bench` against real vLLM serving the tiny model: a few requests, usage-based token counts, vLLM keys."""
+"""`deepserve bench` against real vLLM serving the tiny model behind deepserve's gateway: a few requests, usage-based
+token counts, vLLM keys, and the engine's own Prometheus series found through the gateway's /metrics/engines."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ VLLM_KEYS = (
 )  # fmt: skip
 
 
+OUTPUT_LEN = 48  # long enough (about a second of decoding) for scrapes to land while requests run
+
+
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_bench_tiny_model(served_tiny, tmp_path_factory, tmp_path, endpoint):
     tokenizer = tmp_path_factory.getbasetemp() / "tiny-tokenizer"
     if not tokenizer.exists():
         write_tiny_model(tokenizer)  # the served model's own tokenizer files (the gateway has no /tokenize)
-    engine_root = (served_tiny.engine_url or served_tiny.base_url).removesuffix("/v1")
     config = BenchConfig.model_validate(
         {
             "target": {"base_url": served_tiny.base_url, "endpoint": endpoint},
@@ -31,12 +34,13 @@ def test_bench_tiny_model(served_tiny, tmp_path_factory, tmp_path, endpoint):
                 "tokenizer": str(tokenizer),
                 "dataset_name": "random",
                 "random_input_len": 32,
-                "random_output_len": 12,
+                "random_output_len": OUTPUT_LEN,
                 "num_prompts": 4,
                 "ignore_eos": True,
             },
             "load": {"max_concurrency": 2, "num_warmups": 1},
-            "metrics": {"server_metrics_interval_s": 0.5, "server_metrics_url": engine_root + "/metrics"},
+            # no --server-metrics-url: the bench finds the engine's series behind the gateway by itself
+            "metrics": {"server_metrics_interval_s": 0.05},
         }
     )
     result = run_benchmark(config, display=False)
@@ -44,12 +48,15 @@ def test_bench_tiny_model(served_tiny, tmp_path_factory, tmp_path, endpoint):
     assert data["completed"] == 4, data["errors_by_message"]
     assert data["model_id"] == served_tiny.model
     # ignore_eos: exactly max_tokens each, counted by the server (usage), even where chunks carry no text
-    assert data["total_output_tokens"] == 4 * 12
+    assert data["total_output_tokens"] == 4 * OUTPUT_LEN
     assert data["output_tokens_source"] == "usage"
-    assert all(sum(record.chunk_tokens) == 12 for record in result.records)
+    assert all(sum(record.chunk_tokens) == OUTPUT_LEN for record in result.records)
     assert data["total_input_tokens"] >= 4 * 32 * 0.9  # the server's prompt_tokens
     assert [key for key in VLLM_KEYS if key not in data] == []
     assert data["median_ttft_ms"] > 0 and data["median_tpot_ms"] > 0
-    assert data["server_metrics"]["available"] is True  # vLLM serves /metrics
-    assert data["server_metrics"]["peak_kv_cache_usage_perc"] is not None
+    server = data["server_metrics"]
+    assert server["available"] is True, server["note"]
+    assert server["url"] == served_tiny.root_url + "/metrics/engines"  # the gateway's own /metrics has no vllm:
+    assert server["peak_kv_cache_usage_perc"] > 0  # scraped while the engine held the requests' KV cache
+    assert server["peak_running"] >= 1
     assert data["tokenizer_source"] == f"local:{tokenizer}"

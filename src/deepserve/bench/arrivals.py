@@ -5,7 +5,13 @@
 - burstiness 1: a Poisson process, exponential gaps of mean 1/rate;
 - other burstiness b: gamma gaps with shape b and mean 1/rate, so their coefficient of variation is 1/sqrt(b):
   b < 1 is burstier than Poisson, b > 1 more regular, b = inf a fixed gap (vLLM's --burstiness);
-- ramp_up_s: the rate grows linearly from 0 to request_rate over the first ramp_up_s seconds, then stays.
+- ramp_up_s: the rate grows linearly from 0 to request_rate over the first ramp_up_s seconds, then stays;
+- rate_ramp (vLLM's --ramp-up-strategy): request i of n arrives at the rate start + (end - start) p (linear) or
+  start (end / start)^p (exponential), p = i / (n - 1): the ramp spans the requests, not a time, as in vLLM.
+
+Both ramps scale the same unit-rate gaps (a renewal process in "operational time", so burstiness keeps its
+meaning): ramp_up_s maps them through the inverse of the expected arrival count, rate_ramp divides request i's gap
+by its rate.
 
 As in vLLM, the first request waits one gap, and without a ramp the offsets are scaled so that the last one lands
 exactly on n / rate: runs with different seeds then offer the same average rate (vLLM found 1-2 % drift otherwise).
@@ -16,10 +22,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
 from deepserve.errors import ConfigError, unknown_name
+
+
+@dataclass(frozen=True)
+class RateRamp:
+    """vLLM's --ramp-up-strategy with --ramp-up-start-rps and --ramp-up-end-rps."""
+
+    strategy: Literal["linear", "exponential"]
+    start_rps: float
+    end_rps: float
+
+    def rates(self, n: int) -> np.ndarray:
+        """The rate at which each of N requests arrives (vLLM's `_get_current_request_rate`)."""
+        progress = np.arange(n) / max(n - 1, 1)
+        if self.strategy == "linear":
+            return self.start_rps + (self.end_rps - self.start_rps) * progress
+        return self.start_rps * (self.end_rps / self.start_rps) ** progress
+
+    def describe(self) -> str:
+        return f"{self.strategy} ramp from {self.start_rps:g} to {self.end_rps:g} req/s over the requests"
 
 
 def arrival_offsets_s(
@@ -30,9 +57,19 @@ def arrival_offsets_s(
     ramp_up_s: float | None = None,
     *,
     normalize: bool = True,
+    rate_ramp: RateRamp | None = None,
 ) -> list[float]:
     """Release times of N requests, non-decreasing, in seconds from the start. NORMALIZE=False keeps the raw
-    cumulative gaps (a true renewal process) instead of vLLM's rescaling to n / rate."""
+    cumulative gaps (a true renewal process) instead of vLLM's rescaling to n / rate. RATE_RAMP replaces
+    REQUEST_RATE (and, as in vLLM, the offsets are not rescaled)."""
+    if rate_ramp is not None:
+        _check(n, math.inf, burstiness, None)
+        if n == 0:
+            return []
+        if not rate_ramp.start_rps > 0:
+            raise ConfigError(f"a ramp's start rate must be above 0, got {rate_ramp.start_rps}")
+        gaps = _unit_gaps(np.random.default_rng(seed), n, burstiness) / rate_ramp.rates(n)
+        return [float(x) for x in np.cumsum(gaps)]
     _check(n, request_rate, burstiness, ramp_up_s)
     if n == 0:
         return []
@@ -108,8 +145,12 @@ def arrival_process(name: str) -> ArrivalProcess:
     return ARRIVAL_PROCESSES[name]
 
 
-def describe_arrivals(request_rate: float, burstiness: float, ramp_up_s: float | None = None) -> str:
+def describe_arrivals(
+    request_rate: float, burstiness: float, ramp_up_s: float | None = None, rate_ramp: RateRamp | None = None
+) -> str:
     """One line for the console and the results, e.g. "Poisson at 4 req/s, ramped over 30 s"."""
+    if rate_ramp is not None:
+        return f"{rate_ramp.describe()} ({'Poisson' if burstiness == 1.0 else f'burstiness {burstiness:g}'})"
     if math.isinf(request_rate):
         return "all requests at once (rate inf)"
     if math.isinf(burstiness):

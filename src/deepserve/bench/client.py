@@ -444,14 +444,16 @@ _Connection = _SocketConnection | _ProtocolConnection
 class StreamingClient:
     """Sends pre-encoded requests over a pool of keep-alive connections and returns what arrived, with times."""
 
-    def __init__(self, endpoint: Endpoint, timeout_s: float, connect_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, endpoint: Endpoint, timeout_s: float, connect_timeout_s: float = 30.0, verify_tls: bool = True
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._idle: list[_Connection] = []
         self._open: set[_Connection] = set()
         self.clock = ArrivalClock()
-        self._ssl = ssl.create_default_context() if endpoint.use_tls else None
+        self._ssl = _tls_context(verify_tls) if endpoint.use_tls else None
         self.tally = Tally()
 
     async def send(self, request: bytes) -> tuple[float, RawResponse]:
@@ -519,6 +521,15 @@ class StreamingClient:
             conn.abort()
         self._open.clear()
         self._idle.clear()
+
+
+def _tls_context(verify: bool) -> ssl.SSLContext:
+    """The default context; VERIFY=False (--insecure) accepts any certificate, e.g. a self-signed one."""
+    context = ssl.create_default_context()
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 def _connect_error(endpoint: Endpoint, exc: BaseException) -> str:

@@ -7,16 +7,22 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from deepserve.bench.arrivals import RateRamp
 from deepserve.bench.metrics import ALL_PERCENTILE_METRICS, parse_goodput, parse_percentiles
 from deepserve.bench.workloads import WorkloadConfig
 from deepserve.config import Section
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+# sent in the request body when given, under these names (vLLM's flags and OpenAI's/vLLM's body fields alike)
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+)  # fmt: skip
 
 
 class TargetConfig(Section):
@@ -30,9 +36,36 @@ class TargetConfig(Section):
     api_key: str | None = Field(None, description="bearer token (default: $OPENAI_API_KEY)")
     header: list[str] = Field(default_factory=list, description="extra request headers as KEY=VALUE")
     extra_body: str | None = Field(None, description="JSON object merged into every request body")
+    served_model_name: str | None = Field(
+        None, description="model name sent in requests when --model names the tokenizer's model (vLLM's)"
+    )
     temperature: float | None = Field(None, ge=0, description="sampling temperature sent with each request")
     top_p: float | None = Field(None, gt=0, le=1, description="top-p sent with each request")
     top_k: int | None = Field(None, description="top-k sent with each request")
+    min_p: float | None = Field(None, ge=0, le=1, description="min-p sent with each request")
+    frequency_penalty: float | None = Field(None, description="frequency penalty sent with each request")
+    presence_penalty: float | None = Field(None, description="presence penalty sent with each request")
+    repetition_penalty: float | None = Field(None, gt=0, description="repetition penalty sent with each request")
+    logprobs: int | None = Field(
+        None, ge=0, description="logprobs per token: completions get logprobs=N, chat logprobs=true, top_logprobs=N"
+    )
+    use_beam_search: bool = Field(False, description="send use_beam_search=true (vLLM's server's request field)")
+    chat_template_kwargs: str | None = Field(
+        None, description="JSON object sent as chat_template_kwargs on the chat endpoint, e.g. '{\"thinking\": true}'"
+    )
+    lora_modules: list[str] = Field(
+        default_factory=list, description="LoRA adapter names: each request's model is one of them (vLLM's)"
+    )
+    lora_assignment: Literal["random", "round-robin"] = Field(
+        "random", description="how --lora-modules are assigned: random (seeded) or round-robin"
+    )
+    request_id_prefix: str | None = Field(
+        None, description="x-request-id is PREFIX + request index (default: bench-<8 hex digits>-, as vLLM)"
+    )
+    insecure: bool = Field(False, description="do not verify the server's TLS certificate")
+    ready_check_timeout_sec: int = Field(
+        0, ge=0, description="wait up to this long for the server to answer a first request (0: check once)"
+    )
     request_timeout_s: float = Field(6 * 3600.0, gt=0, description="a request not finished by then fails")
 
     @field_validator("endpoint")
@@ -50,12 +83,21 @@ class TargetConfig(Section):
                 raise ValueError(f"header {item!r} must be KEY=VALUE")
         return values
 
-    @field_validator("extra_body")
+    @field_validator("extra_body", "chat_template_kwargs")
     @classmethod
-    def _json_object(cls, value: str | None) -> str | None:
+    def _json_object(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is not None and not isinstance(_parse_json(value), dict):
-            raise ValueError("extra_body must be a JSON object")
+            raise ValueError(f"{info.field_name} must be a JSON object")
         return value
+
+    @model_validator(mode="after")
+    def _chat_template_needs_chat(self) -> TargetConfig:
+        if self.chat_template_kwargs is not None and not self.chat:
+            raise ValueError(
+                "--chat-template-kwargs applies to the chat template, which only the chat endpoint uses here "
+                f"(completions prompts are sent as written); add --endpoint {CHAT_COMPLETIONS}"
+            )
+        return self
 
     @property
     def root_url(self) -> str:
@@ -85,11 +127,37 @@ class TargetConfig(Section):
         return headers
 
     def body_extras(self) -> dict[str, Any]:
-        extras: dict[str, Any] = _parse_json(self.extra_body) if self.extra_body else {}
-        for name in ("temperature", "top_p", "top_k"):
+        """What every request body gets besides the prompt: the sampling flags, then --extra-body over them (as
+        vLLM merges them)."""
+        extras: dict[str, Any] = {}
+        for name in SAMPLING_FIELDS:
             if getattr(self, name) is not None:
                 extras[name] = getattr(self, name)
+        if self.logprobs is not None:
+            extras.update(
+                {"logprobs": True, "top_logprobs": self.logprobs} if self.chat else {"logprobs": self.logprobs}
+            )
+        if self.use_beam_search:
+            extras["use_beam_search"] = True
+        if self.chat_template_kwargs is not None:
+            extras["chat_template_kwargs"] = _parse_json(self.chat_template_kwargs)
+        if self.extra_body:
+            extras.update(_parse_json(self.extra_body))
         return extras
+
+    def request_model(self, served: str) -> str:
+        """The model name requests carry: --served-model-name, else SERVED (--model or the server's first)."""
+        return self.served_model_name or served
+
+    def request_models(self, served: str, count: int, seed: int) -> list[str]:
+        """The model of each of COUNT requests: a LoRA adapter per request when --lora-modules are given (picked
+        at random with SEED, or round-robin, as vLLM does), else the one model name."""
+        if not self.lora_modules:
+            return [self.request_model(served)] * count
+        if self.lora_assignment == "round-robin":
+            return [self.lora_modules[i % len(self.lora_modules)] for i in range(count)]
+        rng = random.Random(seed)
+        return [rng.choice(self.lora_modules) for _ in range(count)]
 
 
 class LoadConfig(Section):
@@ -105,7 +173,39 @@ class LoadConfig(Section):
     ramp_up_s: float | None = Field(
         None, gt=0, description="ramp the request rate (or the concurrency, in closed loop) linearly over this"
     )
+    ramp_up_strategy: Literal["linear", "exponential"] | None = Field(
+        None, description="vLLM's ramp: the rate goes from --ramp-up-start-rps to --ramp-up-end-rps over the requests"
+    )
+    ramp_up_start_rps: float | None = Field(None, ge=0, description="request rate of the first request (ramp-up)")
+    ramp_up_end_rps: float | None = Field(None, ge=0, description="request rate of the last request (ramp-up)")
     num_workers: int = Field(1, ge=1, le=64, description="client processes the load is spread over")
+
+    @model_validator(mode="after")
+    def _ramp_up_as_vllm(self) -> LoadConfig:
+        """vLLM's checks of --ramp-up-strategy, plus the two ramps being exclusive."""
+        if self.ramp_up_strategy is None:
+            if self.ramp_up_start_rps is not None or self.ramp_up_end_rps is not None:
+                raise ValueError("--ramp-up-start-rps and --ramp-up-end-rps need --ramp-up-strategy")
+            return self
+        if math.isfinite(self.request_rate):
+            raise ValueError("with --ramp-up-strategy, leave out --request-rate: the ramp sets the rate")
+        if self.ramp_up_s is not None:
+            raise ValueError("give --ramp-up-strategy (vLLM's, over the requests) or --ramp-up-s (over time), not both")
+        if self.ramp_up_start_rps is None or self.ramp_up_end_rps is None:
+            raise ValueError("--ramp-up-strategy needs --ramp-up-start-rps and --ramp-up-end-rps")
+        if self.ramp_up_start_rps > self.ramp_up_end_rps:
+            raise ValueError("--ramp-up-start-rps must not be above --ramp-up-end-rps")
+        if self.ramp_up_start_rps == 0:
+            raise ValueError(
+                "--ramp-up-start-rps must be above 0 (the first request would wait forever); "
+                "for a ramp from 0 over time use --ramp-up-s with --request-rate"
+            )
+        return self
+
+    def rate_ramp(self) -> RateRamp | None:
+        if self.ramp_up_strategy is None or self.ramp_up_start_rps is None or self.ramp_up_end_rps is None:
+            return None
+        return RateRamp(self.ramp_up_strategy, self.ramp_up_start_rps, self.ramp_up_end_rps)
 
 
 class MetricsConfig(Section):
@@ -119,6 +219,7 @@ class MetricsConfig(Section):
     server_metrics: bool = Field(True, description="scrape the server's Prometheus /metrics during the run")
     server_metrics_url: str | None = Field(None, description="Prometheus URL (default: <base URL>/metrics)")
     server_metrics_interval_s: float = Field(1.0, gt=0, description="seconds between /metrics scrapes")
+    profile: bool = Field(False, description="POST the server's /start_profile before the run, /stop_profile after")
 
     @field_validator("goodput")
     @classmethod
@@ -157,6 +258,9 @@ class OutputConfig(Section):
     """What is written: the console block always; JSON and per-request records on request."""
 
     save_result: bool = Field(False, description="write the result JSON")
+    append_result: bool = Field(
+        False, description="append the result to the file as one JSON line (vLLM's), instead of replacing it"
+    )
     save_detailed: bool = Field(False, description="add per-request lists (ttfts, itls, …) to the JSON, as vLLM")
     result_dir: str | None = Field(None, description="directory for the result JSON (default: current directory)")
     result_filename: str | None = Field(None, description="result JSON file name (default: vLLM's naming)")

@@ -50,6 +50,8 @@ class FakeScript:
     metrics_text: str | None = None  # Prometheus text served at /metrics; None: 404
     log_sends: bool = False  # keep per-chunk send times (served at /fake/log)
     tokenize: bool = True  # serve /tokenize and /detokenize (byte-level); off: 404, as a server without them
+    extra_models: tuple[str, ...] = ()  # also served (e.g. LoRA adapters, listed by /v1/models as vLLM does)
+    profiler: bool = False  # answer /start_profile and /stop_profile (vLLM started with a profiler config); off: 404
 
 
 @dataclass
@@ -66,6 +68,9 @@ class FakeState:
         self.script = script
         self.requests = 0
         self.log: dict[str, SendLog] = {}
+        self.bodies: list[dict[str, Any]] = []  # every generation request's JSON body, in arrival order
+        self.request_ids: list[str | None] = []  # and its x-request-id header
+        self.profile_calls: list[str] = []  # /start_profile, /stop_profile, in order
 
 
 class _Handler(asyncio.Protocol):
@@ -128,7 +133,13 @@ class _Handler(asyncio.Protocol):
         if script.api_key and headers.get("authorization") != f"Bearer {script.api_key}":
             self._json(401, {"error": {"message": "invalid API key", "type": "auth_error", "code": 401}})
         elif path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": script.model, "object": "model"}]})
+            models = (script.model, *script.extra_models)
+            self._json(200, {"object": "list", "data": [{"id": name, "object": "model"} for name in models]})
+        elif path == "/health":
+            self._json(200, {})
+        elif path in ("/start_profile", "/stop_profile") and script.profiler and method == "POST":
+            self.state.profile_calls.append(path)
+            self._json(200, {})
         elif path == "/metrics":
             if script.metrics_text is None:
                 self._json(404, {"detail": "Not Found"})
@@ -164,7 +175,9 @@ class _Handler(asyncio.Protocol):
         recv_s = self.read_s  # the read that completed the request: its arrival, not when we got round to it
         index = state.requests
         state.requests += 1
-        if request.get("model") != script.model:
+        state.bodies.append(request)
+        state.request_ids.append(headers.get("x-request-id"))
+        if request.get("model") not in (script.model, *script.extra_models):
             message = f"The model `{request.get('model')}` does not exist."
             self._json(404, {"error": {"message": message, "type": "NotFoundError", "code": 404}})
             return

@@ -44,6 +44,7 @@ class BenchResult:
     warmups_done: int = 0
     started_at: datetime = field(default_factory=datetime.now)
     clock_origin_s: float = 0.0  # t = 0 of the record times, as time.perf_counter() (system-wide monotonic)
+    profile: str | None = None  # --profile: what happened to the server's profiler
 
     def summary(self) -> dict[str, Any]:
         metrics_config = self.config.metrics
@@ -71,6 +72,10 @@ class BenchResult:
             "burstiness": load.burstiness,
             "max_concurrency": load.max_concurrency,
         }
+        if load.ramp_up_strategy is not None:  # vLLM's keys
+            data["ramp_up_strategy"] = load.ramp_up_strategy
+            data["ramp_up_start_rps"] = load.ramp_up_start_rps
+            data["ramp_up_end_rps"] = load.ramp_up_end_rps
         data.update(_metadata(config.output.metadata))
         data.update(self.summary())
         data.update(
@@ -91,6 +96,9 @@ class BenchResult:
                 "token_attribution": self.token_attribution,
                 "clock_origin_perf_counter_s": self.clock_origin_s,
                 "server_metrics": self.server.to_json(),
+                "served_model_name": config.target.served_model_name,
+                "lora_modules": config.target.lora_modules or None,
+                "profile": self.profile,
             }
         )
         if config.output.save_detailed:
@@ -165,6 +173,8 @@ def _metric_rows(data: dict[str, Any], metric: str, asked: tuple[float, ...]) ->
 
 def _server_rows(server: ServerMetricsSummary) -> list[str]:
     rows = [_title("Server Metrics (Prometheus)", "-")]
+    if server.url:
+        rows.append(f"from {server.url}")
     if not server.available:
         return [*rows, f"not collected: {server.note}"]
     if server.note:
@@ -199,9 +209,11 @@ def default_result_filename(result: BenchResult) -> str:
     """vLLM's naming: {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json."""
     config = result.config
     label = config.output.label or ("openai-chat" if config.target.chat else "openai")
-    rate = config.load.request_rate
-    rate_text = "inf" if math.isinf(rate) else f"{rate:g}"
-    concurrency = f"-concurrency{config.load.max_concurrency}" if config.load.max_concurrency is not None else ""
+    load = config.load
+    rate_text = "inf" if math.isinf(load.request_rate) else f"{load.request_rate:g}"
+    if load.ramp_up_strategy is not None:  # vLLM: {label}-ramp-up-{strategy}-{start}qps-{end}qps…
+        rate_text = f"ramp-up-{load.ramp_up_strategy}-{load.ramp_up_start_rps:g}qps-{load.ramp_up_end_rps:g}"
+    concurrency = f"-concurrency{load.max_concurrency}" if load.max_concurrency is not None else ""
     model = result.model_id.rstrip("/").split("/")[-1]
     return f"{label}-{rate_text}qps{concurrency}-{model}-{result.started_at.strftime('%Y%m%d-%H%M%S')}.json"
 
@@ -212,15 +224,23 @@ def result_path(result: BenchResult) -> Path:
     return Path(output.result_dir or ".") / name
 
 
-def save_result(result: BenchResult, path: Path) -> Path:
-    """Write the result JSON to PATH (directories created); returns PATH."""
+def save_result(result: BenchResult, path: Path, append: bool = False) -> Path:
+    """Write the result JSON to PATH (directories created); returns PATH. APPEND (vLLM's --append-result) adds it
+    as one line after what the file holds, so a series of runs reads back as JSON lines."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result.to_json(), indent=2, default=str) + "\n")
+    if not append:
+        path.write_text(json.dumps(result.to_json(), indent=2, default=str) + "\n")
+        return path
+    with path.open("a+", encoding="utf-8") as handle:
+        if handle.tell() != 0:
+            handle.write("\n")
+        handle.write(json.dumps(result.to_json(), default=str))
     return path
 
 
 RECORD_COLUMNS = (
     "index",
+    "request_id",
     "success",
     "error",
     "status_code",
@@ -242,6 +262,7 @@ RECORD_COLUMNS = (
 def record_row(record: RequestRecord) -> dict[str, Any]:
     return {
         "index": record.index,
+        "request_id": record.request_id,
         "success": record.success,
         "error": record.error,
         "status_code": record.status_code,

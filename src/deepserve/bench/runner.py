@@ -14,6 +14,7 @@ import gc
 import math
 import multiprocessing
 import time
+import uuid
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover - uvloop is a Linux/macOS dependency
     uvloop = None  # type: ignore[assignment]
 
-from deepserve.bench.arrivals import arrival_offsets_s
+from deepserve.bench.arrivals import RateRamp, arrival_offsets_s
 from deepserve.bench.client import (
     Endpoint,
     RawResponse,
@@ -40,8 +41,8 @@ from deepserve.bench.client import (
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.output import BenchResult, save_result
 from deepserve.bench.progress import LiveCounters, ProgressDisplay
-from deepserve.bench.server_metrics import ServerMetricsScraper, ServerMetricsSummary
-from deepserve.bench.tokenizer import TokenCounter, load_token_counter
+from deepserve.bench.server_metrics import GATEWAY_ENGINES_PATH, ServerMetricsScraper, ServerMetricsSummary
+from deepserve.bench.tokenizer import TokenCounter, TokenizerOptions, load_token_counter
 from deepserve.bench.types import RequestRecord, RequestSpec
 from deepserve.bench.workloads import Workload, build_workload
 from deepserve.errors import DeepserveError, unknown_name
@@ -50,6 +51,7 @@ __all__ = ["BenchError", "BenchResult", "run_benchmark", "save_result"]
 
 T = TypeVar("T")
 PREFLIGHT_TIMEOUT_S = 10.0
+READY_CHECK_INTERVAL_S = 1.0
 WORKER_START_DELAY_S = 3.0  # time for spawned workers to import and meet at the shared start instant
 
 
@@ -64,6 +66,7 @@ class PreparedRequest:
     spec_index: int
     prompt_len: int
     wire: bytes
+    request_id: str = ""  # sent as x-request-id (vLLM's --request-id-prefix + index), kept in the record
 
 
 @dataclass
@@ -83,6 +86,8 @@ class DrivePlan:
     request_timeout_s: float
     index_offset: int = 0  # worker w sends indices w, w + W, …
     index_stride: int = 1
+    rate_ramp: RateRamp | None = None  # vLLM's --ramp-up-strategy: replaces request_rate for the first batch
+    verify_tls: bool = True
 
 
 @dataclass(repr=False)  # a task's repr (asyncio builds some) must not format thousands of records
@@ -101,10 +106,22 @@ class DriveOutcome:
 
 def run_benchmark(config: BenchConfig, display: bool = True) -> BenchResult:
     """Run CONFIG's benchmark and return the result (partial and marked incomplete after Ctrl-C)."""
-    target = config.target
+    target, workload_config = config.target, config.workload
     model = preflight(config)
-    counter = load_token_counter(config.workload.tokenizer, target.root_url, model, target.resolved_api_key())
-    workload = build_workload(config.workload, counter, target.chat)
+    counter = load_token_counter(
+        workload_config.tokenizer,
+        target.root_url,
+        model,
+        target.resolved_api_key(),
+        TokenizerOptions(
+            served_model=target.request_model(model),
+            mode=workload_config.tokenizer_mode,
+            trust_remote_code=workload_config.trust_remote_code,
+            server_only=workload_config.skip_tokenizer_init,
+            verify_tls=not target.insecure,
+        ),
+    )
+    workload = build_workload(workload_config, counter, target.chat)
     return run_workload(config, model, workload, counter, display)
 
 
@@ -118,7 +135,7 @@ def run_workload(
     plan = make_plan(config, model, workload.requests)
     raise_open_files_limit()
     started_at = datetime.now()
-    outcome, server = run_async(_measure(config, plan, display))
+    outcome, server, profile = run_async(_measure(config, plan, display))
     records = finish_records(outcome, counter)
     return BenchResult(
         config=config,
@@ -134,6 +151,7 @@ def run_workload(
         warmups_done=outcome.warmups_done,
         started_at=started_at,
         clock_origin_s=outcome.clock_origin_s,
+        profile=profile,
     )
 
 
@@ -172,29 +190,44 @@ def collector_paused() -> Iterator[None]:
 
 
 def preflight(config: BenchConfig) -> str:
-    """Check the server before any work: reachable, accepts our key, serves the model. Returns the model name."""
+    """Check the server before any work: reachable, accepts our key, serves the model (and the LoRA adapters).
+    Returns --model, else the server's first model. With --ready-check-timeout-sec, waits that long for the
+    server to list its models (an engine still loading, a gateway whose upstream is not healthy yet)."""
     target = config.target
     url = target.root_url + "/v1/models"
-    try:
-        response = httpx.get(url, headers=target.request_headers(), timeout=PREFLIGHT_TIMEOUT_S)
-    except httpx.HTTPError as exc:
-        raise BenchError(
-            f"cannot reach the server at {target.root_url} ({exc.__class__.__name__}: {exc}); "
-            "is it running? Check --base-url (or --host/--port)"
-        ) from exc
+    deadline_s = time.monotonic() + target.ready_check_timeout_sec
+    while True:
+        try:
+            response = httpx.get(
+                url, headers=target.request_headers(), timeout=PREFLIGHT_TIMEOUT_S, verify=not target.insecure
+            )
+        except httpx.HTTPError as exc:
+            if time.monotonic() < deadline_s:
+                time.sleep(READY_CHECK_INTERVAL_S)
+                continue
+            raise BenchError(
+                f"cannot reach the server at {target.root_url} ({exc.__class__.__name__}: {exc}); "
+                "is it running? Check --base-url (or --host/--port)"
+                + (f"; waited {target.ready_check_timeout_sec} s" if target.ready_check_timeout_sec else "")
+            ) from exc
+        not_ready = response.status_code >= 500 or (response.status_code == 200 and not _served_models(response))
+        if not_ready and time.monotonic() < deadline_s:
+            time.sleep(READY_CHECK_INTERVAL_S)
+            continue
+        break
     if response.status_code in (401, 403):
         raise BenchError(
             f"the server at {target.root_url} rejected the request with HTTP {response.status_code}; "
             "pass a valid --api-key (or set OPENAI_API_KEY)"
         )
     served = _served_models(response)
-    if target.model is None:
-        if not served:
-            raise BenchError(f"{url} lists no models (HTTP {response.status_code}); pass --model")
-        return served[0]
-    if served and target.model not in served:
-        raise BenchError(unknown_name("model", target.model, served) + " (as listed by the server's /v1/models)")
-    return target.model
+    if target.model is None and not target.served_model_name and not served:
+        raise BenchError(f"{url} lists no models (HTTP {response.status_code}); pass --model")
+    model = target.model or target.served_model_name or served[0]
+    for name in (target.request_model(model), *target.lora_modules):
+        if served and name not in served:
+            raise BenchError(unknown_name("model", name, served) + " (as listed by the server's /v1/models)")
+    return model
 
 
 def _served_models(response: httpx.Response) -> list[str]:
@@ -212,14 +245,16 @@ def make_plan(config: BenchConfig, model: str, specs: list[RequestSpec]) -> Driv
     endpoint = Endpoint.from_url(target.url)
     headers = target.request_headers()
     extras = target.body_extras()
+    prefix = target.request_id_prefix if target.request_id_prefix is not None else f"bench-{uuid.uuid4().hex[:8]}-"
+    models = target.request_models(model, len(specs), config.workload.seed)
 
-    def prepare(position: int, spec: RequestSpec, prefix: str) -> PreparedRequest:
-        payload = build_payload(spec, model, target.chat, extras)
-        wire = build_request_bytes(endpoint, payload, headers, f"{prefix}{position}")
-        return PreparedRequest(position, spec.prompt_len, wire)
+    def prepare(position: int, spec: RequestSpec, request_id: str) -> PreparedRequest:
+        payload = build_payload(spec, models[position % len(specs)], target.chat, extras)
+        wire = build_request_bytes(endpoint, payload, headers, request_id)
+        return PreparedRequest(position, spec.prompt_len, wire, request_id)
 
-    requests = [prepare(i, spec, "bench-") for i, spec in enumerate(specs)]
-    warmups = [prepare(i, specs[i % len(specs)], "warmup-") for i in range(load.num_warmups)]
+    requests = [prepare(i, spec, f"{prefix}{i}") for i, spec in enumerate(specs)]
+    warmups = [prepare(i, specs[i % len(specs)], f"{prefix}warmup-{i}") for i in range(load.num_warmups)]
     return DrivePlan(
         endpoint=endpoint,
         requests=requests,
@@ -232,10 +267,16 @@ def make_plan(config: BenchConfig, model: str, specs: list[RequestSpec]) -> Driv
         ramp_up_s=load.ramp_up_s,
         duration_s=load.duration_s,
         request_timeout_s=target.request_timeout_s,
+        rate_ramp=load.rate_ramp(),
+        verify_tls=not target.insecure,
     )
 
 
-async def _measure(config: BenchConfig, plan: DrivePlan, display: bool) -> tuple[DriveOutcome, ServerMetricsSummary]:
+async def _measure(
+    config: BenchConfig, plan: DrivePlan, display: bool
+) -> tuple[DriveOutcome, ServerMetricsSummary, str | None]:
+    if config.metrics.profile:
+        await _profile_call(config, "/start_profile")
     scraper = _scraper(config)
     if scraper is not None:
         await scraper.start()
@@ -248,15 +289,42 @@ async def _measure(config: BenchConfig, plan: DrivePlan, display: bool) -> tuple
         else:
             outcome = await _Driver(plan, counters, worker=0).run()
     server = await scraper.stop() if scraper is not None else ServerMetricsSummary(False, "disabled")
-    return outcome, server
+    profile = None
+    if config.metrics.profile:
+        try:
+            await _profile_call(config, "/stop_profile")
+            profile = "started before the run, stopped after it"
+        except BenchError as exc:  # the run's data stands; say why the profile may be incomplete
+            profile = f"started, but stopping failed: {exc}"
+    return outcome, server, profile
+
+
+async def _profile_call(config: BenchConfig, path: str) -> None:
+    """vLLM's profiler endpoints (the server needs a profiler config, else they are 404)."""
+    target = config.target
+    url = target.root_url + path
+    try:
+        async with httpx.AsyncClient(timeout=PREFLIGHT_TIMEOUT_S * 6, verify=not target.insecure) as client:
+            response = await client.post(url, headers=target.request_headers())
+    except httpx.HTTPError as exc:
+        raise BenchError(f"--profile: POST {url} failed ({exc.__class__.__name__}: {exc})") from exc
+    if response.status_code != 200:
+        raise BenchError(
+            f"--profile: POST {url} answered HTTP {response.status_code}; start vLLM with a profiler config "
+            "(--profiler-config) and send the benchmark to the engine itself, not through a gateway"
+        )
 
 
 def _scraper(config: BenchConfig) -> ServerMetricsScraper | None:
     metrics = config.metrics
     if not metrics.server_metrics:
         return None
-    url = metrics.server_metrics_url or config.target.root_url + "/metrics"
-    return ServerMetricsScraper(url, metrics.server_metrics_interval_s, config.target.request_headers())
+    root = config.target.root_url
+    url = metrics.server_metrics_url or root + "/metrics"
+    fallback = None if metrics.server_metrics_url else root + GATEWAY_ENGINES_PATH  # behind deepserve's gateway
+    headers = config.target.request_headers()
+    verify = not config.target.insecure
+    return ServerMetricsScraper(url, metrics.server_metrics_interval_s, headers, fallback, verify)
 
 
 class _Driver:
@@ -267,7 +335,7 @@ class _Driver:
         self.counters = counters
         self.worker = worker
         self.start_at = start_at
-        self.client = StreamingClient(plan.endpoint, plan.request_timeout_s)
+        self.client = StreamingClient(plan.endpoint, plan.request_timeout_s, verify_tls=plan.verify_tls)
         self.t0 = 0.0
         self.in_flight = 0
         self.slot_freed = asyncio.Event()
@@ -339,19 +407,28 @@ class _Driver:
 
     def _offsets(self) -> Iterator[float]:
         """Arrival offsets (s after t0): zeros in closed loop, else the arrival process, batch after batch (a
-        duration-bound run may need more than one workload's worth)."""
+        duration-bound run may need more than one workload's worth; a ramp spans the first batch, the later ones
+        keep its final rate)."""
         plan = self.plan
-        if math.isinf(plan.request_rate):
+        rate = plan.rate_ramp.end_rps if plan.rate_ramp is not None else plan.request_rate
+        if math.isinf(rate):
             while True:
                 yield 0.0
         batch = max(len(plan.requests), 1)
         base_s, round_ = 0.0, 0
         while True:
-            ramp = plan.ramp_up_s if round_ == 0 else None
-            offsets = arrival_offsets_s(batch, plan.request_rate, plan.burstiness, plan.seed + round_, ramp)
+            first = round_ == 0
+            offsets = arrival_offsets_s(
+                batch,
+                rate,
+                plan.burstiness,
+                plan.seed + round_,
+                plan.ramp_up_s if first else None,
+                rate_ramp=plan.rate_ramp if first else None,
+            )
             for offset in offsets:
                 yield base_s + offset
-            base_s += offsets[-1] + 1.0 / plan.request_rate
+            base_s += offsets[-1] + 1.0 / rate
             round_ += 1
 
     def _concurrency_limit(self) -> float:
@@ -388,6 +465,7 @@ class _Driver:
                 "",
                 "",
             )
+        record.request_id = request.request_id
         self.outcome.records.append(record)
         if record.output_len_source == "tokenizer":
             self.outcome.texts[index] = text
@@ -479,9 +557,18 @@ def split_plan(plan: DrivePlan, workers: int) -> list[DrivePlan]:
                 request_timeout_s=plan.request_timeout_s,
                 index_offset=worker,
                 index_stride=workers,
+                rate_ramp=_ramp_share(plan.rate_ramp, workers),
+                verify_tls=plan.verify_tls,
             )
         )
     return plans
+
+
+def _ramp_share(ramp: RateRamp | None, workers: int) -> RateRamp | None:
+    """Each of WORKERS gets its share of the ramp's rates (its requests span the same run)."""
+    if ramp is None:
+        return None
+    return RateRamp(ramp.strategy, ramp.start_rps / workers, ramp.end_rps / workers)
 
 
 _WORKER_COUNTERS: LiveCounters | None = None

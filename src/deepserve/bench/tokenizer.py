@@ -9,6 +9,7 @@ Two kinds of count matter to a benchmark and they differ by the tokens the serve
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -19,6 +20,19 @@ from deepserve.errors import ConfigError, DeepserveError
 
 TOKENIZE_TIMEOUT_S = 60.0
 PROBE_TIMEOUT_S = 5.0
+LOCAL_TOKENIZER_MODES = ("auto", "hf")  # vLLM's modes that are a plain Hugging Face tokenizer
+
+
+@dataclass(frozen=True)
+class TokenizerOptions:
+    """vLLM's tokenizer flags: --served-model-name (the name the server's /tokenize knows), --tokenizer-mode,
+    --trust-remote-code, --skip-tokenizer-init (no local tokenizer: the server's counts only)."""
+
+    served_model: str | None = None
+    mode: str = "auto"
+    trust_remote_code: bool = False
+    server_only: bool = False
+    verify_tls: bool = True
 
 
 class TokenizerError(DeepserveError):
@@ -53,23 +67,37 @@ class TokenCounter(Protocol):
         ...
 
 
-def load_token_counter(tokenizer: str | None, base_url: str, model: str, api_key: str | None) -> TokenCounter:
+def load_token_counter(
+    tokenizer: str | None,
+    base_url: str,
+    model: str,
+    api_key: str | None,
+    options: TokenizerOptions | None = None,
+) -> TokenCounter:
     """A local tokenizer directory when TOKENIZER is given or MODEL names a local directory, else the server's
     /tokenize and /detokenize (vLLM's). Checked here, before any work starts: the server's tokenizer must answer,
     and a local one must count like the server wherever the server can tell (see `check_against_server`)."""
-    path = tokenizer or (model if model and Path(model).expanduser().is_dir() else None)
+    options = options or TokenizerOptions()
+    if options.server_only and tokenizer:
+        raise ConfigError("--skip-tokenizer-init loads no tokenizer: leave out --tokenizer, or that flag")
+    served = options.served_model or model
+    path = (
+        None if options.server_only else tokenizer or (model if model and Path(model).expanduser().is_dir() else None)
+    )
     if path:
-        local = LocalTokenCounter.load(path)
-        probe = ServerTokenCounter(base_url, model, api_key, probe=True)
+        local = LocalTokenCounter.load(path, options.mode, options.trust_remote_code)
+        probe = ServerTokenCounter(base_url, served, api_key, probe=True, verify_tls=options.verify_tls)
         try:
             local.server_check = check_against_server(local, probe)
         finally:
             probe.close()
         return local
-    counter = ServerTokenCounter(base_url, model, api_key)
+    counter = ServerTokenCounter(base_url, served, api_key, verify_tls=options.verify_tls)
     try:
         counter.check()
     except TokenizerError as exc:
+        if options.server_only:
+            raise TokenizerError(f"{exc}; --skip-tokenizer-init needs the server's /tokenize to count tokens") from exc
         tiny_dir = _tiny_tokenizer_dir(model)
         if tiny_dir is None:
             raise TokenizerError(f"{exc}; pass --tokenizer DIR (a local tokenizer directory) instead") from exc
@@ -132,7 +160,15 @@ class LocalTokenCounter:
         self._pieces: list[str] | None = None
 
     @classmethod
-    def load(cls, path: str) -> LocalTokenCounter:
+    def load(cls, path: str, mode: str = "auto", trust_remote_code: bool = False) -> LocalTokenCounter:
+        """MODE: vLLM's --tokenizer-mode; only the Hugging Face ones load here (the server applies its own mode
+        when it counts)."""
+        if mode not in LOCAL_TOKENIZER_MODES:
+            raise ConfigError(
+                f"--tokenizer-mode {mode} needs vLLM's own tokenizer classes, which deepserve bench does not load; "
+                "leave out --tokenizer (and a local --model directory) to count with the server's /tokenize, which "
+                "uses the server's tokenizer mode, or pass --tokenizer-mode auto"
+            )
         directory = Path(path).expanduser()
         if not directory.is_dir():
             raise ConfigError(
@@ -146,7 +182,9 @@ class LocalTokenCounter:
                 "a local tokenizer needs the `transformers` package: pip install transformers"
             ) from exc
         try:
-            hf_tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            hf_tokenizer = AutoTokenizer.from_pretrained(
+                str(directory), local_files_only=True, trust_remote_code=trust_remote_code
+            )
         except Exception as exc:
             raise TokenizerError(f"cannot load a tokenizer from {directory}: {exc}") from exc
         return cls(hf_tokenizer, str(directory.resolve()))
@@ -215,6 +253,7 @@ class ServerTokenCounter:
         api_key: str | None,
         client: httpx.Client | None = None,
         probe: bool = False,
+        verify_tls: bool = True,
     ) -> None:
         """PROBE: a short timeout, for a check that must not hold up a run whose server cannot answer."""
         self.root_url = base_url.rstrip("/").removesuffix("/v1")
@@ -223,7 +262,7 @@ class ServerTokenCounter:
         self.server_check = "is the server's"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = PROBE_TIMEOUT_S if probe else TOKENIZE_TIMEOUT_S
-        self._client = client or httpx.Client(timeout=timeout, headers=headers)
+        self._client = client or httpx.Client(timeout=timeout, headers=headers, verify=verify_tls)
 
     def check(self) -> None:
         """Fail fast when the server cannot tokenize for us (TokenizerError with the server's answer)."""

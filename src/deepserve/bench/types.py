@@ -40,6 +40,7 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)  # tokens carried by each of those chunks
     error: str | None = None
     status_code: int | None = None
+    request_id: str | None = None  # the x-request-id it was sent with
 
     @property
     def success(self) -> bool:

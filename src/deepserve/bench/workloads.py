@@ -41,6 +41,26 @@ DATASETS: dict[str, Dataset] = {
     )
 }
 DATASET_ALIASES = {"shared-prefix": "shared_prefix", "prefix-repetition": "prefix_repetition"}
+_NOT_TEXT = "deepserve bench measures text generation; use --dataset-name random or custom --dataset-path FILE"
+_HUB = (
+    "deepserve never downloads datasets from the Hugging Face hub; export the prompts to JSONL and use "
+    "--dataset-name custom --dataset-path FILE"
+)
+VLLM_ONLY_DATASETS = {  # vLLM's names we do not build, with why and what to use instead
+    "hf": _HUB,
+    "burstgpt": "the burstgpt trace is not built in; convert it to JSONL and use --dataset-name custom",
+    "sonnet": "the sonnet dataset is not built in; use --dataset-name prefix_repetition or custom --dataset-path FILE",
+    "spec_bench": "the spec_bench dataset is not built in; convert it to JSONL and use --dataset-name custom",
+    "speed_bench": _HUB,
+    "timed_trace": "trace replay is not supported; use --request-rate and --burstiness with --dataset-name custom",
+    "random-mm": _NOT_TEXT,
+    "random-rerank": _NOT_TEXT,
+    "custom_audio": _NOT_TEXT,
+    "custom_image": _NOT_TEXT,
+}
+# vLLM's --output-len sets every dataset's own output length (as in vLLM's main_async)
+OUTPUT_LEN_FIELDS = ("random_output_len", "sharegpt_output_len", "custom_output_len", "prefix_repetition_output_len")
+INPUT_LEN_FIELDS = ("random_input_len", "long_prompt_len")
 
 
 def dataset_names() -> list[str]:
@@ -64,6 +84,23 @@ class WorkloadConfig(BaseModel):
     tokenizer: str | None = Field(
         default=None,
         description="local tokenizer directory (default: the model's directory, else the server's /tokenize)",
+    )
+    tokenizer_mode: str = Field(
+        default="auto", description="vLLM's tokenizer mode: auto or hf load a local tokenizer (others: the server's)"
+    )
+    trust_remote_code: bool = Field(default=False, description="let a local tokenizer run its own code (vLLM's)")
+    skip_tokenizer_init: bool = Field(
+        default=False, description="load no local tokenizer: count prompts with the server's /tokenize (vLLM's)"
+    )
+    no_stream: bool = Field(
+        default=False,
+        description="vLLM's: do not stream the dataset while loading; deepserve always reads dataset files whole",
+    )
+    input_len: int | None = Field(
+        default=None, ge=1, description="vLLM's generic input length: sets --random-input-len and --long-prompt-len"
+    )
+    output_len: int | None = Field(
+        default=None, ge=1, description="vLLM's generic output length: sets every dataset's output length"
     )
     random_input_len: int = Field(default=1024, ge=1, description="input tokens per request (random, shared_prefix)")
     random_output_len: int = Field(default=128, ge=1, description="output tokens per request (synthetic datasets)")
@@ -114,6 +151,19 @@ class WorkloadConfig(BaseModel):
         default=False, description="send min_tokens = max_tokens so each reply has exactly its output length (vLLM)"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _generic_lengths(cls, data: Any) -> Any:
+        """--input-len/--output-len override the datasets' own length fields, as in vLLM, and are used up doing so
+        (the fields they set are what the workload definition records, and what a sweep point may change)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for generic, fields in (("input_len", INPUT_LEN_FIELDS), ("output_len", OUTPUT_LEN_FIELDS)):
+            if data.get(generic) is not None:
+                data.update(dict.fromkeys(fields, data.pop(generic)))
+        return data
+
     @field_validator("random_range_ratio", mode="before")
     @classmethod
     def _parse_ratio(cls, value: Any) -> Any:
@@ -129,6 +179,8 @@ class WorkloadConfig(BaseModel):
     @classmethod
     def _known_dataset(cls, value: Any) -> Any:
         name = DATASET_ALIASES.get(value, value) if isinstance(value, str) else value
+        if isinstance(name, str) and name in VLLM_ONLY_DATASETS:
+            raise ValueError(f"dataset {name!r} is not supported: {VLLM_ONLY_DATASETS[name]}")
         if isinstance(name, str) and name not in DATASETS:
             raise ValueError(unknown_name("dataset", name, dataset_names()))
         return name

@@ -18,9 +18,63 @@ from deepserve.config import load_section
 from deepserve.errors import ConfigError
 from deepserve.results.store import record_run
 
-# Flags that take several values at once in vLLM (`--goodput ttft:300 tpot:50`), so they are not derived.
-MULTI_VALUE_FLAGS = {"target": ("header",), "metrics": ("goodput",), "output": ("metadata",)}
+# Flags made by hand, not derived: those that take several values at once in vLLM (`--goodput ttft:300 tpot:50`),
+# and --no-stream (argparse's BooleanOptionalAction would read a flag named --no-… as "false").
+HAND_MADE_FLAGS = {
+    "target": ("header", "lora_modules"),
+    "metrics": ("goodput",),
+    "output": ("metadata",),
+    "workload": ("no_stream",),
+}
 SECTIONS: dict[str, type[BaseModel]] = {"workload": WorkloadConfig, **BENCH_SECTIONS}
+
+_HUB = "deepserve never downloads from the Hugging Face hub; export the prompts to JSONL and use --dataset-name custom "
+_HUB += "--dataset-path FILE"
+_TEXT_ONLY = "deepserve bench measures text generation (completions, chat); use --dataset-name random or custom"
+_REPORT = "deepserve draws charts from saved results: add --save-result, then run `deepserve report`"
+_TRACE = "trace replay is not supported; use --request-rate/--burstiness with --dataset-name custom --dataset-path FILE"
+_OTHER_DATASET = "this dataset is not built in; convert it to JSONL and use --dataset-name custom --dataset-path FILE"
+# `vllm bench serve` flags that are recognised (so that a vLLM command line parses) but refused, with why and what
+# to use instead. True: the flag takes a value.
+REFUSED_VLLM_FLAGS: dict[str, tuple[bool, str]] = {
+    "--hf-name": (True, _HUB),
+    "--hf-split": (True, _HUB),
+    "--hf-subset": (True, _HUB),
+    "--hf-output-len": (True, _HUB),
+    "--blazedit-min-distance": (True, _HUB),
+    "--blazedit-max-distance": (True, _HUB),
+    "--bfcl-categories": (True, _HUB),
+    "--speed-bench-dataset-subset": (True, _HUB),
+    "--speed-bench-output-len": (True, _HUB),
+    "--speed-bench-category": (True, _HUB),
+    "--spec-bench-output-len": (True, _OTHER_DATASET),
+    "--spec-bench-category": (True, _OTHER_DATASET),
+    "--asr-max-audio-len-sec": (True, _TEXT_ONLY),
+    "--asr-min-audio-len-sec": (True, _TEXT_ONLY),
+    "--random-mm-base-items-per-request": (True, _TEXT_ONLY),
+    "--random-mm-num-mm-items-range-ratio": (True, _TEXT_ONLY),
+    "--random-mm-limit-mm-per-prompt": (True, _TEXT_ONLY),
+    "--random-mm-bucket-config": (True, _TEXT_ONLY),
+    "--random-batch-size": (True, _TEXT_ONLY + " (batched inputs are for embedding and reranking)"),
+    "--no-reranker": (False, _TEXT_ONLY),
+    "--enable-multimodal-chat": (False, _TEXT_ONLY),
+    "--custom-ensure-client-side-data": (False, _TEXT_ONLY + " (the flag is about images of custom_image)"),
+    "--timed-trace-chunk-hash-size": (True, _TRACE),
+    "--timed-trace-sec-multiplier": (True, _TRACE),
+    "--timed-trace-label-timestamp": (True, _TRACE),
+    "--timed-trace-label-input-length": (True, _TRACE),
+    "--timed-trace-label-output-length": (True, _TRACE),
+    "--timed-trace-label-hash-ids": (True, _TRACE),
+    "--self-timed": (False, _TRACE),
+    "--no-self-timed": (False, _TRACE),
+    "--plot-timeline": (False, _REPORT),
+    "--timeline-itl-thresholds": (True, _REPORT),
+    "--plot-dataset-stats": (False, _REPORT),
+    "--probe-request-rate": (
+        True,
+        "probe requests are not implemented; run a second `deepserve bench` at a low --request-rate beside this one",
+    ),
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,14 +100,33 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     )
     for name, section in SECTIONS.items():
         group = parser.add_argument_group(name)
-        add_section_flags(cast(argparse.ArgumentParser, group), section, skip=MULTI_VALUE_FLAGS.get(name, ()))
+        add_section_flags(cast(argparse.ArgumentParser, group), section, skip=HAND_MADE_FLAGS.get(name, ()))
     parser.add_argument("--header", nargs="*", action="extend", default=None, metavar="KEY=VALUE")
     parser.add_argument("--goodput", nargs="+", action="extend", default=None, metavar="KEY:MS")
     parser.add_argument("--metadata", nargs="*", action="extend", default=None, metavar="KEY=VALUE")
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME")
+    no_stream = WorkloadConfig.model_fields["no_stream"].description
+    parser.add_argument("--no-stream", action="store_const", const=True, default=None, help=no_stream)
+    refused = parser.add_argument_group("vllm bench serve flags that deepserve refuses (each error says why)")
+    for flag, (takes_value, reason) in REFUSED_VLLM_FLAGS.items():
+        kind: dict[str, Any] = {"metavar": "VALUE"} if takes_value else {"action": "store_const", "const": True}
+        refused.add_argument(flag, dest=_refused_dest(flag), default=None, help=f"refused: {reason}", **kind)
+
+
+def _refused_dest(flag: str) -> str:
+    return "refused_" + flag.lstrip("-").replace("-", "_")
+
+
+def refuse_unsupported(args: argparse.Namespace) -> None:
+    """A clear one-line error for the first refused vLLM flag the user gave (never ignore a flag silently)."""
+    for flag, (_, reason) in REFUSED_VLLM_FLAGS.items():
+        if getattr(args, _refused_dest(flag), None) is not None:
+            raise ConfigError(f"{flag} (a `vllm bench serve` flag) is not supported: {reason}")
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchConfig:
     """The typed config from the flags the user gave, over the config file and DEEPSERVE_BENCH_* variables."""
+    refuse_unsupported(args)
     values: dict[str, Any] = {}
     for name, section in SECTIONS.items():
         overrides = section_overrides(args, section)
@@ -75,8 +148,8 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"Recorded as run {record_run(result.to_json(), label=config.output.label)} (see `deepserve runs list`)")
     output = config.output
     path = result_path(result)
-    if output.save_result or result.incomplete:
-        print(f"Results saved to {save_result(result, path)}")
+    if output.save_result or output.append_result or result.incomplete:
+        print(f"Results saved to {save_result(result, path, append=output.append_result)}")
     if output.save_records:
         records_path = path.with_suffix(f".records.{output.save_records}")
         print(f"Per-request records saved to {save_records(result.records, records_path, output.save_records)}")

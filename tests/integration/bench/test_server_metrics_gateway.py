@@ -1,0 +1,142 @@
+"""Server-side metrics through deepserve's gateway: two fake vLLM replicas serving Prometheus text, the gateway's
+/metrics/engines in front, and `deepserve bench --base-url <gateway>` finding the engines' series on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from deepserve.bench.config import BenchConfig
+from deepserve.bench.fake_server import FakeScript, running
+from deepserve.bench.output import console_block
+from deepserve.bench.runner import run_benchmark
+from deepserve.bench.server_metrics import ServerMetricsScraper
+from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.server import running_gateway
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def vllm_metrics(running: int, waiting: int, kv: float, queries: int, hits: int, preemptions: int) -> str:
+    labels = 'engine="0",model_name="fake-model"'
+    return "\n".join(
+        [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} {running}.0",
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels}}} {waiting}.0",
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{labels}}} {kv}",
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{{{labels}}} {queries}.0",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{{{labels}}} {hits}.0",
+            "# TYPE vllm:num_preemptions_total counter",
+            f"vllm:num_preemptions_total{{{labels}}} {preemptions}.0",
+            "",
+        ]
+    )
+
+
+@contextlib.contextmanager
+def gateway_in_thread(*upstreams: str) -> Iterator[str]:
+    """The gateway on its own event loop in a thread (run_benchmark runs its own loop); yields its base URL."""
+    config = GatewayConfig.model_validate({"upstream": list(upstreams), "port": 0, "health_check_interval_s": 0.2})
+    ready, stop, urls = threading.Event(), threading.Event(), []
+
+    async def serve() -> None:
+        async with running_gateway(config) as (_, url):
+            urls.append(url)
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.02)
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(30), "the gateway did not start"
+        yield urls[0]
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+@pytest.fixture
+def two_replicas() -> Iterator[tuple[FakeScript, FakeScript, str]]:
+    first = FakeScript(itl_s=0.01, metrics_text=vllm_metrics(3, 1, 0.25, 100, 40, 2))
+    second = FakeScript(itl_s=0.01, metrics_text=vllm_metrics(2, 0, 0.5, 50, 10, 1))
+    with running(first) as a, running(second) as b, gateway_in_thread(a.base_url + "/v1", b.base_url + "/v1") as url:
+        yield first, second, url
+
+
+def test_gateway_serves_every_replicas_series_labelled_by_replica(two_replicas):
+    _, _, gateway = two_replicas
+    root = gateway.removesuffix("/v1")
+    text = httpx.get(root + "/metrics/engines").text
+    assert httpx.get(root + "/metrics").text.count("vllm:") == 0  # the gateway's own series only
+    running_lines = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running")]
+    assert len(running_lines) == 2 and all('{replica="http://127.0.0.1:' in line for line in running_lines)
+    assert text.count("# TYPE vllm:kv_cache_usage_perc gauge") == 1  # one header per family, samples together
+    lines = text.splitlines()
+    kv = [i for i, line in enumerate(lines) if "kv_cache_usage_perc" in line]
+    assert kv == list(range(kv[0], kv[0] + len(kv)))
+
+
+def test_scraper_finds_the_engines_behind_the_gateway_and_combines_replicas(two_replicas):
+    first, second, gateway = two_replicas
+    root = gateway.removesuffix("/v1")
+
+    async def scrape() -> dict:
+        scraper = ServerMetricsScraper(root + "/metrics", 0.05, fallback_url=root + "/metrics/engines")
+        await scraper.start()
+        first.metrics_text = vllm_metrics(4, 2, 0.3, 160, 70, 2)  # 60 queries, 30 hits, 0 preemptions more
+        second.metrics_text = vllm_metrics(1, 0, 0.75, 90, 30, 3)  # 40 queries, 20 hits, 2 preemptions more
+        await asyncio.sleep(0.3)
+        return (await scraper.stop()).to_json()
+
+    summary = asyncio.run(scrape())
+    assert summary["available"] is True and summary["url"] == root + "/metrics/engines"
+    assert summary["peak_kv_cache_usage_perc"] == 0.75  # the fullest replica, never a sum of fractions
+    assert summary["peak_running"] == 5.0  # 4 + 1 (and 3 + 2 before): requests add up
+    assert summary["peak_waiting"] == 2.0
+    assert (summary["prefix_cache_queries"], summary["prefix_cache_hits"]) == (100.0, 50.0)
+    assert summary["prefix_cache_hit_rate"] == 0.5
+    assert summary["preemptions"] == 2.0
+
+
+def test_bench_through_the_gateway_reports_the_engines_metrics_and_where_they_came_from(two_replicas):
+    _, _, gateway = two_replicas
+    config = BenchConfig.model_validate(
+        {
+            "target": {"base_url": gateway},
+            "workload": {"random_input_len": 16, "random_output_len": 5, "num_prompts": 6},
+            "load": {"max_concurrency": 2},
+            "metrics": {"server_metrics_interval_s": 0.1},
+        }
+    )
+    result = run_benchmark(config, display=False)
+    summary = result.to_json()["server_metrics"]
+    assert sum(record.success for record in result.records) == 6
+    assert summary["url"] == gateway.removesuffix("/v1") + "/metrics/engines"
+    assert summary["peak_kv_cache_usage_perc"] == 0.5 and summary["peak_running"] == 5.0
+    assert f"from {summary['url']}" in console_block(result)
+
+
+def test_without_a_gateway_the_servers_own_metrics_are_used():
+    with running(FakeScript(metrics_text=vllm_metrics(1, 0, 0.1, 0, 0, 0))) as server:
+
+        async def scrape() -> dict:
+            scraper = ServerMetricsScraper(server.base_url + "/metrics", 0.05, fallback_url=server.base_url + "/x")
+            await scraper.start()
+            return (await scraper.stop()).to_json()
+
+        summary = asyncio.run(scrape())
+    assert summary["url"] == server.base_url + "/metrics" and summary["peak_kv_cache_usage_perc"] == 0.1

@@ -1,0 +1,140 @@
+"""vLLM's flags doing what they do in vLLM, against the scripted fake server: what reaches the request body and
+headers, the model each request names, the profiler endpoints, waiting for the server, appended results."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from deepserve.bench.config import BenchConfig
+from deepserve.bench.fake_server import FakeScript, FakeServerThread, running
+from deepserve.bench.runner import BenchError, run_benchmark, save_result
+from deepserve.cli.main import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def bench(base_url: str, **sections) -> BenchConfig:
+    target = {"base_url": base_url, **sections.pop("target", {})}
+    workload = {"random_input_len": 32, "random_output_len": 3, "num_prompts": 4, **sections.pop("workload", {})}
+    return BenchConfig.model_validate(
+        {"target": target, "workload": workload, "metrics": {"server_metrics": False}, **sections}
+    )
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_sampling_flags_reach_every_request_body(endpoint):
+    sampling = {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "min_p": 0.05,
+        "frequency_penalty": 0.3,
+        "presence_penalty": 0.4,
+        "repetition_penalty": 1.1,
+    }
+    target = {"endpoint": endpoint, "logprobs": 2, "use_beam_search": True, **sampling}
+    with running(FakeScript()) as server:
+        result = run_benchmark(bench(server.base_url, target=target), display=False)
+        bodies = list(server.state.bodies)
+    assert len([r for r in result.records if r.success]) == 4
+    assert len(bodies) == 4
+    for body in bodies:
+        assert {name: body[name] for name in sampling} == sampling
+        assert body["use_beam_search"] is True
+        if endpoint.endswith("chat/completions"):
+            assert (body["logprobs"], body["top_logprobs"]) == (True, 2)
+        else:
+            assert body["logprobs"] == 2
+
+
+def test_request_ids_are_prefix_plus_index_and_kept_in_the_records():
+    with running(FakeScript()) as server:
+        result = run_benchmark(bench(server.base_url, target={"request_id_prefix": "exp7-"}), display=False)
+        sent = sorted(server.state.request_ids)
+    assert sent == ["exp7-0", "exp7-1", "exp7-2", "exp7-3"]
+    assert [record.request_id for record in result.records] == sent
+    with running(FakeScript()) as server:  # vLLM's default: bench-<8 hex digits>-<index>
+        run_benchmark(bench(server.base_url), display=False)
+        default = sorted(server.state.request_ids)
+    prefix = default[0].removesuffix("0")
+    assert prefix.startswith("bench-") and len(prefix) == len("bench-12345678-")
+    assert default == [f"{prefix}{i}" for i in range(4)]
+
+
+def test_served_model_name_is_sent_while_model_names_the_tokenizer_model():
+    with running(FakeScript(model="served-name")) as server:
+        target = {"model": "/nonexistent/DeepSeek-V3", "served_model_name": "served-name"}
+        result = run_benchmark(bench(server.base_url, target=target), display=False)
+        models = {body["model"] for body in server.state.bodies}
+    assert models == {"served-name"}
+    assert result.model_id == "/nonexistent/DeepSeek-V3"  # vLLM's model_id
+    assert result.to_json()["served_model_name"] == "served-name"
+
+
+def test_lora_modules_pick_each_request_model_and_must_be_served():
+    with running(FakeScript(extra_models=("lora-a", "lora-b"))) as server:
+        target = {"lora_modules": ["lora-a", "lora-b"], "lora_assignment": "round-robin", "request_id_prefix": "r"}
+        run_benchmark(bench(server.base_url, target=target), display=False)
+        by_id = dict(zip(server.state.request_ids, (body["model"] for body in server.state.bodies), strict=True))
+        assert by_id == {"r0": "lora-a", "r1": "lora-b", "r2": "lora-a", "r3": "lora-b"}
+        with pytest.raises(BenchError, match="unknown model 'lora-c'"):
+            run_benchmark(bench(server.base_url, target={"lora_modules": ["lora-c"]}), display=False)
+
+
+def test_profile_starts_before_and_stops_after_the_run_or_fails_first():
+    with running(FakeScript(profiler=True)) as server:
+        result = run_benchmark(bench(server.base_url, metrics={"server_metrics": False, "profile": True}), False)
+        assert server.state.profile_calls == ["/start_profile", "/stop_profile"]
+        assert server.state.requests == 4
+    assert result.to_json()["profile"] == "started before the run, stopped after it"
+    with running(FakeScript(profiler=False)) as server:
+        with pytest.raises(BenchError, match="--profile: POST .*/start_profile answered HTTP 404.*profiler"):
+            run_benchmark(bench(server.base_url, metrics={"server_metrics": False, "profile": True}), False)
+        assert server.state.requests == 0  # nothing was sent
+
+
+def test_ready_check_waits_for_a_server_that_starts_late(unused_tcp_port):
+    late = FakeServerThread(FakeScript(), port=unused_tcp_port)
+    timer = threading.Timer(1.5, late.__enter__)
+    timer.start()
+    try:
+        started_s = time.monotonic()
+        config = bench(late.base_url, target={"ready_check_timeout_sec": 20})
+        result = run_benchmark(config, display=False)
+        assert time.monotonic() - started_s >= 1.4
+        assert sum(record.success for record in result.records) == 4
+    finally:
+        timer.join()
+        late.__exit__()
+    with pytest.raises(BenchError, match="cannot reach .*waited 1 s"):
+        run_benchmark(bench(late.base_url, target={"ready_check_timeout_sec": 1}), display=False)
+
+
+def test_append_result_adds_one_json_line_per_run(tmp_path):
+    path = tmp_path / "series.json"
+    with running(FakeScript()) as server:
+        for _ in range(2):
+            save_result(run_benchmark(bench(server.base_url), display=False), path, append=True)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["completed"] == 4 for line in lines)
+
+
+def test_vllm_command_line_with_ramp_up_runs_through_the_cli(tmp_path, capsys):
+    with running(FakeScript()) as server:
+        code = main(
+            [
+                "bench", "--base-url", server.base_url, "--dataset-name", "random", "--input-len", "32",
+                "--output-len", "2", "--num-prompts", "12", "--ramp-up-strategy", "linear", "--ramp-up-start-rps",
+                "20", "--ramp-up-end-rps", "200", "--result-dir", str(tmp_path), "--append-result",
+                "--disable-tqdm", "--no-server-metrics",
+            ]
+        )  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    (saved,) = tmp_path.glob("openai-ramp-up-linear-20qps-200qps-fake-model-*.json")  # vLLM's file name
+    data = json.loads(saved.read_text())
+    assert (data["ramp_up_strategy"], data["ramp_up_start_rps"], data["ramp_up_end_rps"]) == ("linear", 20, 200)
+    assert data["completed"] == 12 and data["total_output_tokens"] == 24
