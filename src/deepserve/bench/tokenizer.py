@@ -33,6 +33,7 @@ class TokenizerOptions:
     trust_remote_code: bool = False
     server_only: bool = False
     verify_tls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # --chat-template-kwargs: chat prompts are measured with them
 
 
 class TokenizerError(DeepserveError):
@@ -86,13 +87,16 @@ def load_token_counter(
     )
     if path:
         local = LocalTokenCounter.load(path, options.mode, options.trust_remote_code)
+        local.chat_template_kwargs = dict(options.chat_template_kwargs or {})
         probe = ServerTokenCounter(base_url, served, api_key, probe=True, verify_tls=options.verify_tls)
+        probe.chat_template_kwargs = local.chat_template_kwargs
         try:
             local.server_check = check_against_server(local, probe)
         finally:
             probe.close()
         return local
     counter = ServerTokenCounter(base_url, served, api_key, verify_tls=options.verify_tls)
+    counter.chat_template_kwargs = dict(options.chat_template_kwargs or {})
     try:
         counter.check()
     except TokenizerError as exc:
@@ -157,6 +161,7 @@ class LocalTokenCounter:
         self._tok = hf_tokenizer
         self.source = f"local:{path}"
         self.server_check: str | None = None  # set by load_token_counter: "matches …" or "unverified (…)"
+        self.chat_template_kwargs: dict[str, Any] = {}  # passed to the chat template, as the server will
         self._pieces: list[str] | None = None
 
     @classmethod
@@ -216,7 +221,11 @@ class LocalTokenCounter:
     def _render(self, messages: ChatMessages) -> str:
         if not getattr(self._tok, "chat_template", None):
             raise TokenizerError(f"tokenizer {self.source} has no chat template; use the completions endpoint")
-        return str(self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        return str(
+            self._tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+            )
+        )
 
     def vocab_pieces(self) -> list[str]:
         if self._pieces is None:
@@ -260,6 +269,7 @@ class ServerTokenCounter:
         self.model = model
         self.source = f"server:{self.root_url}/tokenize"
         self.server_check = "is the server's"
+        self.chat_template_kwargs: dict[str, Any] = {}  # sent with chat prompts, as with the requests
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = PROBE_TIMEOUT_S if probe else TOKENIZE_TIMEOUT_S
         self._client = client or httpx.Client(timeout=timeout, headers=headers, verify=verify_tls)
@@ -284,7 +294,10 @@ class ServerTokenCounter:
     def prompt_ids(self, prompt: str | ChatMessages) -> list[int]:
         if isinstance(prompt, str):
             return self._tokenize({"prompt": prompt, "add_special_tokens": True})
-        return self._tokenize({"messages": prompt, "add_generation_prompt": True})
+        chat: dict[str, Any] = {"messages": prompt, "add_generation_prompt": True}
+        if self.chat_template_kwargs:
+            chat["chat_template_kwargs"] = self.chat_template_kwargs
+        return self._tokenize(chat)
 
     def vocab_pieces(self) -> None:
         return None  # the server does not list its vocabulary; random prompts use pseudo-words instead

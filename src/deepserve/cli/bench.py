@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel, ValidationError
 
-from deepserve.bench.config import BENCH_SECTIONS, CHAT_COMPLETIONS, COMPLETIONS, BenchConfig
+from deepserve.bench.config import BENCH_SECTIONS, CHAT_COMPLETIONS, COMPLETIONS, BenchConfig, TargetConfig
 from deepserve.bench.output import console_block, result_path, save_records, save_result
 from deepserve.bench.runner import run_benchmark
 from deepserve.bench.workloads import WorkloadConfig
@@ -104,7 +104,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--header", nargs="*", action="extend", default=None, metavar="KEY=VALUE")
     parser.add_argument("--goodput", nargs="+", action="extend", default=None, metavar="KEY:MS")
     parser.add_argument("--metadata", nargs="*", action="extend", default=None, metavar="KEY=VALUE")
-    parser.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME")
+    lora_help = TargetConfig.model_fields["lora_modules"].description
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME", help=lora_help)
     no_stream = WorkloadConfig.model_fields["no_stream"].description
     parser.add_argument("--no-stream", action="store_const", const=True, default=None, help=no_stream)
     refused = parser.add_argument_group("vllm bench serve flags that deepserve refuses (each error says why)")

@@ -4,6 +4,7 @@ for an OpenAI text-generation benchmark take vLLM's meaning, and the rest fail w
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 
@@ -185,3 +186,24 @@ def test_insecure_turns_certificate_checks_off():
     assert _tls_context(verify=True).check_hostname is True
     context = _tls_context(verify=False)
     assert (context.check_hostname, context.verify_mode.name) == (False, "CERT_NONE")
+
+
+def test_chat_template_kwargs_also_shape_how_chat_prompts_are_counted():
+    import httpx
+
+    from deepserve.bench.tokenizer import ServerTokenCounter
+
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json={"tokens": [1, 2, 3], "count": 3})
+
+    counter = ServerTokenCounter(
+        "http://127.0.0.1:9", "m", None, client=httpx.Client(transport=httpx.MockTransport(handler))
+    )
+    counter.chat_template_kwargs = {"thinking": True}
+    assert counter.prompt_ids([{"role": "user", "content": "hi"}]) == [1, 2, 3]
+    counter.prompt_ids("plain text")
+    assert seen[0]["chat_template_kwargs"] == {"thinking": True}
+    assert "chat_template_kwargs" not in seen[1]  # a completion prompt has no template
