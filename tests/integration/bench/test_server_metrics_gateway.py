@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.fake_server import FakeScript, running
@@ -88,6 +89,8 @@ def test_gateway_serves_every_replicas_series_labelled_by_replica(two_replicas):
     lines = text.splitlines()
     kv = [i for i, line in enumerate(lines) if "kv_cache_usage_perc" in line]
     assert kv == list(range(kv[0], kv[0] + len(kv)))
+    families = {family.name: family for family in text_string_to_metric_families(text)}  # valid exposition format
+    assert sorted(sample.value for sample in families["vllm:kv_cache_usage_perc"].samples) == [0.25, 0.5]
 
 
 def test_scraper_finds_the_engines_behind_the_gateway_and_combines_replicas(two_replicas):
