@@ -1,5 +1,9 @@
 """The upstream pool: replicas of the engine, one shared keep-alive connection pool, health checks, and the one
-place where the HTTP client's exceptions become the gateway's `UpstreamError` hierarchy.
+place where the HTTP clients' exceptions become the gateway's `UpstreamError` hierarchy.
+
+Requests go through `http_client.HttpClient` (a raw asyncio protocol with httptools' parser): measured against
+aiohttp on the same fake upstream, it used 26 µs of CPU per request instead of 64–74 µs and 177–185 µs per 22-event
+stream instead of 321–333 µs. Health checks (once a second) and other side calls keep using aiohttp's session.
 
 A replica leaves rotation at once when a request to it fails to connect or drops mid-response (passive check),
 and comes back when its /health answers again (active check every `health_check_interval_s`)."""
@@ -11,6 +15,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import aiohttp
 from yarl import URL
@@ -22,6 +27,7 @@ from deepserve.gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from deepserve.gateway.http_client import ConnectFailed, HttpClient, HttpResponse, Origin
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,14 @@ class UpstreamReplica:
     failed_checks: int = 0  # consecutive health checks that timed out
     last_error: str | None = None
     _urls: dict[str, URL] = field(default_factory=dict)  # parsed once per path, not per request
+    origin: Origin = field(init=False)
+    path_prefix: str = field(init=False)  # what the root URL has after host and port, usually ""
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.root)
+        tls = parts.scheme == "https"
+        self.origin = Origin(parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80), tls)
+        self.path_prefix = parts.path.rstrip("/")
 
     def url_of(self, path: str) -> URL:
         url = self._urls.get(path)
@@ -77,6 +91,9 @@ class UpstreamPool:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
         self._health_timeout = aiohttp.ClientTimeout(total=max(0.5, min(2.0, health_check_interval_s * 2)))
         self._session: aiohttp.ClientSession | None = None
+        self._client = HttpClient(
+            connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, idle_s=IDLE_CONNECTION_S
+        )
         self._health_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -102,6 +119,7 @@ class UpstreamPool:
                 await self._health_task
         if self._session:
             await self._session.close()
+        await self._client.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -137,12 +155,10 @@ class UpstreamPool:
 
     # ---- forwarding ---------------------------------------------------------------------------------------------
 
-    async def post(self, replica: UpstreamReplica, path: str, body: bytes) -> aiohttp.ClientResponse:
-        """Send BODY; return the response once its headers arrived. The caller must release it."""
+    async def post(self, replica: UpstreamReplica, path: str, body: bytes) -> HttpResponse:
+        """Send BODY; return the response once its headers arrived. The caller must release or close it."""
         try:
-            # A ready payload with its content type: aiohttp skips its payload registry and the headers dict
-            payload = aiohttp.BytesPayload(body, content_type="application/json")
-            return await self.session.post(replica.url_of(path), data=payload)
+            return await self._client.request("POST", replica.origin, replica.path_prefix + path, body)
         except Exception as exc:
             raise upstream_error(exc, replica) from exc
 
@@ -214,6 +230,8 @@ def upstream_error(exc: BaseException, replica: UpstreamReplica) -> UpstreamErro
         return exc
     if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return UpstreamTimeout(f"{where} did not answer in time")
+    if isinstance(exc, ConnectFailed):
+        return UpstreamUnavailable(f"{where} refused the connection ({exc})", refused=True)
     if isinstance(exc, aiohttp.ClientConnectorError):
         return UpstreamUnavailable(f"{where} refused the connection ({exc.os_error})", refused=True)
     if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)):
@@ -221,18 +239,16 @@ def upstream_error(exc: BaseException, replica: UpstreamReplica) -> UpstreamErro
     return UpstreamError(f"{where} failed: {type(exc).__name__}: {exc}")
 
 
-async def iter_chunks(response: aiohttp.ClientResponse, replica: UpstreamReplica) -> AsyncIterator[bytes]:
+async def iter_chunks(response: HttpResponse, replica: UpstreamReplica) -> AsyncIterator[bytes]:
     """The response body as it arrives, with client exceptions mapped."""
-    content = response.content
     try:
-        # readany() directly: aiohttp's iter_any() is one more async iterator layer per chunk
-        while chunk := await content.readany():
+        async for chunk in response.chunks():
             yield chunk
     except Exception as exc:
         raise upstream_error(exc, replica) from exc
 
 
-async def read_body(response: aiohttp.ClientResponse, replica: UpstreamReplica) -> bytes:
+async def read_body(response: HttpResponse, replica: UpstreamReplica) -> bytes:
     try:
         return await response.read()
     except Exception as exc:

@@ -1,0 +1,308 @@
+"""A lean HTTP/1.1 client for the upstream pool: one asyncio Protocol per connection, httptools' response parser,
+keep-alive connections per origin.
+
+It does only what the gateway needs from an engine (POST a JSON body or GET, read a response whole or as it
+arrives) and does it with little work per event: the body chunk the parser hands over is queued as is, a read
+wakes one future, and the read timeout is one timer per response that is moved only when it fires (an idle check),
+not re-armed on every chunk. Errors are the builtin ones (ConnectionRefusedError, ConnectionError, TimeoutError);
+the upstream pool maps them to the gateway's."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+from collections.abc import AsyncIterator
+from typing import cast
+
+import httptools
+
+
+class IncompleteResponse(ConnectionError):
+    """The upstream closed the connection before the response was complete."""
+
+
+class ConnectFailed(ConnectionError):
+    """No connection could be opened (refused, unreachable, unknown host): nothing was sent."""
+
+
+class HttpResponse:
+    """A response whose head has arrived. Read it (`read`, `chunks`), then `release` (its connection goes back to the
+    pool when the response was read to the end) or `close` (the connection is dropped: the server sees the abort)."""
+
+    __slots__ = ("_connection", "content_type", "status")
+
+    def __init__(self, connection: _Connection, status: int, content_type: str) -> None:
+        self._connection = connection
+        self.status = status
+        self.content_type = content_type
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        connection = self._connection
+        while True:
+            chunk = await connection.next_chunk()
+            if not chunk:
+                return
+            yield chunk
+
+    async def read(self) -> bytes:
+        parts = [chunk async for chunk in self.chunks()]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def release(self) -> None:
+        self._connection.release()
+
+    def close(self) -> None:
+        self._connection.close()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to ORIGIN: the parser's callbacks fill a queue of body chunks that one reader
+    awaits."""
+
+    def __init__(self, pool: HttpClient, origin: tuple[str, int, bool], read_timeout_s: float) -> None:
+        self._pool = pool
+        self.origin = origin
+        self._read_timeout_s = read_timeout_s
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._head_done = False
+        self._complete = False
+        self._error: BaseException | None = None
+        self._content_type = b""
+        self._keep_alive = True
+        self._last_data_s = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self.idle_since_s = 0.0
+
+    # ---- asyncio.Protocol --------------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+
+    def data_received(self, data: bytes) -> None:
+        self._last_data_s = time.monotonic()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(IncompleteResponse(f"malformed response from the upstream: {exc}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._pool.forget(self)
+        if not self._complete:
+            self._fail(exc or IncompleteResponse("the upstream closed the connection before the response ended"))
+
+    # ---- httptools callbacks -----------------------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"content-type":
+            self._content_type = value
+
+    def on_headers_complete(self) -> None:
+        self._head_done = True
+        self._keep_alive = self._parser.should_keep_alive()
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        self._wake()
+
+    # ---- one exchange ------------------------------------------------------------------------------------------
+
+    @property
+    def reusable(self) -> bool:
+        return self._transport is not None and not self._transport.is_closing()
+
+    async def exchange(self, head: bytes, body: bytes) -> HttpResponse:
+        """Send a request; return once the response's head arrived."""
+        assert self._transport is not None
+        self._parser = httptools.HttpResponseParser(self)
+        self._chunks.clear()
+        self._head_done = self._complete = False
+        self._error = None
+        self._content_type = b""
+        self._transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            self._transport.write(body)
+        self._last_data_s = time.monotonic()
+        self._arm_timer()
+        while not self._head_done:
+            await self._wait()
+        status = self._parser.get_status_code()
+        return HttpResponse(self, status, self._content_type.decode("latin-1").partition(";")[0].strip())
+
+    async def next_chunk(self) -> bytes:
+        """The next body chunk, or b"" at the end of the response."""
+        while True:
+            if self._chunks:
+                return self._chunks.popleft()
+            if self._complete:
+                return b""
+            await self._wait()
+
+    async def _wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        if self._error is not None and not self._chunks:
+            raise self._error
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _arm_timer(self) -> None:
+        if self._timer is None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_at(loop.time() + self._read_timeout_s, self._check_idle)
+
+    def _check_idle(self) -> None:
+        """The read timeout: fires at most once per timeout, and moves on while data keeps arriving."""
+        self._timer = None
+        if self._complete or self._transport is None:
+            return
+        idle_s = time.monotonic() - self._last_data_s
+        if idle_s >= self._read_timeout_s:
+            self._fail(TimeoutError(f"no data from the upstream for {idle_s:.1f} s"))
+            self.close()
+            return
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(loop.time() + self._read_timeout_s - idle_s, self._check_idle)
+
+    def release(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._complete and self._keep_alive and self.reusable:
+            self.idle_since_s = time.monotonic()
+            self._pool.put_back(self)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self._pool.forget(self)
+
+
+class Origin:
+    """Where requests go: scheme, host and port, parsed once; the Host header and TLS context are ready."""
+
+    __slots__ = ("host", "host_header", "key", "port", "tls")
+
+    def __init__(self, host: str, port: int, tls: bool) -> None:
+        self.host = host
+        self.port = port
+        self.tls = tls
+        self.key = (host, port, tls)
+        self.host_header = f"{host}:{port}"
+
+
+class HttpClient:
+    """Keep-alive connections per origin; idle ones are closed after IDLE_S."""
+
+    def __init__(self, *, connect_timeout_s: float, read_timeout_s: float, idle_s: float) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.idle_s = idle_s
+        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._all: set[_Connection] = set()
+        self._ssl: ssl.SSLContext | None = None
+
+    async def request(self, method: str, origin: Origin, target: str, body: bytes = b"") -> HttpResponse:
+        """METHOD TARGET with a JSON BODY; the response once its head arrived. Raises ConnectFailed (nothing was
+        sent), ConnectionError (the connection dropped), TimeoutError (connect or read)."""
+        connection = self._take_idle(origin.key) or await self._connect(origin)
+        head = (
+            f"{method} {target} HTTP/1.1\r\nHost: {origin.host_header}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode("latin-1")
+        try:
+            return await connection.exchange(head, body)
+        except BaseException:
+            connection.close()
+            raise
+
+    def _take_idle(self, origin: tuple[str, int, bool]) -> _Connection | None:
+        idle = self._idle.get(origin)
+        now_s = time.monotonic()
+        while idle:
+            connection = idle.pop()
+            if connection.reusable and now_s - connection.idle_since_s < self.idle_s:
+                return connection
+            connection.close()
+        return None
+
+    async def _connect(self, origin: Origin) -> _Connection:
+        loop = asyncio.get_running_loop()
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep(), name="upstream-idle-sweep")
+        tls = self._tls_context() if origin.tls else None
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self, origin.key, self.read_timeout_s), origin.host, origin.port, ssl=tls
+                )
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            raise ConnectFailed(str(exc) or type(exc).__name__) from exc
+        self._all.add(connection)
+        return connection
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        return self._ssl
+
+    def put_back(self, connection: _Connection) -> None:
+        self._idle.setdefault(connection.origin, []).append(connection)
+
+    def forget(self, connection: _Connection) -> None:
+        self._all.discard(connection)
+        idle = self._idle.get(connection.origin)
+        if idle and connection in idle:
+            idle.remove(connection)
+
+    async def _sweep(self) -> None:
+        """Close connections idle for longer than IDLE_S (before the server closes them under a request)."""
+        while True:
+            await asyncio.sleep(self.idle_s / 2)
+            now_s = time.monotonic()
+            for idle in self._idle.values():
+                for connection in [c for c in idle if now_s - c.idle_since_s >= self.idle_s]:
+                    connection.close()
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for connection in list(self._all):
+            connection.close()
+        self._idle.clear()

@@ -1,0 +1,146 @@
+"""The upstream HTTP client against small raw servers on loopback: keep-alive reuse, idle closing, timeouts, and the
+errors that decide whether the gateway retries."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from deepserve.gateway.http_client import ConnectFailed, HttpClient, IncompleteResponse, Origin
+
+from .conftest import free_port
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handler: Handler) -> AsyncIterator[tuple[Origin, list[int]]]:
+    """A TCP server running HANDLER per connection; yields its origin and a list that grows by one per connection."""
+    connections: list[int] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            await handler(reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    try:
+        yield Origin("127.0.0.1", server.sockets[0].getsockname()[1], tls=False), connections
+    finally:
+        server.close()
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    return head + await reader.readexactly(length)
+
+
+async def _chunked_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Keep-alive: answer every request with two chunks that echo its body."""
+    while True:
+        try:
+            request = await _read_request(reader)
+        except asyncio.IncompleteReadError:
+            return
+        body = request.partition(b"\r\n\r\n")[2]
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        for part in (b"got:", body):
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+def _client(**overrides: float) -> HttpClient:
+    settings = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "idle_s": 4.0, **overrides}
+    return HttpClient(**settings)
+
+
+async def test_responses_are_read_whole_or_in_chunks_over_one_kept_alive_connection() -> None:
+    client = _client()
+    async with raw_server(_chunked_answers) as (origin, connections):
+        first = await client.request("POST", origin, "/v1/x", b'{"a":1}')
+        assert (first.status, first.content_type) == (200, "text/event-stream")
+        assert [chunk async for chunk in first.chunks()] == [b"got:", b'{"a":1}']
+        first.release()
+        second = await client.request("POST", origin, "/v1/x", b"{}")
+        assert await second.read() == b"got:{}"
+        second.release()
+        assert len(connections) == 1
+    await client.close()
+
+
+async def test_idle_connections_are_closed_before_the_server_would() -> None:
+    client = _client(idle_s=0.2)
+    async with raw_server(_chunked_answers) as (origin, connections):
+        response = await client.request("POST", origin, "/", b"{}")
+        await response.read()
+        response.release()
+        await asyncio.sleep(0.5)
+        response = await client.request("POST", origin, "/", b"{}")
+        await response.read()
+        response.release()
+        assert len(connections) == 2
+    await client.close()
+
+
+async def test_a_closed_response_is_not_reused() -> None:
+    client = _client()
+    async with raw_server(_chunked_answers) as (origin, connections):
+        response = await client.request("POST", origin, "/", b"{}")
+        response.close()  # mid-response: the server must see the connection go
+        response = await client.request("POST", origin, "/", b"{}")
+        assert await response.read() == b"got:{}"
+        assert len(connections) == 2
+    await client.close()
+
+
+async def test_nothing_listening_is_a_connect_failure() -> None:
+    client = _client()
+    with pytest.raises(ConnectFailed):
+        await client.request("POST", Origin("127.0.0.1", free_port(), tls=False), "/", b"{}")
+    await client.close()
+
+
+async def test_a_connection_dropped_mid_body_is_an_incomplete_response() -> None:
+    async def drop_after_one_chunk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\ndata\r\n")
+        await writer.drain()
+
+    client = _client()
+    async with raw_server(drop_after_one_chunk) as (origin, _):
+        response = await client.request("POST", origin, "/", b"{}")
+        chunks = response.chunks()
+        assert await anext(chunks) == b"data"
+        with pytest.raises(IncompleteResponse):
+            await anext(chunks)
+        response.close()
+    await client.close()
+
+
+async def test_silence_mid_response_times_out_after_the_read_timeout() -> None:
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\ndata\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    client = _client(read_timeout_s=0.3)
+    async with raw_server(stall) as (origin, _):
+        response = await client.request("POST", origin, "/", b"{}")
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(TimeoutError):
+            await response.read()
+        assert 0.25 < asyncio.get_running_loop().time() - started < 1.5
+        response.close()
+    await client.close()
