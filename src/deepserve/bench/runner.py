@@ -38,7 +38,7 @@ from deepserve.bench.client import (
     decode_events,
     reconcile_chunk_tokens,
 )
-from deepserve.bench.config import BenchConfig
+from deepserve.bench.config import BenchConfig, TargetConfig
 from deepserve.bench.output import BenchResult, save_result
 from deepserve.bench.progress import LiveCounters, ProgressDisplay
 from deepserve.bench.server_metrics import GATEWAY_ENGINES_PATH, ServerMetricsScraper, ServerMetricsSummary
@@ -192,9 +192,28 @@ def collector_paused() -> Iterator[None]:
 
 def preflight(config: BenchConfig) -> str:
     """Check the server before any work: reachable, accepts our key, serves the model (and the LoRA adapters).
-    Returns --model, else the server's first model. With --ready-check-timeout-sec, waits that long for the
-    server to list its models (an engine still loading, a gateway whose upstream is not healthy yet)."""
+    Returns --model, else the server's first model."""
     target = config.target
+    response = _list_models(target)
+    if response.status_code in (401, 403):
+        raise BenchError(
+            f"the server at {target.root_url} rejected the request with HTTP {response.status_code}; "
+            "pass a valid --api-key (or set OPENAI_API_KEY)"
+        )
+    served = _served_models(response)
+    if target.model is None and not target.served_model_name and not served:
+        raise BenchError(f"{response.url} lists no models (HTTP {response.status_code}); pass --model")
+    model = target.model or target.served_model_name or served[0]
+    for name in (target.request_model(model), *target.lora_modules):
+        if served and name not in served:
+            raise BenchError(unknown_name("model", name, served) + " (as listed by the server's /v1/models)")
+    return model
+
+
+def _list_models(target: TargetConfig) -> httpx.Response:
+    """GET /v1/models. With --ready-check-timeout-sec, asked again every second for that long while the server
+    cannot be reached, fails (5xx) or lists no model (an engine still loading, a gateway without a healthy
+    upstream yet)."""
     url = target.root_url + "/v1/models"
     deadline_s = time.monotonic() + target.ready_check_timeout_sec
     while True:
@@ -206,29 +225,15 @@ def preflight(config: BenchConfig) -> str:
             if time.monotonic() < deadline_s:
                 time.sleep(READY_CHECK_INTERVAL_S)
                 continue
+            waited = f"; waited {target.ready_check_timeout_sec} s" if target.ready_check_timeout_sec else ""
             raise BenchError(
                 f"cannot reach the server at {target.root_url} ({exc.__class__.__name__}: {exc}); "
-                "is it running? Check --base-url (or --host/--port)"
-                + (f"; waited {target.ready_check_timeout_sec} s" if target.ready_check_timeout_sec else "")
+                f"is it running? Check --base-url (or --host/--port){waited}"
             ) from exc
         not_ready = response.status_code >= 500 or (response.status_code == 200 and not _served_models(response))
-        if not_ready and time.monotonic() < deadline_s:
-            time.sleep(READY_CHECK_INTERVAL_S)
-            continue
-        break
-    if response.status_code in (401, 403):
-        raise BenchError(
-            f"the server at {target.root_url} rejected the request with HTTP {response.status_code}; "
-            "pass a valid --api-key (or set OPENAI_API_KEY)"
-        )
-    served = _served_models(response)
-    if target.model is None and not target.served_model_name and not served:
-        raise BenchError(f"{url} lists no models (HTTP {response.status_code}); pass --model")
-    model = target.model or target.served_model_name or served[0]
-    for name in (target.request_model(model), *target.lora_modules):
-        if served and name not in served:
-            raise BenchError(unknown_name("model", name, served) + " (as listed by the server's /v1/models)")
-    return model
+        if not (not_ready and time.monotonic() < deadline_s):
+            return response
+        time.sleep(READY_CHECK_INTERVAL_S)
 
 
 def _served_models(response: httpx.Response) -> list[str]:
