@@ -18,6 +18,10 @@ from typing import cast
 
 import httptools
 
+# Flow control: stop reading from the upstream while this many body chunks wait for the reader; go on at half that.
+_PAUSE_AT_CHUNKS = 64
+_RESUME_AT_CHUNKS = _PAUSE_AT_CHUNKS // 2
+
 
 class IncompleteResponse(ConnectionError):
     """The upstream closed the connection before the response was complete."""
@@ -110,6 +114,8 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)
+        if len(self._chunks) == _PAUSE_AT_CHUNKS and self._transport is not None:
+            self._transport.pause_reading()  # the reader (a slow client downstream) is behind: let TCP push back
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -144,6 +150,8 @@ class _Connection(asyncio.Protocol):
         """The next body chunk, or b"" at the end of the response."""
         while True:
             if self._chunks:
+                if len(self._chunks) == _RESUME_AT_CHUNKS and self._transport is not None:
+                    self._transport.resume_reading()
                 return self._chunks.popleft()
             if self._complete:
                 return b""

@@ -144,3 +144,27 @@ async def test_silence_mid_response_times_out_after_the_read_timeout() -> None:
         assert 0.25 < asyncio.get_running_loop().time() - started < 1.5
         response.close()
     await client.close()
+
+
+async def test_a_reader_that_falls_behind_pauses_the_upstream_and_loses_nothing() -> None:
+    parts = [b"event %03d;" % index for index in range(200)]
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for part in parts:
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+            await asyncio.sleep(0)  # one chunk per segment, as a streaming engine sends them
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    client = _client()
+    async with raw_server(flood) as (origin, _):
+        response = await client.request("POST", origin, "/", b"{}")
+        await asyncio.sleep(0.3)  # the reader is busy elsewhere while the upstream floods
+        transport = response._connection._transport
+        assert transport is not None and not transport.is_reading()  # TCP pushes back instead of memory growing
+        assert await response.read() == b"".join(parts)
+        response.release()
+    await client.close()
