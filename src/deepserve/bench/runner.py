@@ -68,6 +68,13 @@ class PreparedRequest:
     wire: bytes
     request_id: str = ""  # sent as x-request-id (vLLM's --request-id-prefix + index), kept in the record
 
+    def renamed(self, request_id: str) -> PreparedRequest:
+        """The same request under another id: a duration-bound run that goes through the workload again must not
+        send an id twice (engines key their request state by it)."""
+        old = f"\r\nx-request-id: {self.request_id}\r\n".encode()
+        wire = self.wire.replace(old, f"\r\nx-request-id: {request_id}\r\n".encode(), 1)
+        return PreparedRequest(self.spec_index, self.prompt_len, wire, request_id)
+
 
 @dataclass
 class DrivePlan:
@@ -86,6 +93,7 @@ class DrivePlan:
     request_timeout_s: float
     index_offset: int = 0  # worker w sends indices w, w + W, …
     index_stride: int = 1
+    request_id_prefix: str = ""  # ids of requests sent again in a duration-bound run: this prefix + their index
     rate_ramp: RateRamp | None = None  # vLLM's --ramp-up-strategy: replaces request_rate for the first batch
     verify_tls: bool = True
 
@@ -275,6 +283,7 @@ def make_plan(config: BenchConfig, model: str, specs: list[RequestSpec]) -> Driv
         request_timeout_s=target.request_timeout_s,
         rate_ramp=load.rate_ramp(),
         verify_tls=not target.insecure,
+        request_id_prefix=prefix,
     )
 
 
@@ -406,6 +415,8 @@ class _Driver:
                 return
             request = plan.requests[position % len(plan.requests)]
             index = plan.index_offset + position * plan.index_stride
+            if position >= len(plan.requests) and request.request_id:
+                request = request.renamed(f"{plan.request_id_prefix}{index}")
             self.in_flight += 1
             task = asyncio.create_task(self._one(index, request, offset_s))
             self.tasks.add(task)
@@ -565,6 +576,7 @@ def split_plan(plan: DrivePlan, workers: int) -> list[DrivePlan]:
                 index_stride=workers,
                 rate_ramp=_ramp_share(plan.rate_ramp, workers),
                 verify_tls=plan.verify_tls,
+                request_id_prefix=plan.request_id_prefix,
             )
         )
     return plans

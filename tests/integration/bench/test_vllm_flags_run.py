@@ -138,3 +138,20 @@ def test_vllm_command_line_with_ramp_up_runs_through_the_cli(tmp_path, capsys):
     data = json.loads(saved.read_text())
     assert (data["ramp_up_strategy"], data["ramp_up_start_rps"], data["ramp_up_end_rps"]) == ("linear", 20, 200)
     assert data["completed"] == 12 and data["total_output_tokens"] == 24
+
+
+def test_a_duration_bound_run_never_sends_an_id_twice():
+    """Two prompts for a second of closed loop: the workload is sent again and again, each time under new ids."""
+    with running(FakeScript()) as server:
+        config = bench(
+            server.base_url,
+            target={"request_id_prefix": "d-"},
+            workload={"num_prompts": 2},
+            load={"duration_s": 1.0, "max_concurrency": 2},
+        )
+        result = run_benchmark(config, display=False)
+        sent = list(server.state.request_ids)
+    assert len(sent) > 4
+    assert len(set(sent)) == len(sent)
+    assert sorted(record.request_id for record in result.records) == sorted(sent)
+    assert set(sent) == {f"d-{i}" for i in range(len(sent))}
