@@ -127,8 +127,12 @@ def _parse_env_value(raw: str) -> Any:
 def _describe_validation_error(section: str, exc: ValidationError) -> str:
     problems = []
     for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"])
-        problems.append(f"{section}.{where}: {error['msg']} (got {error.get('input')!r})")
+        where = ".".join([section, *(str(part) for part in error["loc"])])
+        message = error["msg"].removeprefix("Value error, ")
+        if error["loc"]:
+            message += f" (got {error.get('input')!r})"
+        # else a check across fields: its input is the whole section, and its message names the flags involved
+        problems.append(f"{where}: {message}")
     return "invalid configuration: " + "; ".join(problems)
 
 

@@ -58,3 +58,13 @@ def test_missing_or_malformed_file(tmp_path: Path) -> None:
     bad.write_text("engine: [unclosed\n")
     with pytest.raises(ConfigError, match="does not parse"):
         load_section(EngineConfig, "engine", bad)
+
+
+def test_a_check_across_fields_reads_as_its_own_message() -> None:
+    """A model validator's error has no field and its input is the whole section: neither belongs in the message."""
+    from deepserve.bench.config import LoadConfig
+
+    with pytest.raises(ConfigError) as caught:
+        load_section(LoadConfig, "bench_load", overrides={"request_rate": 20.0, "ramp_up_strategy": "linear"})
+    message = str(caught.value)
+    assert "bench_load: " in message and "Value error" not in message and "{" not in message
