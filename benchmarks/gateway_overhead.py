@@ -377,6 +377,8 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
         names = [name for name in targets if name != "litellm" or concurrency <= args.litellm_max_streams]
         results: dict[str, list[StreamResult]] = {name: [] for name in names}
         by_repeat: dict[str, list[StreamSummary]] = {name: [] for name in names}
+        for name in names:  # not counted: the first run at a new concurrency (pools and buffers growing) was slower
+            await stream_load(targets[name].url, concurrency, 2, args.tokens, stream_s)
         cpu_s: dict[str, float] = dict.fromkeys(names, 0.0)
         for repeat in range(args.repeats):
             # alternate the order (A B, B A, …) so that a change in the machine's load hits every path alike
