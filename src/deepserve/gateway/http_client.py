@@ -77,6 +77,7 @@ class _Connection(asyncio.Protocol):
         self._complete = False
         self._error: BaseException | None = None
         self._content_type = b""
+        self._framed = False
         self._keep_alive = True
         self._last_data_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -98,14 +99,20 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._pool.forget(self)
-        if not self._complete:
+        if not self._complete and exc is None and self._head_done and not self._framed:
+            self._complete = True  # neither length nor chunks: the body is whatever came before the close (RFC 9112)
+            self._wake()
+        elif not self._complete:
             self._fail(exc or IncompleteResponse("the upstream closed the connection before the response ended"))
 
     # ---- httptools callbacks -----------------------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
+        name = name.lower()
+        if name == b"content-type":
             self._content_type = value
+        elif name in (b"content-length", b"transfer-encoding"):
+            self._framed = True
 
     def on_headers_complete(self) -> None:
         self._head_done = True
@@ -136,6 +143,7 @@ class _Connection(asyncio.Protocol):
         self._head_done = self._complete = False
         self._error = None
         self._content_type = b""
+        self._framed = False
         self._transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self._transport.write(body)
@@ -228,7 +236,7 @@ class Origin:
         self.port = port
         self.tls = tls
         self.key = (host, port, tls)
-        self.host_header = f"{host}:{port}"
+        self.host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 literals in brackets
 
 
 class HttpClient:

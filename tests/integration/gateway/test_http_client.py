@@ -168,3 +168,22 @@ async def test_a_reader_that_falls_behind_pauses_the_upstream_and_loses_nothing(
         assert await response.read() == b"".join(parts)
         response.release()
     await client.close()
+
+
+async def test_a_body_without_length_or_chunks_ends_when_the_server_closes() -> None:
+    async def close_delimited(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
+        await writer.drain()
+
+    client = _client()
+    async with raw_server(close_delimited) as (origin, _):
+        response = await client.request("POST", origin, "/", b"{}")
+        assert await response.read() == b"all of it"
+        response.release()
+    await client.close()
+
+
+def test_an_ipv6_origin_gets_a_bracketed_host_header() -> None:
+    assert Origin("::1", 8000, tls=False).host_header == "[::1]:8000"
+    assert Origin("127.0.0.1", 8000, tls=False).host_header == "127.0.0.1:8000"
