@@ -49,7 +49,6 @@ class TargetConfig(Section):
     logprobs: int | None = Field(
         None, ge=0, description="logprobs per token: completions get logprobs=N, chat logprobs=true, top_logprobs=N"
     )
-    use_beam_search: bool = Field(False, description="send use_beam_search=true (vLLM's server's request field)")
     chat_template_kwargs: str | None = Field(
         None, description="JSON object sent as chat_template_kwargs on the chat endpoint, e.g. '{\"thinking\": true}'"
     )
@@ -137,8 +136,6 @@ class TargetConfig(Section):
             extras.update(
                 {"logprobs": True, "top_logprobs": self.logprobs} if self.chat else {"logprobs": self.logprobs}
             )
-        if self.use_beam_search:
-            extras["use_beam_search"] = True
         if self.chat_template_kwargs is not None:
             extras["chat_template_kwargs"] = _parse_json(self.chat_template_kwargs)
         if self.extra_body:

@@ -70,6 +70,11 @@ REFUSED_VLLM_FLAGS: dict[str, tuple[bool, str]] = {
     "--plot-timeline": (False, _REPORT),
     "--timeline-itl-thresholds": (True, _REPORT),
     "--plot-dataset-stats": (False, _REPORT),
+    "--use-beam-search": (
+        False,
+        "streamed beam search has no per-token timing (vLLM's server refuses it on /v1/completions and sends one "
+        "chunk on chat; vLLM's client never sends it either), so TTFT and ITL would mean nothing: leave it out",
+    ),
     "--probe-request-rate": (
         True,
         "probe requests are not implemented; run a second `deepserve bench` at a low --request-rate beside this one",
