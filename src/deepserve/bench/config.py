@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from deepserve.bench.arrivals import RateRamp
 from deepserve.bench.metrics import ALL_PERCENTILE_METRICS, parse_goodput, parse_percentiles
-from deepserve.bench.workloads import WorkloadConfig
+from deepserve.bench.workloads import MESSAGES_DATASETS, WorkloadConfig
 from deepserve.config import Section
 
 COMPLETIONS = "/v1/completions"
@@ -23,6 +23,9 @@ CHAT_COMPLETIONS = "/v1/chat/completions"
 SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
 )  # fmt: skip
+
+# arguments of the chat-template render that the benchmark sets itself (Hugging Face's apply_chat_template)
+RENDER_ARGUMENTS = frozenset({"conversation", "tokenize", "add_generation_prompt"})
 
 
 class TargetConfig(Section):
@@ -50,7 +53,9 @@ class TargetConfig(Section):
         None, ge=0, description="logprobs per token: completions get logprobs=N, chat logprobs=true, top_logprobs=N"
     )
     chat_template_kwargs: str | None = Field(
-        None, description="JSON object sent as chat_template_kwargs on the chat endpoint, e.g. '{\"thinking\": true}'"
+        None,
+        description="JSON object for the chat template, e.g. '{\"thinking\": true}': used wherever a prompt is "
+        "rendered here (messages of custom/sharegpt files on completions) and sent in chat request bodies",
     )
     lora_modules: list[str] = Field(
         default_factory=list, description="LoRA adapter names: each request's model is one of them (vLLM's)"
@@ -89,14 +94,18 @@ class TargetConfig(Section):
             raise ValueError(f"{info.field_name} must be a JSON object")
         return value
 
-    @model_validator(mode="after")
-    def _chat_template_needs_chat(self) -> TargetConfig:
-        if self.chat_template_kwargs is not None and not self.chat:
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_render_arguments(cls, value: str | None) -> str | None:
+        """The template is always rendered as text with the generation prompt; these keys would clash with that
+        (a TypeError deep inside the render)."""
+        clashing = sorted(set(_parse_json(value)) & RENDER_ARGUMENTS) if value is not None else []
+        if clashing:
             raise ValueError(
-                "--chat-template-kwargs applies to the chat template, which only the chat endpoint uses here "
-                f"(completions prompts are sent as written); add --endpoint {CHAT_COMPLETIONS}"
+                f"--chat-template-kwargs must not set {', '.join(clashing)}: the benchmark renders prompts as text "
+                "with the generation prompt itself; leave those keys out"
             )
-        return self
+        return value
 
     @property
     def root_url(self) -> str:
@@ -136,11 +145,16 @@ class TargetConfig(Section):
             extras.update(
                 {"logprobs": True, "top_logprobs": self.logprobs} if self.chat else {"logprobs": self.logprobs}
             )
-        if self.chat_template_kwargs is not None:
-            extras["chat_template_kwargs"] = _parse_json(self.chat_template_kwargs)
+        if self.chat_template_kwargs is not None and self.chat:
+            # our addition (vLLM's client only renders with them): vLLM's server renders chat prompts, and takes them
+            extras["chat_template_kwargs"] = self.template_kwargs()
         if self.extra_body:
             extras.update(_parse_json(self.extra_body))
         return extras
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """--chat-template-kwargs as an object (None when not given)."""
+        return None if self.chat_template_kwargs is None else dict(_parse_json(self.chat_template_kwargs))
 
     def request_model(self, served: str) -> str:
         """The model name requests carry: --served-model-name, else SERVED (--model or the server's first)."""
@@ -286,6 +300,18 @@ class BenchConfig(BaseModel):
     metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig.model_validate({}))
     output: OutputConfig = Field(default_factory=lambda: OutputConfig.model_validate({}))
     command_line: list[str] | None = None  # recorded in the results so the run can be repeated
+
+    @model_validator(mode="after")
+    def _chat_template_used(self) -> BenchConfig:
+        """On completions the kwargs only shape messages rendered here; refuse them where nothing is rendered."""
+        target, dataset = self.target, self.workload.dataset_name
+        if target.chat_template_kwargs is not None and not target.chat and dataset not in MESSAGES_DATASETS:
+            raise ValueError(
+                f"--chat-template-kwargs has no effect here: on {target.endpoint} only the 'messages' of "
+                f"{' and '.join(sorted(MESSAGES_DATASETS))} files are rendered with a chat template, and the "
+                f"{dataset} dataset has none; use --endpoint {CHAT_COMPLETIONS}, or leave the flag out"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rate_or_concurrency_with_duration(self) -> BenchConfig:

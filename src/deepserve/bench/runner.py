@@ -127,7 +127,7 @@ def run_benchmark(config: BenchConfig, display: bool = True) -> BenchResult:
             trust_remote_code=workload_config.trust_remote_code,
             server_only=workload_config.skip_tokenizer_init,
             verify_tls=not target.insecure,
-            chat_template_kwargs=target.body_extras().get("chat_template_kwargs") if target.chat else None,
+            chat_template_kwargs=target.template_kwargs(),
         ),
     )
     workload = build_workload(workload_config, counter, target.chat)

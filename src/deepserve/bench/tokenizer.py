@@ -82,21 +82,23 @@ def load_token_counter(
     if options.server_only and tokenizer:
         raise ConfigError("--skip-tokenizer-init loads no tokenizer: leave out --tokenizer, or that flag")
     served = options.served_model or model
+    template = options.chat_template_kwargs
     path = (
         None if options.server_only else tokenizer or (model if model and Path(model).expanduser().is_dir() else None)
     )
     if path:
-        local = LocalTokenCounter.load(path, options.mode, options.trust_remote_code)
-        local.chat_template_kwargs = dict(options.chat_template_kwargs or {})
-        probe = ServerTokenCounter(base_url, served, api_key, probe=True, verify_tls=options.verify_tls)
-        probe.chat_template_kwargs = local.chat_template_kwargs
+        local = LocalTokenCounter.load(path, options.mode, options.trust_remote_code, template)
+        probe = ServerTokenCounter(
+            base_url, served, api_key, probe=True, verify_tls=options.verify_tls, chat_template_kwargs=template
+        )
         try:
             local.server_check = check_against_server(local, probe)
         finally:
             probe.close()
         return local
-    counter = ServerTokenCounter(base_url, served, api_key, verify_tls=options.verify_tls)
-    counter.chat_template_kwargs = dict(options.chat_template_kwargs or {})
+    counter = ServerTokenCounter(
+        base_url, served, api_key, verify_tls=options.verify_tls, chat_template_kwargs=template
+    )
     try:
         counter.check()
     except TokenizerError as exc:
@@ -105,7 +107,7 @@ def load_token_counter(
         tiny_dir = _tiny_tokenizer_dir(model)
         if tiny_dir is None:
             raise TokenizerError(f"{exc}; pass --tokenizer DIR (a local tokenizer directory) instead") from exc
-        local = LocalTokenCounter.load(str(tiny_dir))
+        local = LocalTokenCounter.load(str(tiny_dir), chat_template_kwargs=options.chat_template_kwargs)
         local.server_check = f"unverified ({exc}); deepserve's tiny model, whose tokenizer it writes byte for byte"
         return local
     return counter
@@ -157,17 +159,23 @@ class LocalTokenCounter:
 
     concurrent = False  # one process, one tokenizer: builds run in turn
 
-    def __init__(self, hf_tokenizer: Any, path: str) -> None:
+    def __init__(self, hf_tokenizer: Any, path: str, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self._tok = hf_tokenizer
         self.source = f"local:{path}"
         self.server_check: str | None = None  # set by load_token_counter: "matches …" or "unverified (…)"
-        self.chat_template_kwargs: dict[str, Any] = {}  # passed to the chat template, as the server will
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})  # passed to the chat template, as the server
         self._pieces: list[str] | None = None
 
     @classmethod
-    def load(cls, path: str, mode: str = "auto", trust_remote_code: bool = False) -> LocalTokenCounter:
+    def load(
+        cls,
+        path: str,
+        mode: str = "auto",
+        trust_remote_code: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> LocalTokenCounter:
         """MODE: vLLM's --tokenizer-mode; only the Hugging Face ones load here (the server applies its own mode
-        when it counts)."""
+        when it counts). CHAT_TEMPLATE_KWARGS: passed to the chat template, as the server will."""
         if mode not in LOCAL_TOKENIZER_MODES:
             raise ConfigError(
                 f"--tokenizer-mode {mode} needs vLLM's own tokenizer classes, which deepserve bench does not load; "
@@ -192,7 +200,7 @@ class LocalTokenCounter:
             )
         except Exception as exc:
             raise TokenizerError(f"cannot load a tokenizer from {directory}: {exc}") from exc
-        return cls(hf_tokenizer, str(directory.resolve()))
+        return cls(hf_tokenizer, str(directory.resolve()), chat_template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
@@ -263,13 +271,15 @@ class ServerTokenCounter:
         client: httpx.Client | None = None,
         probe: bool = False,
         verify_tls: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """PROBE: a short timeout, for a check that must not hold up a run whose server cannot answer."""
+        """PROBE: a short timeout, for a check that must not hold up a run whose server cannot answer.
+        CHAT_TEMPLATE_KWARGS: sent with chat prompts, as with the requests."""
         self.root_url = base_url.rstrip("/").removesuffix("/v1")
         self.model = model
         self.source = f"server:{self.root_url}/tokenize"
         self.server_check = "is the server's"
-        self.chat_template_kwargs: dict[str, Any] = {}  # sent with chat prompts, as with the requests
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = PROBE_TIMEOUT_S if probe else TOKENIZE_TIMEOUT_S
         self._client = client or httpx.Client(timeout=timeout, headers=headers, verify=verify_tls)

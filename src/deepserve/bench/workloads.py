@@ -40,6 +40,8 @@ DATASETS: dict[str, Dataset] = {
         ShareGPTDataset(),
     )
 }
+# datasets whose 'messages' lines are rendered with the chat template here on /v1/completions (files.py)
+MESSAGES_DATASETS = frozenset({CustomDataset.name, ShareGPTDataset.name})
 DATASET_ALIASES = {"shared-prefix": "shared_prefix", "prefix-repetition": "prefix_repetition"}
 _NOT_TEXT = "deepserve bench measures text generation; use --dataset-name random or custom --dataset-path FILE"
 _HUB = (

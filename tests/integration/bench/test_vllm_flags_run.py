@@ -13,6 +13,7 @@ from deepserve.bench.config import BenchConfig
 from deepserve.bench.fake_server import FakeScript, FakeServerThread, running
 from deepserve.bench.runner import BenchError, run_benchmark, save_result
 from deepserve.cli.main import main
+from deepserve.models.tiny import write_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,6 +50,26 @@ def test_sampling_flags_reach_every_request_body(endpoint):
             assert (body["logprobs"], body["top_logprobs"]) == (True, 2)
         else:
             assert body["logprobs"] == 2
+
+
+def test_chat_template_kwargs_render_messages_sent_to_completions(tmp_path):
+    """On /v1/completions the 'messages' of a custom file are rendered here, with --chat-template-kwargs (as vLLM's
+    client renders custom prompts); the prompt's length is measured on that rendering."""
+    write_tiny_model(tmp_path / "tok")
+    config_path = tmp_path / "tok" / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["chat_template"] = "{% for m in messages %}[{{ greeting }}] {{ m['content'] }}{% endfor %}"
+    config_path.write_text(json.dumps(tokenizer_config))
+    dataset = tmp_path / "chat.jsonl"
+    dataset.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "output_tokens": 3}) + "\n")
+    target = {"chat_template_kwargs": '{"greeting": "HELLO"}'}
+    workload = {"dataset_name": "custom", "dataset_path": str(dataset), "tokenizer": str(tmp_path / "tok")}
+    with running(FakeScript(tokenize=False)) as server:
+        result = run_benchmark(bench(server.base_url, target=target, workload=workload), display=False)
+        bodies = list(server.state.bodies)
+    assert [body["prompt"] for body in bodies] == ["[HELLO] hi"] * 4
+    assert "chat_template_kwargs" not in bodies[0]
+    assert all(record.success for record in result.records)
 
 
 def test_request_ids_are_prefix_plus_index_and_kept_in_the_records():

@@ -102,9 +102,21 @@ def test_sampling_flags_reach_the_request_body_and_extra_body_wins_as_in_vllm():
     assert body["messages"] == [{"role": "user", "content": "hi"}]
 
 
-def test_chat_template_kwargs_needs_the_chat_endpoint():
-    with pytest.raises(ConfigError, match="chat-template-kwargs.*--endpoint /v1/chat/completions"):
-        parse("vllm bench serve --chat-template-kwargs '{\"thinking\": true}'")
+def test_chat_template_kwargs_on_completions_only_where_messages_are_rendered_here():
+    kwargs = "--chat-template-kwargs '{\"thinking\": true}'"
+    with pytest.raises(ConfigError, match="chat-template-kwargs has no effect.*random dataset.*leave the flag out"):
+        parse(f"vllm bench serve {kwargs}")
+    for dataset in ("custom", "sharegpt"):  # their 'messages' lines are rendered with the template on completions
+        config = parse(f"vllm bench serve {kwargs} --dataset-name {dataset} --dataset-path f.jsonl")
+        assert config.target.template_kwargs() == {"thinking": True}
+        assert "chat_template_kwargs" not in config.target.body_extras()  # completions bodies have no such field
+
+
+@pytest.mark.parametrize("key", ["tokenize", "add_generation_prompt", "conversation"])
+def test_chat_template_kwargs_must_not_set_what_the_render_sets(key):
+    with pytest.raises(ConfigError, match=f"must not set {key}.*leave those keys out") as caught:
+        parse(f"vllm bench serve --endpoint /v1/chat/completions --chat-template-kwargs '{{\"{key}\": true}}'")
+    assert "\n" not in str(caught.value)
 
 
 def test_lora_modules_choose_each_request_model_like_vllm():
@@ -200,9 +212,12 @@ def test_chat_template_kwargs_also_shape_how_chat_prompts_are_counted():
         return httpx.Response(200, json={"tokens": [1, 2, 3], "count": 3})
 
     counter = ServerTokenCounter(
-        "http://127.0.0.1:9", "m", None, client=httpx.Client(transport=httpx.MockTransport(handler))
+        "http://127.0.0.1:9",
+        "m",
+        None,
+        client=httpx.Client(transport=httpx.MockTransport(handler)),
+        chat_template_kwargs={"thinking": True},
     )
-    counter.chat_template_kwargs = {"thinking": True}
     assert counter.prompt_ids([{"role": "user", "content": "hi"}]) == [1, 2, 3]
     counter.prompt_ids("plain text")
     assert seen[0]["chat_template_kwargs"] == {"thinking": True}
