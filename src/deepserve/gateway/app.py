@@ -269,6 +269,10 @@ class GatewayApp:
         except GatewayError as exc:
             await _send_error(send, exc)
             return
+        except Exception as exc:  # a bug of ours: answer in OpenAI's shape, keep the traceback in the log
+            log.exception("unexpected error while forwarding %s", scope["path"])
+            await _send_error(send, InternalError(f"internal gateway error ({type(exc).__name__})"))
+            return
         await _send_json(send, response.status, body)
 
     # ---- the proxied endpoints ----------------------------------------------------------------------------------

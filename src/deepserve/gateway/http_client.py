@@ -137,7 +137,8 @@ class _Connection(asyncio.Protocol):
 
     async def exchange(self, head: bytes, body: bytes) -> HttpResponse:
         """Send a request; return once the response's head arrived."""
-        assert self._transport is not None
+        if self._transport is None:  # the upstream closed it between connect (or the pool) and now
+            raise IncompleteResponse("the upstream closed the connection before the request was sent")
         self._parser = httptools.HttpResponseParser(self)
         self._chunks.clear()
         self._head_done = self._complete = False
@@ -253,12 +254,13 @@ class HttpClient:
 
     async def request(self, method: str, origin: Origin, target: str, body: bytes = b"") -> HttpResponse:
         """METHOD TARGET with a JSON BODY; the response once its head arrived. Raises ConnectFailed (nothing was
-        sent), ConnectionError (the connection dropped), TimeoutError (connect or read)."""
-        connection = self._take_idle(origin.key) or await self._connect(origin)
+        sent), ConnectionError (the connection dropped), TimeoutError (connect or read). Anything else is a bug of
+        ours (e.g. a TARGET that is not latin-1) and is raised before a connection is taken."""
         head = (
             f"{method} {target} HTTP/1.1\r\nHost: {origin.host_header}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
+        connection = self._take_idle(origin.key) or await self._connect(origin)
         try:
             return await connection.exchange(head, body)
         except BaseException:

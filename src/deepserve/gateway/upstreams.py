@@ -38,6 +38,9 @@ MODELS_PATH = "/v1/models"
 MODELS_REFRESH_EVERY = 30
 # Below uvicorn's default keep-alive timeout (5 s), which vLLM and SGLang use.
 IDLE_CONNECTION_S = 4.0
+# What the HTTP client raises when the upstream (or the network) fails; IncompleteResponse and ConnectFailed are
+# ConnectionErrors. Anything else is a bug of ours: it must not be retried on every replica nor charged to one.
+CLIENT_FAILURES = (OSError, TimeoutError)
 # A replica that answers nothing within the health timeout this many times in a row is taken out.
 CHECK_TIMEOUTS_TO_FAIL = 3
 
@@ -159,7 +162,7 @@ class UpstreamPool:
         """Send BODY; return the response once its headers arrived. The caller must release or close it."""
         try:
             return await self._client.request("POST", replica.origin, replica.path_prefix + path, body)
-        except Exception as exc:
+        except CLIENT_FAILURES as exc:
             raise upstream_error(exc, replica) from exc
 
     # ---- health -------------------------------------------------------------------------------------------------
@@ -223,20 +226,14 @@ class UpstreamPool:
         self.models = models
 
 
-def upstream_error(exc: BaseException, replica: UpstreamReplica) -> UpstreamError:
-    """The gateway's error for an exception of the HTTP client (the caller raises it `from` EXC)."""
+def upstream_error(exc: OSError, replica: UpstreamReplica) -> UpstreamError:
+    """The gateway's error for one of CLIENT_FAILURES (the caller raises it `from` EXC)."""
     where = f"upstream {replica.url}"
-    if isinstance(exc, UpstreamError):
-        return exc
-    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+    if isinstance(exc, TimeoutError):
         return UpstreamTimeout(f"{where} did not answer in time")
     if isinstance(exc, ConnectFailed):
         return UpstreamUnavailable(f"{where} refused the connection ({exc})", refused=True)
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return UpstreamUnavailable(f"{where} refused the connection ({exc.os_error})", refused=True)
-    if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)):
-        return UpstreamUnavailable(f"{where} is unreachable or dropped the connection ({type(exc).__name__})")
-    return UpstreamError(f"{where} failed: {type(exc).__name__}: {exc}")
+    return UpstreamUnavailable(f"{where} is unreachable or dropped the connection ({type(exc).__name__}: {exc})")
 
 
 async def iter_chunks(response: HttpResponse, replica: UpstreamReplica) -> AsyncIterator[bytes]:
@@ -244,12 +241,12 @@ async def iter_chunks(response: HttpResponse, replica: UpstreamReplica) -> Async
     try:
         async for chunk in response.chunks():
             yield chunk
-    except Exception as exc:
+    except CLIENT_FAILURES as exc:
         raise upstream_error(exc, replica) from exc
 
 
 async def read_body(response: HttpResponse, replica: UpstreamReplica) -> bytes:
     try:
         return await response.read()
-    except Exception as exc:
+    except CLIENT_FAILURES as exc:
         raise upstream_error(exc, replica) from exc
