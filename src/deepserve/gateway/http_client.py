@@ -74,6 +74,7 @@ class _Connection(asyncio.Protocol):
         self._chunks: collections.deque[bytes] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._head_done = False
+        self._interim = False  # between an interim (1xx) head and its end
         self._complete = False
         self._error: BaseException | None = None
         self._content_type = b""
@@ -115,6 +116,13 @@ class _Connection(asyncio.Protocol):
             self._framed = True
 
     def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # An interim response (100 Continue, 103 Early Hints): the final one follows on the same connection.
+            self._interim = True
+            self._content_type = b""
+            self._framed = False
+            return
         self._head_done = True
         self._keep_alive = self._parser.should_keep_alive()
         self._wake()
@@ -126,6 +134,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self._complete = True
         self._wake()
 
@@ -141,7 +152,7 @@ class _Connection(asyncio.Protocol):
             raise IncompleteResponse("the upstream closed the connection before the request was sent")
         self._parser = httptools.HttpResponseParser(self)
         self._chunks.clear()
-        self._head_done = self._complete = False
+        self._head_done = self._complete = self._interim = False
         self._error = None
         self._content_type = b""
         self._framed = False

@@ -187,3 +187,32 @@ async def test_a_body_without_length_or_chunks_ends_when_the_server_closes() -> 
 def test_an_ipv6_origin_gets_a_bracketed_host_header() -> None:
     assert Origin("::1", 8000, tls=False).host_header == "[::1]:8000"
     assert Origin("127.0.0.1", 8000, tls=False).host_header == "127.0.0.1:8000"
+
+
+@pytest.mark.parametrize("one_write", [True, False])
+async def test_an_interim_103_is_skipped_and_the_final_response_is_returned(one_write: bool) -> None:
+    early_hints = b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n"
+    final = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok":true}'
+
+    async def hints_then_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(early_hints)
+            if not one_write:
+                await writer.drain()
+                await asyncio.sleep(0.05)
+            writer.write(final)
+            await writer.drain()
+
+    client = _client()
+    async with raw_server(hints_then_answer) as (origin, connections):
+        for _ in range(2):  # the second request on the pooled connection gets its own answer, not a leftover
+            response = await client.request("POST", origin, "/", b"{}")
+            assert (response.status, response.content_type) == (200, "application/json")
+            assert await response.read() == b'{"ok":true}'
+            response.release()
+        assert len(connections) == 1
+    await client.close()
