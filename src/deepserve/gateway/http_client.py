@@ -81,6 +81,7 @@ class _Connection(asyncio.Protocol):
         self._framed = False
         self._keep_alive = True
         self._last_data_s = 0.0
+        self._paused = False  # we stopped reading (our reader is behind): the upstream's silence is ours
         self._timer: asyncio.TimerHandle | None = None
         self.idle_since_s = 0.0
 
@@ -131,6 +132,7 @@ class _Connection(asyncio.Protocol):
         self._chunks.append(body)
         if len(self._chunks) == _PAUSE_AT_CHUNKS and self._transport is not None:
             self._transport.pause_reading()  # the reader (a slow client downstream) is behind: let TCP push back
+            self._paused = True
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -170,8 +172,8 @@ class _Connection(asyncio.Protocol):
         """The next body chunk, or b"" at the end of the response."""
         while True:
             if self._chunks:
-                if len(self._chunks) == _RESUME_AT_CHUNKS and self._transport is not None:
-                    self._transport.resume_reading()
+                if self._paused and len(self._chunks) <= _RESUME_AT_CHUNKS:
+                    self._resume()
                 return self._chunks.popleft()
             if self._complete:
                 return b""
@@ -200,6 +202,12 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _resume(self) -> None:
+        self._paused = False
+        self._last_data_s = time.monotonic()
+        if self._transport is not None:
+            self._transport.resume_reading()
+
     def _arm_timer(self) -> None:
         if self._timer is None:
             loop = asyncio.get_running_loop()
@@ -210,6 +218,8 @@ class _Connection(asyncio.Protocol):
         self._timer = None
         if self._complete or self._transport is None:
             return
+        if self._paused:  # no data because we do not read: the upstream's clock starts again when we do
+            self._last_data_s = time.monotonic()
         idle_s = time.monotonic() - self._last_data_s
         if idle_s >= self._read_timeout_s:
             self._fail(TimeoutError(f"no data from the upstream for {idle_s:.1f} s"))

@@ -216,3 +216,27 @@ async def test_an_interim_103_is_skipped_and_the_final_response_is_returned(one_
             response.release()
         assert len(connections) == 1
     await client.close()
+
+
+async def test_our_own_backpressure_is_not_taken_for_upstream_silence() -> None:
+    parts = [b"event %03d;" % index for index in range(200)]
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for part in parts:
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+            await asyncio.sleep(0)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    client = _client(read_timeout_s=0.3)
+    async with raw_server(flood) as (origin, _):
+        response = await client.request("POST", origin, "/", b"{}")
+        await asyncio.sleep(1.0)  # a slow client downstream: reading stays paused for over three read timeouts
+        transport = response._connection._transport
+        assert transport is not None and not transport.is_reading()
+        assert await response.read() == b"".join(parts)
+        response.release()
+    await client.close()
