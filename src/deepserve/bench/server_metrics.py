@@ -3,8 +3,11 @@
 Only the few vLLM series we report are parsed, by line prefix: a full Prometheus parse of vLLM's histograms every
 second would take CPU from the event loop that timestamps chunks. Series with several label sets (engines of one
 server, or replicas behind deepserve's gateway) are combined: KV-cache usage is a fraction of each engine's own
-cache, so the max is taken (the fullest engine); requests and counters add up. A server without /metrics is noted
-in the result, never an error.
+cache, so the max is taken (the fullest engine); running and waiting requests add up. Counters are kept per series
+(name and labels, the replica's included) and each series' growth over the run is summed: behind the gateway a
+replica may be missing from some scrapes (only healthy ones are listed) or join late, and a sum across replicas
+taken per scrape would then count its whole lifetime, or go negative. A server without /metrics is noted in the
+result, never an error.
 
 Behind deepserve's gateway, `<base>/metrics` has only the gateway's series; its `/metrics/engines` has every healthy
 replica's, labelled by replica. When the first URL has no vLLM series, the scraper tries that one; the summary says
@@ -27,13 +30,14 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
 WANTED = (RUNNING, WAITING, *KV_CACHE_USAGE, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS)
+COUNTERS = frozenset({PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS})  # kept per series: growth per series, then summed
 MAX_OVER_LABEL_SETS = frozenset(KV_CACHE_USAGE)  # per-engine fractions: the fullest engine, not a sum
 GATEWAY_ENGINES_PATH = "/metrics/engines"  # deepserve's gateway: every replica's /metrics (gateway/engine_metrics.py)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """{series name: value over label sets} for the WANTED series in Prometheus text format: summed, except the
-    KV-cache usage fractions, whose max is taken."""
+    """The WANTED series in Prometheus text format. Gauges by name, combined over label sets (summed, except the
+    KV-cache usage fractions, whose max is taken); COUNTERS by series, `name{labels}` as written (see series_name)."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
@@ -42,10 +46,14 @@ def parse_metrics(text: str) -> dict[str, float]:
         name = line[:name_end]
         if name not in WANTED:
             continue
-        parts = line.rsplit("}", 1)[-1].split() if "{" in line else line.split()[1:]
+        series, _, rest = line.rpartition("}") if "{" in line else (name, "", line[name_end:])
+        parts = rest.split()
         try:
             value = float(parts[0])
         except (IndexError, ValueError):
+            continue
+        if name in COUNTERS:
+            values[series + ("}" if "{" in line else "")] = value
             continue
         if name in values:
             value = max(values[name], value) if name in MAX_OVER_LABEL_SETS else values[name] + value
@@ -55,7 +63,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 @dataclass
 class ServerMetricsSummary:
-    """What the server reported during the measured run. Peaks are over scrapes; totals are last − first."""
+    """What the server reported during the measured run. Peaks are over scrapes; totals are each counter series'
+    growth over the run (see series_growth), summed over series."""
 
     available: bool
     note: str = ""
@@ -85,8 +94,10 @@ def summarize_samples(samples: list[dict[str, float]]) -> ServerMetricsSummary:
         return max(seen) if seen else None
 
     def growth(name: str) -> float | None:
-        seen = [sample[name] for sample in samples if name in sample]
-        return seen[-1] - seen[0] if seen else None
+        series = {key for sample in samples for key in sample if series_name(key) == name}
+        if not series:
+            return None
+        return sum(series_growth([sample[key] for sample in samples if key in sample]) for key in series)
 
     summary.peak_running = peak(RUNNING)
     summary.peak_waiting = peak(WAITING)
@@ -96,9 +107,23 @@ def summarize_samples(samples: list[dict[str, float]]) -> ServerMetricsSummary:
     summary.preemptions = growth(PREEMPTIONS)
     if summary.prefix_cache_queries and summary.prefix_cache_hits is not None:
         summary.prefix_cache_hit_rate = summary.prefix_cache_hits / summary.prefix_cache_queries
-    if not any(name in sample for sample in samples for name in WANTED):
+    if not any(series_name(key) in WANTED for sample in samples for key in sample):
         summary.note = "the server's /metrics has none of the vLLM series we report"
     return summary
+
+
+def series_name(key: str) -> str:
+    """The metric name of a parse_metrics key: `vllm:x_total{replica="a"}` -> `vllm:x_total`."""
+    return key.partition("{")[0]
+
+
+def series_growth(values: list[float]) -> float:
+    """How much one counter series grew over its scrapes (from its first one: a series that appears late is counted
+    from then, not over its lifetime). A drop is a restart of the counter: it counts again from zero."""
+    grown = 0.0
+    for previous, value in zip(values, values[1:], strict=False):
+        grown += value - previous if value >= previous else value
+    return grown
 
 
 class ServerMetricsScraper:

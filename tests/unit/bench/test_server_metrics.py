@@ -22,15 +22,15 @@ other_metric 5
 """
 
 
-def test_parse_sums_label_sets_and_ignores_other_series():
+def test_parse_sums_gauges_over_label_sets_keeps_counters_per_series_and_ignores_other_series():
     values = parse_metrics(TEXT)
     assert values == {
         "vllm:num_requests_running": 5.0,
         "vllm:num_requests_waiting": 4.0,
         "vllm:kv_cache_usage_perc": 0.5,
-        "vllm:prefix_cache_queries_total": 1000.0,
-        "vllm:prefix_cache_hits_total": 250.0,
-        "vllm:num_preemptions_total": 1.0,
+        'vllm:prefix_cache_queries_total{engine="0",model_name="tiny"}': 1000.0,
+        'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"}': 250.0,
+        'vllm:num_preemptions_total{engine="0",model_name="tiny"}': 1.0,
     }
 
 
@@ -49,28 +49,49 @@ def test_kv_cache_usage_is_the_fullest_engine_not_a_sum_of_fractions():
     assert values["vllm:kv_cache_usage_perc"] == 0.5
     assert values["vllm:gpu_cache_usage_perc"] == 0.125
     assert values["vllm:num_requests_running"] == 5.0
-    assert values["vllm:num_preemptions_total"] == 5.0
+    assert summarize_samples([{}, values]).preemptions == 0.0  # a counter first seen at the end grew by nothing
 
 
 def test_summary_peaks_and_counter_growth_over_the_run():
     first = parse_metrics(TEXT)
-    later = dict(first)
-    later.update({
-        "vllm:num_requests_running": 9.0,
-        "vllm:kv_cache_usage_perc": 0.75,
-        "vllm:prefix_cache_queries_total": 1400.0,
-        "vllm:prefix_cache_hits_total": 350.0,
-        "vllm:num_preemptions_total": 4.0,
-    })  # fmt: skip
+    later = parse_metrics(
+        TEXT.replace("} 3.0", "} 9.0")
+        .replace("} 0.5", "} 0.75")
+        .replace("} 1000.0", "} 1400.0")
+        .replace("} 250.0", "} 350.0")
+        .replace("} 1.0", "} 4.0")
+    )
     summary = summarize_samples([first, later])
     assert summary.available and summary.scrapes == 2
-    assert summary.peak_running == 9.0
+    assert summary.peak_running == 11.0  # 9 + 2 engines
     assert summary.peak_waiting == 4.0
     assert summary.peak_kv_cache_usage_perc == 0.75
     assert summary.prefix_cache_queries == 400.0  # counters: last - first
     assert summary.prefix_cache_hits == 100.0
     assert summary.prefix_cache_hit_rate == pytest.approx(0.25)
     assert summary.preemptions == 3.0
+
+
+def replicas(**counts: float) -> str:
+    """/metrics/engines text: one prefix-cache query counter per replica (only the healthy ones are listed)."""
+    return "".join(f'vllm:prefix_cache_queries_total{{replica="{name}",engine="0"}} {n}\n' for name, n in counts.items())
+
+
+def test_counters_grow_per_replica_when_one_drops_out_and_one_joins_late():
+    scrapes = [
+        replicas(a=1000, b=500),
+        replicas(a=1100, b=520),
+        replicas(a=1150, b=530, c=9000),  # c joins late with a long history: only its growth from here counts
+        replicas(a=1200, c=9040),  # b is unhealthy and missing from the last scrape
+    ]
+    summary = summarize_samples([parse_metrics(text) for text in scrapes])
+    assert summary.prefix_cache_queries == (1200 - 1000) + (530 - 500) + (9040 - 9000)
+
+
+def test_a_counter_that_drops_was_restarted_and_counts_again_from_zero():
+    scrapes = [replicas(a=1000), replicas(a=1100), replicas(a=30), replicas(a=80)]  # a restarted after 1100
+    summary = summarize_samples([parse_metrics(text) for text in scrapes])
+    assert summary.prefix_cache_queries == 100 + 30 + 50
 
 
 def test_hit_rate_over_the_run_only():
