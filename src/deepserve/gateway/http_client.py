@@ -35,10 +35,11 @@ class HttpResponse:
     """A response whose head has arrived. Read it (`read`, `chunks`), then `release` (its connection goes back to the
     pool when the response was read to the end) or `close` (the connection is dropped: the server sees the abort)."""
 
-    __slots__ = ("_connection", "content_type", "status")
+    __slots__ = ("_connection", "_detached", "content_type", "status")
 
     def __init__(self, connection: _Connection, status: int, content_type: str) -> None:
         self._connection = connection
+        self._detached = False  # released or closed: the connection may already serve another request
         self.status = status
         self.content_type = content_type
 
@@ -55,10 +56,15 @@ class HttpResponse:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def release(self) -> None:
-        self._connection.release()
+        """Once only: a second call (or one after `close`) does nothing."""
+        if not self._detached:
+            self._detached = True
+            self._connection.release()
 
     def close(self) -> None:
-        self._connection.close()
+        if not self._detached:
+            self._detached = True
+            self._connection.close()
 
 
 class _Connection(asyncio.Protocol):
@@ -232,7 +238,11 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._complete and self._keep_alive and self.reusable:
+        # Pooled only when read to the end: unread chunks (and a transport paused for them) would greet the next
+        # request on this connection.
+        if self._complete and not self._chunks and self._keep_alive and self.reusable:
+            if self._paused:
+                self._resume()
             self.idle_since_s = time.monotonic()
             self._pool.put_back(self)
         else:
@@ -321,7 +331,9 @@ class HttpClient:
         return self._ssl
 
     def put_back(self, connection: _Connection) -> None:
-        self._idle.setdefault(connection.origin, []).append(connection)
+        idle = self._idle.setdefault(connection.origin, [])
+        if connection not in idle:
+            idle.append(connection)
 
     def forget(self, connection: _Connection) -> None:
         self._all.discard(connection)

@@ -240,3 +240,45 @@ async def test_our_own_backpressure_is_not_taken_for_upstream_silence() -> None:
         assert await response.read() == b"".join(parts)
         response.release()
     await client.close()
+
+
+async def test_releasing_twice_pools_the_connection_once() -> None:
+    client = _client()
+    async with raw_server(_chunked_answers) as (origin, connections):
+        response = await client.request("POST", origin, "/", b"{}")
+        await response.read()
+        response.release()
+        response.release()
+        both = [client.request("POST", origin, "/", b'{"n":%d}' % n) for n in range(2)]
+        responses = await asyncio.wait_for(asyncio.gather(*both), 3)
+        bodies = await asyncio.wait_for(asyncio.gather(*(r.read() for r in responses)), 3)
+        assert bodies == [b'got:{"n":0}', b'got:{"n":1}']  # two requests never share one connection
+        assert len(connections) == 2
+        for response in responses:
+            response.release()
+    await client.close()
+
+
+async def test_a_response_released_unread_does_not_pool_its_connection() -> None:
+    parts = [b"event %03d;" % index for index in range(100)]  # past the pause mark, all in one segment
+
+    async def answer_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            chunks = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in parts)
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n")
+            await writer.drain()
+
+    client = _client(read_timeout_s=1.0)
+    async with raw_server(answer_at_once) as (origin, connections):
+        unread = await client.request("POST", origin, "/", b"{}")
+        await asyncio.sleep(0.1)  # the whole answer is queued and reading is paused
+        unread.release()
+        response = await client.request("POST", origin, "/", b"{}")
+        assert await response.read() == b"".join(parts)
+        response.release()
+        assert len(connections) == 2
+    await client.close()
