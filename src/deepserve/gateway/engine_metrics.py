@@ -1,6 +1,12 @@
 """`GET /metrics/engines`: the Prometheus text of every healthy upstream replica, each sample labelled with its
 replica, so that a client of the gateway (`deepserve bench` among them) sees the engines' own series (running and
-waiting requests, KV-cache usage, prefix-cache hits, preemptions) without knowing their internal URLs.
+waiting requests, KV-cache usage, prefix-cache hits, preemptions) through the gateway's port alone. The `replica`
+label is the upstream URL as configured (the config has no other name for a replica), so the answer does show the
+internal URLs; docs/GATEWAY.md says so.
+
+The endpoint needs no key, so its callers must not be able to drive the engines' /metrics: concurrent requests
+share one scrape, and its result is answered for CACHE_S after it (at most 1/CACHE_S scrapes per second per
+replica, however many callers).
 
 Samples are regrouped by metric family across replicas (one HELP/TYPE header per family), because Prometheus text
 format requires a family's samples to be contiguous. A replica that does not answer is named in a comment line and
@@ -21,6 +27,9 @@ from deepserve.gateway.upstreams import UpstreamPool, UpstreamReplica
 ENGINE_METRICS_PATH = "/metrics/engines"
 REPLICA_LABEL = "replica"
 SCRAPE_TIMEOUT_S = 5.0
+# Short enough for a benchmark polling every 50 ms to see changes within a quarter second, long enough to bound the
+# engines' load from an unauthenticated caller in a loop.
+CACHE_S = 0.25
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 Scope = MutableMapping[str, Any]
@@ -98,17 +107,46 @@ async def _scrape(pool: UpstreamPool, replica: UpstreamReplica) -> tuple[str | N
         async with pool.session.get(replica.root + "/metrics", timeout=timeout) as response:
             if response.status != 200:
                 return None, f"HTTP {response.status}"
-            return await response.text(), None
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return (await response.read()).decode(), None  # the Prometheus text format is UTF-8
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
         return None, f"{exc.__class__.__name__}: {exc}".rstrip(": ")
+
+
+class EngineMetricsCache:
+    """The merged exposition of POOL's replicas: one scrape for all concurrent callers, reused for CACHE_S."""
+
+    def __init__(self, pool: UpstreamPool, cache_s: float = CACHE_S) -> None:
+        self.pool = pool
+        self.cache_s = cache_s
+        self._body = b""
+        self._scraped_at_s = float("-inf")
+        self._scrape: asyncio.Task[bytes] | None = None
+
+    async def body(self) -> bytes:
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._scraped_at_s < self.cache_s:
+            return self._body
+        if self._scrape is None:
+            self._scrape = asyncio.create_task(self._refresh(), name="engine-metrics-scrape")
+        # Shielded: a caller that goes away does not cancel the scrape the others wait for.
+        return await asyncio.shield(self._scrape)
+
+    async def _refresh(self) -> bytes:
+        try:
+            texts, errors = await scrape_replicas(self.pool)
+            self._body = merge_exposition(texts, errors).encode()
+            self._scraped_at_s = asyncio.get_running_loop().time()
+            return self._body
+        finally:
+            self._scrape = None
 
 
 def engine_metrics_route(pool: UpstreamPool) -> Handler:
     """The ASGI handler of ENGINE_METRICS_PATH for POOL's replicas."""
+    cache = EngineMetricsCache(pool)
 
     async def handle(scope: Scope, receive: Receive, send: Send) -> None:
-        texts, errors = await scrape_replicas(pool)
-        body = merge_exposition(texts, errors).encode()
+        body = await cache.body()
         headers = [(b"content-type", CONTENT_TYPE), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})

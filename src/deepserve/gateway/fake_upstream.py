@@ -38,6 +38,7 @@ class FakeStats:
     completed: int = 0
     aborted: int = 0
     active: int = 0
+    metrics_scrapes: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)  # the last few request bodies, as received
 
 
@@ -50,6 +51,8 @@ class FakeBehaviour:
     health_delay_s: float = 0.0  # answer /health this late (an overloaded replica)
     model: str = FAKE_MODEL
     max_model_len: int = FAKE_MAX_MODEL_LEN
+    metrics_text: bytes = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"  # its /metrics
+    metrics_delay_s: float = 0.0  # answer /metrics this late
 
 
 class FakeUpstream:
@@ -68,6 +71,10 @@ class FakeUpstream:
         elif path == "/v1/models":
             card = {"id": self.behaviour.model, "object": "model", "max_model_len": self.behaviour.max_model_len}
             await _respond(send, 200, json.dumps({"object": "list", "data": [card]}).encode())
+        elif path == "/metrics":
+            self.stats.metrics_scrapes += 1
+            await asyncio.sleep(self.behaviour.metrics_delay_s)
+            await _respond(send, 200, self.behaviour.metrics_text)
         elif path == "/stats":
             await _respond(send, 200, json.dumps(asdict(self.stats)).encode())
         elif path in ("/v1/completions", "/v1/chat/completions"):
