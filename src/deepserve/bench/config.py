@@ -230,7 +230,9 @@ class MetricsConfig(Section):
     server_metrics: bool = Field(True, description="scrape the server's Prometheus /metrics during the run")
     server_metrics_url: str | None = Field(None, description="Prometheus URL (default: <base URL>/metrics)")
     server_metrics_interval_s: float = Field(1.0, gt=0, description="seconds between /metrics scrapes")
-    profile: bool = Field(False, description="POST the server's /start_profile before the run, /stop_profile after")
+    profile: bool = Field(
+        False, description="POST the server's /start_profile after the warm-ups, /stop_profile after the run (vLLM's)"
+    )
 
     @field_validator("goodput")
     @classmethod

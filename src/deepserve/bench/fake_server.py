@@ -71,6 +71,7 @@ class FakeState:
         self.bodies: list[dict[str, Any]] = []  # every generation request's JSON body, in arrival order
         self.request_ids: list[str | None] = []  # and its x-request-id header
         self.profile_calls: list[str] = []  # /start_profile, /stop_profile, in order
+        self.profile_call_requests: list[int] = []  # generation requests received before each profiler call
 
 
 class _Handler(asyncio.Protocol):
@@ -139,6 +140,7 @@ class _Handler(asyncio.Protocol):
             self._json(200, {})
         elif path in ("/start_profile", "/stop_profile") and script.profiler and method == "POST":
             self.state.profile_calls.append(path)
+            self.state.profile_call_requests.append(self.state.requests)
             self._json(200, {})
         elif path == "/metrics":
             if script.metrics_text is None:

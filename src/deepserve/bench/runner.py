@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import math
 import multiprocessing
 import time
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -290,28 +291,46 @@ def make_plan(config: BenchConfig, model: str, specs: list[RequestSpec]) -> Driv
 async def _measure(
     config: BenchConfig, plan: DrivePlan, display: bool
 ) -> tuple[DriveOutcome, ServerMetricsSummary, str | None]:
-    if config.metrics.profile:
-        await _profile_call(config, "/start_profile")
+    profiler = _Profiler(config) if config.metrics.profile else None
+    before_run = profiler.start if profiler is not None else None
     scraper = _scraper(config)
     if scraper is not None:
         await scraper.start()
     workers = config.load.num_workers
     counters = LiveCounters.shared(workers) if workers > 1 else LiveCounters.local()
     total = plan.num_requests
-    async with ProgressDisplay(counters, total, plan.duration_s, display and not config.output.disable_tqdm):
-        if workers > 1:
-            outcome = await _drive_in_workers(plan, workers, counters)
-        else:
-            outcome = await _Driver(plan, counters, worker=0).run()
-    server = await scraper.stop() if scraper is not None else ServerMetricsSummary(False, "disabled")
-    profile = None
-    if config.metrics.profile:
-        try:
-            await _profile_call(config, "/stop_profile")
-            profile = "started before the run, stopped after it"
-        except BenchError as exc:  # the run's data stands; say why the profile may be incomplete
-            profile = f"started, but stopping failed: {exc}"
+    try:
+        async with ProgressDisplay(counters, total, plan.duration_s, display and not config.output.disable_tqdm):
+            if workers > 1:
+                outcome = await _drive_in_workers(plan, workers, counters, before_run)
+            else:
+                outcome = await _Driver(plan, counters, worker=0, before_run=before_run).run()
+    finally:  # whatever happened to the run, a profiler we started is stopped, and the scraper's client closed
+        profile = await profiler.stop() if profiler is not None else None
+        server = await scraper.stop() if scraper is not None else ServerMetricsSummary(False, "disabled")
     return outcome, server, profile
+
+
+class _Profiler:
+    """vLLM's --profile: the server's profiler runs from after the warm-ups (as vLLM starts it) to the run's end."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        self.started = False
+
+    async def start(self) -> None:
+        await _profile_call(self.config, "/start_profile")
+        self.started = True
+
+    async def stop(self) -> str | None:
+        """What happened to the profile, for the results (None: never started)."""
+        if not self.started:
+            return None
+        try:
+            await _profile_call(self.config, "/stop_profile")
+        except BenchError as exc:  # the run's data stands; say why the profile may be incomplete
+            return f"started, but stopping failed: {exc}"
+        return "started after the warm-ups, stopped after the run"
 
 
 async def _profile_call(config: BenchConfig, path: str) -> None:
@@ -345,8 +364,17 @@ def _scraper(config: BenchConfig) -> ServerMetricsScraper | None:
 class _Driver:
     """Releases PLAN's requests on schedule into the concurrency limit and turns responses into records."""
 
-    def __init__(self, plan: DrivePlan, counters: LiveCounters, worker: int, start_at: float | None = None) -> None:
+    def __init__(
+        self,
+        plan: DrivePlan,
+        counters: LiveCounters,
+        worker: int,
+        start_at: float | None = None,
+        before_run: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """BEFORE_RUN: awaited between the warm-ups and the measured run (--profile starts the profiler there)."""
         self.plan = plan
+        self.before_run = before_run
         self.counters = counters
         self.worker = worker
         self.start_at = start_at
@@ -361,6 +389,8 @@ class _Driver:
         ticker = asyncio.create_task(self._publish_chunks())
         try:
             await self._warm_up()
+            if self.before_run is not None:
+                await self.before_run()
             with collector_paused():
                 if self.start_at is not None:
                     await asyncio.sleep(max(0.0, self.start_at - time.perf_counter()))
@@ -388,17 +418,7 @@ class _Driver:
             self.counters.set_chunks(self.worker, self.client.tally.events)
 
     async def _warm_up(self) -> None:
-        """Warm-up requests: connections opened and the server's caches primed, nothing recorded."""
-        if not self.plan.warmups:
-            return
-        limit = asyncio.Semaphore(self.plan.max_concurrency or len(self.plan.warmups))
-
-        async def one(request: PreparedRequest) -> None:
-            async with limit:
-                await self.client.send(request.wire)
-
-        await asyncio.gather(*(one(request) for request in self.plan.warmups))
-        self.outcome.warmups_done = len(self.plan.warmups)
+        self.outcome.warmups_done = await send_warmups(self.client, self.plan.warmups, self.plan.max_concurrency)
 
     async def _dispatch(self) -> None:
         plan = self.plan
@@ -489,6 +509,20 @@ class _Driver:
         if source:
             self.outcome.attribution.add(source)
         self.counters.request_done(self.worker, record.success)
+
+
+async def send_warmups(client: StreamingClient, warmups: list[PreparedRequest], max_concurrency: int | None) -> int:
+    """Warm-up requests: connections opened and the server's caches primed, nothing recorded. Returns how many."""
+    if not warmups:
+        return 0
+    limit = asyncio.Semaphore(max_concurrency or len(warmups))
+
+    async def one(request: PreparedRequest) -> None:
+        async with limit:
+            await client.send(request.wire)
+
+    await asyncio.gather(*(one(request) for request in warmups))
+    return len(warmups)
 
 
 def build_record(
@@ -602,7 +636,20 @@ def _worker_main(plan: DrivePlan, worker: int, start_at: float) -> DriveOutcome:
     return run_async(_Driver(plan, counters, worker, start_at).run())
 
 
-async def _drive_in_workers(plan: DrivePlan, workers: int, counters: LiveCounters) -> DriveOutcome:
+async def _drive_in_workers(
+    plan: DrivePlan, workers: int, counters: LiveCounters, before_run: Callable[[], Awaitable[None]] | None = None
+) -> DriveOutcome:
+    """BEFORE_RUN (--profile): the warm-ups are sent from here first, then it is awaited, then the workers start (so
+    that it falls between the warm-ups and the measured run, which the workers' shared start instant cannot tell)."""
+    warmed = 0
+    if before_run is not None:
+        client = StreamingClient(plan.endpoint, plan.request_timeout_s, verify_tls=plan.verify_tls)
+        try:
+            warmed = await send_warmups(client, plan.warmups, plan.max_concurrency)
+        finally:
+            client.close()
+        await before_run()
+        plan = dataclasses.replace(plan, warmups=[])
     plans = split_plan(plan, workers)
     context = multiprocessing.get_context("spawn")
     start_at = time.perf_counter() + WORKER_START_DELAY_S + (2.0 if plan.warmups else 0.0)
@@ -620,6 +667,7 @@ async def _drive_in_workers(plan: DrivePlan, workers: int, counters: LiveCounter
                 outcomes.append(await _await_future(future))
     merged = merge_outcomes(outcomes)
     merged.interrupted = merged.interrupted or interrupted
+    merged.warmups_done += warmed
     return merged
 
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from deepserve.bench import runner
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.fake_server import FakeScript, FakeServerThread, running
 from deepserve.bench.runner import BenchError, run_benchmark, save_result
@@ -106,16 +107,33 @@ def test_lora_modules_pick_each_request_model_and_must_be_served():
             run_benchmark(bench(server.base_url, target={"lora_modules": ["lora-c"]}), display=False)
 
 
-def test_profile_starts_before_and_stops_after_the_run_or_fails_first():
+@pytest.mark.parametrize("workers", [1, 2])
+def test_profile_starts_after_the_warm_ups_and_stops_after_the_run_or_fails_first(workers):
+    profiled = {
+        "metrics": {"server_metrics": False, "profile": True},
+        "load": {"num_warmups": 2, "num_workers": workers},
+    }
     with running(FakeScript(profiler=True)) as server:
-        result = run_benchmark(bench(server.base_url, metrics={"server_metrics": False, "profile": True}), False)
+        result = run_benchmark(bench(server.base_url, **profiled), False)
         assert server.state.profile_calls == ["/start_profile", "/stop_profile"]
-        assert server.state.requests == 4
-    assert result.to_json()["profile"] == "started before the run, stopped after it"
+        assert server.state.profile_call_requests == [2, 6]  # as vLLM: the 2 warm-ups are not profiled
+    assert result.to_json()["profile"] == "started after the warm-ups, stopped after the run"
+    assert result.warmups_done == 2
     with running(FakeScript(profiler=False)) as server:
         with pytest.raises(BenchError, match="--profile: POST .*/start_profile answered HTTP 404.*profiler"):
+            run_benchmark(bench(server.base_url, **profiled), False)
+        assert server.state.requests == 2  # the warm-ups only: nothing measured was sent
+
+
+def test_a_run_that_fails_still_stops_the_profiler(monkeypatch):
+    async def broken_dispatch(self):
+        raise RuntimeError("dispatcher failed")
+
+    monkeypatch.setattr(runner._Driver, "_dispatch", broken_dispatch)  # a fault inside the measured run
+    with running(FakeScript(profiler=True)) as server:
+        with pytest.raises(RuntimeError, match="dispatcher failed"):
             run_benchmark(bench(server.base_url, metrics={"server_metrics": False, "profile": True}), False)
-        assert server.state.requests == 0  # nothing was sent
+        assert server.state.profile_calls == ["/start_profile", "/stop_profile"]
 
 
 def test_ready_check_waits_for_a_server_that_starts_late(unused_tcp_port):
