@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
@@ -55,8 +56,7 @@ class GatewayConfig(Section):
     @classmethod
     def _http_urls(cls, value: list[str]) -> list[str]:
         for url in value:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"upstream {url!r} must be an http:// or https:// URL, e.g. http://127.0.0.1:8001/v1")
+            check_upstream_url(url)
         return [url.rstrip("/") for url in value]
 
     @field_validator("model_alias")
@@ -79,6 +79,30 @@ class GatewayConfig(Section):
         """Fail fast, before binding, on a configuration that cannot work."""
         if not self.upstream:
             raise ConfigError("no upstream given; pass --upstream http://HOST:PORT/v1 (repeat for replicas)")
+
+
+def check_upstream_url(url: str) -> None:
+    """Raise ValueError, saying how to fix it, unless URL is an engine base URL the upstream client can use as is:
+    http(s), an explicit host, a valid port, no credentials (they would not be sent), a plain ASCII path."""
+    example = "e.g. http://127.0.0.1:8001/v1"
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"upstream {url!r} must be an http:// or https:// URL, {example}")
+    parts = urlsplit(url)
+    if "@" in parts.netloc:
+        raise ValueError(
+            f"upstream {url!r} has credentials (user@ or user:password@), which the gateway does not send to "
+            f"engines; remove them, {example}"
+        )
+    if not parts.hostname:
+        raise ValueError(f"upstream {url!r} has no host; give one, {example}")
+    try:
+        parts.port  # noqa: B018 (urlsplit checks the port only when it is read)
+    except ValueError:
+        raise ValueError(f"upstream {url!r} has an invalid port; use a number from 1 to 65535, {example}") from None
+    if parts.query or parts.fragment:
+        raise ValueError(f"upstream {url!r} must not have a query or fragment; give the base URL only, {example}")
+    if not (url.isascii() and url.isprintable()) or " " in url:
+        raise ValueError(f"upstream {url!r} must be plain ASCII without spaces; percent-encode the path, {example}")
 
 
 def is_loopback(host: str) -> bool:

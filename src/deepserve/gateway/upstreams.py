@@ -61,7 +61,9 @@ class UpstreamReplica:
     def __post_init__(self) -> None:
         parts = urlsplit(self.root)
         tls = parts.scheme == "https"
-        self.origin = Origin(parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80), tls)
+        if not parts.hostname:  # config.check_upstream_url refuses it with advice; never guess a host
+            raise ValueError(f"upstream {self.url!r} has no host")
+        self.origin = Origin(parts.hostname, parts.port or (443 if tls else 80), tls)
         self.path_prefix = parts.path.rstrip("/")
 
     def url_of(self, path: str) -> URL:

@@ -58,3 +58,28 @@ def test_gateway_argv_round_trips_through_the_cli_flags() -> None:
     add_section_flags(parser, GatewayConfig)
     parsed = load_section(GatewayConfig, "gateway", None, section_overrides(parser.parse_args(argv[4:]), GatewayConfig))
     assert parsed == config
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://:8000/v1", "has no host"),
+        ("http:///v1", "has no host"),
+        ("http://user:pw@engine:8000/v1", "remove them"),
+        ("http://token@engine:8000/v1", "credentials"),
+        ("http://engine:80a/v1", "invalid port"),
+        ("http://engine:70000/v1", "invalid port"),
+        ("http://engine:8000/v1?x=1", "query or fragment"),
+        ("http://engine:8000/\u20ac/v1", "percent-encode"),
+        ("http://engine:8000/a b/v1", "percent-encode"),
+    ],
+)
+def test_upstream_urls_the_client_cannot_use_fail_fast_with_a_fix(url: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        load_section(GatewayConfig, "gateway", None, {"upstream": [url]})
+
+
+def test_good_upstream_urls_are_accepted() -> None:
+    urls = ["http://127.0.0.1:8001/v1", "https://engine.ns.svc/v1/", "http://[::1]:8000/v1", "http://engine"]
+    config = load_section(GatewayConfig, "gateway", None, {"upstream": urls})
+    assert config.upstream == [url.rstrip("/") for url in urls]
