@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +122,7 @@ def series_growth(values: list[float]) -> float:
     """How much one counter series grew over its scrapes (from its first one: a series that appears late is counted
     from then, not over its lifetime). A drop is a restart of the counter: it counts again from zero."""
     grown = 0.0
-    for previous, value in zip(values, values[1:], strict=False):
+    for previous, value in itertools.pairwise(values):
         grown += value - previous if value >= previous else value
     return grown
 

@@ -74,7 +74,9 @@ def test_summary_peaks_and_counter_growth_over_the_run():
 
 def replicas(**counts: float) -> str:
     """/metrics/engines text: one prefix-cache query counter per replica (only the healthy ones are listed)."""
-    return "".join(f'vllm:prefix_cache_queries_total{{replica="{name}",engine="0"}} {n}\n' for name, n in counts.items())
+    return "".join(
+        f'vllm:prefix_cache_queries_total{{replica="{name}",engine="0"}} {n}\n' for name, n in counts.items()
+    )
 
 
 def test_counters_grow_per_replica_when_one_drops_out_and_one_joins_late():
