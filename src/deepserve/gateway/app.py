@@ -25,7 +25,6 @@ from deepserve.gateway.errors import (
     GatewayError,
     InternalError,
     MethodNotAllowed,
-    ModelNotFound,
     NoHealthyUpstream,
     NotFound,
     Overloaded,
@@ -49,6 +48,7 @@ from deepserve.gateway.validation import (
     ParsedRequest,
     load_json_object,
     parse_request,
+    resolve_model,
 )
 
 log = logging.getLogger(__name__)
@@ -254,12 +254,12 @@ class GatewayApp:
             headers = _request_headers(scope, self.config.session_header.encode())
             key = self._authenticate(headers.authorization)
             raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes)
-            client_model = str(load_json_object(raw).get("model") or next(iter(self.pool.models), ""))
-            model = self.aliases.get(client_model, client_model)
-            self._check_served(client_model, model)
+            request = load_json_object(raw)
+            client_model = str(request.get("model") or next(iter(self.pool.models), ""))
+            model = resolve_model(client_model, self.pool.models, self.aliases)
             self._authorize(key, client_model, model)
             if model != client_model:
-                raw = json.dumps({**load_json_object(raw), "model": model}).encode()
+                raw = json.dumps({**request, "model": model}).encode()
             replica = self.pool.choose(model, RoutingHints(), ())
             response = await self.pool.post(replica, scope["path"], raw)
             try:
@@ -292,7 +292,7 @@ class GatewayApp:
             headers = _request_headers(scope, self.config.session_header.encode())
             exchange.key = self._authenticate(headers.authorization)
             raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes)
-            parsed = self._parse(endpoint, raw)
+            parsed = parse_request(endpoint, raw, self.pool.models, self.aliases)
             exchange.parsed = parsed
             self._authorize(exchange.key, parsed.client_model, parsed.model)
             self._admit_key(exchange, parsed)
@@ -316,23 +316,6 @@ class GatewayApp:
             if watcher is not None:
                 watcher.cancel()
             self._account(exchange)
-
-    def _parse(self, endpoint: Endpoint, raw: bytes) -> ParsedRequest:
-        try:
-            return parse_request(endpoint, raw, self.pool.models, self.aliases)
-        except ModelNotFound as exc:
-            if not self.pool.models:  # not the client's fault: no replica is up to tell us what it serves
-                raise NoHealthyUpstream("no healthy upstream; the engine may still be starting") from exc
-            raise
-
-    def _check_served(self, client_model: str, model: str) -> None:
-        """An unknown model is the client's mistake (404), unless no replica is up to say what it serves (503)."""
-        if model in self.pool.models:
-            return
-        if not self.pool.models:
-            raise NoHealthyUpstream("no healthy upstream; the engine may still be starting")
-        valid = ", ".join(sorted({*self.pool.models, *self.aliases}))
-        raise ModelNotFound(f"the model {client_model!r} does not exist; available: {valid}", param="model")
 
     def _authenticate(self, authorization: bytes | None) -> ApiKey | None:
         key = None

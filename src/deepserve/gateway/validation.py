@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from deepserve.gateway.errors import InvalidRequest, ModelNotFound
+from deepserve.gateway.errors import InvalidRequest, ModelNotFound, NoHealthyUpstream
 
 # Output tokens charged to the tokens-per-minute bucket when a request gives no max_tokens (corrected afterwards).
 DEFAULT_CHARGED_OUTPUT_TOKENS = 512
@@ -209,6 +209,18 @@ class ParsedRequest:
         return self.prompt_tokens_estimate + (self.max_tokens or DEFAULT_CHARGED_OUTPUT_TOKENS)
 
 
+def resolve_model(client_model: str, models: Mapping[str, int | None], aliases: Mapping[str, str]) -> str:
+    """The served model CLIENT_MODEL names (itself or through an alias). An unknown model is the client's mistake
+    (404, listing the valid names), unless no replica is up to say what it serves (503)."""
+    model = aliases.get(client_model, client_model)
+    if model in models:
+        return model
+    if not models:
+        raise NoHealthyUpstream("no healthy upstream; the engine may still be starting")
+    valid = ", ".join(sorted({*models, *aliases}))
+    raise ModelNotFound(f"the model {client_model!r} does not exist; available: {valid}", param="model")
+
+
 def parse_request(
     endpoint: Endpoint,
     raw: bytes,
@@ -219,10 +231,7 @@ def parse_request(
     request = load_json_object(raw)
     _check_fields(endpoint, request)
     client_model = request["model"]
-    model = aliases.get(client_model, client_model)
-    if model not in models:
-        valid = ", ".join(sorted({*models, *aliases})) or "none yet (no healthy upstream has answered /v1/models)"
-        raise ModelNotFound(f"the model {client_model!r} does not exist; available: {valid}", param="model")
+    model = resolve_model(client_model, models, aliases)
     max_tokens = request.get("max_completion_tokens", request.get("max_tokens"))
     _check_context(max_tokens, models[model])
     stream = request.get("stream") is True

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from deepserve.gateway.errors import InvalidRequest, ModelNotFound
-from deepserve.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, parse_request
+from deepserve.gateway.errors import InvalidRequest, ModelNotFound, NoHealthyUpstream
+from deepserve.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, parse_request, resolve_model
 
 MODELS = {"m": 1000}
 
@@ -91,3 +91,14 @@ def test_charge_is_prompt_estimate_plus_max_tokens() -> None:
 
 def test_unknown_context_length_skips_the_check() -> None:
     parse_request(CHAT_COMPLETIONS, chat(max_tokens=10**6), {"m": None}, {})
+
+
+def test_one_resolve_function_maps_aliases_and_names_the_valid_models() -> None:
+    models, aliases = {"tiny": 4096, "big": None}, {"t": "tiny", "gone": "missing"}
+    assert resolve_model("tiny", models, aliases) == "tiny"
+    assert resolve_model("t", models, aliases) == "tiny"
+    for unknown in ("nope", "gone"):
+        with pytest.raises(ModelNotFound, match="available: big, gone, t, tiny"):
+            resolve_model(unknown, models, aliases)
+    with pytest.raises(NoHealthyUpstream):  # nobody is up to say what is served: not the client's mistake
+        resolve_model("tiny", {}, aliases)
