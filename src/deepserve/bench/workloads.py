@@ -26,6 +26,7 @@ from deepserve.bench.datasets.synthetic import (
 )
 from deepserve.bench.tokenizer import TokenCounter
 from deepserve.bench.types import RequestSpec
+from deepserve.bench.vllm_compat import REFUSED_VLLM_DATASETS, refused_dataset
 from deepserve.errors import ConfigError, unknown_name
 
 DATASETS: dict[str, Dataset] = {
@@ -43,23 +44,6 @@ DATASETS: dict[str, Dataset] = {
 # datasets whose 'messages' lines are rendered with the chat template here on /v1/completions (files.py)
 MESSAGES_DATASETS = frozenset({CustomDataset.name, ShareGPTDataset.name})
 DATASET_ALIASES = {"shared-prefix": "shared_prefix", "prefix-repetition": "prefix_repetition"}
-_NOT_TEXT = "deepserve bench measures text generation; use --dataset-name random or custom --dataset-path FILE"
-_HUB = (
-    "deepserve never downloads datasets from the Hugging Face hub; export the prompts to JSONL and use "
-    "--dataset-name custom --dataset-path FILE"
-)
-VLLM_ONLY_DATASETS = {  # vLLM's names we do not build, with why and what to use instead
-    "hf": _HUB,
-    "burstgpt": "the burstgpt trace is not built in; convert it to JSONL and use --dataset-name custom",
-    "sonnet": "the sonnet dataset is not built in; use --dataset-name prefix_repetition or custom --dataset-path FILE",
-    "spec_bench": "the spec_bench dataset is not built in; convert it to JSONL and use --dataset-name custom",
-    "speed_bench": _HUB,
-    "timed_trace": "trace replay is not supported; use --request-rate and --burstiness with --dataset-name custom",
-    "random-mm": _NOT_TEXT,
-    "random-rerank": _NOT_TEXT,
-    "custom_audio": _NOT_TEXT,
-    "custom_image": _NOT_TEXT,
-}
 # vLLM's --output-len sets every dataset's own output length (as in vLLM's main_async)
 OUTPUT_LEN_FIELDS = ("random_output_len", "sharegpt_output_len", "custom_output_len", "prefix_repetition_output_len")
 INPUT_LEN_FIELDS = ("random_input_len", "long_prompt_len")
@@ -181,8 +165,8 @@ class WorkloadConfig(BaseModel):
     @classmethod
     def _known_dataset(cls, value: Any) -> Any:
         name = DATASET_ALIASES.get(value, value) if isinstance(value, str) else value
-        if isinstance(name, str) and name in VLLM_ONLY_DATASETS:
-            raise ValueError(f"dataset {name!r} is not supported: {VLLM_ONLY_DATASETS[name]}")
+        if isinstance(name, str) and name in REFUSED_VLLM_DATASETS:
+            raise ValueError(refused_dataset(name))
         if isinstance(name, str) and name not in DATASETS:
             raise ValueError(unknown_name("dataset", name, dataset_names()))
         return name

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from deepserve.bench.config import BENCH_SECTIONS, CHAT_COMPLETIONS, COMPLETIONS, BenchConfig, TargetConfig
 from deepserve.bench.output import console_block, result_path, save_records, save_result
 from deepserve.bench.runner import run_benchmark
+from deepserve.bench.vllm_compat import REFUSED_VLLM_FLAGS, refused_flag
 from deepserve.bench.workloads import WorkloadConfig
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
@@ -27,59 +28,6 @@ HAND_MADE_FLAGS = {
     "workload": ("no_stream",),
 }
 SECTIONS: dict[str, type[BaseModel]] = {"workload": WorkloadConfig, **BENCH_SECTIONS}
-
-_HUB = "deepserve never downloads from the Hugging Face hub; export the prompts to JSONL and use --dataset-name custom "
-_HUB += "--dataset-path FILE"
-_TEXT_ONLY = "deepserve bench measures text generation (completions, chat); use --dataset-name random or custom"
-_REPORT = "deepserve draws charts from saved results: add --save-result, then run `deepserve report`"
-_TRACE = "trace replay is not supported; use --request-rate/--burstiness with --dataset-name custom --dataset-path FILE"
-_OTHER_DATASET = "this dataset is not built in; convert it to JSONL and use --dataset-name custom --dataset-path FILE"
-# `vllm bench serve` flags that are recognised (so that a vLLM command line parses) but refused, with why and what
-# to use instead. True: the flag takes a value.
-REFUSED_VLLM_FLAGS: dict[str, tuple[bool, str]] = {
-    "--hf-name": (True, _HUB),
-    "--hf-split": (True, _HUB),
-    "--hf-subset": (True, _HUB),
-    "--hf-output-len": (True, _HUB),
-    "--blazedit-min-distance": (True, _HUB),
-    "--blazedit-max-distance": (True, _HUB),
-    "--bfcl-categories": (True, _HUB),
-    "--speed-bench-dataset-subset": (True, _HUB),
-    "--speed-bench-output-len": (True, _HUB),
-    "--speed-bench-category": (True, _HUB),
-    "--spec-bench-output-len": (True, _OTHER_DATASET),
-    "--spec-bench-category": (True, _OTHER_DATASET),
-    "--asr-max-audio-len-sec": (True, _TEXT_ONLY),
-    "--asr-min-audio-len-sec": (True, _TEXT_ONLY),
-    "--random-mm-base-items-per-request": (True, _TEXT_ONLY),
-    "--random-mm-num-mm-items-range-ratio": (True, _TEXT_ONLY),
-    "--random-mm-limit-mm-per-prompt": (True, _TEXT_ONLY),
-    "--random-mm-bucket-config": (True, _TEXT_ONLY),
-    "--random-batch-size": (True, _TEXT_ONLY + " (batched inputs are for embedding and reranking)"),
-    "--no-reranker": (False, _TEXT_ONLY),
-    "--enable-multimodal-chat": (False, _TEXT_ONLY),
-    "--custom-ensure-client-side-data": (False, _TEXT_ONLY + " (the flag is about images of custom_image)"),
-    "--timed-trace-chunk-hash-size": (True, _TRACE),
-    "--timed-trace-sec-multiplier": (True, _TRACE),
-    "--timed-trace-label-timestamp": (True, _TRACE),
-    "--timed-trace-label-input-length": (True, _TRACE),
-    "--timed-trace-label-output-length": (True, _TRACE),
-    "--timed-trace-label-hash-ids": (True, _TRACE),
-    "--self-timed": (False, _TRACE),
-    "--no-self-timed": (False, _TRACE),
-    "--plot-timeline": (False, _REPORT),
-    "--timeline-itl-thresholds": (True, _REPORT),
-    "--plot-dataset-stats": (False, _REPORT),
-    "--use-beam-search": (
-        False,
-        "streamed beam search has no per-token timing (vLLM's server refuses it on /v1/completions and sends one "
-        "chunk on chat; vLLM's client never sends it either), so TTFT and ITL would mean nothing: leave it out",
-    ),
-    "--probe-request-rate": (
-        True,
-        "probe requests are not implemented; run a second `deepserve bench` at a low --request-rate beside this one",
-    ),
-}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -125,9 +73,9 @@ def _refused_dest(flag: str) -> str:
 
 def refuse_unsupported(args: argparse.Namespace) -> None:
     """A clear one-line error for the first refused vLLM flag the user gave (never ignore a flag silently)."""
-    for flag, (_, reason) in REFUSED_VLLM_FLAGS.items():
+    for flag in REFUSED_VLLM_FLAGS:
         if getattr(args, _refused_dest(flag), None) is not None:
-            raise ConfigError(f"{flag} (a `vllm bench serve` flag) is not supported: {reason}")
+            raise ConfigError(refused_flag(flag))
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchConfig:

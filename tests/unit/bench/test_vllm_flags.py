@@ -15,7 +15,8 @@ from deepserve.bench.arrivals import RateRamp, arrival_offsets_s
 from deepserve.bench.client import _tls_context, build_payload
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.types import RequestSpec
-from deepserve.cli.bench import REFUSED_VLLM_FLAGS, add_bench_flags, config_from_args
+from deepserve.bench.vllm_compat import REFUSED_VLLM_FLAGS
+from deepserve.cli.bench import add_bench_flags, config_from_args
 from deepserve.errors import ConfigError
 
 
@@ -149,6 +150,27 @@ def test_refused_flags_fail_with_one_line_that_names_the_flag_and_the_way_out(fl
         parse(f"vllm bench serve --model m {flag}")
     message = str(caught.value)
     assert message.startswith(flag.split()[0] + " ") and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("dataset", "flag"),
+    [
+        ("hf", "--hf-name"),
+        ("speed_bench", "--speed-bench-category"),
+        ("spec_bench", "--spec-bench-category"),
+        ("random-mm", "--random-mm-bucket-config"),
+        ("custom_audio", "--asr-max-audio-len-sec"),
+        ("timed_trace", "--self-timed"),
+    ],
+)
+def test_a_refused_vllm_dataset_and_its_flags_fail_with_the_same_reason(dataset, flag):
+    takes_value, reason = REFUSED_VLLM_FLAGS[flag]
+    with pytest.raises(ConfigError) as by_dataset:
+        parse(f"vllm bench serve --dataset-name {dataset}")
+    with pytest.raises(ConfigError) as by_flag:
+        parse(f"vllm bench serve {flag}" + (" 1" if takes_value else ""))
+    assert f"dataset {dataset!r} (a `vllm bench serve` dataset) is not supported: {reason}" in str(by_dataset.value)
+    assert str(by_flag.value) == f"{flag} (a `vllm bench serve` flag) is not supported: {reason}"
 
 
 def test_every_refused_flag_has_a_reason_and_a_remedy():

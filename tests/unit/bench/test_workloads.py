@@ -240,7 +240,7 @@ def test_unknown_dataset_lists_the_valid_ones() -> None:
     with pytest.raises(ValidationError, match="unknown dataset 'nonesuch'; valid: custom, long, prefix_repetition"):
         WorkloadConfig(dataset_name="nonesuch")
     # vLLM's datasets that are not built in say why and what to use instead
-    with pytest.raises(ValidationError, match="'hf' is not supported: .*Hugging Face hub.*--dataset-name custom"):
+    with pytest.raises(ValidationError, match="'hf' .*is not supported: .*Hugging Face hub.*--dataset-name custom"):
         WorkloadConfig(dataset_name="hf")
     assert WorkloadConfig(dataset_name="shared-prefix").dataset_name == "shared_prefix"
     assert dataset_names() == ["custom", "long", "prefix_repetition", "random", "sampled", "shared_prefix", "sharegpt"]
