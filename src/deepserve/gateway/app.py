@@ -385,7 +385,7 @@ class GatewayApp:
                 detail = (await read_body(response, replica))[:300].decode(errors="replace")
                 raise UpstreamBadStatus(f"upstream {replica.url} answered {response.status}: {detail}")
             if parsed.stream and response.status == 200:
-                await self._relay_stream(exchange, parsed, response.content_type, iter_chunks(response, replica), send)
+                await self._relay_stream(exchange, parsed, iter_chunks(response, replica), send)
             else:
                 body = await read_body(response, replica)
                 await self._send_whole(exchange, response.status, body, send)
@@ -409,9 +409,7 @@ class GatewayApp:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    async def _relay_stream(
-        self, exchange: _Exchange, parsed: ParsedRequest, content_type: str, chunks: Any, send: Send
-    ) -> None:
+    async def _relay_stream(self, exchange: _Exchange, parsed: ParsedRequest, chunks: Any, send: Send) -> None:
         tap = StreamTap(parsed.strip_usage_chunk)
         itl = self.metrics.for_model(parsed.client_model).itl_s
         logged = exchange.logged_body = [] if self.config.log_bodies else None

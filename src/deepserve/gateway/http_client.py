@@ -35,13 +35,12 @@ class HttpResponse:
     """A response whose head has arrived. Read it (`read`, `chunks`), then `release` (its connection goes back to the
     pool when the response was read to the end) or `close` (the connection is dropped: the server sees the abort)."""
 
-    __slots__ = ("_connection", "_detached", "content_type", "status")
+    __slots__ = ("_connection", "_detached", "status")
 
-    def __init__(self, connection: _Connection, status: int, content_type: str) -> None:
+    def __init__(self, connection: _Connection, status: int) -> None:
         self._connection = connection
         self._detached = False  # released or closed: the connection may already serve another request
         self.status = status
-        self.content_type = content_type
 
     async def chunks(self) -> AsyncIterator[bytes]:
         connection = self._connection
@@ -83,7 +82,6 @@ class _Connection(asyncio.Protocol):
         self._interim = False  # between an interim (1xx) head and its end
         self._complete = False
         self._error: BaseException | None = None
-        self._content_type = b""
         self._framed = False
         self._keep_alive = True
         self._last_data_s = 0.0
@@ -116,10 +114,7 @@ class _Connection(asyncio.Protocol):
     # ---- httptools callbacks -----------------------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        name = name.lower()
-        if name == b"content-type":
-            self._content_type = value
-        elif name in (b"content-length", b"transfer-encoding"):
+        if name.lower() in (b"content-length", b"transfer-encoding"):
             self._framed = True
 
     def on_headers_complete(self) -> None:
@@ -127,7 +122,6 @@ class _Connection(asyncio.Protocol):
         if 100 <= status < 200 and status != 101:
             # An interim response (100 Continue, 103 Early Hints): the final one follows on the same connection.
             self._interim = True
-            self._content_type = b""
             self._framed = False
             return
         self._head_done = True
@@ -162,7 +156,6 @@ class _Connection(asyncio.Protocol):
         self._chunks.clear()
         self._head_done = self._complete = self._interim = False
         self._error = None
-        self._content_type = b""
         self._framed = False
         self._transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
@@ -172,7 +165,7 @@ class _Connection(asyncio.Protocol):
         while not self._head_done:
             await self._wait()
         status = self._parser.get_status_code()
-        return HttpResponse(self, status, self._content_type.decode("latin-1").partition(";")[0].strip())
+        return HttpResponse(self, status)
 
     async def next_chunk(self) -> bytes:
         """The next body chunk, or b"" at the end of the response."""

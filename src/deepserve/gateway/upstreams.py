@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
-from yarl import URL
 
 from deepserve.gateway.balancing import BalancingPolicy, RoutingHints
 from deepserve.gateway.errors import (
@@ -54,7 +53,6 @@ class UpstreamReplica:
     checks_since_models: int = 0
     failed_checks: int = 0  # consecutive health checks that timed out
     last_error: str | None = None
-    _urls: dict[str, URL] = field(default_factory=dict)  # parsed once per path, not per request
     origin: Origin = field(init=False)
     path_prefix: str = field(init=False)  # what the root URL has after host and port, usually ""
 
@@ -65,12 +63,6 @@ class UpstreamReplica:
             raise ValueError(f"upstream {self.url!r} has no host")
         self.origin = Origin(parts.hostname, parts.port or (443 if tls else 80), tls)
         self.path_prefix = parts.path.rstrip("/")
-
-    def url_of(self, path: str) -> URL:
-        url = self._urls.get(path)
-        if url is None:
-            url = self._urls[path] = URL(self.root + path)
-        return url
 
     @property
     def root(self) -> str:
