@@ -53,6 +53,7 @@ __all__ = ["BenchError", "BenchResult", "run_benchmark", "save_result"]
 T = TypeVar("T")
 PREFLIGHT_TIMEOUT_S = 10.0
 READY_CHECK_INTERVAL_S = 1.0
+ID_HEADER_PREFIX = b"x-request-id:"  # lower case: header names are compared case-insensitively
 WORKER_START_DELAY_S = 3.0  # time for spawned workers to import and meet at the shared start instant
 
 
@@ -71,10 +72,20 @@ class PreparedRequest:
 
     def renamed(self, request_id: str) -> PreparedRequest:
         """The same request under another id: a duration-bound run that goes through the workload again must not
-        send an id twice (engines key their request state by it)."""
-        old = f"\r\nx-request-id: {self.request_id}\r\n".encode()
-        wire = self.wire.replace(old, f"\r\nx-request-id: {request_id}\r\n".encode(), 1)
-        return PreparedRequest(self.spec_index, self.prompt_len, wire, request_id)
+        send an id twice (engines key their request state by it). Raises ValueError unless the request carries its
+        id header exactly once (a request sent under a stale id would corrupt the run silently)."""
+        head, blank, body = self.wire.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        at = [i for i, line in enumerate(lines) if line.lower().startswith(ID_HEADER_PREFIX)]
+        expected = f"x-request-id: {self.request_id}".encode()
+        if len(at) != 1 or lines[at[0]] != expected:
+            found = [line.decode(errors="replace") for line in lines if line.lower().startswith(ID_HEADER_PREFIX)]
+            raise ValueError(
+                f"cannot rename request {self.spec_index} to {request_id!r}: expected the header "
+                f"{expected.decode()!r} exactly once, found {found or 'none'}"
+            )
+        lines[at[0]] = f"x-request-id: {request_id}".encode()
+        return PreparedRequest(self.spec_index, self.prompt_len, b"\r\n".join(lines) + blank + body, request_id)
 
 
 @dataclass

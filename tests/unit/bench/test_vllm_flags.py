@@ -244,3 +244,23 @@ def test_chat_template_kwargs_also_shape_how_chat_prompts_are_counted():
     counter.prompt_ids("plain text")
     assert seen[0]["chat_template_kwargs"] == {"thinking": True}
     assert "chat_template_kwargs" not in seen[1]  # a completion prompt has no template
+
+
+def test_renaming_a_request_replaces_its_one_id_header_or_fails_loudly():
+    from deepserve.bench.client import Endpoint, build_request_bytes
+    from deepserve.bench.runner import PreparedRequest
+
+    endpoint = Endpoint.from_url("http://127.0.0.1:8000/v1/completions")
+    body = {"prompt": "x-request-id: r-0", "max_tokens": 2}
+
+    def prepared(headers: dict[str, str], request_id: str | None) -> PreparedRequest:
+        return PreparedRequest(0, 3, build_request_bytes(endpoint, body, headers, request_id), "r-0")
+
+    renamed = prepared({"Authorization": "Bearer k"}, "r-0").renamed("r-7")
+    assert renamed.request_id == "r-7"
+    assert renamed.wire == build_request_bytes(endpoint, body, {"Authorization": "Bearer k"}, "r-7")
+    assert prepared({}, "r-0").renamed("r-9").wire == build_request_bytes(endpoint, body, {}, "r-9")
+    with pytest.raises(ValueError, match="exactly once, found none"):
+        prepared({}, None).renamed("r-7")  # no id header: it would go out under no id
+    with pytest.raises(ValueError, match="exactly once"):
+        prepared({"X-Request-Id": "mine"}, "r-0").renamed("r-7")  # --header also sets one: two ids on the wire
