@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
+import socket
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import cast
 
 import httptools
@@ -21,6 +23,17 @@ import httptools
 # Flow control: stop reading from the upstream while this many body chunks wait for the reader; go on at half that.
 _PAUSE_AT_CHUNKS = 64
 _RESUME_AT_CHUNKS = _PAUSE_AT_CHUNKS // 2
+# A host name's addresses are reused this long (a Kubernetes service's name resolves on every new connection
+# otherwise, in the default executor); a connect failure on a reused address resolves again at once.
+DNS_TTL_S = 60.0
+
+# (host, port) -> the IP addresses to try, in order.
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def system_resolve(host: str, port: int) -> list[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 class IncompleteResponse(ConnectionError):
@@ -254,23 +267,44 @@ class _Connection(asyncio.Protocol):
 class Origin:
     """Where requests go: scheme, host and port, parsed once; the Host header and TLS context are ready."""
 
-    __slots__ = ("host", "host_header", "key", "port", "tls")
+    __slots__ = ("host", "host_header", "is_address", "key", "port", "tls")
 
     def __init__(self, host: str, port: int, tls: bool) -> None:
         self.host = host
         self.port = port
         self.tls = tls
         self.key = (host, port, tls)
+        self.is_address = _is_ip_address(host)  # nothing to resolve
         self.host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 literals in brackets
 
 
-class HttpClient:
-    """Keep-alive connections per origin; idle ones are closed after IDLE_S."""
+def _is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
-    def __init__(self, *, connect_timeout_s: float, read_timeout_s: float, idle_s: float) -> None:
+
+class HttpClient:
+    """Keep-alive connections per origin; idle ones are closed after IDLE_S; host names resolved at most once per
+    DNS_TTL_S."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        idle_s: float,
+        dns_ttl_s: float = DNS_TTL_S,
+        resolve: Resolver = system_resolve,
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.idle_s = idle_s
+        self.dns_ttl_s = dns_ttl_s
+        self._resolve = resolve
+        self._addresses: dict[tuple[str, int], tuple[float, list[str]]] = {}  # (host, port) -> (expiry, addresses)
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._all: set[_Connection] = set()
@@ -308,15 +342,51 @@ class HttpClient:
         tls = self._tls_context() if origin.tls else None
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, connection = await loop.create_connection(
-                    lambda: _Connection(self, origin.key, self.read_timeout_s), origin.host, origin.port, ssl=tls
-                )
+                if origin.is_address:
+                    connection = await self._open(loop, origin, [origin.host], tls)
+                else:
+                    connection = await self._open_resolved(loop, origin, tls)
         except TimeoutError:
             raise
         except OSError as exc:
             raise ConnectFailed(str(exc) or type(exc).__name__) from exc
         self._all.add(connection)
         return connection
+
+    async def _open_resolved(
+        self, loop: asyncio.AbstractEventLoop, origin: Origin, tls: ssl.SSLContext | None
+    ) -> _Connection:
+        where = (origin.host, origin.port)
+        cached = self._addresses.get(where)
+        if cached is not None and time.monotonic() < cached[0]:
+            try:
+                return await self._open(loop, origin, cached[1], tls)
+            except OSError:
+                self._addresses.pop(where, None)  # the name may point elsewhere now (a rescheduled pod)
+        addresses = await self._resolve(origin.host, origin.port)
+        if not addresses:
+            raise OSError(f"{origin.host} resolved to no address")
+        self._addresses[where] = (time.monotonic() + self.dns_ttl_s, addresses)
+        return await self._open(loop, origin, addresses, tls)
+
+    async def _open(
+        self, loop: asyncio.AbstractEventLoop, origin: Origin, addresses: list[str], tls: ssl.SSLContext | None
+    ) -> _Connection:
+        """A connection to the first of ADDRESSES that accepts one (the last failure is raised)."""
+        failure: OSError | None = None
+        for address in addresses:
+            try:
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self, origin.key, self.read_timeout_s),
+                    address,
+                    origin.port,
+                    ssl=tls,
+                    server_hostname=origin.host if tls is not None else None,
+                )
+                return connection
+            except OSError as exc:
+                failure = exc
+        raise failure or OSError(f"no address to connect to for {origin.host}")
 
     def _tls_context(self) -> ssl.SSLContext:
         if self._ssl is None:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from deepserve.gateway.http_client import ConnectFailed, HttpClient, IncompleteResponse, Origin
+from deepserve.gateway.http_client import ConnectFailed, HttpClient, IncompleteResponse, Origin, system_resolve
 
 from .conftest import free_port
 
@@ -282,3 +282,63 @@ async def test_a_response_released_unread_does_not_pool_its_connection() -> None
         response.release()
         assert len(connections) == 2
     await client.close()
+
+
+class CountingResolver:
+    """Resolves every name to the addresses in `answer` (the system resolver for 'localhost'), counting calls."""
+
+    def __init__(self, answer: list[str] | None = None) -> None:
+        self.answer = answer
+        self.calls = 0
+
+    async def __call__(self, host: str, port: int) -> list[str]:
+        self.calls += 1
+        return list(self.answer) if self.answer is not None else await system_resolve(host, port)
+
+
+async def _serve(host: str, port: int) -> asyncio.Server:
+    return await asyncio.start_server(_chunked_answers, host, port)
+
+
+async def test_a_host_name_is_resolved_once_per_ttl_not_per_connection() -> None:
+    resolver = CountingResolver()
+    client = HttpClient(connect_timeout_s=2.0, read_timeout_s=5.0, idle_s=4.0, dns_ttl_s=0.3, resolve=resolver)
+    server = await _serve("127.0.0.1", 0)
+    origin = Origin("localhost", server.sockets[0].getsockname()[1], tls=False)
+    try:
+        for _ in range(3):
+            response = await client.request("POST", origin, "/", b"{}")
+            response.close()  # a new connection each time
+        assert resolver.calls == 1
+        await asyncio.sleep(0.35)  # past the TTL
+        response = await client.request("POST", origin, "/", b"{}")
+        assert await response.read() == b"got:{}"
+        response.release()
+        assert resolver.calls == 2
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_a_refused_cached_address_is_resolved_again() -> None:
+    resolver = CountingResolver(["127.0.0.1"])
+    client = HttpClient(connect_timeout_s=2.0, read_timeout_s=5.0, idle_s=4.0, resolve=resolver)
+    first = await _serve("127.0.0.1", 0)
+    port = first.sockets[0].getsockname()[1]
+    origin = Origin("engine.internal", port, tls=False)
+    try:
+        response = await client.request("POST", origin, "/", b"{}")
+        response.close()
+        first.close()
+        await first.wait_closed()
+        moved = await _serve("127.0.0.2", port)  # the service moved to another address
+        resolver.answer = ["127.0.0.2"]
+        try:
+            response = await client.request("POST", origin, "/", b"{}")
+            assert await response.read() == b"got:{}"
+            response.release()
+        finally:
+            moved.close()
+        assert resolver.calls == 2
+    finally:
+        await client.close()
