@@ -7,6 +7,7 @@ import json
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from deepserve.bench import runner
@@ -163,13 +164,15 @@ def test_append_result_adds_one_json_line_per_run(tmp_path):
 
 
 def test_vllm_command_line_with_ramp_up_runs_through_the_cli(tmp_path, capsys):
+    """Burstiness inf makes the gaps fixed: each request is scheduled exactly one gap of its ramp rate after the
+    previous one, so the release times show the ramp (without it they would all be 0: --request-rate is inf)."""
     with running(FakeScript()) as server:
         code = main(
             [
                 "bench", "--base-url", server.base_url, "--dataset-name", "random", "--input-len", "32",
                 "--output-len", "2", "--num-prompts", "12", "--ramp-up-strategy", "linear", "--ramp-up-start-rps",
-                "20", "--ramp-up-end-rps", "200", "--result-dir", str(tmp_path), "--append-result",
-                "--disable-tqdm", "--no-server-metrics",
+                "20", "--ramp-up-end-rps", "200", "--burstiness", "inf", "--result-dir", str(tmp_path),
+                "--append-result", "--save-records", "jsonl", "--disable-tqdm", "--no-server-metrics",
             ]
         )  # fmt: skip
     assert code == 0, capsys.readouterr().out
@@ -177,6 +180,11 @@ def test_vllm_command_line_with_ramp_up_runs_through_the_cli(tmp_path, capsys):
     data = json.loads(saved.read_text())
     assert (data["ramp_up_strategy"], data["ramp_up_start_rps"], data["ramp_up_end_rps"]) == ("linear", 20, 200)
     assert data["completed"] == 12 and data["total_output_tokens"] == 24
+    (records_file,) = tmp_path.glob("*.records.jsonl")
+    scheduled_s = [json.loads(line)["scheduled_s"] for line in records_file.read_text().splitlines()]
+    rates = [20 + (200 - 20) * i / 11 for i in range(12)]  # vLLM's linear ramp over the 12 requests
+    gaps_s = np.diff([0.0, *scheduled_s])
+    assert gaps_s == pytest.approx([1 / rate for rate in rates])  # each gap is 1 / its request's rate
 
 
 def test_a_duration_bound_run_never_sends_an_id_twice():
