@@ -13,6 +13,7 @@ from typing import Any
 
 from deepserve import __version__
 from deepserve.bench import metrics as m
+from deepserve.bench.arrivals import describe_arrivals
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.server_metrics import ServerMetricsSummary
 from deepserve.bench.types import RequestRecord
@@ -138,6 +139,11 @@ def console_block(result: BenchResult) -> str:
         lines.append(_row("Maximum request concurrency:", config.load.max_concurrency))
     if math.isfinite(config.load.request_rate):
         lines.append(_row("Request rate configured (RPS):", config.load.request_rate))
+    load = config.load
+    if load.rate_ramp() is not None or load.ramp_up_s:  # vLLM prints its ramp; a ramped rate is no single number
+        lines.append(
+            "Traffic: " + describe_arrivals(load.request_rate, load.burstiness, load.ramp_up_s, load.rate_ramp())
+        )
     lines.append(_row("Benchmark duration (s):", data["duration"]))
     lines.append(_row("Total input tokens:", data["total_input_tokens"]))
     lines.append(_row("Total generated tokens:", data["total_output_tokens"]))

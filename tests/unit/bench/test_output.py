@@ -97,6 +97,15 @@ def test_console_block_in_vllm_layout_with_p25_p75():
     assert "HTTP 500: boom" in text
 
 
+def test_console_block_shows_the_ramp_as_vllm_prints_it():
+    ramp = {"ramp_up_strategy": "exponential", "ramp_up_start_rps": 2, "ramp_up_end_rps": 32, "max_concurrency": 8}
+    text = console_block(make_result(load=ramp))
+    assert "Traffic: exponential ramp from 2 to 32 req/s over the requests (Poisson)" in text.splitlines()
+    timed = console_block(make_result(load={"request_rate": 4, "ramp_up_s": 30, "burstiness": 0.5}))
+    assert "Traffic: gamma (burstiness 0.5, CV 1.41) at 4 req/s, ramped from 0 over 30 s" in timed
+    assert "Traffic:" not in console_block(make_result())  # one rate: the rows above say it
+
+
 def test_default_filename_follows_vllm():
     assert default_result_filename(make_result()) == "openai-infqps-concurrency8-tiny-model-20260102-030405.json"
     chat = make_result(target={"endpoint": "/v1/chat/completions"}, load={"request_rate": 2.5}, output={"label": "x"})
