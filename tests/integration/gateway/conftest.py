@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -10,16 +11,29 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
+import uvloop
 
 from deepserve.gateway.app import GatewayApp
 from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.fake_upstream import FakeBehaviour, FakeUpstream, running_fake_upstream
 from deepserve.gateway.server import running_gateway
+
+# Test modules whose tests run on both event loops: the upstream client's protocol code meets uvloop's transports
+# in the gateway process and asyncio's in tests elsewhere, and they differ (pause/resume, close, errors).
+BOTH_LOOPS_MODULES = ("test_http_client.py",)
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    if item.path.name in BOTH_LOOPS_MODULES:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}  # one factory: test ids are unchanged
 
 
 def free_port() -> int:

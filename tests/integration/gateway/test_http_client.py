@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import httpx
 import pytest
 
+from deepserve.gateway.fake_upstream import FAKE_MODEL
 from deepserve.gateway.http_client import ConnectFailed, HttpClient, IncompleteResponse, Origin, system_resolve
+from deepserve.gateway.server import running_gateway
 
-from .conftest import free_port
+from .conftest import free_port, gateway_config
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -342,3 +346,90 @@ async def test_a_refused_cached_address_is_resolved_again() -> None:
         assert resolver.calls == 2
     finally:
         await client.close()
+
+
+async def test_the_loop_is_the_one_asked_for(request: pytest.FixtureRequest) -> None:
+    """conftest runs every test in this module on asyncio's loop and on uvloop's (the gateway's), whose transports
+    differ."""
+    loop_module = type(asyncio.get_running_loop()).__module__
+    assert ("uvloop" in loop_module) == request.node.name.endswith("[uvloop]")
+
+
+async def test_silence_before_the_response_head_times_out() -> None:
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await asyncio.sleep(5)
+
+    client = _client(read_timeout_s=0.3)
+    async with raw_server(never_answer) as (origin, _):
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(TimeoutError):
+            await client.request("POST", origin, "/", b"{}")
+        assert 0.25 < asyncio.get_running_loop().time() - started < 1.5
+        assert not client._all  # the connection was closed, not pooled
+    await client.close()
+
+
+async def test_a_204_has_no_body_and_keeps_the_connection() -> None:
+    async def no_content(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+            await writer.drain()
+
+    client = _client(read_timeout_s=1.0)
+    async with raw_server(no_content) as (origin, connections):
+        for _ in range(2):
+            response = await client.request("POST", origin, "/", b"{}")
+            assert response.status == 204
+            assert await asyncio.wait_for(response.read(), 2) == b""
+            response.release()
+        assert len(connections) == 1
+    await client.close()
+
+
+async def _read_any_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """(request line, body) of a request with or without a body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lengths = [int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+    return head.split(b"\r\n")[0], await reader.readexactly(lengths[0]) if lengths else b""
+
+
+async def test_the_gateway_retries_a_request_whose_pooled_connection_the_upstream_closed() -> None:
+    """An engine closing an idle keep-alive connection just as a request is sent on it (uvicorn after 5 s): the
+    request fails without an answer, and the gateway sends it again on a new connection."""
+    models = b'{"object":"list","data":[{"id":"%s","object":"model","max_model_len":4096}]}' % FAKE_MODEL.encode()
+    answer = b'{"id":"x","object":"chat.completion","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
+    posts: list[int] = []  # the connection number of every generation request received
+    numbers = itertools.count()
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        number, served = next(numbers), 0
+        while True:
+            try:
+                line, _ = await _read_any_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            if line.startswith(b"POST"):
+                posts.append(number)
+                served += 1
+                if served > 1:
+                    return  # closes on the second request over this connection, answering nothing
+                body = answer
+            else:
+                body = models if b"/v1/models" in line else b"{}"
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
+            writer.write(body)
+            await writer.drain()
+
+    chat = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    async with raw_server(engine) as (origin, _):
+        config = gateway_config(f"http://127.0.0.1:{origin.port}/v1")
+        async with running_gateway(config) as (app, url), httpx.AsyncClient(base_url=url) as client:
+            statuses = [(await client.post("/chat/completions", json=chat)).status_code for _ in range(2)]
+            assert statuses == [200, 200]
+            assert len(posts) == 3 and posts[0] == posts[1] != posts[2]  # dropped on the reused one, then a new one
+            assert app.pool.replicas[0].healthy
