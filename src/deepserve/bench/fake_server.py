@@ -49,6 +49,7 @@ class FakeScript:
     drop_indices: frozenset[int] = frozenset()  # these lose their connection after the first token
     metrics_text: str | None = None  # Prometheus text served at /metrics; None: 404
     log_sends: bool = False  # keep per-chunk send times (served at /fake/log)
+    record_bodies: bool = False  # keep every generation request's body (tests; off at high rates: memory)
     tokenize: bool = True  # serve /tokenize and /detokenize (byte-level); off: 404, as a server without them
     extra_models: tuple[str, ...] = ()  # also served (e.g. LoRA adapters, listed by /v1/models as vLLM does)
     profiler: bool = False  # answer /start_profile and /stop_profile (vLLM started with a profiler config); off: 404
@@ -68,7 +69,7 @@ class FakeState:
         self.script = script
         self.requests = 0
         self.log: dict[str, SendLog] = {}
-        self.bodies: list[dict[str, Any]] = []  # every generation request's JSON body, in arrival order
+        self.bodies: list[dict[str, Any]] = []  # with script.record_bodies: each request's body, in arrival order
         self.request_ids: list[str | None] = []  # and its x-request-id header
         self.profile_calls: list[str] = []  # /start_profile, /stop_profile, in order
         self.profile_call_requests: list[int] = []  # generation requests received before each profiler call
@@ -177,7 +178,8 @@ class _Handler(asyncio.Protocol):
         recv_s = self.read_s  # the read that completed the request: its arrival, not when we got round to it
         index = state.requests
         state.requests += 1
-        state.bodies.append(request)
+        if script.record_bodies:
+            state.bodies.append(request)
         state.request_ids.append(headers.get("x-request-id"))
         if request.get("model") not in (script.model, *script.extra_models):
             message = f"The model `{request.get('model')}` does not exist."

@@ -40,7 +40,7 @@ def test_sampling_flags_reach_every_request_body(endpoint):
         "repetition_penalty": 1.1,
     }
     target = {"endpoint": endpoint, "logprobs": 2, **sampling}
-    with running(FakeScript()) as server:
+    with running(FakeScript(record_bodies=True)) as server:
         result = run_benchmark(bench(server.base_url, target=target), display=False)
         bodies = list(server.state.bodies)
     assert len([r for r in result.records if r.success]) == 4
@@ -66,12 +66,21 @@ def test_chat_template_kwargs_render_messages_sent_to_completions(tmp_path):
     dataset.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "output_tokens": 3}) + "\n")
     target = {"chat_template_kwargs": '{"greeting": "HELLO"}'}
     workload = {"dataset_name": "custom", "dataset_path": str(dataset), "tokenizer": str(tmp_path / "tok")}
-    with running(FakeScript(tokenize=False)) as server:
+    with running(FakeScript(tokenize=False, record_bodies=True)) as server:
         result = run_benchmark(bench(server.base_url, target=target, workload=workload), display=False)
         bodies = list(server.state.bodies)
     assert [body["prompt"] for body in bodies] == ["[HELLO] hi"] * 4
     assert "chat_template_kwargs" not in bodies[0]
     assert all(record.success for record in result.records)
+
+
+def test_the_fake_server_keeps_request_bodies_only_when_asked():
+    """Benchmarks of the client drive the fake server at high rates: bodies are kept only for tests that read them."""
+    for record_bodies in (False, True):
+        with running(FakeScript(record_bodies=record_bodies)) as server:
+            run_benchmark(bench(server.base_url), display=False)
+            assert server.state.requests == 4
+            assert len(server.state.bodies) == (4 if record_bodies else 0)
 
 
 def test_request_ids_are_prefix_plus_index_and_kept_in_the_records():
@@ -89,7 +98,7 @@ def test_request_ids_are_prefix_plus_index_and_kept_in_the_records():
 
 
 def test_served_model_name_is_sent_while_model_names_the_tokenizer_model():
-    with running(FakeScript(model="served-name")) as server:
+    with running(FakeScript(model="served-name", record_bodies=True)) as server:
         target = {"model": "/nonexistent/DeepSeek-V3", "served_model_name": "served-name"}
         result = run_benchmark(bench(server.base_url, target=target), display=False)
         models = {body["model"] for body in server.state.bodies}
@@ -99,7 +108,7 @@ def test_served_model_name_is_sent_while_model_names_the_tokenizer_model():
 
 
 def test_lora_modules_pick_each_request_model_and_must_be_served():
-    with running(FakeScript(extra_models=("lora-a", "lora-b"))) as server:
+    with running(FakeScript(extra_models=("lora-a", "lora-b"), record_bodies=True)) as server:
         target = {"lora_modules": ["lora-a", "lora-b"], "lora_assignment": "round-robin", "request_id_prefix": "r"}
         run_benchmark(bench(server.base_url, target=target), display=False)
         by_id = dict(zip(server.state.request_ids, (body["model"] for body in server.state.bodies), strict=True))
