@@ -4,8 +4,9 @@ keep-alive connections per origin.
 It does only what the gateway needs from an engine (POST a JSON body or GET, read a response whole or as it
 arrives) and does it with little work per event: the body chunk the parser hands over is queued as is, a read
 wakes one future, and the read timeout is one timer per response that is moved only when it fires (an idle check),
-not re-armed on every chunk. Errors are the builtin ones (ConnectionRefusedError, ConnectionError, TimeoutError);
-the upstream pool maps them to the gateway's."""
+not re-armed on every chunk, and paused while we stop reading for a slow reader. Host names are resolved once per
+DNS_TTL_S, not per connection. Upstream failures are OSErrors (ConnectFailed, IncompleteResponse, TimeoutError);
+the upstream pool maps them to the gateway's, and lets anything else (our bugs) through."""
 
 from __future__ import annotations
 
