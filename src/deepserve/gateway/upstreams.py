@@ -1,9 +1,9 @@
 """The upstream pool: replicas of the engine, one shared keep-alive connection pool, health checks, and the one
 place where the HTTP clients' exceptions become the gateway's `UpstreamError` hierarchy.
 
-Requests go through `http_client.HttpClient` (a raw asyncio protocol with httptools' parser): measured against
-aiohttp on the same fake upstream, it used 26 µs of CPU per request instead of 64–74 µs and 177–185 µs per 22-event
-stream instead of 321–333 µs. Health checks (once a second) and other side calls keep using aiohttp's session.
+Requests go through `http_client.HttpClient` (a raw asyncio protocol with httptools' parser), which costs about a
+third of aiohttp's CPU per request (benchmarks/upstream_client.py; figures in docs/PERFORMANCE.md). Health checks
+(once a second) and other side calls keep using aiohttp's session.
 
 A replica leaves rotation at once when a request to it fails to connect or drops mid-response (passive check),
 and comes back when its /health answers again (active check every `health_check_interval_s`)."""
