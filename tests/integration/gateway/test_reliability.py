@@ -67,6 +67,18 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, object
         return response.status, await response.read()
 
 
+async def _stream(
+    session: aiohttp.ClientSession, url: str, body: dict[str, object], started: asyncio.Semaphore
+) -> tuple[int, bytes]:
+    """Like _post, releasing STARTED once the first bytes of the stream arrived (waiting for them, not for a fixed
+    time, keeps the test right on a loaded machine)."""
+    async with session.post(url, json=body) as response:
+        parts = [await response.content.readany()]
+        started.release()
+        parts += [chunk async for chunk in response.content.iter_any()]
+        return response.status, b"".join(parts)
+
+
 async def test_replica_killed_under_load(children: list[Child]) -> None:
     """Non-streamed requests in flight on the dead replica are retried; its streams end with an error event;
     new requests avoid it at once."""
@@ -77,13 +89,14 @@ async def test_replica_killed_under_load(children: list[Child]) -> None:
     children += [doomed, survivor]
     config = gateway_config(doomed.url, survivor.url, balancing="round_robin")
     async with running_gateway(config) as (app, url), aiohttp.ClientSession() as session:
-        plain = [asyncio.create_task(_post(session, url + "/chat/completions", {**CHAT, "max_tokens": 10}))
+        plain = [asyncio.create_task(_post(session, url + "/chat/completions", {**CHAT, "max_tokens": 40}))
                  for _ in range(40)]  # fmt: skip
-        streams = [
-            asyncio.create_task(_post(session, url + "/chat/completions", {**CHAT, "max_tokens": 40, "stream": True}))
-            for _ in range(10)
-        ]
-        await asyncio.sleep(0.45)  # first tokens are out (300 ms), non-streamed answers are not (480 ms)
+        started = asyncio.Semaphore(0)
+        stream_body = {**CHAT, "max_tokens": 40, "stream": True}
+        streams = [asyncio.create_task(_stream(session, url + "/chat/completions", stream_body, started))
+                   for _ in range(10)]  # fmt: skip
+        for _ in streams:  # every stream has its first event (300 ms); non-streamed answers take 1.1 s
+            await asyncio.wait_for(started.acquire(), timeout=10)
         doomed.kill()
         killed_at = time.monotonic()
         assert [status for status, _ in await asyncio.gather(*plain)] == [200] * 40
