@@ -19,7 +19,7 @@ VLLM_KEYS = (
 )  # fmt: skip
 
 
-OUTPUT_LEN = 48  # long enough (about a second of decoding) for scrapes to land while requests run
+OUTPUT_LEN = 160  # two rounds of 160 tokens: seconds of decoding, so that several scrapes land while requests run
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
