@@ -99,7 +99,7 @@ def run_client(name: str, flags: list[str], result: Path) -> dict[str, Any]:
     """Run one client to completion; returns its result JSON."""
     out = ["--result-dir", str(result.parent), "--result-filename", result.name]
     if name == "deepserve":
-        command = [PYTHON, "-c", DEEPSERVE_SHIM, *flags, *out, "--no-server-metrics"]
+        command = [PYTHON, "-c", DEEPSERVE_SHIM, *flags, *out, "--no-server-metrics", "--request-id-prefix", "bench-"]
     else:
         command = [PYTHON, "-c", VLLM_SHIM, *flags, *out, "--request-id-prefix", "vllm-", "--num-warmups", "0"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
