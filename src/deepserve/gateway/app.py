@@ -17,7 +17,7 @@ from typing import Any
 
 from deepserve.gateway.balancing import RoutingHints, make_policy
 from deepserve.gateway.config import GatewayConfig
-from deepserve.gateway.engine_metrics import ENGINE_METRICS_PATH, engine_metrics_route
+from deepserve.gateway.engine_metrics import ENGINE_METRICS_PATH, EngineMetricsCache
 from deepserve.gateway.errors import (
     AuthenticationFailed,
     BodyTooLarge,
@@ -143,6 +143,7 @@ class GatewayApp:
         self.ledger = ledger
         self._owns_state = keyring is None and ledger is None
         self._limiters: dict[str, KeyLimiter] = {}
+        self._engine_metrics = EngineMetricsCache(self.pool)
         self._key_task: asyncio.Task[None] | None = None
         self._routes: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             CHAT_COMPLETIONS.path: self._chat_completions,
@@ -153,7 +154,7 @@ class GatewayApp:
             "/health": self._health,
             "/ready": self._ready,
             "/metrics": self._metrics,
-            ENGINE_METRICS_PATH: engine_metrics_route(self.pool),
+            ENGINE_METRICS_PATH: self._replica_metrics,
         }
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -220,10 +221,10 @@ class GatewayApp:
         await _send_json(send, 200 if healthy else 503, body.encode())
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = self.metrics.render()
-        headers = [(b"content-type", METRICS_CONTENT_TYPE), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await _send_prometheus(send, self.metrics.render())
+
+    async def _replica_metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _send_prometheus(send, await self._engine_metrics.body())
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -576,6 +577,12 @@ def _uncancel() -> None:
     task = asyncio.current_task()
     if task is not None and hasattr(task, "uncancel"):
         task.uncancel()
+
+
+async def _send_prometheus(send: Send, body: bytes) -> None:
+    headers = [(b"content-type", METRICS_CONTENT_TYPE), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _send_json(send: Send, status: int, body: bytes) -> None:

@@ -17,8 +17,6 @@ left out; the endpoint itself always answers 200 (an empty body when no replica 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
 import aiohttp
 
@@ -30,12 +28,6 @@ SCRAPE_TIMEOUT_S = 5.0
 # Short enough for a benchmark polling every 50 ms to see changes within a quarter second, long enough to bound the
 # engines' load from an unauthenticated caller in a loop.
 CACHE_S = 0.25
-CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class _Family:
@@ -139,16 +131,3 @@ class EngineMetricsCache:
             return self._body
         finally:
             self._scrape = None
-
-
-def engine_metrics_route(pool: UpstreamPool) -> Handler:
-    """The ASGI handler of ENGINE_METRICS_PATH for POOL's replicas."""
-    cache = EngineMetricsCache(pool)
-
-    async def handle(scope: Scope, receive: Receive, send: Send) -> None:
-        body = await cache.body()
-        headers = [(b"content-type", CONTENT_TYPE), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-    return handle

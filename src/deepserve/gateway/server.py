@@ -95,8 +95,8 @@ def freeze_startup_heap() -> None:
     schemas: about 50,000 long-lived objects) out of the cyclic garbage collector's reach.
 
     Without this each full (generation 2) collection under load walks all of them while every stream waits: at 256
-    streams on the benchmark's fake upstream, 7 full collections in a run paused the event loop for up to 66 ms each,
-    most of the added TTFT p99. Frozen, a full collection walks only what requests allocated: at most 2 ms. Only for
+    streams on the benchmark's fake upstream, 7 full collections in one run paused the event loop for up to 66 ms
+    (321 ms in all). Frozen, a full collection walks only what requests allocated: at most 2 ms. Only for
     the gateway's own process (`serve`), not for `running_gateway`, whose host process (a test) keeps allocating."""
     gc.collect()  # garbage made while starting is freed, not frozen
     gc.freeze()
