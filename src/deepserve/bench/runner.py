@@ -250,8 +250,8 @@ def _list_models(target: TargetConfig) -> httpx.Response:
                 f"cannot reach the server at {target.root_url} ({exc.__class__.__name__}: {exc}); "
                 f"is it running? Check --base-url (or --host/--port){waited}"
             ) from exc
-        not_ready = response.status_code >= 500 or (response.status_code == 200 and not _served_models(response))
-        if not (not_ready and time.monotonic() < deadline_s):
+        ready = response.status_code < 500 and (response.status_code != 200 or bool(_served_models(response)))
+        if ready or time.monotonic() >= deadline_s:
             return response
         time.sleep(READY_CHECK_INTERVAL_S)
 
