@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import httpx
 import numpy as np
 
 from deepserve.models.tiny import write_tiny_model
+from deepserve.net import free_port
 
 PYTHON = sys.executable
 VLLM_SHIM = (
@@ -47,12 +47,6 @@ DEEPSERVE_SHIM = (
 )
 RUN_TIMEOUT_S = 900
 TRUTH_WINDOW_S = 0.0002
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class FakeServer:

@@ -18,7 +18,6 @@ import collections
 import gc
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,18 +33,13 @@ import psutil
 
 from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.fake_upstream import FAKE_MODEL
+from deepserve.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 LITELLM_VENV = REPO / ".bench-venvs" / "litellm"
 
 
 # ---- processes ----------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -13,20 +13,15 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from deepserve.net import free_port
+
 CONCURRENCIES = (1, 16)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_service(home: Path) -> tuple[subprocess.Popen[str], float, list[str]]:

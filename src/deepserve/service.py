@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.config import base_url as gateway_base_url
 from deepserve.hardware.detect import has_gpu
 from deepserve.models.resolve import resolve_model
+from deepserve.net import ensure_port_free, free_port
 
 _GPU_ONLY_QUANTIZATIONS = {"fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "compressed-tensors"}
 
@@ -81,12 +81,6 @@ def plan_service(
     return ServicePlan(engine_config, engine, model, launch, gateway_launch, front)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def preflight(plan: ServicePlan) -> None:
     """The checks that need the machine but start nothing: engine installed, port free."""
     if importlib.util.find_spec(plan.engine.package) is None:
@@ -94,19 +88,6 @@ def preflight(plan: ServicePlan) -> None:
     ensure_port_free(plan.config.host, plan.config.port)
     if plan.gateway_config is not None:
         ensure_port_free(plan.gateway_config.host, plan.gateway_config.port)
-
-
-def ensure_port_free(host: str, port: int) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise ConfigError(
-                f"port {port} on {host} is already in use ({exc.strerror}); stop what listens there "
-                f"(`ss -ltnp 'sport = :{port}'` shows it) or choose another with --port"
-            ) from None
 
 
 def dry_run_text(plan: ServicePlan) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from deepserve.net import free_port
 
 STARTUP_TIMEOUT_S = 600
 
@@ -43,12 +44,6 @@ class ServedTiny:
             return [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return []
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_deepserve(home: Path, *args: str) -> ServedTiny:

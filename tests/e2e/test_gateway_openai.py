@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,12 +17,7 @@ import pytest
 from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.keys import KeyStore
 from deepserve.gateway.ledger import UsageSummary, default_ledger_path, summarise
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from deepserve.net import free_port
 
 
 @pytest.fixture
@@ -32,7 +26,7 @@ def gateway_url(served_tiny) -> Iterator[str]:  # type: ignore[no-untyped-def]
         {
             # straight in front of vLLM (served_tiny's public URL is itself a gateway, wired by `deepserve serve`)
             "upstream": [served_tiny.engine_url or served_tiny.base_url],
-            "port": _free_port(),
+            "port": free_port(),
             "require_keys": True,
             "model_alias": ["v3=" + served_tiny.model],
         }

@@ -11,6 +11,7 @@ from deepserve import service
 from deepserve.config import EngineConfig, ServeConfig
 from deepserve.errors import ConfigError, EngineError, ModelError
 from deepserve.models.presets import TINY_MODEL_NAME
+from deepserve.net import ensure_port_free
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_port_in_use_is_reported_before_start() -> None:
         holder.listen()
         port = holder.getsockname()[1]
         with pytest.raises(ConfigError, match=f"port {port} on 127.0.0.1 is already in use.*--port"):
-            service.ensure_port_free("127.0.0.1", port)
+            ensure_port_free("127.0.0.1", port)
 
 
 def test_engine_not_installed_says_how_to_install(no_gpu: None, monkeypatch: pytest.MonkeyPatch) -> None:

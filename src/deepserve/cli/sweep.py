@@ -11,24 +11,15 @@ from rich.console import Console
 
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.runner import run_benchmark
-from deepserve.bench.suites import DEFAULT_TIME_BUDGET_S, SUITES, get_suite, plan_suite
-from deepserve.bench.sweep import (
-    LIST_FIELDS,
-    SweepOptions,
-    SweepSpec,
-    grid_spec,
-    parse_list,
-    probe_speed,
-    run_sweep,
-    server_facts,
-    signature,
-    stored_points,
-    suite_spec,
-)
 from deepserve.cli.bench import add_bench_flags, config_from_args
 from deepserve.errors import ConfigError
 from deepserve.report.slo import parse_slos
 from deepserve.results.sweepdir import read_index
+from deepserve.sweep.grid import LIST_FIELDS, SweepSpec, grid_spec, parse_list, signature, suite_spec
+from deepserve.sweep.probe import probe_speed, server_facts
+from deepserve.sweep.resume import stored_points
+from deepserve.sweep.run import SweepOptions, run_sweep
+from deepserve.sweep.suites import DEFAULT_TIME_BUDGET_S, SUITES, get_suite, plan_suite
 
 LIST_TYPES: dict[str, type] = {
     "max_concurrency": int,

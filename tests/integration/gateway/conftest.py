@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from deepserve.gateway.app import GatewayApp
 from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.fake_upstream import FakeBehaviour, FakeUpstream, running_fake_upstream
 from deepserve.gateway.server import running_gateway
+from deepserve.net import free_port
 
 # Test modules whose tests run on both event loops: the upstream client's protocol code meets uvloop's transports
 # in the gateway process and asyncio's in tests elsewhere, and they differ (pause/resume, close, errors).
@@ -34,12 +34,6 @@ def pytest_asyncio_loop_factories(
     if item.path.name in BOTH_LOOPS_MODULES:
         return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop}  # one factory: test ids are unchanged
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def gateway_config(*upstreams: str, **fields: object) -> GatewayConfig:

@@ -3,7 +3,6 @@ leaves no process behind (even one that ignores SIGTERM)."""
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -13,14 +12,9 @@ import pytest
 from deepserve.engines.base import LaunchSpec
 from deepserve.engines.registry import get_engine
 from deepserve.engines.supervisor import ProcessDied, SupervisedProcess
+from deepserve.net import free_port
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def fake_engine(tmp_path: Path, *args: str) -> SupervisedProcess:

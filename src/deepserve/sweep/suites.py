@@ -256,7 +256,7 @@ def get_suite(name: str) -> Suite:
 
 @dataclass(frozen=True)
 class SpeedProbe:
-    """How fast the server is, measured by short runs before a budgeted suite (see `deepserve.bench.sweep`).
+    """How fast the server is, measured by short runs before a budgeted suite (see `deepserve.sweep.probe`).
 
     Prefill time for a prompt of L tokens: t(L) = L / prefill_tok_s + prefill_s_per_tok2 · L². The quadratic term
     is attention; on the tiny CPU model it dominates beyond a few thousand tokens (16K tokens take far longer than

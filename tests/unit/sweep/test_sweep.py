@@ -11,18 +11,11 @@ from pathlib import Path
 import pytest
 
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.sweep import (
-    SweepOptions,
-    apply_overrides,
-    grid_spec,
-    parse_list,
-    point_id,
-    run_sweep,
-    saturation_reason,
-)
 from deepserve.errors import ConfigError, DeepserveError
 from deepserve.results.store import ResultsStore
 from deepserve.results.sweepdir import load_result_set, read_index
+from deepserve.sweep.grid import apply_overrides, grid_spec, parse_list, point_id
+from deepserve.sweep.run import SweepOptions, run_sweep, saturation_reason
 
 PEAK_OUTPUT_TOK_S = 400.0
 

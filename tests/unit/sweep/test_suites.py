@@ -7,9 +7,9 @@ import math
 import pytest
 
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.suites import SUITES, SpeedProbe, fit_prefill, get_suite, plan_suite
-from deepserve.bench.sweep import apply_overrides
 from deepserve.errors import ConfigError
+from deepserve.sweep.grid import apply_overrides
+from deepserve.sweep.suites import SUITES, SpeedProbe, fit_prefill, get_suite, plan_suite
 
 # Roughly the tiny model on 2 CPU cores: 116 output tok/s alone, about 870 at concurrency 64 (docs/DESIGN.md);
 # prefill 0.3 s at 1K tokens, 27 s at 10K, 68 s at 16K (measured: attention dominates).
