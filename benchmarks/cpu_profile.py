@@ -4,8 +4,8 @@ model on vLLM's CPU build, at several concurrency levels and two prompt lengths.
     .venv/bin/python benchmarks/cpu_profile.py [--input-lens 128,512] [--output-len 128] [--concurrency 1,4,16,64]
                                                [--write-profile]
 
-1. Measures this machine (copy bandwidth, vLLM's CPU GEMM rate, one operator call; hardware/host.py) right before
-   the runs, so the planner's `host` device describes the machine under today's load.
+1. Measures this machine (copy bandwidth, matmul rate; hardware/host.py) right before each point, so the planner's
+   `host` device describes the machine under the load of that moment (it is shared).
 2. Starts the tiny model with `deepserve serve` on loopback (temporary DEEPSERVE_HOME) and runs `deepserve bench`
    straight at the engine for every (prompt length, concurrency) point, closed loop, fixed lengths.
 3. Fits the CPU engine profile's two overhead parameters (per step, per sequence; data/engine_profiles.json) on two
@@ -32,9 +32,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from deepserve.hardware.catalog import Accelerator, host_accelerator
-from deepserve.hardware.host import HostMeasurement, measured_host
+from deepserve.hardware.host import HostMeasurement, measure_host
 from deepserve.models import load_spec
 from deepserve.models.presets import TINY_MODEL_NAME
 from deepserve.net import free_port
@@ -56,6 +57,10 @@ class Point:
     tpot_ms: float
     output_tok_s: float
     prompts: int
+    host: dict[str, Any]  # this machine measured right before the point (HostMeasurement)
+
+    def accelerator(self) -> Accelerator:
+        return host_accelerator(HostMeasurement(**self.host))
 
 
 def start_service(home: Path) -> tuple[subprocess.Popen[str], list[str]]:
@@ -70,6 +75,7 @@ def start_service(home: Path) -> tuple[subprocess.Popen[str], list[str]]:
 
 
 def bench(engine_url: str, input_len: int, concurrency: int, args: argparse.Namespace, out: Path) -> Point:
+    host = measure_host().to_json()
     name = f"in{input_len}-c{concurrency}.json"
     prompts = max(args.min_prompts, concurrency * args.rounds)
     command = [
@@ -88,25 +94,23 @@ def bench(engine_url: str, input_len: int, concurrency: int, args: argparse.Name
         tpot_ms=float(result["mean_tpot_ms"]),
         output_tok_s=float(result["output_throughput"]),
         prompts=prompts,
+        host=host,
     )
 
 
-HOST: list[Accelerator] = []  # the measured host every prediction uses (set once in main)
-
-
-def deployment_for(input_len: int, output_len: int) -> Deployment:
+def deployment_for(point: Point, output_len: int) -> Deployment:
     return build_deployment(
         load_spec(TINY_MODEL_NAME),
         "host",
         1,
-        workload=Workload(input_len, output_len),
+        workload=Workload(point.input_len, output_len),
         max_model_len=32768,
-        accelerator=HOST[0],
+        accelerator=point.accelerator(),
     )
 
 
 def predicted(point: Point, output_len: int, parameters: EngineParameters) -> dict[str, float]:
-    deployment = deployment_for(point.input_len, output_len)
+    deployment = deployment_for(point, output_len)
     model = _model(deployment, parameters)
     p = model.predict(point.concurrency, Workload(point.input_len, output_len), deployment.running_cap)
     return {"ttft_ms": p.ttft_ms, "tpot_ms": p.tpot_ms, "output_tok_s": p.output_throughput_tok_s}
@@ -122,7 +126,7 @@ def targets(points: list[Point], output_len: int) -> list[Target]:
     """TPOT and throughput of each calibration point as fit targets."""
     result = []
     for point in points:
-        deployment = deployment_for(point.input_len, output_len)
+        deployment = deployment_for(point, output_len)
         workload = Workload(point.input_len, output_len)
         cap = deployment.running_cap
 
@@ -170,14 +174,10 @@ def main() -> None:
         else [(min(levels), min(lens)), (max(levels), min(lens))]
     )
     if args.from_file:
-        saved = json.loads(args.from_file.read_text())
-        points = [Point(**p) for p in saved["points"]]
-        measurement = HostMeasurement(**saved["host"])
+        points = [Point(**p) for p in json.loads(args.from_file.read_text())["points"]]
     else:
-        measurement = measured_host(refresh=True)
         points = run_points(lens, levels, args)
-    HOST.append(host_accelerator(measurement))
-    report(points, calibration, measurement.to_json(), args)
+    report(points, calibration, args)
 
 
 def run_points(lens: list[int], levels: list[int], args: argparse.Namespace) -> list[Point]:
@@ -198,11 +198,10 @@ def run_points(lens: list[int], levels: list[int], args: argparse.Namespace) -> 
     return points
 
 
-def report(
-    points: list[Point], calibration: list[tuple[int, ...]], host: dict[str, object], args: argparse.Namespace
-) -> None:
+def report(points: list[Point], calibration: list[tuple[int, ...]], args: argparse.Namespace) -> None:
     chosen = [p for p in points if (p.concurrency, p.input_len) in calibration]
-    deployment = deployment_for(points[0].input_len, args.output_len)
+    host = points[0].host
+    deployment = deployment_for(points[0], args.output_len)
     base = deployment.select_engine(across_engines=False)
     assert base is not None
     fit = fit_parameters(base, targets(chosen, args.output_len))
@@ -215,21 +214,22 @@ def report(
             held_errors += [abs(ratios["tpot_ms"] - 1), abs(ratios["output_tok_s"] - 1)]
         rows.append((point, guess, ratios, calibrating))
     print(
-        f"host {host['cpu_model']} x{host['cores']}: copy {host['memory_bandwidth_gb_s']} GB/s, "
-        f"{host.get('gemm_path')} {host.get('gemm_gflops')} GFLOP/s, one operator call "
-        f"{host.get('op_overhead_us')} us; "
-        f"fitted {', '.join(f'{n} {getattr(fit.parameters, n):.3g}' for n in fit.fitted)} on "
-        f"{len(chosen)} points; output {args.output_len} tokens\n"
+        f"host {host['cpu_model']} x{host['cores']} (bf16 units: {host.get('native_bf16')}); fitted "
+        f"{', '.join(f'{n} {getattr(fit.parameters, n):.3g}' for n in fit.fitted)} on {len(chosen)} points; "
+        f"output {args.output_len} tokens (+-{args.range_ratio:.0%})\n"
     )
     print(
-        "| prompt | concurrency | TTFT ms measured / predicted (ratio) | TPOT ms measured / predicted (ratio) "
+        "| prompt | concurrency | machine: copy GB/s, GFLOP/s "
+        "| TTFT ms measured / predicted (ratio) | TPOT ms measured / predicted (ratio) "
         "| output tok/s measured / predicted (ratio) | |"
     )
-    print("|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---|---:|---:|---:|---|")
     for point, guess, ratios, calibrating in rows:
+        measured = HostMeasurement(**point.host)
+        machine = f"{measured.memory_bandwidth_gb_s:.1f}, {measured.engine_gflops:.1f}"
         cells = [f"{getattr(point, m):,.1f} / {guess[m]:,.1f} ({ratios[m]:.2f})" for m in METRICS]
         print(
-            f"| {point.input_len} | {point.concurrency} | "
+            f"| {point.input_len} | {point.concurrency} | {machine} | "
             + " | ".join(cells)
             + f" | {'fit on' if calibrating else 'held out'} |"
         )
@@ -240,8 +240,8 @@ def report(
     out = RESULTS / f"cpu_profile_{host['host']}.json"
     payload = {
         "command": " ".join(sys.argv),
-        "host": host,
         "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
         "calibration": [list(c) for c in calibration],
         "fitted": {n: getattr(fit.parameters, n) for n in fit.fitted},
         "points": [asdict(p) for p in points],
@@ -256,7 +256,6 @@ def report(
             "fitted_on": f"{len(chosen)} measured points on {host['host']} ({host['cpu_model']} x{host['cores']})",
             "values": payload["fitted"],
             "rms_log_error": round(fit.rms_log_error, 4),
-            "host": host,
             "points": payload["points"],
             "calibration": payload["calibration"],
         }

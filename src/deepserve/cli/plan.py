@@ -42,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     check.add_argument("--json", action="store_true", help="print JSON instead of tables")
     check.add_argument("--in-sample", action="store_true", help="also print the in-sample table row by row")
+    check.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for docs)")
     # Accepted for scripts written against the earlier validation; leave-one-source-out is now always shown.
     check.add_argument("--cross-validate", action="store_true", help=argparse.SUPPRESS)
     check.set_defaults(handler=_validate)
@@ -199,9 +200,30 @@ def _validate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
         return 0
+    if args.markdown:
+        print(validation_markdown(result))
+        return 0
     console = Console(soft_wrap=True)
     print_validation(console, result, in_sample_rows=args.in_sample)
     return 0
+
+
+def validation_markdown(result: Validation) -> str:
+    """Leave-one-source-out and in-sample side by side per row, then both summaries, as docs quote them."""
+    in_sample = {r.row.number: r for r in result.in_sample.results}
+    lines = [
+        "| row | setup | published | leave-one-source-out | ratio | in-sample | ratio |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result.held_out.results:
+        own = in_sample[r.row.number]
+        lines.append(
+            f"| {r.row.number} | {r.row.label().split(' ', 1)[1]} | {r.row.value:,.4g} {r.row.unit} | "
+            f"{r.predicted:,.4g} | {r.ratio:.2f} | {own.predicted:,.4g} | {own.ratio:.2f} |"
+        )
+    lines += ["", _score_summary("leave-one-source-out", result.held_out),
+              "", _score_summary("in-sample (fitted on every row)", result.in_sample)]  # fmt: skip
+    return "\n".join(lines)
 
 
 def print_validation(console: Console, result: Validation, in_sample_rows: bool = False) -> None:

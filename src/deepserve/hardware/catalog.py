@@ -271,7 +271,7 @@ def host_accelerator(measurement: HostMeasurement | None = None) -> Accelerator:
     from deepserve.hardware.host import measured_host, physical_memory_gib
 
     m = measurement or measured_host()
-    gemm = m.gemm_gflops or m.bf16_gflops or m.fp32_gflops
+    gemm = m.engine_gflops
     return Accelerator(
         name="host",
         vendor="host",
@@ -283,7 +283,8 @@ def host_accelerator(measurement: HostMeasurement | None = None) -> Accelerator:
         devices_per_node=1,
         sources=(
             f"measured by deepserve on {m.host} ({m.cpu_model}, {m.cores} cores) at {m.measured_at}: copy bandwidth "
-            f"{m.memory_bandwidth_gb_s} GB/s, {m.gemm_path or 'matmul'} {gemm} GFLOP/s (hardware/host.py)",
+            f"{m.memory_bandwidth_gb_s} GB/s, {gemm} GFLOP/s for a bf16 model "
+            f"({'bf16 units' if m.native_bf16 else 'no bf16 units: the fp32 rate'}) (hardware/host.py)",
         ),
         aliases=HOST_NAMES[1:],
         notes="this machine, measured; vLLM's CPU build",

@@ -8,10 +8,9 @@ once, and keep the result under DEEPSERVE_HOME keyed by host name and CPU model 
   the GIL while copying), counted as bytes read plus bytes written, best of several repeats (STREAM's "copy").
 - FLOP rate: square matrix multiplies through NumPy's BLAS in float32, and through PyTorch in bfloat16 where torch
   is installed (vLLM's CPU build computes in bf16), best of several repeats.
-- The rate that matters for vLLM's CPU build: its own linear-layer path (oneDNN, or PyTorch's linear where oneDNN
-  cannot build a bf16 kernel on this CPU; engines/vllm_cpu.py) at the tiny model's shapes, on a batch of rows
-  (`gemm_gflops`) and on one row (`op_overhead_us`, the fixed cost of one operator call, which one-token decode
-  steps pay per layer).
+- Whether the CPU has bf16 units (AVX512-BF16 or AMX). Without them vLLM's compiled CPU kernels widen bf16 to fp32
+  and run at the fp32 rate, not at eager PyTorch's bf16 rate (often a hundred times slower): `engine_gflops` is the
+  rate the planner uses for vLLM's CPU build.
 """
 
 from __future__ import annotations
@@ -34,9 +33,8 @@ COPY_BYTES = 512 * 1024**2  # per array; far beyond any CPU cache
 MATMUL_SIZE = 1024
 BF16_MATMUL_SIZE = 512  # CPUs without bf16 units run torch's bf16 matmul a hundred times slower
 REPEATS = 5
-# A batch of the tiny model's projections (hidden 256 -> 512): rows, inputs, outputs.
-ENGINE_GEMM_SHAPE = (256, 256, 512)
 FORMAT = "deepserve-host/2"
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @dataclass(frozen=True)
@@ -48,10 +46,16 @@ class HostMeasurement:
     fp32_gflops: float  # NumPy BLAS float32 matmul, all cores
     bf16_gflops: float | None  # PyTorch bfloat16 matmul, all cores; None without torch
     measured_at: str
-    gemm_gflops: float | None = None  # vLLM's CPU linear path, bf16, ENGINE_GEMM_SHAPE; None without torch
-    op_overhead_us: float | None = None  # the same path on one row: the fixed cost of one operator call
-    gemm_path: str = ""  # which path that was (oneDNN or torch's linear)
+    native_bf16: bool | None = None  # the CPU has bf16 units (AVX512-BF16 or AMX); None when unknown
     format: str = FORMAT
+
+    @property
+    def engine_gflops(self) -> float:
+        """The rate vLLM's CPU build computes a bf16 model at: the bf16 rate on CPUs with bf16 units, else the fp32
+        rate (its compiled kernels widen bf16 to fp32 on such CPUs)."""
+        if self.native_bf16 and self.bf16_gflops:
+            return self.bf16_gflops
+        return self.fp32_gflops
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -65,6 +69,16 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def physical_memory_gib() -> float:
@@ -112,7 +126,6 @@ def _read_cached() -> HostMeasurement | None:
 
 
 def measure_host() -> HostMeasurement:
-    engine = engine_gemm()
     return HostMeasurement(
         host=socket.gethostname(),
         cpu_model=cpu_model(),
@@ -121,9 +134,7 @@ def measure_host() -> HostMeasurement:
         fp32_gflops=round(numpy_matmul_gflops(), 1),
         bf16_gflops=_rounded(torch_bf16_matmul_gflops()),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        gemm_gflops=None if engine is None else round(engine[0], 2),
-        op_overhead_us=None if engine is None else round(engine[1], 2),
-        gemm_path="" if engine is None else engine[2],
+        native_bf16=bool(cpu_flags() & set(BF16_CPU_FLAGS)) if Path("/proc/cpuinfo").is_file() else None,
     )
 
 
@@ -165,30 +176,6 @@ def torch_bf16_matmul_gflops(size: int = BF16_MATMUL_SIZE, repeats: int = 3) -> 
     a @ b
     best_s = min(_timed(lambda: a @ b) for _ in range(repeats))
     return 2 * size**3 / best_s / 1e9
-
-
-def engine_gemm(
-    shape: tuple[int, int, int] = ENGINE_GEMM_SHAPE, repeats: int = REPEATS
-) -> tuple[float, float, str] | None:
-    """(GFLOP/s on a batch of rows, microseconds for one row, the path's name) through vLLM's CPU linear path in
-    bf16; None without torch. Best of REPEATS timings of a few calls each: on a shared machine the best is the
-    machine's, the rest is other people's load."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    from deepserve.engines.vllm_cpu import cpu_linear
-
-    rows, inputs, outputs = shape
-    weight = torch.randn(outputs, inputs, dtype=torch.bfloat16)
-    linear, path = cpu_linear(weight)
-    batch = torch.randn(rows, inputs, dtype=torch.bfloat16)
-    single = torch.randn(1, inputs, dtype=torch.bfloat16)
-    linear(batch)
-    linear(single)  # warm-up: primitive creation, thread pool start
-    batch_s = min(_timed(lambda: linear(batch)) for _ in range(repeats))
-    single_s = min(_timed(lambda: linear(single)) for _ in range(repeats * 4))
-    return 2 * rows * inputs * outputs / batch_s / 1e9, single_s * 1e6, path
 
 
 def _timed(work: object) -> float:
