@@ -173,11 +173,14 @@ def main() -> None:
         if args.calibrate
         else [(min(levels), min(lens)), (max(levels), min(lens))]
     )
+    command = " ".join(sys.argv)
     if args.from_file:
-        points = [Point(**p) for p in json.loads(args.from_file.read_text())["points"]]
+        saved = json.loads(args.from_file.read_text())
+        points = [Point(**p) for p in saved["points"]]
+        command = saved.get("command", command)
     else:
         points = run_points(lens, levels, args)
-    report(points, calibration, args)
+    report(points, calibration, args, command)
 
 
 def run_points(lens: list[int], levels: list[int], args: argparse.Namespace) -> list[Point]:
@@ -198,7 +201,7 @@ def run_points(lens: list[int], levels: list[int], args: argparse.Namespace) -> 
     return points
 
 
-def report(points: list[Point], calibration: list[tuple[int, ...]], args: argparse.Namespace) -> None:
+def report(points: list[Point], calibration: list[tuple[int, ...]], args: argparse.Namespace, command: str) -> None:
     chosen = [p for p in points if (p.concurrency, p.input_len) in calibration]
     host = points[0].host
     deployment = deployment_for(points[0], args.output_len)
@@ -239,7 +242,7 @@ def report(points: list[Point], calibration: list[tuple[int, ...]], args: argpar
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"cpu_profile_{host['host']}.json"
     payload = {
-        "command": " ".join(sys.argv),
+        "command": command,
         "output_len": args.output_len,
         "range_ratio": args.range_ratio,
         "calibration": [list(c) for c in calibration],
@@ -258,6 +261,7 @@ def report(points: list[Point], calibration: list[tuple[int, ...]], args: argpar
             "rms_log_error": round(fit.rms_log_error, 4),
             "points": payload["points"],
             "calibration": payload["calibration"],
+            "output_len": args.output_len,
         }
         path = write_parameters("vllm-cpu", payload["fitted"], fit_inputs)
         print(f"wrote {path}")

@@ -141,3 +141,27 @@ def test_profile_selection_and_versions() -> None:
     assert select_profile("sglang", "hopper", None, profiles, across_engines=False) is None
     assert version_in_range("0.16.0", ">=0.8") and version_in_range("0.7.3", "<0.8")
     assert not version_in_range("0.10.1", "<0.8")  # numeric, not string, comparison
+
+
+def test_cpu_profile_is_what_its_stored_measurements_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU profile's two overheads come from benchmarks/cpu_profile.py's measured points, stored with them:
+    refitting those points reproduces them."""
+    import importlib.util
+    import sys
+
+    from deepserve.plan.fit import fit_parameters
+
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "cpu_profile.py"
+    spec = importlib.util.spec_from_file_location("cpu_profile", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "cpu_profile", module)
+    spec.loader.exec_module(module)
+    stored = json.loads(PROFILES_PATH.read_text())["profiles"]["vllm-cpu"]
+    points = [module.Point(**p) for p in stored["fit"]["points"]]
+    chosen = [p for p in points if [p.concurrency, p.input_len] in stored["fit"]["calibration"]]
+    output_len = stored["fit"]["output_len"]
+    base = module.deployment_for(chosen[0], output_len).select_engine(across_engines=False)
+    fit = fit_parameters(base, module.targets(chosen, output_len))
+    for name in stored["fitted"]:
+        assert getattr(fit.parameters, name) == pytest.approx(stored["parameters"][name]["value"], rel=0.02)
