@@ -9,7 +9,7 @@ once, and keep the result under DEEPSERVE_HOME keyed by host name and CPU model 
 - FLOP rate: square matrix multiplies through NumPy's BLAS in float32, and through PyTorch in bfloat16 where torch
   is installed (vLLM's CPU build computes in bf16), best of several repeats.
 - Whether the CPU has bf16 units (AVX512-BF16 or AMX). Without them vLLM's CPU build runs a bf16 model at about the
-  fp32 rate (measured on a 2-core AVX2 machine: a 512-token prefill at about 14 GFLOP/s against 14-26 for fp32 and
+  fp32 rate (measured on a 2-core AVX2 machine: a 512-token prefill at 11-14 GFLOP/s against 14-26 for fp32 and
   0.4-1.4 for eager PyTorch's bf16 matmul; its compiled kernels widen bf16 to fp32): `engine_gflops` is the rate the
   planner uses for vLLM's CPU build.
 """
