@@ -10,6 +10,7 @@ import pytest
 from deepserve import service
 from deepserve.config import EngineConfig, ServeConfig
 from deepserve.errors import ConfigError, EngineError, ModelError
+from deepserve.hardware.detect import LocalGpu
 from deepserve.models.presets import TINY_MODEL_NAME
 from deepserve.net import ensure_port_free
 
@@ -20,8 +21,11 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def eight_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(service, "has_gpu", lambda: True)
+    monkeypatch.setattr(
+        service, "local_gpus", lambda: tuple(LocalGpu(i, "NVIDIA H100 80GB HBM3", 81559) for i in range(8))
+    )
 
 
 def test_no_model_and_no_gpu_serves_the_cached_tiny_model(no_gpu: None, isolated_home: Path) -> None:
@@ -30,15 +34,15 @@ def test_no_model_and_no_gpu_serves_the_cached_tiny_model(no_gpu: None, isolated
     assert plan.model.served_name == TINY_MODEL_NAME
     assert Path(plan.model.source).parent == isolated_home / "models"
     assert (Path(plan.model.source) / "config.json").is_file()
-    assert "--model " + plan.model.source in service.dry_run_text(plan)
+    assert "serve " + plan.model.source in service.dry_run_text(plan)
 
 
 def test_gpu_only_flags_on_cpu_are_refused_with_each_flag_named(no_gpu: None) -> None:
-    config = EngineConfig(tensor_parallel_size=8, gpu_memory_utilization=0.9, quantization="fp8")
+    config = EngineConfig(data_parallel_size=2, gpu_memory_utilization=0.9, quantization="fp8")
     with pytest.raises(ConfigError) as caught:
         service.plan_service(config)
     message = str(caught.value)
-    assert "--tensor-parallel-size 8" in message
+    assert "--data-parallel-size 2" in message
     assert "--gpu-memory-utilization 0.9" in message
     assert "--quantization fp8" in message
     assert "need a GPU" in message
@@ -49,7 +53,7 @@ def test_device_cuda_without_gpu_is_refused(no_gpu: None) -> None:
         service.plan_service(EngineConfig(device="cuda"))
 
 
-def test_gpu_machine_needs_a_named_model(one_gpu: None) -> None:
+def test_gpu_machine_needs_a_named_model(eight_gpus: None) -> None:
     with pytest.raises(ModelError, match="--model deepseek-ai/DeepSeek-V3-0324"):
         service.plan_service(EngineConfig())
     plan = service.plan_service(EngineConfig(model="deepseek-ai/deepseek-v3-0324", tensor_parallel_size=8))
