@@ -49,6 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     draw.add_argument("--name", default="deepserve", help="name of the deployment's objects (default: deepserve)")
     draw.add_argument("--engine-image", help="engine container image (default: the engine's official one)")
     draw.add_argument("--gateway-image", help="gateway container image (default: deepserve:VERSION, built locally)")
+    draw.add_argument("--runtime-class", help="kubernetes: the engine pods' runtimeClassName (e.g. nvidia)")
+    draw.add_argument(
+        "--node-selector", action="append", metavar="KEY=VALUE", help="kubernetes: label the engine's nodes carry"
+    )
     draw.set_defaults(handler=_render)
 
     check = actions.add_parser(
@@ -97,6 +101,8 @@ def _render(args: argparse.Namespace) -> int:
         engine_image=args.engine_image,
         gateway_image=args.gateway_image,
         plan=plan,
+        runtime_class=args.runtime_class,
+        node_selector=args.node_selector,
     )
     written = render(spec, args.target, args.out, str(args.out))
     out = console()

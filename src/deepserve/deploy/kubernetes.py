@@ -171,14 +171,21 @@ def _engine_pod(spec: DeploySpec, launch: LaunchSpec, command: list[str], serves
     if serves_api:
         container["ports"] = [{"name": "http", "containerPort": ENGINE_PORT}]
         container.update(_probes(launch.ready_path, spec.config.startup_timeout_s))
-    return {
+    pod: dict[str, Any] = {
         "terminationGracePeriodSeconds": 60,
+        # GPU node pools are usually tainted so that only pods asking for GPUs land there.
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "containers": [container],
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
             {"name": "model-cache", "persistentVolumeClaim": {"claimName": n["cache"]}},
         ],
     }
+    if spec.runtime_class:
+        pod["runtimeClassName"] = spec.runtime_class
+    if spec.node_selector:
+        pod["nodeSelector"] = spec.node_selector
+    return pod
 
 
 def _probes(path: str, startup_timeout_s: float) -> dict[str, Any]:

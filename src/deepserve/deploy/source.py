@@ -68,6 +68,8 @@ class DeploySpec:
     checkpoint_bytes: int | None = None  # what the weights take on disk (volume sizes); None when unknown
     plan: Plan | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    runtime_class: str | None = None  # Kubernetes: e.g. nvidia, where GPUs need the NVIDIA container runtime
+    node_selector: dict[str, str] = field(default_factory=dict)  # Kubernetes: which nodes the engine pods go to
 
     @property
     def engine(self) -> Engine:
@@ -108,6 +110,8 @@ def deploy_spec(
     engine_image: str | None = None,
     gateway_image: str | None = None,
     plan: Plan | None = None,
+    runtime_class: str | None = None,
+    node_selector: list[str] | None = None,
 ) -> DeploySpec:
     """Check CONFIG as something to run on GPU nodes and resolve what every target needs."""
     if replicas < 1:
@@ -124,7 +128,7 @@ def deploy_spec(
             "--distributed-executor-backend ray (`deepserve cluster` sets up Ray by hand)"
         )
     per_node = config.gpus_per_node or max(config.world_size // config.nnodes, 1)
-    notes = tuple(check_layout_fits_nodes(config, per_node))
+    notes = tuple(check_layout_fits_nodes(config, per_node)) + ((_plan_note(plan),) if plan else ())
     model = render_model(config)
     engine = get_engine(config.engine)
     return DeploySpec(
@@ -139,6 +143,27 @@ def deploy_spec(
         checkpoint_bytes=_checkpoint_bytes_of(config.model or ""),
         plan=plan,
         notes=notes,
+        runtime_class=runtime_class,
+        node_selector=_labels(node_selector or []),
+    )
+
+
+def _labels(pairs: list[str]) -> dict[str, str]:
+    labels = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--node-selector {pair!r} must look like KEY=VALUE, e.g. nvidia.com/gpu.product=H100")
+        labels[key] = value
+    return labels
+
+
+def _plan_note(plan: Plan) -> str:
+    d, memory = plan.deployment, plan.deployment.memory
+    return (
+        f"planned on {d.layout.gpus} x {d.accelerator.name} ({d.fmt.name} weights): the KV cache holds "
+        f"{memory.kv_cache_tokens:,} tokens, {memory.max_concurrent_sequences:,} sequences of "
+        f"{plan.config.input_len}+{plan.config.output_len} tokens (`deepserve plan` for speed and cost)"
     )
 
 

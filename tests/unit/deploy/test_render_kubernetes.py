@@ -129,6 +129,19 @@ def test_pods_get_gpus_shared_memory_the_model_cache_and_the_token(spec: DeployS
         assert token["valueFrom"]["secretKeyRef"] == {"name": "deepserve-hf-token", "key": "HF_TOKEN", "optional": True}
 
 
+def test_engine_pods_tolerate_gpu_taints_and_take_runtime_class_and_node_selector(make: Any, validate: Any) -> None:
+    plain = pod_specs(make("one-node"))[0]
+    assert plain["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert "runtimeClassName" not in plain and "nodeSelector" not in plain
+    spec = make("two-nodes-pp", runtime_class="nvidia", node_selector=["nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"])
+    for pod in pod_specs(spec):  # seed 001's setting for its GPU nodes
+        assert pod["runtimeClassName"] == "nvidia"
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    validate(engine_object(spec))
+    with pytest.raises(Exception, match="KEY=VALUE"):
+        make("one-node", node_selector=["gpu"])
+
+
 def test_the_model_cache_holds_the_checkpoint(make: Any) -> None:
     spec = make("one-node")
     size = find(spec, "PersistentVolumeClaim")["spec"]["resources"]["requests"]["storage"]

@@ -46,6 +46,8 @@ def test_a_plan_lays_16_h100s_out_as_two_nodes_of_tp8_pp2() -> None:
     assert config.master_addr == MASTER_PLACEHOLDER
     assert plan.fits and plan.deployment.nodes == 2
     assert config.max_model_len == plan.deployment.memory.max_model_len
+    spec = deploy_spec(config, GatewayConfig(), "x", plan=plan)
+    assert spec.notes[-1].startswith("planned on 16 x h100-sxm (fp8 weights): the KV cache holds ")
 
 
 def test_flags_given_with_a_plan_win_over_it() -> None:
