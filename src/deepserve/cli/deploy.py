@@ -45,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     draw.add_argument("--out", required=True, type=Path, help="directory to write the files into")
     _add_deployment_flags(draw)
     draw.add_argument("--gpus", type=int, help="with --gpu: total GPUs to plan the layout over (whole nodes)")
+    for name in ("require_keys", "insecure_open"):  # the gateway's safety switches, as on the serve line
+        field = GatewayConfig.model_fields[name]
+        draw.add_argument("--" + name.replace("_", "-"), action="store_true", default=None, help=field.description)
     draw.add_argument("--replicas", type=int, default=1, help="engine replicas behind the gateway (default: 1)")
     draw.add_argument("--name", default="deepserve", help="name of the deployment's objects (default: deepserve)")
     draw.add_argument("--engine-image", help="engine container image (default: the engine's official one)")
@@ -71,9 +74,6 @@ def _add_deployment_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", help="GPU type of the plan (catalog name, e.g. h100, h200, b200)")
     parser.add_argument("--weights", help="weight format of the plan: bf16, fp8, fp8-dynamic, awq-int4")
     add_section_flags(parser, EngineConfig, skip=("extra_args",))
-    for name in ("require_keys", "insecure_open"):
-        field = GatewayConfig.model_fields[name]
-        parser.add_argument("--" + name.replace("_", "-"), action="store_true", default=None, help=field.description)
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -90,6 +90,8 @@ def _render(args: argparse.Namespace) -> int:
         if args.gpus is None or args.gpu is None:
             raise ConfigError("--gpu and --gpus go together: the GPU type and the total GPU count to plan for")
         config, plan = planned_config(config, args.gpu, args.gpus, args.weights)
+    elif args.weights is not None:
+        raise ConfigError("--weights chooses the plan's weight format: give it with --gpu and --gpus")
     gateway_flags = {"require_keys": args.require_keys, "insecure_open": args.insecure_open}
     gateway = load_section(GatewayConfig, "gateway", args.config, gateway_flags)
     spec = deploy_spec(

@@ -44,6 +44,7 @@ def test_render_takes_the_gateway_section_of_the_config_file(tmp_path: Path) -> 
         (["--model", "tiny"], "tiny model"),
         (["--model", "v3", "--gpu", "h100", "--gpus", "8"], "does not fit"),
         (["--model", "v3", "--replicas", "0"], "--replicas 0"),
+        (["--model", "v3", "--weights", "fp8"], "--weights chooses the plan's weight format"),
     ],
 )
 def test_render_errors_are_one_line_with_the_fix(
