@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -80,6 +81,9 @@ class EngineConfig(Section):
     join_timeout_s: float = Field(900.0, gt=0, description="how long nodes wait for each other to join")
     gpus_per_node: int | None = Field(
         None, ge=1, description="GPUs on each node (default: what this machine has); checks the layout"
+    )
+    gpu_type: str | None = Field(
+        None, description="GPU type of the nodes, from the catalog (default: what nvidia-smi finds); checks the fit"
     )
     data_parallel_size_local: int | None = Field(
         None, ge=1, description="data-parallel ranks on this node (default: --data-parallel-size over --nnodes)"
@@ -221,3 +225,14 @@ class ServeConfig(Section):
     engine_port: int | None = Field(
         None, ge=1, le=65535, description="the engine's internal port behind the gateway (default: a free one)"
     )
+    force: bool = Field(False, description="start even when the memory plan says the model cannot fit")
+
+
+def serve_command(config: EngineConfig, serve: ServeConfig | None = None) -> str:
+    """The `deepserve serve` line that runs CONFIG (and SERVE's non-default settings) on a node."""
+    argv = ["deepserve", "serve", *changed_flags(config, skip=("extra_args",))]
+    if serve is not None:
+        argv += changed_flags(serve)
+    if config.extra_args:
+        argv += ["--", *config.extra_args]
+    return shlex.join(argv)
