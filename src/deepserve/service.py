@@ -327,8 +327,10 @@ def _uses_cpu(config: EngineConfig, on_this_machine: bool = True) -> bool:
 
 def _reject_gpu_only_flags(config: EngineConfig) -> None:
     given = []  # tensor and pipeline parallel run on CPU too (one worker process per rank), across nodes as well
-    if config.data_parallel_size > 1:
-        given.append(f"--data-parallel-size {config.data_parallel_size}")
+    if config.data_parallel_size > 1:  # measured: its CPU communicator raises NotImplementedError in all_gatherv
+        given.append(
+            f"--data-parallel-size {config.data_parallel_size} (vLLM's CPU build cannot run MoE data parallel)"
+        )
     if config.enable_expert_parallel:
         given.append("--enable-expert-parallel")
     if config.gpu_memory_utilization is not None:
