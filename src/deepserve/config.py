@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from deepserve.errors import ConfigError
+from deepserve.errors import ConfigError, unknown_name
 
 ENV_PREFIX = "DEEPSERVE_"
 
@@ -31,7 +32,6 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-EngineName = Literal["vllm", "sglang"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 DistributedBackend = Literal["mp", "ray"]
 JOIN_PORT_OFFSET = 100  # default join port: master port + 100, clear of the ports vLLM takes near the master port
@@ -40,7 +40,7 @@ JOIN_PORT_OFFSET = 100  # default join port: master port + 100, clear of the por
 class EngineConfig(Section):
     """How the inference engine is launched: the flags the seeds tune, in one place."""
 
-    engine: EngineName = Field("vllm", description="inference engine to launch")
+    engine: str = Field("vllm", description="inference engine to launch (a name in deepserve.engines.registry)")
     model: str | None = Field(
         None, description="preset name, Hugging Face id or local path (default: the tiny model on CPU)"
     )
@@ -81,6 +81,9 @@ class EngineConfig(Section):
     gpus_per_node: int | None = Field(
         None, ge=1, description="GPUs on each node (default: what this machine has); checks the layout"
     )
+    gpu_type: str | None = Field(
+        None, description="GPU type of the nodes, from the catalog (default: what nvidia-smi finds); checks the fit"
+    )
     data_parallel_size_local: int | None = Field(
         None, ge=1, description="data-parallel ranks on this node (default: --data-parallel-size over --nnodes)"
     )
@@ -91,6 +94,15 @@ class EngineConfig(Section):
     )
     extra_args: list[str] = Field(default_factory=list, description="passed to the engine unchanged (after --)")
     startup_timeout_s: float = Field(1800.0, gt=0, description="give up if the engine is not ready by then")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        from deepserve.engines.registry import ENGINES  # the registry imports this module: look it up late
+
+        if name not in ENGINES:
+            raise ValueError(unknown_name("engine", name, sorted(ENGINES)))
+        return name
 
     @model_validator(mode="after")
     def _check_nodes(self) -> EngineConfig:
@@ -221,3 +233,14 @@ class ServeConfig(Section):
     engine_port: int | None = Field(
         None, ge=1, le=65535, description="the engine's internal port behind the gateway (default: a free one)"
     )
+    force: bool = Field(False, description="start even when the memory plan says the model cannot fit")
+
+
+def serve_command(config: EngineConfig, serve: ServeConfig | None = None) -> str:
+    """The `deepserve serve` line that runs CONFIG (and SERVE's non-default settings) on a node."""
+    argv = ["deepserve", "serve", *changed_flags(config, skip=("extra_args",))]
+    if serve is not None:
+        argv += changed_flags(serve)
+    if config.extra_args:
+        argv += ["--", *config.extra_args]
+    return shlex.join(argv)

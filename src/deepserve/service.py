@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shlex
 import signal
 import sys
 import time
@@ -15,19 +14,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from deepserve.config import EngineConfig, ServeConfig, changed_flags, deepserve_home
+import psutil
+
+from deepserve.config import EngineConfig, ServeConfig, deepserve_home, serve_command
 from deepserve.deploy.ray_backend import check_ray_backend, wait_for_ray_gpus
 from deepserve.engines.base import Engine, LaunchSpec, ResolvedModel
 from deepserve.engines.nodes import CheckIn, RollCall
 from deepserve.engines.registry import get_engine
 from deepserve.engines.supervisor import SupervisedProcess
-from deepserve.engines.topology import check_layout_fits_nodes, check_master_address
+from deepserve.engines.topology import check_layout_fits_nodes, check_master_address, nodes_share_this_host
 from deepserve.errors import ConfigError, EngineError
 from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.config import base_url as gateway_base_url
 from deepserve.hardware.detect import has_gpu, local_gpus
 from deepserve.models.resolve import resolve_model
 from deepserve.net import ensure_port_free, free_port
+from deepserve.plan.admission import FitCheck, accelerator_for, check_cpu_fit, check_gpu_fit
 
 _GPU_ONLY_QUANTIZATIONS = {"fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "compressed-tensors"}
 
@@ -44,6 +46,8 @@ class ServicePlan:
     gateway_config: GatewayConfig | None = None
     notes: tuple[str, ...] = ()  # worth saying before starting (e.g. GPUs the layout leaves idle)
     python: str = sys.executable
+    fit: FitCheck | None = None  # the memory plan's verdict on this deployment
+    force: bool = False  # start even when it says the model cannot fit
 
     @property
     def device(self) -> str:
@@ -82,11 +86,12 @@ def plan_service(
     model = resolve_model(config.model, on_cpu)
     if config.served_model_name:
         model = ResolvedModel(model.source, config.served_model_name, model.on_cpu)
+    fit = check_fit(config, model, on_this_machine)
     # GPU commands planned on a machine without one are for another machine: print them as users type them there.
     engine_python = python if on_cpu or has_gpu() else None
     if not serve.gateway or not config.is_head:
         launch = engine.launch_spec(config, model, engine_python)
-        return ServicePlan(config, engine, model, launch, notes=notes, python=python)
+        return ServicePlan(config, engine, model, launch, notes=notes, python=python, fit=fit, force=serve.force)
     engine_config = config.model_copy(update={"host": "127.0.0.1", "port": serve.engine_port or free_port()})
     launch = engine.launch_spec(engine_config, model, engine_python)
     front = (gateway or GatewayConfig()).model_copy(
@@ -99,7 +104,17 @@ def plan_service(
         served_model_name=model.served_name,
         base_url=gateway_base_url(front),
     )
-    return ServicePlan(engine_config, engine, model, launch, gateway_launch, front, notes, python)
+    return ServicePlan(engine_config, engine, model, launch, gateway_launch, front, notes, python, fit, serve.force)
+
+
+def check_fit(config: EngineConfig, model: ResolvedModel, on_this_machine: bool) -> FitCheck:
+    """The memory plan for this deployment on this machine's GPUs or RAM, or on the GPU type it is told about (a
+    CPU deployment is checked against this machine's RAM, in a dry run too)."""
+    if model.on_cpu:
+        nodes_here = config.nnodes if nodes_share_this_host(config) else 1
+        return check_cpu_fit(config, model.source, psutil.virtual_memory().available, nodes_here)
+    gpus = local_gpus() if on_this_machine else ()
+    return check_gpu_fit(config, model.source, accelerator_for(config.gpu_type, gpus[0].name if gpus else None))
 
 
 def _gpus_per_node(config: EngineConfig, on_this_machine: bool) -> int | None:
@@ -112,6 +127,8 @@ def preflight(plan: ServicePlan) -> None:
     """The checks that need the machine but start nothing: engine installed, ports free, the master address."""
     if importlib.util.find_spec(plan.engine.package) is None:
         raise EngineError(f"{plan.engine.name} is not installed in {sys.prefix}: {plan.engine.install_hint}")
+    if plan.fit is not None and plan.fit.fits is False and not plan.force:
+        raise ConfigError(f"the memory plan says this cannot run: {plan.fit.describe()}")
     config = plan.config
     check_master_address(config)
     if config.is_head:
@@ -143,6 +160,7 @@ def _node_lines(plan: ServicePlan) -> list[str]:
         f"# engine: {plan.engine.name} on {plan.device}; model {plan.model.source}{role}",
         f"# environment added: {env}",
         *(f"# note: {note}" for note in plan.notes),
+        *([f"# memory plan: {plan.fit.describe()}"] if plan.fit is not None else []),
         plan.launch.shell_line(),
     ]
     if plan.gateway is not None:
@@ -162,16 +180,6 @@ def _user_config(node: ServicePlan) -> EngineConfig:
     if node.gateway_config is None:
         return node.config
     return node.config.model_copy(update={"host": node.gateway_config.host, "port": node.gateway_config.port})
-
-
-def serve_command(config: EngineConfig, serve: ServeConfig | None = None) -> str:
-    """The `deepserve serve` line that runs CONFIG (and SERVE's non-default settings) on a node."""
-    argv = ["deepserve", "serve", *changed_flags(config, skip=("extra_args",))]
-    if serve is not None:
-        argv += changed_flags(serve)
-    if config.extra_args:
-        argv += ["--", *config.extra_args]
-    return shlex.join(argv)
 
 
 def log_path(name: str, port: int) -> Path:
@@ -322,8 +330,10 @@ def _uses_cpu(config: EngineConfig, on_this_machine: bool = True) -> bool:
 
 def _reject_gpu_only_flags(config: EngineConfig) -> None:
     given = []  # tensor and pipeline parallel run on CPU too (one worker process per rank), across nodes as well
-    if config.data_parallel_size > 1:
-        given.append(f"--data-parallel-size {config.data_parallel_size}")
+    if config.data_parallel_size > 1:  # measured: its CPU communicator raises NotImplementedError in all_gatherv
+        given.append(
+            f"--data-parallel-size {config.data_parallel_size} (vLLM's CPU build cannot run MoE data parallel)"
+        )
     if config.enable_expert_parallel:
         given.append("--enable-expert-parallel")
     if config.gpu_memory_utilization is not None:

@@ -113,3 +113,61 @@ def test_public_port_in_use_is_reported_with_the_gateway_in_front(no_gpu: None) 
         plan = service.plan_service(EngineConfig(port=port), ServeConfig())
         with pytest.raises(ConfigError, match=f"port {port} .* already in use"):
             service.preflight(plan)
+
+
+def test_a_model_too_big_for_this_machines_ram_is_refused_unless_forced(
+    no_gpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service.psutil, "virtual_memory", lambda: type("Mem", (), {"available": 24 * 10**9})())
+    plan = service.plan_service(EngineConfig(model="deepseek-ai/DeepSeek-V3"), ServeConfig(gateway=False))
+    with pytest.raises(
+        ConfigError, match="memory plan says this cannot run.*673.2 GB of weights.*24.0 GB is available"
+    ):
+        service.preflight(plan)
+    assert "# memory plan: does not fit" in service.dry_run_text(plan)
+    forced = service.plan_service(EngineConfig(model="deepseek-ai/DeepSeek-V3"), ServeConfig(gateway=False, force=True))
+    monkeypatch.setattr(service.importlib.util, "find_spec", lambda name: None)  # past the fit check, to the next
+    with pytest.raises(EngineError, match="not installed"):
+        service.preflight(forced)
+
+
+def test_gpu_fit_uses_the_gpus_found_and_names_the_layout_that_would_fit(eight_gpus: None) -> None:
+    plan = service.plan_service(EngineConfig(model="deepseek-ai/DeepSeek-V3", tensor_parallel_size=8))
+    assert plan.fit is not None and plan.fit.fits is False
+    assert "16 x h100-sxm (2 node(s))" in plan.fit.suggestion
+    with pytest.raises(ConfigError, match="--pipeline-parallel-size 2 --nnodes 2"):
+        service.preflight(plan)
+
+
+def test_layout_needing_more_gpus_than_the_node_has_is_refused(eight_gpus: None) -> None:
+    with pytest.raises(ConfigError, match="needs 16 GPUs per node over 1 node"):
+        service.plan_service(EngineConfig(model="deepseek-ai/DeepSeek-V3", tensor_parallel_size=16))
+
+
+def test_dry_run_for_another_machine_prints_every_node_as_users_type_it(no_gpu: None) -> None:
+    config = EngineConfig(
+        model="deepseek-ai/DeepSeek-V3",
+        device="cuda",
+        gpu_type="h100",
+        tensor_parallel_size=8,
+        pipeline_parallel_size=2,
+        nnodes=2,
+        master_addr="10.0.0.1",
+        host="0.0.0.0",
+    )
+    plan = service.plan_service(config, ServeConfig(), on_this_machine=False)
+    text = service.dry_run_text(plan, ServeConfig())
+    assert plan.role == "head"
+    assert "# node 0 of 2 (this node)" in text and "# node 1 of 2:" in text
+    assert "#   deepserve serve --model deepseek-ai/DeepSeek-V3" in text and "--node-rank 1" in text
+    engine_lines = [line for line in text.splitlines() if line.startswith("vllm serve")]
+    assert len(engine_lines) == 2 and "--headless" in engine_lines[1] and "--headless" not in engine_lines[0]
+    assert "# memory plan: deepseek-ai/DeepSeek-V3 (fp8) on 16 x h100-sxm, TP=8 PP=2: fits" in text
+    assert "deepserve.cli.main gateway" in text  # the gateway runs on node 0 only
+    assert text.count("deepserve.cli.main gateway") == 1
+
+
+def test_worker_node_plans_no_gateway_and_checks_its_rank(no_gpu: None) -> None:
+    worker = EngineConfig(pipeline_parallel_size=2, nnodes=2, node_rank=1, master_addr="127.0.0.1")
+    plan = service.plan_service(worker, ServeConfig())
+    assert plan.role == "worker" and plan.gateway is None and "--headless" in plan.launch.argv

@@ -14,7 +14,7 @@ from rich.table import Table
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.cli.output import console
 from deepserve.config import EngineConfig, load_section
-from deepserve.deploy.check import Verdict, expected_from, failed, gather_facts, run_checks
+from deepserve.deploy.check import Expected, Verdict, failed, gather_facts, run_checks
 from deepserve.deploy.render import TARGETS, render
 from deepserve.deploy.source import deploy_spec, load_engine_config, planned_config
 from deepserve.errors import ConfigError
@@ -44,7 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     draw.add_argument("--target", required=True, choices=sorted(TARGETS), help="what to render for")
     draw.add_argument("--out", required=True, type=Path, help="directory to write the files into")
     _add_deployment_flags(draw)
+    draw.add_argument("--gpu", help="plan the layout for this GPU type (catalog name, e.g. h100, h200, b200)")
     draw.add_argument("--gpus", type=int, help="with --gpu: total GPUs to plan the layout over (whole nodes)")
+    draw.add_argument("--weights", help="with --gpu: the plan's weight format (bf16, fp8, fp8-dynamic, awq-int4)")
     for name in ("require_keys", "insecure_open"):  # the gateway's safety switches, as on the serve line
         field = GatewayConfig.model_fields[name]
         draw.add_argument("--" + name.replace("_", "-"), action="store_true", default=None, help=field.description)
@@ -62,7 +64,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "check",
         allow_abbrev=False,
         help="preflight on this node: GPUs, driver, disk, /dev/shm, node 0's ports, interfaces, model access",
-        description="Run on every node with the flags its `deepserve serve` will get. Exits 1 when a check fails.",
+        description=(
+            "Run on every node with the flags its `deepserve serve` will get (--gpu-type: the GPU type it was "
+            "planned for). Exits 1 when a check fails."
+        ),
     )
     _add_deployment_flags(check)
     check.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -71,8 +76,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_deployment_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None, help="YAML or JSON config file (engine, gateway)")
-    parser.add_argument("--gpu", help="GPU type of the plan (catalog name, e.g. h100, h200, b200)")
-    parser.add_argument("--weights", help="weight format of the plan: bf16, fp8, fp8-dynamic, awq-int4")
     add_section_flags(parser, EngineConfig, skip=("extra_args",))
 
 
@@ -119,7 +122,7 @@ def _render(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     config = load_section(EngineConfig, "engine", args.config, _engine_overrides(args))
-    checks = run_checks(expected_from(config, args.gpu, args.weights), gather_facts())
+    checks = run_checks(Expected(config), gather_facts())
     if args.json:
         print(json.dumps([{**asdict(c), "verdict": c.verdict.value} for c in checks], indent=2))
         return 1 if failed(checks) else 0

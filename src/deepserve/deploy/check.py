@@ -30,9 +30,8 @@ from deepserve.hardware.catalog import Accelerator, get_accelerator, match_devic
 from deepserve.hardware.detect import LocalGpu, local_gpus
 from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name
 from deepserve.models.resolve import load_spec
-from deepserve.plan.formats import checkpoint_format, get_format
-from deepserve.plan.layout import Layout
-from deepserve.plan.planner import build_deployment
+from deepserve.plan.admission import check_gpu_fit
+from deepserve.plan.formats import checkpoint_format
 
 GIB = 1024**3
 MIN_SHM_BYTES = 1 * GIB  # NCCL's troubleshooting guide: Docker's 64 MiB default breaks it; give at least 1 GiB
@@ -143,12 +142,14 @@ def _connect(host: str, port: int) -> str:
 
 @dataclass(frozen=True)
 class Expected:
-    """The deployment a node is checked against: the engine config, and optionally the GPU type and weight format
-    it was planned with."""
+    """The deployment a node is checked against: its engine config (with --gpu-type, the GPU type it was planned
+    for)."""
 
     config: EngineConfig
-    gpu: Accelerator | None = None
-    weights: str | None = None
+
+    @property
+    def gpu(self) -> Accelerator | None:
+        return get_accelerator(self.config.gpu_type) if self.config.gpu_type else None
 
     @property
     def gpus_on_this_node(self) -> int:
@@ -214,7 +215,7 @@ def check_gpus(expected: Expected, facts: HostFacts) -> Check:
                 name,
                 Verdict.FAIL,
                 f"{have}; the plan was made for {expected.gpu.name}",
-                f"run on {expected.gpu.name} nodes, or plan again with --gpu for this node's GPUs",
+                f"run on {expected.gpu.name} nodes, or plan again for this node's GPUs (--gpu-type)",
             )
     if len(names) > 1:
         return Check(name, Verdict.WARN, f"{have}: mixed GPU types", "use one GPU type per node")
@@ -223,7 +224,7 @@ def check_gpus(expected: Expected, facts: HostFacts) -> Check:
 
 
 def check_gpu_memory(expected: Expected, facts: HostFacts) -> Check:
-    """The planner's per-GPU memory for the model and layout on this node's GPU type."""
+    """The memory plan `serve` checks before it starts (plan/admission.py), on this node's GPU type."""
     name, config = "GPU memory", expected.config
     if _on_cpu(expected, facts) or not facts.gpus:
         return Check(name, Verdict.NA, "no GPU on this node")
@@ -233,38 +234,14 @@ def check_gpu_memory(expected: Expected, facts: HostFacts) -> Check:
     if expected.model_kind == "tiny" or not config.model:
         return Check(name, Verdict.NA, "no model to plan (give --model)")
     try:
-        spec = load_spec(config.model)
-        deployment = build_deployment(
-            spec,
-            accelerator.name,
-            config.world_size,
-            nodes=config.nnodes,
-            weights=expected.weights,
-            layout=Layout(
-                config.tensor_parallel_size,
-                config.pipeline_parallel_size,
-                config.data_parallel_size,
-                config.enable_expert_parallel,
-            ),
-            gpu_memory_utilization=config.gpu_memory_utilization or 0.9,
-            max_model_len=config.max_model_len,
-        )
+        fit = check_gpu_fit(config, config.model, accelerator)
     except (ConfigError, ModelError) as exc:
         return Check(name, Verdict.NA, f"no memory plan for {config.model}: {exc}")
-    memory = deployment.memory
-    numbers = (
-        f"{memory.weights_bytes_per_gpu / GIB:.1f} GiB weights + {memory.reserve_bytes_per_gpu / GIB:.1f} GiB reserve "
-        f"per {accelerator.name} leave {memory.kv_cache_bytes_per_gpu / GIB:.1f} GiB for the KV cache"
-    )
-    if not memory.fits:
-        return Check(
-            name,
-            Verdict.FAIL,
-            f"{numbers}; not enough for one {memory.max_model_len}-token sequence",
-            "add GPUs (`deepserve plan` finds the smallest fitting count), quantize (--weights), or lower "
-            "--max-model-len",
-        )
-    return Check(name, Verdict.OK, f"{numbers} ({memory.kv_cache_tokens:,} tokens)")
+    if fit.fits is None:
+        return Check(name, Verdict.NA, fit.summary)
+    if not fit.fits:
+        return Check(name, Verdict.FAIL, fit.summary, fit.suggestion or "`deepserve plan` finds a layout that fits")
+    return Check(name, Verdict.OK, fit.summary)
 
 
 def check_driver(expected: Expected, facts: HostFacts) -> Check:
@@ -303,7 +280,7 @@ def check_disk(expected: Expected, facts: HostFacts) -> Check:
     if kind == "local":
         return Check(name, Verdict.NA, "the weights are already on disk (a local model directory)")
     model = str(expected.config.model)
-    size = _checkpoint_size(model, expected.weights)
+    size = _checkpoint_size(model)
     cached = facts.hf_hub_cache / ("models--" + model.replace("/", "--"))
     if cached.is_dir() and any(cached.glob("snapshots/*/*.safetensors")):
         return Check(name, Verdict.OK, f"{model} is in the Hugging Face cache ({cached})")
@@ -326,12 +303,13 @@ def check_disk(expected: Expected, facts: HostFacts) -> Check:
     return Check(name, Verdict.OK, f"{where}; the checkpoint takes about {size / GIB:,.0f} GiB")
 
 
-def _checkpoint_size(model: str, weights: str | None) -> int | None:
+def _checkpoint_size(model: str) -> int | None:
+    """What the download takes: the checkpoint's own format (an on-the-fly --quantization happens at load)."""
     try:
         spec = load_spec(model)
     except (ModelError, ConfigError):
         return None
-    return checkpoint_bytes(spec, get_format(weights) if weights else checkpoint_format(spec))
+    return checkpoint_bytes(spec, checkpoint_format(spec))
 
 
 def check_shm(expected: Expected, facts: HostFacts) -> Check:
@@ -472,7 +450,3 @@ CHECKS: tuple[Callable[[Expected, HostFacts], Check], ...] = (
     check_interfaces,
     check_model_access,
 )
-
-
-def expected_from(config: EngineConfig, gpu: str | None = None, weights: str | None = None) -> Expected:
-    return Expected(config, get_accelerator(gpu) if gpu else None, weights)

@@ -9,11 +9,10 @@ import shlex
 
 import yaml
 
-from deepserve.config import EngineConfig
+from deepserve.config import EngineConfig, serve_command
 from deepserve.deploy.source import MASTER_PLACEHOLDER, DeploySpec, shell_line
 from deepserve.errors import ConfigError
 from deepserve.gateway.config import GatewayConfig, is_loopback
-from deepserve.service import serve_command
 
 MASTER_VARIABLE = "DEEPSERVE_MASTER_ADDR"
 SCRIPT = "deepserve.sbatch"

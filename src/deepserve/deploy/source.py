@@ -231,6 +231,7 @@ def planned_config(config: EngineConfig, gpu: str, gpus: int, weights: str | Non
             "(`deepserve plan` shows the details)"
         )
     planned = planned_engine_config(plan.deployment, plan_config, config.engine).model_dump()
+    planned["gpu_type"] = plan.deployment.accelerator.name  # serve on the nodes checks the fit for this type
     planned.update({name: getattr(config, name) for name in given})
     if nodes > 1 and "master_addr" not in given:
         planned["master_addr"] = MASTER_PLACEHOLDER

@@ -4,6 +4,7 @@ the others). Every error names the flags to change."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 from deepserve.config import EngineConfig
@@ -78,3 +79,11 @@ def _require_route(host: str, family: int, address: tuple[object, ...]) -> None:
                 f"--master-addr {host} is unreachable from this node ({exc.strerror}): check the network between "
                 "the nodes, or give node 0's address on a network both reach"
             ) from None
+
+
+def nodes_share_this_host(config: EngineConfig) -> bool:
+    """A master on a loopback address: every node runs on this one host (how the tests run several nodes)."""
+    try:
+        return config.is_multi_node and ipaddress.ip_address(config.master_addr or "").is_loopback
+    except ValueError:
+        return config.master_addr == "localhost"

@@ -4,12 +4,12 @@ through `python -m deepserve.engines.vllm_cli` (see that module)."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from pathlib import Path
 
 from deepserve.config import EngineConfig
 from deepserve.engines.base import LaunchSpec, ResolvedModel, flag_args, unless_one, url_host
+from deepserve.engines.topology import nodes_share_this_host
 
 GIB = 1024**3
 CPU_DEFAULT_KV_CACHE_GIB = 1.0  # the tiny model needs 4.6 KB/token: 1 GiB holds about 230K tokens
@@ -141,14 +141,6 @@ def _memory_utilization(config: EngineConfig, model: ResolvedModel) -> float | N
     if nodes_share_this_host(config):
         return round(CPU_SHARED_HOST_MEMORY_FRACTION / config.nnodes, 3)
     return None
-
-
-def nodes_share_this_host(config: EngineConfig) -> bool:
-    """A master on a loopback address: every node runs on this one host (how the tests run several nodes)."""
-    try:
-        return config.is_multi_node and ipaddress.ip_address(config.master_addr or "").is_loopback
-    except ValueError:
-        return config.master_addr == "localhost"
 
 
 def _environment(config: EngineConfig, model: ResolvedModel) -> dict[str, str]:

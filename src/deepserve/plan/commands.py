@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deepserve.config import EngineConfig
+from deepserve.config import EngineConfig, serve_command
 from deepserve.engines.base import ResolvedModel
 from deepserve.engines.registry import ENGINES
 
@@ -46,3 +46,12 @@ def engine_commands(deployment: Deployment, config: PlanConfig) -> dict[str, str
         launch = engine.launch_spec(engine_config(deployment, config, name), model, None)
         lines[name] = launch.shell_line()
     return lines
+
+
+def serve_commands(deployment: Deployment, config: PlanConfig) -> tuple[str, ...]:
+    """The `deepserve serve` line for each node of the plan (vLLM), node 0 first: the same lines `serve --dry-run`
+    prints, so a plan can be pasted onto the nodes as it is."""
+    engine = engine_config(deployment, config, "vllm").model_copy(
+        update={"gpu_type": deployment.accelerator.name, "host": "0.0.0.0" if deployment.nodes > 1 else "127.0.0.1"}
+    )
+    return tuple(serve_command(engine.for_node(rank)) for rank in range(deployment.nodes))

@@ -25,7 +25,6 @@ from deepserve.deploy.check import (
     check_master,
     check_model_access,
     check_shm,
-    expected_from,
     failed,
     gather_facts,
     run_checks,
@@ -56,8 +55,11 @@ def facts(tmp_path: Path, **changes: Any) -> HostFacts:
     return dataclasses.replace(base, **changes)
 
 
-def expected(gpu: str | None = None, weights: str | None = None, **fields: Any) -> Expected:
-    return expected_from(EngineConfig.model_validate(fields), gpu, weights)
+def expected(gpu: str | None = None, **fields: Any) -> Expected:
+    """The deployment as its serve flags give it; GPU is its --gpu-type (what it was planned for)."""
+    if gpu:
+        fields["gpu_type"] = gpu
+    return Expected(EngineConfig.model_validate(fields))
 
 
 V3 = {"model": "deepseek-ai/DeepSeek-V3", "tensor_parallel_size": 8}
@@ -97,10 +99,10 @@ def test_gpus_count_and_type_against_the_plan(tmp_path: Path) -> None:
 def test_gpu_memory_uses_the_planners_numbers(tmp_path: Path) -> None:
     """FP8 DeepSeek-V3 (685 GB) does not fit on 8 x 80 GB; it does on 8 x H200 (seed 002's setup)."""
     h100 = check_gpu_memory(expected(**V3), facts(tmp_path))
-    assert h100.verdict is Verdict.FAIL and "GiB weights" in h100.detail and "deepserve plan" in h100.fix
+    assert h100.verdict is Verdict.FAIL and "does not fit: weights" in h100.detail and h100.fix
     h200 = facts(tmp_path, gpus=tuple(dataclasses.replace(H200, index=i) for i in range(8)))
     fits = check_gpu_memory(expected(**V3), h200)
-    assert fits.verdict is Verdict.OK and "tokens" in fits.detail
+    assert fits.verdict is Verdict.OK and "x h200" in fits.detail and "KV cache" in fits.detail
     assert check_gpu_memory(expected(), facts(tmp_path, gpus=())).verdict is Verdict.NA
     unknown = facts(tmp_path, gpus=(LocalGpu(0, "Some Future GPU", 1000),))
     assert check_gpu_memory(expected(**V3), unknown).verdict is Verdict.NA

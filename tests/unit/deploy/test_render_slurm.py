@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
+from deepserve.config import serve_command
 from deepserve.deploy import slurm
 from deepserve.deploy.render import render
 from deepserve.deploy.source import DeploySpec
 from deepserve.errors import ConfigError
 from deepserve.gateway.config import GatewayConfig
-from deepserve.service import serve_command
 
 HEAD_IP = "10.20.30.40"
 # srun as a one-host stand-in: runs the task once per node of --nodes, with SLURM_NODEID set.
