@@ -17,6 +17,7 @@ from types import FrameType
 import psutil
 
 from deepserve.config import EngineConfig, ServeConfig, deepserve_home, serve_command
+from deepserve.deploy.ray_backend import check_ray_backend, wait_for_ray_gpus
 from deepserve.engines.base import Engine, LaunchSpec, ResolvedModel
 from deepserve.engines.nodes import CheckIn, RollCall
 from deepserve.engines.registry import get_engine
@@ -77,6 +78,7 @@ def plan_service(
     another machine (`--dry-run` with any --device): nothing about this one is looked at."""
     serve = serve or ServeConfig(gateway=False)
     on_cpu = _uses_cpu(config, on_this_machine)
+    check_ray_backend(config, on_cpu)
     if on_cpu:
         _reject_gpu_only_flags(config)
     notes = tuple(check_layout_fits_nodes(config, None if on_cpu else _gpus_per_node(config, on_this_machine)))
@@ -207,6 +209,7 @@ def run_service(plan: ServicePlan, on_progress: ProgressCallback, on_ready: Read
 
 def _run_head(plan: ServicePlan, on_progress: ProgressCallback, on_ready: ReadyCallback) -> None:
     started = time.monotonic()
+    wait_for_ray_gpus(plan.config, on_progress)  # returns at once unless the engine runs on a Ray cluster
     roll = RollCall(plan.config, bind_host=plan.config.master_addr or "").start() if plan.role == "head" else None
     with ExitStack() as children:
         try:

@@ -37,6 +37,7 @@ class Engine(Protocol):
     name: str
     package: str  # the Python module whose presence means the engine is installed
     install_hint: str
+    image: str  # the engine's official container image, for rendered deployments (`deepserve deploy render`)
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         """The command that runs CONFIG on this node (CONFIG.node_rank of CONFIG.nnodes) under PYTHON; with PYTHON

