@@ -3,7 +3,8 @@ cost per million output tokens, and decode against the hardware's limit. One fun
 
 - tokens/s per GPU: output tokens/s divided by the GPUs that served them.
 - tokens/s per user: 1000 / median TPOT, the speed at which one user sees tokens arrive once the first is there.
-- USD per million output tokens: GPUs x price per GPU-hour / (output tokens/s x 3600) x 1e6.
+- USD per million output tokens: GPUs x price per GPU-hour / (output tokens/s x 3600) x 1e6 (the planner's
+  function, deepserve.plan.cost, which its predictions use too).
 - decode batch: the mean number of sequences in decode, by Little's law over the decode phase (completed
   requests/s x mean (E2EL - TTFT)), at least 1 (a step decodes at least one sequence).
 - achieved decode tokens/s: that batch x 1000 / mean TPOT (each step emits one token per sequence).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from deepserve.plan.cost import usd_per_million_output_tokens
 from deepserve.report.deployment import SetDeployment
 from deepserve.results.points import ResultPoint
 
@@ -36,12 +38,6 @@ def per_user_tok_s(tpot_ms: float | None) -> float | None:
 
 def per_gpu_tok_s(output_tok_s: float | None, gpus: int) -> float | None:
     return None if output_tok_s is None else output_tok_s / gpus
-
-
-def usd_per_million_tokens(output_tok_s: float | None, gpus: int, gpu_hour_usd: float | None) -> float | None:
-    if not output_tok_s or gpu_hour_usd is None:
-        return None
-    return gpus * gpu_hour_usd / (output_tok_s * 3600) * 1e6
 
 
 def decode_batch(requests_per_s: float | None, mean_e2el_ms: float | None, mean_ttft_ms: float | None) -> float | None:
@@ -71,7 +67,7 @@ def derive(point: ResultPoint, deployment: SetDeployment) -> dict[str, float]:
         GPUS: float(deployment.gpus),
         PER_GPU: per_gpu_tok_s(output, deployment.gpus),
         PER_USER: per_user_tok_s(tpot),
-        COST: usd_per_million_tokens(output, deployment.gpus, deployment.gpu_hour_usd),
+        COST: usd_per_million_output_tokens(output, deployment.gpus, deployment.gpu_hour_usd),
     }
     values |= _against_limit(point, deployment)
     return {key: value for key, value in values.items() if value is not None and math.isfinite(value)}

@@ -11,6 +11,7 @@ import pytest
 from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import get_accelerator
 from deepserve.models.spec import ModelSpec
+from deepserve.plan.cost import usd_per_million_output_tokens
 from deepserve.report import derived as dv
 from deepserve.report.build import build_report, load_sets
 from deepserve.report.deployment import DeploymentOptions, SetDeployment, resolve_deployment
@@ -47,9 +48,9 @@ def test_per_gpu_per_user_and_cost_by_hand():
     assert dv.per_user_tok_s(None) is None
     assert dv.per_gpu_tok_s(800.0, 8) == 100.0
     # 8 GPUs at $2/h = $16/h; 800 tok/s = 2.88M tok/h: $16 / 2.88 = $5.5556 per million
-    assert dv.usd_per_million_tokens(800.0, 8, 2.0) == pytest.approx(16 / 2.88)
-    assert dv.usd_per_million_tokens(800.0, 8, None) is None
-    assert dv.usd_per_million_tokens(0.0, 8, 2.0) is None
+    assert usd_per_million_output_tokens(800.0, 8, 2.0) == pytest.approx(16 / 2.88)
+    assert usd_per_million_output_tokens(800.0, 8, None) is None
+    assert usd_per_million_output_tokens(0.0, 8, 2.0) is None
 
 
 def test_decode_batch_is_littles_law_over_the_decode_phase():
