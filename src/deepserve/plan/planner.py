@@ -13,6 +13,7 @@ from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import Accelerator, Network, get_accelerator, get_network
 from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
+from deepserve.plan.cost import usd_per_million_output_tokens
 from deepserve.plan.factors import ProfileKey, SelectedFactors, select_factors, weight_family
 from deepserve.plan.formats import WeightFormat, checkpoint_format, get_format
 from deepserve.plan.layout import Layout, check_layout, default_layout, layout_links
@@ -159,10 +160,8 @@ class Plan:
         return self.deployment.memory.fits
 
     def cost_per_million_output_tokens_usd(self, prediction: Prediction) -> float | None:
-        if self.config.gpu_hour_usd is None or prediction.output_throughput_tok_s <= 0:
-            return None
-        dollars_per_s = self.config.gpu_hour_usd * self.deployment.layout.gpus / 3600
-        return dollars_per_s / prediction.output_throughput_tok_s * 1e6
+        gpus = self.deployment.layout.gpus
+        return usd_per_million_output_tokens(prediction.output_throughput_tok_s, gpus, self.config.gpu_hour_usd)
 
     def to_json(self) -> dict[str, Any]:
         d, memory = self.deployment, self.deployment.memory
