@@ -68,7 +68,9 @@ class Faults:
         if unknown:
             names, valid = ", ".join(sorted(unknown)), ", ".join(sorted(known))
             raise ValueError(f"unknown fault setting(s) {names}; valid: {valid}")
-        values: dict[str, Any] = {key: frozenset(value) if key.endswith("_indices") else value for key, value in changes.items()}
+        values: dict[str, Any] = {
+            key: frozenset(value) if key.endswith("_indices") else value for key, value in changes.items()
+        }
         return replace(self, **values)
 
     def to_json(self) -> dict[str, Any]:

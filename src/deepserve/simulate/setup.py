@@ -225,8 +225,9 @@ def _weights_from_quantization(quantization: str | None, spec: ModelSpec) -> str
         raise ConfigError(f"--quantization {quantization} is not simulated; valid: {valid} (or give --weights)")
     if family not in stored:
         raise ConfigError(
-            f"--quantization {quantization} needs a {family.upper()} checkpoint, but {spec.name} is stored as "
-            f"{stored}; pick its AWQ preset (e.g. cognitivecomputations/DeepSeek-V3-0324-AWQ) or give --weights"
+            f"--quantization {quantization} needs a checkpoint stored as {family.upper()}, but {spec.name} is "
+            f"stored as {stored}; pick a {family.upper()} preset (e.g. cognitivecomputations/DeepSeek-V3-0324-AWQ) "
+            "or give --weights"
         )
     return None
 
