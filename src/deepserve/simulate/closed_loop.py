@@ -31,6 +31,7 @@ class ClosedLoopResult:
     mean_ttft_ms: float
     mean_tpot_ms: float
     mean_e2el_ms: float
+    steady_ttft_ms: float  # mean TTFT of the requests after each client's first (the opening burst left out)
     mean_running: float  # requests in the running batch, averaged over steps
     preemptions: int
 
@@ -43,6 +44,7 @@ class ClosedLoopResult:
             "mean_ttft_ms": round(self.mean_ttft_ms, 1),
             "mean_tpot_ms": round(self.mean_tpot_ms, 2),
             "mean_e2el_ms": round(self.mean_e2el_ms, 1),
+            "steady_ttft_ms": round(self.steady_ttft_ms, 1),
             "mean_running": round(self.mean_running, 1),
             "preemptions": self.preemptions,
         }
@@ -123,6 +125,7 @@ def run_closed_loop(
     if len(done) < num_requests:
         raise RuntimeError(f"only {len(done)} of {num_requests} requests finished")
     ttfts = [(r.first_token_s or 0.0) - r.arrival_s for r in done]
+    later = [ttft for r, ttft in zip(done, ttfts, strict=True) if int(r.request_id.split("-")[1]) >= concurrency]
     tpots = [((r.last_token_s or 0.0) - (r.first_token_s or 0.0)) / (len(r.output_token_ids) - 1) for r in done]
     e2els = [(r.last_token_s or 0.0) - r.arrival_s for r in done]
     tokens = sum(len(r.output_token_ids) for r in done)
@@ -134,6 +137,7 @@ def run_closed_loop(
         mean_ttft_ms=statistics.fmean(ttfts) * 1e3,
         mean_tpot_ms=statistics.fmean(tpots) * 1e3,
         mean_e2el_ms=statistics.fmean(e2els) * 1e3,
+        steady_ttft_ms=statistics.fmean(later or ttfts) * 1e3,
         mean_running=core.scheduled_entries / max(core.steps_started, 1),
         preemptions=core.scheduler.counters.preemptions,
     )

@@ -47,6 +47,14 @@ class SimulateConfig(Section):
     api_key: str | None = Field(None, description="require `Authorization: Bearer KEY` on /v1 (vLLM's --api-key)")
     lora_modules: list[str] = Field(default_factory=list, description="extra model names served (LoRA adapters)")
     record_bodies: bool = Field(False, description="keep every generation request's body (GET /simulate/stats)")
+    usage_chunk: Literal["requested", "never", "always"] = Field(
+        "requested", description="stream the usage chunk when stream_options.include_usage asks (vLLM), never, always"
+    )
+    token_ids: Literal["requested", "always"] = Field(
+        "requested", description="token_ids in each choice when return_token_ids asks (vLLM), or always"
+    )
+    tokenize_endpoints: bool = Field(True, description="serve /tokenize and /detokenize (off: 404, as some servers)")
+    profiler_endpoints: bool = Field(False, description="answer /start_profile and /stop_profile (vLLM's profiler)")
     # ---- faults ----
     error_fraction: float = Field(0.0, ge=0, le=1, description="fraction of generation requests answered with an error")
     error_status: int = Field(500, ge=400, le=599, description="HTTP status of those errors")
@@ -62,6 +70,8 @@ class SimulateConfig(Section):
     metrics_delay_s: float = Field(0.0, ge=0, description="answer /metrics this late")
     # ---- process ----
     startup_delay_s: float = Field(0.0, ge=0, description="wait this long before listening (an engine loading)")
+    fail_startup: str | None = Field(None, description="print this and exit 1 instead of serving (a failed start)")
+    ignore_sigterm: bool = Field(False, description="ignore SIGTERM (an engine that must be killed)")
     max_seconds: float | None = Field(None, gt=0, description="exit after this long, whatever happens (CI safety)")
 
     @model_validator(mode="after")

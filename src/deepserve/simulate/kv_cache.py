@@ -35,37 +35,45 @@ class CachedSequence(Protocol):
 
 
 class BlockPool:
-    """NUM_BLOCKS blocks; a free queue (least recently freed first) and the hash → block map of the prefix cache."""
+    """NUM_BLOCKS blocks; a free queue (least recently freed first) and the hash → block map of the prefix cache.
+
+    Blocks never used yet are not listed: they stand at the head of the free queue (vLLM's initial order), so
+    they are taken first, by number; a pool of billions of blocks (a fixed-timing simulator) costs nothing."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._refs = [0] * num_blocks
-        self._hash_of: list[int | None] = [None] * num_blocks
+        self._unused = num_blocks  # blocks never taken: numbers num_blocks - _unused ... num_blocks - 1
+        self._free: OrderedDict[int, None] = OrderedDict()  # freed blocks, least recently freed first
+        self._refs: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
         self._by_hash: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
         """Blocks no request holds (some still cache a prefix until they are reused)."""
-        return len(self._free)
+        return self._unused + len(self._free)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests: vLLM's kv_cache_usage_perc (1.0 = full)."""
-        return 1.0 - len(self._free) / self.num_blocks if self.num_blocks else 0.0
+        return 1.0 - self.num_free / self.num_blocks if self.num_blocks else 0.0
 
     def cached_block(self, block_hash: int) -> int | None:
         return self._by_hash.get(block_hash)
 
     def is_free(self, block: int) -> bool:
-        return self._refs[block] == 0
+        return self._refs.get(block, 0) == 0
 
     def take(self, count: int) -> list[int]:
         """COUNT blocks from the head of the free queue; what they cached is evicted."""
         blocks = []
         for _ in range(count):
-            block, _ = self._free.popitem(last=False)
-            self._evict(block)
+            if self._unused:
+                block = self.num_blocks - self._unused
+                self._unused -= 1
+            else:
+                block, _ = self._free.popitem(last=False)
+                self._evict(block)
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -73,39 +81,38 @@ class BlockPool:
     def share(self, blocks: Iterable[int]) -> None:
         """Take a reference to cached BLOCKS (a prefix hit); a free one leaves the free queue."""
         for block in blocks:
-            if self._refs[block] == 0:
+            if self._refs.get(block, 0) == 0:
                 del self._free[block]
-            self._refs[block] += 1
+            self._refs[block] = self._refs.get(block, 0) + 1
 
     def release(self, blocks: Iterable[int]) -> None:
         """Drop one reference to each of BLOCKS, in order; a block nobody holds joins the tail of the free queue."""
         for block in blocks:
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
+            refs = self._refs[block] - 1
+            if refs:
+                self._refs[block] = refs
+            else:
+                del self._refs[block]
                 self._free[block] = None
 
     def commit(self, block: int, block_hash: int) -> None:
         """BLOCK is full and holds the tokens hashed to BLOCK_HASH: later requests may share it. When another block
         already caches that prefix (two requests computed it at once), this one stays private."""
-        if block_hash not in self._by_hash and self._hash_of[block] is None:
+        if block_hash not in self._by_hash and block not in self._hash_of:
             self._by_hash[block_hash] = block
             self._hash_of[block] = block_hash
 
     def clear_cache(self) -> int:
         """Forget every cached prefix of free blocks (vLLM's /reset_prefix_cache); returns how many."""
-        dropped = 0
-        for block in self._free:
-            if self._hash_of[block] is not None:
-                self._evict(block)
-                dropped += 1
-        return dropped
+        cached = [block for block in self._free if block in self._hash_of]
+        for block in cached:
+            self._evict(block)
+        return len(cached)
 
     def _evict(self, block: int) -> None:
-        block_hash = self._hash_of[block]
-        if block_hash is not None:
-            self._hash_of[block] = None
-            if self._by_hash.get(block_hash) == block:
-                del self._by_hash[block_hash]
+        block_hash = self._hash_of.pop(block, None)
+        if block_hash is not None and self._by_hash.get(block_hash) == block:
+            del self._by_hash[block_hash]
 
 
 class KVCacheManager:

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import Callable
 from typing import TextIO
 
 from deepserve.simulate.config import SimulateConfig
@@ -30,18 +29,17 @@ def serve_simulator(
     log: TextIO = sys.stderr,
     out: TextIO = sys.stdout,
 ) -> int:
-    """Serve until told to stop; 0 on a requested stop."""
-    return _run_loop(lambda: _serve(deployment, config, host, port, metric_overrides or {}, log, out))
-
-
-def _run_loop(main: Callable[[], object]) -> int:
+    """Serve until told to stop; 0 on a requested stop, 1 for --fail-startup."""
     loop_factory = None
     with contextlib.suppress(ImportError):
         import uvloop
 
         loop_factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=loop_factory) as runner, contextlib.suppress(KeyboardInterrupt):
-        runner.run(main())  # type: ignore[arg-type]
+        try:
+            runner.run(_serve(deployment, config, host, port, metric_overrides or {}, log, out))
+        except SystemExit as exc:
+            return int(exc.code or 0)
     return 0
 
 
@@ -56,13 +54,19 @@ async def _serve(
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    if config.ignore_sigterm:
+        loop.add_signal_handler(signal.SIGTERM, lambda: None)
+    else:
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
     print("INFO simulate: Initializing a V1 LLM engine (simulated by deepserve)", file=log, flush=True)
     print(f"INFO simulate: {deployment.describe()}", file=log, flush=True)
     if config.startup_delay_s:
         print(f"INFO simulate: Loading weights (simulated: {config.startup_delay_s:g} s)", file=log, flush=True)
         await asyncio.sleep(config.startup_delay_s)
+    if config.fail_startup is not None:
+        print(config.fail_startup, file=log, flush=True)
+        raise SystemExit(1)
     print(
         f"INFO simulate: GPU KV cache size: {deployment.num_blocks * deployment.block_size:,} tokens",
         file=log,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -63,6 +64,7 @@ class ServerStats:
     active: int = 0  # streaming now
     metrics_scrapes: int = 0
     health_checks: int = 0
+    profile_calls: list[str] = field(default_factory=list)  # /start_profile, /stop_profile, in order
     request_ids: deque[str | None] = field(default_factory=lambda: deque(maxlen=RECORDED_BODIES))
     bodies: deque[Any] = field(default_factory=lambda: deque(maxlen=RECORDED_BODIES))
 
@@ -109,6 +111,15 @@ class SimulatorApp:
             ("GET", "/simulate/stats"): self._stats,
             ("POST", "/simulate/control"): self._control,
         }
+        if not config.tokenize_endpoints:
+            del self._routes[("POST", "/tokenize")], self._routes[("POST", "/detokenize")]
+        if config.profiler_endpoints:
+            self._routes[("POST", "/start_profile")] = self._routes[("POST", "/stop_profile")] = self._profile
+
+    def wants_usage(self, generation: Generation) -> bool:
+        """Whether a stream ends with the usage chunk: as the request asks (vLLM), or as usage_chunk forces."""
+        policy = self.config.usage_chunk
+        return generation.include_usage if policy == "requested" else policy == "always"
 
     def handle(self, conn: _Connection, request: _Request) -> None:
         key = self.config.api_key
@@ -204,6 +215,10 @@ class SimulatorApp:
             return
         conn.send(200, _JSON, orjson.dumps({"prompt": self.tokenizer.decode(tokens)}))
 
+    def _profile(self, conn: _Connection, request: _Request) -> None:
+        self.stats.profile_calls.append(request.path)
+        conn.send(200, _JSON, b"{}")
+
     def _stats(self, conn: _Connection, request: _Request) -> None:
         gauges = self.engine.gauges()
         data = {
@@ -267,6 +282,8 @@ class SimulatorApp:
             stats.refused += 1
             self._refuse(conn, exc)
             return
+        if self.config.token_ids == "always" and not generation.return_token_ids:
+            generation = dataclasses.replace(generation, return_token_ids=True)
         self._ids += 1
         request_id = request.headers.get("x-request-id") or f"{self._ids:08x}"
         reply = _Reply(self, conn, generation, ReplyFormat(generation, request_id, int(time.time())))
@@ -317,33 +334,43 @@ class _Reply:
         if self.cut_after is not None and self.sent + len(self.pending) >= self.cut_after:
             self._cut()
             return
-        chunk_tokens = self.app.config.tokens_per_chunk
-        if finish_reason is None and self.sent and len(self.pending) < chunk_tokens:
-            return  # vLLM's --stream-interval: the first token at once, then every K tokens, and the last ones
-        events = [self._token_event(self.pending, finish_reason)]
+        events = self._token_events(finish_reason)
         if finish_reason is not None:
-            if self.generation.include_usage:
+            if self.app.wants_usage(self.generation):
                 events.append(self.format.usage_event(self.sent))
             events.append(DONE_EVENT)
             self._finish("completed", _frames(events) + _CHUNKED_END)
-        else:
+        elif events:
             self.conn.write(_frames(events))
 
-    def _token_event(self, tokens: list[int], finish_reason: str | None) -> bytes:
+    def _token_events(self, finish_reason: str | None) -> list[bytes]:
+        """Events for the pending tokens, as vLLM's --stream-interval K groups them: the first token at once,
+        then K per chunk, and whatever is left when the request finishes (which the last chunk says)."""
+        events: list[bytes] = []
+        per_chunk = self.app.config.tokens_per_chunk
+        while self.pending:
+            size = 1 if self.sent == 0 else per_chunk
+            last = len(self.pending) <= size
+            if last and finish_reason is None and len(self.pending) < size:
+                break
+            events += self._token_event(self.pending[:size], finish_reason if last else None)
+        return events
+
+    def _token_event(self, tokens: list[int], finish_reason: str | None) -> list[bytes]:
+        generation = self.generation
         usage = b""
-        if self.generation.continuous_usage and self.generation.include_usage:
+        if generation.continuous_usage and generation.include_usage:
             usage = b',"usage":' + self.format.usage(self.sent + len(tokens))
-        event = self.format.token_event(self.sent, tokens, finish_reason, usage)
-        if self.sent == 0 and self.generation.chat:
-            event = self.format.role_event() + event
+        events = [self.format.role_event()] if self.sent == 0 and generation.chat else []
+        events.append(self.format.token_event(self.sent, tokens, finish_reason, usage))
         self.sent += len(tokens)
-        self.pending = []
-        return event
+        del self.pending[: len(tokens)]
+        return events
 
     def _cut(self) -> None:
         assert self.cut_after is not None
         keep = self.pending[: max(self.cut_after - self.sent, 0)]
-        events = [self._token_event(keep, None)] if keep else []
+        events = self._token_event(keep, None) if keep else []
         mode = self.app.controls.faults.cut_mode
         self.app.stats.cut += 1
         self._stop_engine()

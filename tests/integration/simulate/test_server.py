@@ -212,3 +212,33 @@ async def test_requests_on_one_connection_are_answered_in_order() -> None:
             response = await http.post("/v1/completions", json={"model": MODEL, "prompt": str(index), "max_tokens": 2})
             assert response.json()["usage"]["prompt_tokens"] == 2
         assert (await stats(server))["completed"] == 3
+
+
+async def test_fixed_latency_bursts_are_still_chunked_one_event_per_token() -> None:
+    config = SimulateConfig(fixed_ttft_ms=0, fixed_itl_ms=0, tokens_per_chunk=3)
+    deployment = resolve(EngineConfig(model="fake-model"), config)
+    async with running_simulator(deployment, config) as server, httpx.AsyncClient() as http:
+        body = {"model": "fake-model", "prompt": "x", "max_tokens": 100, "stream": True, "return_token_ids": True}
+        async with http.stream("POST", server.base_url + "/completions", json=body) as response:
+            events = [e async for e in sse_events(response) if isinstance(e, dict)]
+    sizes = [len(e["choices"][0]["token_ids"]) for e in events]
+    assert sizes == [1, *[3] * 33] and events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_options_for_servers_that_behave_differently() -> None:
+    async with simulator(usage_chunk="never", token_ids="always", tokenize_endpoints=False,
+                         profiler_endpoints=True) as server, httpx.AsyncClient() as http:  # fmt: skip
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        async with http.stream("POST", server.base_url + "/completions", json=body) as response:
+            events = [e async for e in sse_events(response) if isinstance(e, dict)]
+        assert all("usage" not in e and len(e["choices"][0]["token_ids"]) == 1 for e in events)
+        assert (await http.post(server.root_url + "/tokenize", json={"prompt": "x"})).status_code == 404
+        assert (await http.post(server.root_url + "/start_profile")).status_code == 200
+        assert (await stats(server))["profile_calls"] == ["/start_profile"]
+    async with simulator(usage_chunk="always") as server, httpx.AsyncClient() as http:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}
+        async with http.stream("POST", server.base_url + "/completions", json=body) as response:
+            events = [e async for e in sse_events(response) if isinstance(e, dict)]
+        assert events[-1]["usage"]["completion_tokens"] == 3
+        assert (await http.post(server.root_url + "/start_profile")).status_code == 404

@@ -84,3 +84,13 @@ def test_block_pool_evicts_least_recently_freed_and_shares_references() -> None:
     assert pool.take(1) == [blocks[1]]  # the least recently freed
     assert pool.cached_block(22) is None and pool.cached_block(11) == blocks[0]
     assert pool.clear_cache() == 1 and pool.cached_block(11) is None
+
+
+def test_a_huge_pool_costs_nothing_until_used_and_takes_unused_blocks_before_freed_ones() -> None:
+    pool = BlockPool(10**12)
+    first = pool.take(2)
+    pool.commit(first[0], 7)
+    pool.release(first)
+    assert pool.num_free == 10**12
+    assert pool.take(1) == [2]  # a never-used block, not the freed ones that still cache a prefix
+    assert pool.cached_block(7) == first[0]
