@@ -12,10 +12,13 @@ import random
 import statistics
 from dataclasses import dataclass
 
+from deepserve.config import EngineConfig
 from deepserve.simulate.clock import ManualClock
+from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.core import EngineCore
 from deepserve.simulate.engine import SteppedEngine
 from deepserve.simulate.scheduler import SimRequest
+from deepserve.simulate.setup import build_core, resolve
 from deepserve.simulate.tokenizer import BYTE_TOKEN_OFFSET
 
 CLIENT_TURNAROUND_S = 0.001  # from a reply's last token to the next request's arrival: loopback HTTP, client work
@@ -141,3 +144,20 @@ def run_closed_loop(
         mean_running=core.scheduled_entries / max(core.steps_started, 1),
         preemptions=core.scheduler.counters.preemptions,
     )
+
+
+def simulate_closed_loop(
+    engine: EngineConfig,
+    sim: SimulateConfig,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    num_requests: int | None = None,
+    output_spread: float = 0.0,
+) -> ClosedLoopResult:
+    """What `deepserve bench --max-concurrency CONCURRENCY` would measure against `deepserve simulate` started with
+    ENGINE and SIM, computed in virtual time (about a second of CPU): a guide for engine flags that the analytic
+    planner does not see (max_num_batched_tokens, chunked prefill, block size, prefix caching, max_num_seqs)."""
+    core = build_core(resolve(engine, sim), sim)
+    requests = num_requests or max(4 * concurrency, 8)
+    return run_closed_loop(core, concurrency, input_len, output_len, requests, output_spread=output_spread)

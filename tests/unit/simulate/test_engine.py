@@ -10,7 +10,7 @@ import pytest
 from deepserve.config import EngineConfig
 from deepserve.plan.perf import Workload
 from deepserve.simulate.clock import ManualClock, Timer
-from deepserve.simulate.closed_loop import run_closed_loop
+from deepserve.simulate.closed_loop import run_closed_loop, simulate_closed_loop
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.core import EngineCore
 from deepserve.simulate.engine import FixedLatencyEngine, SteppedEngine
@@ -147,3 +147,16 @@ def test_32_clients_agree_with_the_planner(awq_h100) -> None:
         assert result.mean_tpot_ms == pytest.approx(predicted.tpot_ms, rel=tolerance)
         assert result.output_throughput_tok_s == pytest.approx(predicted.output_throughput_tok_s, rel=tolerance)
     assert waves.mean_ttft_ms > 3 * predicted.ttft_ms  # a wave's prompts queue behind each other
+
+
+def test_a_small_cache_preempts_and_every_request_still_completes() -> None:
+    engine = EngineConfig(
+        model="cognitivecomputations/DeepSeek-V3-0324-AWQ", kv_cache_memory_gib=1.0, max_model_len=4096
+    )
+    roomy = simulate_closed_loop(
+        engine.model_copy(update={"kv_cache_memory_gib": None}), SimulateConfig(gpu="h100"), 32, 1024, 256, 64
+    )
+    tight = simulate_closed_loop(engine, SimulateConfig(gpu="h100"), 32, 1024, 256, 64)  # 15,279 tokens: ~11 fit
+    assert roomy.preemptions == 0 and tight.preemptions > 0
+    assert tight.requests == 64 and tight.mean_running < 16
+    assert tight.output_throughput_tok_s < roomy.output_throughput_tok_s
