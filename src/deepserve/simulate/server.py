@@ -445,6 +445,7 @@ class _Connection(asyncio.Protocol):
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
         self._body_bytes = 0
+        self._dispatching = False
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -490,12 +491,18 @@ class _Connection(asyncio.Protocol):
 
     # answering
     def _next(self) -> None:
-        while self._current is None and self._queue and self.transport is not None:
-            self._current = request = self._queue.popleft()
-            if request.path == "/<too large>":
-                self.send(413, _JSON, b'{"detail":"request body too large"}')
-                continue
-            self.app.handle(self, request)
+        if self._dispatching:  # a handler answered at once: the loop below picks up the next request
+            return
+        self._dispatching = True
+        try:
+            while self._current is None and self._queue and self.transport is not None:
+                self._current = request = self._queue.popleft()
+                if request.path == "/<too large>":
+                    self.send(413, _JSON, b'{"detail":"request body too large"}')
+                    continue
+                self.app.handle(self, request)
+        finally:
+            self._dispatching = False
 
     def close_header(self) -> bytes:
         current = self._current

@@ -242,3 +242,18 @@ async def test_options_for_servers_that_behave_differently() -> None:
             events = [e async for e in sse_events(response) if isinstance(e, dict)]
         assert events[-1]["usage"]["completion_tokens"] == 3
         assert (await http.post(server.root_url + "/start_profile")).status_code == 404
+
+
+async def test_pipelined_requests_are_answered_in_order_and_connection_close_is_honoured() -> None:
+    async with simulator() as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+        request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n%s"
+        writer.write(request % (len(body), b"", body) + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(request % (len(body), b"Connection: close\r\n", body))
+        data = await asyncio.wait_for(reader.read(), 30)  # the server closes after the third answer
+        writer.close()
+    answers = data.split(b"HTTP/1.1 ")[1:]
+    assert [a.split(b"\r\n", 1)[0] for a in answers] == [b"200 OK"] * 3
+    assert b"text_completion" in answers[0] and b"content-length: 0" in answers[1]
+    assert b"connection: close" in answers[2]
