@@ -8,6 +8,10 @@ Three measurements per level:
 - `sim, staggered`: the same with output lengths spread uniformly over OUTPUT x (1 +- 0.5) (vLLM's
   --random-range-ratio 0.5 on the output side), 20 requests per client: the desynchronised steady state the
   analytic formula assumes.
+- `published`: seed 002's table (vLLM 0.16 serving DeepSeek-V3-0324 with --quantization fp8 on 8 x B200, TP8,
+  random dataset 2048 in / 512 out, concurrency 1-256: output tok/s, mean TTFT, mean TPOT), beside the plan and the
+  simulator (equal lengths) for the same deployment. The factors were fitted to its throughput and TPOT rows, and
+  to its TTFT at concurrency 1 only: TTFT at 8 and more is out of sample for both.
 - with --bench, `bench`: `deepserve bench` (equal lengths, --ignore-eos) against `deepserve simulate` running in
   its own process at --time-scale (wall seconds per simulated second), converted back to simulated time.
 
@@ -35,6 +39,11 @@ from deepserve.simulate.closed_loop import ClosedLoopResult, run_closed_loop
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.setup import SimulatedDeployment, build_core, resolve
 
+# seed 002 (8 x B200, vLLM 0.16, TP8, 2048 in / 512 out): concurrency -> (output tok/s, mean TTFT ms, mean TPOT ms)
+SEED_002 = {
+    1: (106, 92, 9.28), 8: (503, 1311, 13.36), 16: (930, 618, 16.0), 32: (1382, 931, 21.34),
+    64: (2281, 843, 26.39), 128: (3545, 1263, 33.52), 256: (4010, 2607, 58.45),
+}  # fmt: skip
 PROFILES = (("cognitivecomputations/DeepSeek-V3-0324-AWQ", "h100"), ("deepseek-ai/DeepSeek-V3-0324", "h200"))
 STAGGER = 0.5
 
@@ -138,6 +147,26 @@ def print_table(title: str, rows: list[Row]) -> None:
         print(line)
 
 
+def print_published() -> None:
+    """Seed 002's measurements beside the plan and the simulator for the same deployment."""
+    sim = SimulateConfig(gpu="b200", weights="fp8-dynamic")
+    engine = EngineConfig(model="deepseek-ai/DeepSeek-V3-0324", max_model_len=32768, enable_prefix_caching=False)
+    deployment = resolve(engine, sim)
+    workload = Workload(2048, 512)
+    print("\nseed 002: DeepSeek-V3-0324, --quantization fp8, 8 x B200, vLLM 0.16, 2048 in / 512 out")
+    print("| c | published tok/s | plan | sim | published TTFT ms | plan | sim | published TPOT ms | plan | sim |")
+    print("|" + "---:|" * 10)
+    for concurrency, (tokens, ttft, tpot) in SEED_002.items():
+        p = deployment.predict(concurrency, workload)
+        core = build_core(deployment, sim)
+        s = run_closed_loop(core, concurrency, 2048, 512, max(4 * concurrency, 8))
+        print(
+            f"| {concurrency} | {tokens:,} | {p.output_throughput_tok_s:,.0f} | {s.output_throughput_tok_s:,.0f} "
+            f"| {ttft:,} | {p.ttft_ms:,.0f} | {s.mean_ttft_ms:,.0f} | {tpot:.2f} | {p.tpot_ms:.2f} | "
+            f"{s.mean_tpot_ms:.2f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="one preset (default: the AWQ/H100 and FP8/H200 profiles)")
@@ -165,6 +194,8 @@ def main() -> None:
                 row.bench = measured[row.concurrency]
         title = f"{model} on {args.gpus} x {gpu}, {workload.input_len} in / {workload.output_len} out"
         print_table(title, rows)
+    if not args.model:
+        print_published()
 
 
 if __name__ == "__main__":
