@@ -154,6 +154,12 @@ class KVCacheManager:
         held = self._blocks.get(request.request_id)
         if held is None:
             held = self._blocks[request.request_id] = []
+        elif not cached:  # the common case, a decode token: it fits in the blocks held, no block became full
+            end = request.num_computed_tokens + num_new_tokens
+            if end <= len(held) * self.block_size and (
+                not self.enable_caching or end // self.block_size <= self._committed.get(request.request_id, 0)
+            ):
+                return True
         hits = len(cached) if cached else 0
         computed = request.num_computed_tokens + hits * self.block_size
         needed_tokens = min(computed + num_new_tokens, self.max_model_len)

@@ -334,6 +334,12 @@ class _Reply:
         if self.cut_after is not None and self.sent + len(self.pending) >= self.cut_after:
             self._cut()
             return
+        if finish_reason is None and self.sent and len(self.pending) == 1 == self.app.config.tokens_per_chunk:
+            event = self.format.token_event(self.sent, self.pending, None, self._usage(1))  # one token, as usual
+            self.sent += 1
+            self.pending.clear()
+            self.conn.write(b"%x\r\n%s\r\n" % (len(event), event))
+            return
         events = self._token_events(finish_reason)
         if finish_reason is not None:
             if self.app.wants_usage(self.generation):
@@ -356,13 +362,16 @@ class _Reply:
             events += self._token_event(self.pending[:size], finish_reason if last else None)
         return events
 
-    def _token_event(self, tokens: list[int], finish_reason: str | None) -> list[bytes]:
+    def _usage(self, new_tokens: int) -> bytes:
+        """The usage of every chunk (continuous_usage_stats), else nothing."""
         generation = self.generation
-        usage = b""
         if generation.continuous_usage and generation.include_usage:
-            usage = b',"usage":' + self.format.usage(self.sent + len(tokens))
-        events = [self.format.role_event()] if self.sent == 0 and generation.chat else []
-        events.append(self.format.token_event(self.sent, tokens, finish_reason, usage))
+            return b',"usage":' + self.format.usage(self.sent + new_tokens)
+        return b""
+
+    def _token_event(self, tokens: list[int], finish_reason: str | None) -> list[bytes]:
+        events = [self.format.role_event()] if self.sent == 0 and self.generation.chat else []
+        events.append(self.format.token_event(self.sent, tokens, finish_reason, self._usage(len(tokens))))
         self.sent += len(tokens)
         del self.pending[: len(tokens)]
         return events
