@@ -10,6 +10,10 @@ the loop never falls behind and the clients' intervals stay within 5% of the ste
     .venv/bin/python benchmarks/simulate_streams_per_core.py                    # the table in docs/PERFORMANCE.md
     .venv/bin/python benchmarks/simulate_streams_per_core.py --step-ms 50 --streams 256,1024,4096
 
+It first measures the same work without sockets (the engine, the scheduler and the SSE formatting writing into a
+null transport, on a virtual clock), whose CPU time per token is what the simulator costs before the kernel's
+share of each write.
+
 The load generator is not `deepserve bench` (whose per-chunk timestamps and parsing would saturate its own core
 first): it counts SSE events per stream and their arrival times, nothing else.
 """
@@ -131,6 +135,40 @@ async def run_level(host: str, port: int, streams: int, tokens: int, process: ps
     )
 
 
+class _NullTransport:
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def engine_only_us_per_token(streams: int, tokens: int) -> float:
+    """CPU microseconds per token of the simulator's own work, sockets left out (ManualClock, null transports)."""
+    from deepserve.config import EngineConfig
+    from deepserve.simulate.clock import ManualClock
+    from deepserve.simulate.config import SimulateConfig
+    from deepserve.simulate.server import SimulatorApp, _Connection
+    from deepserve.simulate.setup import build_engine, resolve
+
+    sim = SimulateConfig(fixed_step_ms=20)
+    deployment = resolve(EngineConfig(model=MODEL, max_num_seqs=100_000), sim)
+    clock = ManualClock()
+    app = SimulatorApp(deployment, sim, build_engine(deployment, sim, clock), clock)
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": tokens, "stream": True}).encode()
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    for _ in range(streams):
+        connection = _Connection(app)
+        connection.connection_made(_NullTransport())  # type: ignore[arg-type]
+        connection.data_received(request)
+    started = time.process_time()
+    clock.run_until_idle()
+    return (time.process_time() - started) / (streams * tokens) * 1e6
+
+
 def print_table(levels: list[Level], step_ms: float) -> None:
     print(f"\nsimulated streams on one core (lockstep, one token per stream every {step_ms:g} ms)")
     print("| streams | tokens/s | simulator CPU | CPU us/token | loop lag (s) | client interval ms | sustained |")
@@ -161,6 +199,8 @@ def main() -> None:
     parser.add_argument("--server-cpu", type=int, default=0, help="CPU the simulator is pinned to (-1: none)")
     parser.add_argument("--client-cpu", type=int, default=1, help="CPU this load generator is pinned to (-1: none)")
     args = parser.parse_args()
+    own = engine_only_us_per_token(1024, 100)
+    print(f"without sockets: {own:.1f} us of CPU per token (1024 lockstep streams, 100 tokens each)", flush=True)
     if args.client_cpu >= 0:
         os.sched_setaffinity(0, {args.client_cpu})
     port = free_port()
