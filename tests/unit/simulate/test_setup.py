@@ -78,3 +78,16 @@ def test_the_cli_prints_the_deployment_and_refuses_bad_flags(capsys: pytest.Capt
     assert "NAME=VALUE" in capsys.readouterr().err
     assert main(["simulate", "--dry-run", "--", "--enforce-eager"]) == 2
     assert "passes nothing" in capsys.readouterr().err
+
+
+def test_a_config_file_and_the_environment_set_both_sections(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "deepserve.yaml"
+    config.write_text(f"engine:\n  model: {AWQ}\n  max_num_seqs: 48\nsimulate:\n  gpu: h100\n")
+    monkeypatch.setenv("DEEPSERVE_SIMULATE__TIME_SCALE", "0.5")
+    monkeypatch.setenv("DEEPSERVE_ENGINE__BLOCK_SIZE", "32")
+    assert main(["simulate", "--config", str(config), "--dry-run", "--max-num-batched-tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "8 x h100-sxm" in out and "max_num_seqs 48" in out and "max_num_batched_tokens 4096" in out
+    assert "blocks of 32 tokens" in out
