@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from deepserve.cli.main import main
@@ -69,5 +70,7 @@ def test_bench_reproduces_the_planners_prediction(simulated: str, tmp_path: Path
     predicted = resolve(EngineConfig(model=MODEL), sim).predict(concurrency, Workload(INPUT_LEN, OUTPUT_LEN))
     tpot_ms = measured["mean_tpot_ms"] / TIME_SCALE
     throughput = measured["output_throughput"] * TIME_SCALE
-    assert tpot_ms == pytest.approx(predicted.tpot_ms, rel=TOLERANCE)
-    assert throughput == pytest.approx(predicted.output_throughput_tok_s, rel=TOLERANCE)
+    engine = httpx.get(simulated.removesuffix("/v1") + "/simulate/stats").json()["engine"]
+    why = f"simulated time lost by a loop that fell behind so far: {engine['lag_s']} s"  # a busy machine, not the model
+    assert tpot_ms == pytest.approx(predicted.tpot_ms, rel=TOLERANCE), why
+    assert throughput == pytest.approx(predicted.output_throughput_tok_s, rel=TOLERANCE), why
