@@ -123,7 +123,8 @@ class SimulatorApp:
 
     def handle(self, conn: _Connection, request: _Request) -> None:
         key = self.config.api_key
-        if key and request.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {key}":
+        guarded = request.path.startswith("/v1") or request.path == "/simulate/control"  # vLLM guards /v1 only
+        if key and guarded and request.headers.get("authorization") != f"Bearer {key}":
             conn.send(401, _JSON, b'{"error":"Unauthorized"}')
             return
         route = self._routes.get((request.method, request.path))

@@ -185,29 +185,28 @@ def _plan_config(
     max_num_seqs: int,
 ) -> PlanConfig:
     given = engine.model_fields_set
-    return PlanConfig.model_validate(
-        {
-            "model": model,
-            "gpu": sim.gpu,
-            "gpus": sim.gpus,
-            "nodes": sim.nodes,
-            "weights": sim.weights or _weights_from_quantization(engine.quantization, spec),
-            "kv_dtype": engine.kv_cache_dtype or "auto",
-            "max_model_len": max_model_len,
-            "concurrency": [1],
-            "slo_itl_ms": None,
-            "engine": engine.engine,
-            "tp": engine.tensor_parallel_size if "tensor_parallel_size" in given else None,
-            "pp": engine.pipeline_parallel_size if "pipeline_parallel_size" in given else None,
-            "dp": engine.data_parallel_size,
-            "ep": engine.enable_expert_parallel,
-            "network": sim.network,
-            "gpu_memory_utilization": engine.gpu_memory_utilization or 0.9,
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": batched,
-            "calibration": sim.calibration,
-        }
-    )
+    values = {
+        "model": model,
+        "gpu": sim.gpu,
+        "gpus": sim.gpus,
+        "nodes": sim.nodes,
+        "weights": sim.weights or _weights_from_quantization(engine.quantization, spec),
+        "kv_dtype": engine.kv_cache_dtype or "auto",
+        "max_model_len": max_model_len,
+        "concurrency": [1],
+        "engine": engine.engine,
+        "tp": engine.tensor_parallel_size if "tensor_parallel_size" in given else None,
+        "pp": engine.pipeline_parallel_size if "pipeline_parallel_size" in given else None,
+        "dp": engine.data_parallel_size,
+        "ep": engine.enable_expert_parallel,
+        "network": sim.network,
+        "gpu_memory_utilization": engine.gpu_memory_utilization or 0.9,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": batched,
+        "calibration": sim.calibration,
+    }
+    # Fields left unset take the planner's defaults: fewer names tie this module to PlanConfig's.
+    return PlanConfig.model_validate({key: value for key, value in values.items() if value is not None})
 
 
 def _weights_from_quantization(quantization: str | None, spec: ModelSpec) -> str | None:

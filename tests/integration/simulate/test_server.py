@@ -149,6 +149,9 @@ async def test_bad_requests_get_openai_errors() -> None:
         with pytest.raises(openai.AuthenticationError):
             await client(server, api_key="wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
         assert (await stats(server))["refused"] == 2
+        async with httpx.AsyncClient(base_url=server.root_url) as http:
+            assert (await http.post("/simulate/control", json={"healthy": False})).status_code == 401
+            assert (await http.get("/health")).status_code == 200  # health and metrics stay open, as vLLM's
 
 
 async def test_injected_errors_cuts_and_hangs() -> None:
