@@ -9,7 +9,6 @@ stream, and a list of bucket counts is the cheapest way to do that on the event 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 TTFT_BUCKETS_S = (
@@ -212,6 +211,3 @@ def _number(value: float) -> str:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-CounterSource = Callable[[], CounterReading]
