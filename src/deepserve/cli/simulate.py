@@ -13,8 +13,12 @@ from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.run import serve_simulator
 from deepserve.simulate.setup import resolve
 
-# Engine flags that mean nothing to a simulated engine.
-_NOT_SIMULATED = ("device", "dtype", "trust_remote_code", "extra_args", "startup_timeout_s")
+# Engine flags that mean nothing to a simulated engine (one process stands for every node).
+_NOT_SIMULATED = (
+    "device", "dtype", "trust_remote_code", "extra_args", "startup_timeout_s", "node_rank", "master_addr",
+    "master_port", "join_port", "join_timeout_s", "gpus_per_node", "data_parallel_size_local", "nnodes", "gpu_type",
+    "data_parallel_address", "data_parallel_rpc_port", "distributed_executor_backend",
+)  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

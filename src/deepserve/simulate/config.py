@@ -18,7 +18,7 @@ CutMode = Literal["close", "error_event", "malformed_event"]
 class SimulateConfig(Section):
     gpu: str = Field("h200", description="GPU type from the catalog whose step times to simulate (h100 = H100 SXM)")
     gpus: int = Field(8, ge=1, description="total GPUs of the simulated deployment (all nodes)")
-    nodes: int = Field(1, ge=1, description="nodes the GPUs are spread over")
+    nodes: int | None = Field(None, ge=1, description="nodes the GPUs are spread over (default: as few as hold them)")
     weights: str | None = Field(
         None, description="bf16, fp16, fp8, fp8-dynamic, awq-int4; None = the checkpoint's format (or --quantization)"
     )

@@ -107,6 +107,7 @@ def _on(flag: bool) -> str:
 
 
 def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
+    sim = _hardware_from_engine(engine, sim)
     accelerator = get_accelerator(sim.gpu)
     large = accelerator.memory_gib >= LARGE_GPU_GIB and "a100" not in accelerator.name.lower()
     model = engine.model or DEFAULT_MODEL
@@ -148,6 +149,25 @@ def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
         model_of_steps=plan.deployment.performance_model(factors),
         **common,
     )
+
+
+def _hardware_from_engine(engine: EngineConfig, sim: SimulateConfig) -> SimulateConfig:
+    """A config file's engine.gpu_type and engine.nnodes (what `deepserve serve` checks a deployment with) stand
+    for --gpu and --nodes when those are not given; given both, they must agree."""
+    updates: dict[str, Any] = {}
+    for engine_field, sim_field, value in (
+        ("gpu_type", "gpu", engine.gpu_type),
+        ("nnodes", "nodes", engine.nnodes),
+    ):
+        if engine_field not in engine.model_fields_set or value is None:
+            continue
+        if sim_field in sim.model_fields_set and getattr(sim, sim_field) != value:
+            raise ConfigError(
+                f"--{engine_field.replace('_', '-')} {value} and --{sim_field} {getattr(sim, sim_field)} disagree: "
+                "give one of them"
+            )
+        updates[sim_field] = value
+    return sim.model_copy(update=updates) if updates else sim
 
 
 def _fixed(

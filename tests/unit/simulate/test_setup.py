@@ -91,3 +91,12 @@ def test_a_config_file_and_the_environment_set_both_sections(
     out = capsys.readouterr().out
     assert "8 x h100-sxm" in out and "max_num_seqs 48" in out and "max_num_batched_tokens 4096" in out
     assert "blocks of 32 tokens" in out
+
+
+def test_the_engine_sections_gpu_type_and_nodes_stand_for_the_hardware_flags() -> None:
+    engine = EngineConfig(model=AWQ, gpu_type="h100", nnodes=2, master_addr="10.0.0.1")
+    deployment = resolve(engine, SimulateConfig(gpus=16))
+    assert deployment.plan is not None and deployment.plan.deployment.nodes == 2
+    assert deployment.gpu == "h100-sxm" and deployment.pipeline_stages == 2
+    with pytest.raises(ConfigError, match="disagree"):
+        resolve(engine, SimulateConfig(gpu="h200"))
