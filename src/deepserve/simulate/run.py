@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import TextIO
 
+from deepserve._compat import run
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.server import SimulatorServer
 from deepserve.simulate.setup import SimulatedDeployment
@@ -35,9 +36,9 @@ def serve_simulator(
         import uvloop
 
         loop_factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=loop_factory) as runner, contextlib.suppress(KeyboardInterrupt):
+    with contextlib.suppress(KeyboardInterrupt):
         try:
-            runner.run(_serve(deployment, config, host, port, metric_overrides or {}, log, out))
+            run(_serve(deployment, config, host, port, metric_overrides or {}, log, out), loop_factory)
         except SystemExit as exc:
             return int(exc.code or 0)
     return 0
