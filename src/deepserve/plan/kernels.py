@@ -128,6 +128,18 @@ def _kind_rate(entry: dict[str, Any], kind: str, family: str, hardware_class: st
     )
 
 
+def ideal_rates(rates: KernelRates) -> KernelRates:
+    """RATES at the hardware's limit: every kind at full bandwidth and peak, no floors, free launches (a bound, not a
+    prediction)."""
+    perfect = KindRate(memory_efficiency=1.0, compute_efficiency=1.0, floor_us=0.0, measured=True, source="ideal")
+    return replace(
+        rates,
+        kinds=dict.fromkeys(rates.kinds, perfect),
+        launch_us=dict.fromkeys(rates.launch_us, 0.0),
+        provenance="ideal (datasheet bandwidth and peak)",
+    )
+
+
 def kind_sources(rates: KernelRates) -> dict[str, str]:
     """Each kind's source, marked when it is carried over rather than measured."""
     return {kind: ("" if rate.measured else "(not measured) ") + rate.source for kind, rate in rates.kinds.items()}
