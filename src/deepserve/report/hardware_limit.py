@@ -3,8 +3,8 @@ takes at least (bytes it reads) / (memory bandwidth).
 
 The bytes are the planner's (`deepserve.plan.perf.PerformanceModel`, its only implementation): the weights once per
 step (for MoE only the experts the batch touches, `expected_distinct_experts`), plus each sequence's KV cache up to
-its context, per GPU of the first pipeline stage of the deployment's layout. Here the planner's efficiency factors
-are set to the ideal (full bandwidth, no per-layer overhead), so the step time is the memory floor alone, not a
+its context, per GPU of the first pipeline stage of the deployment's layout. Here the planner's kernel figures are
+set to the ideal (full bandwidth, no floors, no engine overhead), so the step time is the memory floor alone, not a
 prediction; an engine reaches some fraction of it.
 """
 
@@ -17,12 +17,13 @@ from functools import cached_property
 from deepserve.errors import DeepserveError
 from deepserve.hardware.catalog import Accelerator, get_accelerator
 from deepserve.models.spec import ModelSpec
-from deepserve.plan.factors import EfficiencyFactors
 from deepserve.plan.formats import WeightFormat, checkpoint_format
+from deepserve.plan.kernels import ideal_rates, kernel_rates
 from deepserve.plan.layout import Layout, Links, default_layout
 from deepserve.plan.perf import PerformanceModel
+from deepserve.plan.profiles import EngineParameters, select_profile
 
-IDEAL = EfficiencyFactors(layer_overhead_us=0.0, memory_efficiency=1.0, compute_efficiency=1.0)
+NO_ENGINE_OVERHEAD = EngineParameters(kernels_per_layer=0.0, prefill_efficiency=1.0)
 KV_DTYPE = "auto"  # the engines' default: the cache in the model's 16-bit dtype
 
 
@@ -72,7 +73,11 @@ class DecodeLimit:
     @cached_property
     def _model(self) -> PerformanceModel:
         links = Links(tensor=self.accelerator.intra_node, pipeline=self.accelerator.intra_node)
-        return PerformanceModel(self.spec, self.fmt, self.layout, self.accelerator, links, IDEAL, KV_DTYPE)
+        rates = ideal_rates(kernel_rates(self.accelerator, self.fmt.name))
+        engine = select_profile("vllm", self.accelerator.hardware_class)
+        assert engine is not None  # the package's profiles cover GPUs and CPUs
+        ideal = engine.with_parameters(NO_ENGINE_OVERHEAD, "ideal")
+        return PerformanceModel(self.spec, self.fmt, self.layout, self.accelerator, links, rates, ideal, KV_DTYPE)
 
 
 def gpu_limit(spec: ModelSpec, accelerator: Accelerator, gpus: int) -> DecodeLimit:

@@ -23,7 +23,7 @@ class SimulateConfig(Section):
         None, description="bf16, fp16, fp8, fp8-dynamic, awq-int4; None = the checkpoint's format (or --quantization)"
     )
     network: str = Field("infiniband-ndr", description="between nodes: infiniband-ndr, roce-400g, ethernet-100g")
-    calibration: Path | None = Field(None, description="JSON from benchmarks/calibrate_gpu.py (measured factors)")
+    calibration: Path | None = Field(None, description="JSON from benchmarks/calibrate_gpu.py (measured kernels)")
     # ---- time ----
     time_scale: float = Field(
         1.0, gt=0, description="wall seconds per simulated second: 0.1 runs ten times faster than the modelled GPU"

@@ -146,7 +146,7 @@ def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
         data_parallel=plan.deployment.layout.dp,
         timing=f"step times from the planner (profile {factors.profile}, {factors.provenance})",
         plan=plan,
-        model_of_steps=plan.deployment.performance_model(factors),
+        model_of_steps=plan.deployment.performance_model(factors, plan.rates),
         **common,
     )
 

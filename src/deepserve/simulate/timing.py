@@ -19,7 +19,7 @@ class StepTimer(Protocol):
 
 
 class PlannerStepTimer:
-    """The planner's step model: bytes and FLOPs of the batch, efficiency factors of the deployment's profile."""
+    """The planner's step model: the batch's bytes and FLOPs at the kernel table's rates, plus engine overheads."""
 
     def __init__(self, model: PerformanceModel) -> None:
         self.model = model

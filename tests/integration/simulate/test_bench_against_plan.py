@@ -5,9 +5,10 @@ The simulator runs at four times real speed (--time-scale 0.25) to keep the test
 figures are converted back to simulated time. It runs as users run it: its own process, announced by its READY
 line, the benchmark counting tokens with the simulator's /tokenize.
 
-Measured (2026-11-22): concurrency 1 matches to 0.1%; at 32 the benchmark's TPOT is 0.92 of the plan's and its
-throughput 0.92, because 32 clients with equal lengths move in waves (docs/SIMULATE.md explains why, and that the
-staggered steady state the planner assumes agrees within 2%).
+Output lengths vary +-50% around 256 (`--random-range-ratio '{"input": 0, "output": 0.5}'`), so the 32 clients fall
+out of step into the steady state the planner's formula describes: with equal lengths they move in waves, each
+wave's prompts prefilled in steps of their own, and TPOT falls about a sixth below the plan's (docs/SIMULATE.md;
+tests/unit/simulate/test_engine.py checks both regimes in virtual time).
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ def simulated() -> Iterator[str]:
         process.wait(10)
 
 
-@pytest.mark.parametrize(("concurrency", "prompts"), [(1, 4), (32, 128)])
+@pytest.mark.parametrize(("concurrency", "prompts"), [(1, 4), (32, 320)])
 def test_bench_reproduces_the_planners_prediction(simulated: str, tmp_path: Path, concurrency: int, prompts: int):
     flags = [
         "bench", "--base-url", simulated.removesuffix("/v1"), "--model", MODEL, "--dataset-name", "random",
         "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN), "--ignore-eos",
+        "--random-range-ratio", '{"input": 0, "output": 0.5}',
         "--max-concurrency", str(concurrency), "--num-prompts", str(prompts), "--disable-tqdm", "--save-result",
         "--result-dir", str(tmp_path), "--result-filename", "r.json", "--no-server-metrics",
     ]  # fmt: skip

@@ -147,17 +147,19 @@ def test_one_client_reproduces_the_planner_exactly(awq_h100) -> None:
 
 
 def test_32_clients_agree_with_the_planner(awq_h100) -> None:
-    """Fixed lengths: clients move in waves (all prompts of a wave prefilled together, which the analytic model
-    spreads over the decode steps), within 15%. Staggered lengths (vLLM's --random-range-ratio 0.5): the steady
-    state the analytic model assumes, within 5%."""
+    """Staggered lengths (vLLM's --random-range-ratio 0.5): the steady state the analytic model assumes, within 5%.
+    Fixed lengths: clients move in waves, all prompts of a wave prefilled together in steps of their own, which the
+    analytic model spreads over the decode steps: TPOT falls below the plan (the prompts' cost moves into TTFT; with
+    the kernel-table model, where a 1K prompt costs several decode steps, by about a sixth), throughput within 15%."""
     deployment, sim = awq_h100
     workload = Workload(1024, 256)
     predicted = deployment.predict(32, workload)
     waves = run_closed_loop(build_core(deployment, sim), 32, 1024, 256, num_requests=96)
     staggered = run_closed_loop(build_core(deployment, sim), 32, 1024, 256, num_requests=640, output_spread=0.5)
-    for result, tolerance in ((waves, 0.15), (staggered, 0.05)):
-        assert result.mean_tpot_ms == pytest.approx(predicted.tpot_ms, rel=tolerance)
-        assert result.output_throughput_tok_s == pytest.approx(predicted.output_throughput_tok_s, rel=tolerance)
+    assert staggered.mean_tpot_ms == pytest.approx(predicted.tpot_ms, rel=0.05)
+    assert staggered.output_throughput_tok_s == pytest.approx(predicted.output_throughput_tok_s, rel=0.05)
+    assert 0.7 * predicted.tpot_ms < waves.mean_tpot_ms < predicted.tpot_ms
+    assert waves.output_throughput_tok_s == pytest.approx(predicted.output_throughput_tok_s, rel=0.15)
     assert waves.mean_ttft_ms > 3 * predicted.ttft_ms  # a wave's prompts queue behind each other
 
 
