@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 RETRY_S = 1.0
 # A request waiting for a global slot retries at least this often, in case a release message was missed.
 SLOT_POLL_S = 0.1
+# The subscriber wakes at least this often (to notice that the gateway stops).
+LISTEN_POLL_S = 0.25
 
 _PRELUDE = """
 local now = tonumber(ARGV[1])
@@ -228,6 +230,7 @@ class RedisLimiter:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._client: Any = None
         self._scripts: dict[str, Any] = {}
+        self._closing = False
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -248,6 +251,7 @@ class RedisLimiter:
         self._spawn(self._renew_loop(), "redis-lease-renewal")
 
     async def close(self) -> None:
+        self._closing = True  # the listener checks it: redis-py's get_message can swallow a cancellation
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -440,13 +444,14 @@ class RedisLimiter:
     async def _listen(self) -> None:
         """Subscribe to slot releases and revocations; after any failure, subscribe again (and re-read the revoked
         set, in case a revocation was published meanwhile)."""
-        while True:
+        while not self._closing:
             pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.names.slots, self.names.revocations)
                 await self.load_revocations()
-                while True:
-                    message = await pubsub.get_message(timeout=1.0)
+                self._mark_up()
+                while not self._closing:
+                    message = await pubsub.get_message(timeout=LISTEN_POLL_S)
                     if message is None:
                         continue
                     if message["channel"] == self.names.revocations:
@@ -496,8 +501,9 @@ class RedisLimiter:
     def _fallback(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> Admission:
         if not self.fail_open:
             raise self._unavailable()
+        admission = self.local.admit_now(key_id, limits, charged_tokens)
         self._count_fallback()
-        return self.local.admit_now(key_id, limits, charged_tokens)
+        return admission
 
     def _count_fallback(self) -> None:
         self.fallbacks += 1
