@@ -44,6 +44,7 @@ class FakeStats:
     requests: int = 0
     completed: int = 0
     aborted: int = 0
+    engine_steps: int = 0  # lockstep: engine steps taken (each one gave every waiting stream a token)
     active: int = 0
     metrics_scrapes: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)  # the last few request bodies, as received
@@ -57,7 +58,8 @@ class FakeBehaviour:
     healthy: bool = True
     health_delay_s: float = 0.0  # answer /health this late (an overloaded replica)
     model: str = FAKE_MODEL
-    max_model_len: int = FAKE_MAX_MODEL_LEN
+    max_model_len: int = FAKE_MAX_MODEL_LEN  # refuses max_tokens that do not fit (400), as vLLM does
+    advertise_max_model_len: bool = True  # list max_model_len in /v1/models (SGLang and older servers may not)
     waiting: int = 0  # reported as vllm:num_requests_waiting
     kv_cache_usage: float = 0.0  # reported as vllm:kv_cache_usage_perc (0..1)
     metrics_text: bytes | None = None  # its /metrics verbatim instead of the load above
@@ -69,7 +71,7 @@ class FakeUpstream:
     def __init__(self, behaviour: FakeBehaviour | None = None) -> None:
         self.behaviour = behaviour or FakeBehaviour()
         self.stats = FakeStats()
-        self._steps = _EngineSteps()
+        self._steps = _EngineSteps(self.stats)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -80,7 +82,9 @@ class FakeUpstream:
                 await asyncio.sleep(self.behaviour.health_delay_s)
             await _respond(send, 200 if self.behaviour.healthy else 503, b"{}")
         elif path == "/v1/models":
-            card = {"id": self.behaviour.model, "object": "model", "max_model_len": self.behaviour.max_model_len}
+            card: dict[str, Any] = {"id": self.behaviour.model, "object": "model"}
+            if self.behaviour.advertise_max_model_len:
+                card["max_model_len"] = self.behaviour.max_model_len
             await _respond(send, 200, json.dumps({"object": "list", "data": [card]}).encode())
         elif path == "/metrics":
             self.stats.metrics_scrapes += 1
@@ -129,6 +133,11 @@ class FakeUpstream:
             await _respond(send, behaviour.fail_status, json.dumps(error).encode())
             return
         tokens = int(request.get("max_tokens") or request.get("max_completion_tokens") or 16)
+        if tokens >= behaviour.max_model_len:
+            message = f"This model's maximum context length is {behaviour.max_model_len} tokens"
+            refusal = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": "400"}}
+            await _respond(send, 400, json.dumps(refusal).encode())
+            return
         chat = path.endswith("chat/completions")
         prompt_tokens = len(json.dumps(request.get("messages") or request.get("prompt")))
         if request.get("stream"):
@@ -181,7 +190,8 @@ class _EngineSteps:
     """One engine step every STEP_S, shared by every stream that waits for its next token: all of them get it at
     the same instant. Steps are scheduled on an absolute grid (no drift) and stop when no stream waits."""
 
-    def __init__(self) -> None:
+    def __init__(self, stats: FakeStats) -> None:
+        self._stats = stats
         self._step = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._waiting = 0
@@ -200,6 +210,7 @@ class _EngineSteps:
     def _tick(self, loop: asyncio.AbstractEventLoop, at: float, step_s: float) -> None:
         step, self._step = self._step, asyncio.Event()
         had_waiters = self._waiting > 0
+        self._stats.engine_steps += had_waiters
         step.set()
         if had_waiters:  # keep stepping while the batch has streams; they wait for the next step at once
             self._timer = loop.call_at(at + step_s, self._tick, loop, at + step_s, step_s)
