@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -40,6 +41,8 @@ START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 # A worker that dies is restarted, but not more often than this (a worker that cannot start must not spin).
 RESTART_MIN_INTERVAL_S = 1.0
+# How often a worker checks that its supervisor is still alive.
+ORPHAN_CHECK_S = 0.5
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
@@ -60,14 +63,27 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _worker_main(config_json: str, port: int, index: int, ready: Any) -> None:
+def _worker_main(config_json: str, port: int, index: int, ready: Any, supervisor_pid: int) -> None:
     """One worker process: a whole gateway on its own SO_REUSEPORT socket; tells the supervisor when it listens."""
     from deepserve.gateway.server import run_event_loop, serve
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s gateway[{index}] %(levelname)s %(message)s")
     config = GatewayConfig.model_validate_json(config_json)
     sock = reuseport_socket(config.host, port)
+    _stop_when_orphaned(supervisor_pid)
     run_event_loop(serve(config, lambda url: ready.put(index), sockets=[sock]))
+
+
+def _stop_when_orphaned(supervisor_pid: int) -> None:
+    """A supervisor killed outright (SIGKILL) cannot stop its workers: each worker notices that its parent is gone
+    (even before the worker got this far) and stops itself gracefully, so that none keeps the port."""
+
+    def watch() -> None:
+        while os.getppid() == supervisor_pid:
+            time.sleep(ORPHAN_CHECK_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
 
 
 class _Supervisor:
@@ -83,7 +99,7 @@ class _Supervisor:
     def start(self, index: int) -> None:
         worker = self.context.Process(
             target=_worker_main,
-            args=(self.config.model_dump_json(), self.port, index, self.ready),
+            args=(self.config.model_dump_json(), self.port, index, self.ready, os.getpid()),
             name=f"deepserve-gateway-worker-{index}",
             daemon=False,
         )
