@@ -460,7 +460,7 @@ class RedisLimiter:
                         self._wake_oldest()
             except self._failures as exc:
                 self._mark_down(exc)
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(max(RETRY_S, LISTEN_POLL_S))
             finally:
                 with contextlib.suppress(*self._failures):
                     await pubsub.aclose()
