@@ -3,8 +3,10 @@ key revocations live in Redis, so that N gateways (replicas behind a load balanc
 enforce one limit.
 
 Every decision is one Lua script, which Redis runs atomically: the check and the charge cannot be split by another
-gateway's request (no check-then-set race). An admitted request costs two round trips: the admission script (key
-limits and, when free, a global slot) and the release script (sent in the background once the request ended).
+gateway's request (no check-then-set race). An admitted request costs two script calls: the admission script (key
+limits and, when free, a global slot) and the release script (sent in the background once the request ended). Calls
+go out in pipelines (`ScriptBatcher`): alone when the connection is idle, and together with every call made while
+the previous pipeline was in flight when busy, so that under load a round trip serves many requests.
 
 Concurrency slots are leases: a sorted-set member whose score is its expiry. The gateway renews its leases every
 lease/3 seconds; a gateway that dies stops renewing, and its slots expire after at most `--redis-lease-s`, so they
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import itertools
 import logging
 import secrets
@@ -157,6 +160,86 @@ return #KEYS
 )
 
 
+class ScriptBatcher:
+    """Calls Lua scripts by hash in pipelines: a call made while no pipeline is in flight goes out at once (no added
+    wait); calls made while one is in flight go together in the next. Under load that turns N round trips (and N
+    times the client's per-command work) into one. A script missing from Redis's cache (Redis restarted) is loaded
+    again and its calls retried once. Failures of the connection fail every call of the pipeline."""
+
+    def __init__(self, client: Any, sources: dict[str, str]) -> None:
+        self._client = client
+        self._sources = sources
+        self._hashes = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in sources.items()}
+        self._pending: list[tuple[str, list[Any], asyncio.Future[Any]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def load(self) -> None:
+        for source in self._sources.values():
+            await self._client.script_load(source)
+
+    def submit(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        """Queue one call; its future gets the script's result (or exception)."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.append((name, [len(keys), *keys, *args], future))
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush(), name="redis-pipeline")
+        return future
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                await self._send(batch, retry_missing=True)
+        finally:
+            self._flusher = None
+            abandoned, self._pending = self._pending, []  # only when cancelled (the gateway stops)
+            for _, _, future in abandoned:
+                if not future.done():
+                    future.cancel()
+
+    async def _send(self, batch: list[tuple[str, list[Any], asyncio.Future[Any]]], retry_missing: bool) -> None:
+        from redis.exceptions import NoScriptError
+
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for name, arguments, _ in batch:
+                    pipe.evalsha(self._hashes[name], *arguments)
+                results = await pipe.execute(raise_on_error=False)
+        except BaseException as exc:
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        missing = []
+        for item, result in zip(batch, results, strict=True):
+            future = item[2]
+            if isinstance(result, NoScriptError) and retry_missing:
+                missing.append(item)
+            elif future.done():
+                continue  # its caller went away
+            elif isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        if missing:
+            try:
+                await self.load()
+            except Exception as exc:
+                for _, _, future in missing:
+                    if not future.done():
+                        future.set_exception(exc)
+                return
+            await self._send(missing, retry_missing=False)
+
+
 class RedisNames:
     """The Redis keys and channels of one deployment, all under PREFIX (gateways sharing limits share the prefix)."""
 
@@ -229,7 +312,7 @@ class RedisLimiter:
         self._waiters: collections.deque[asyncio.Event] = collections.deque()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._client: Any = None
-        self._scripts: dict[str, Any] = {}
+        self._scripts: ScriptBatcher | None = None
         self._closing = False
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -240,10 +323,11 @@ class RedisLimiter:
         self._client = redis.asyncio.Redis.from_url(
             self.url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, decode_responses=True
         )
-        for name, source in (("admit", _ADMIT), ("slot", _TAKE_SLOT), ("release", _RELEASE), ("renew", _RENEW)):
-            self._scripts[name] = self._client.register_script(source)
+        self._scripts = ScriptBatcher(
+            self._client, {"admit": _ADMIT, "slot": _TAKE_SLOT, "release": _RELEASE, "renew": _RENEW}
+        )
         try:
-            await self._client.ping()
+            await self._scripts.load()
             await self.load_revocations()
         except self._failures as exc:
             self._mark_down(exc)
@@ -255,6 +339,8 @@ class RedisLimiter:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._scripts is not None:
+            await self._scripts.close()
         if self._client is not None:
             await self._client.aclose()
 
@@ -292,7 +378,7 @@ class RedisLimiter:
             self.max_concurrency, charged_tokens, 0 if self._waiters else 1,
         ]  # fmt: skip
         try:
-            code, detail = await self._scripts["admit"](keys=keys, args=args)
+            code, detail = await self._call("admit", keys, args)
         except asyncio.CancelledError:
             self._release_in_background(admission, had_slot=True, delta=0)  # it may have been admitted
             raise
@@ -367,7 +453,7 @@ class RedisLimiter:
             return await self._local_slot(admission)
         args = [self._now(), admission.lease, self.lease_s, self.max_concurrency]
         try:
-            taken = await self._scripts["slot"](keys=[self.names.global_leases], args=args)
+            taken = await self._call("slot", [self.names.global_leases], args)
         except asyncio.CancelledError:
             self._release_in_background(admission, had_slot=True, delta=0)
             raise
@@ -396,6 +482,10 @@ class RedisLimiter:
 
     # ---- talking to Redis ---------------------------------------------------------------------------------------
 
+    def _call(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        assert self._scripts is not None, "RedisLimiter.start() was not awaited"
+        return self._scripts.submit(name, keys, args)
+
     def _now(self) -> str:
         return repr(self._clock()) if self._clock is not None else ""
 
@@ -411,7 +501,7 @@ class RedisLimiter:
 
     async def _release(self, keys: list[str], args: list[Any], had_slot: bool) -> None:
         try:
-            await self._scripts["release"](keys=keys, args=args)
+            await self._call("release", keys, args)
         except self._failures as exc:  # its leases expire by themselves; only a tpm correction is lost
             self._mark_down(exc)
             return
@@ -432,7 +522,7 @@ class RedisLimiter:
         if not keys:
             return
         try:
-            await self._scripts["renew"](keys=keys, args=[self._now(), self.lease_s, *members])
+            await self._call("renew", keys, [self._now(), self.lease_s, *members])
         except self._failures as exc:
             self._mark_down(exc)
 
