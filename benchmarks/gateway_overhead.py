@@ -298,6 +298,7 @@ async def request_rate(
     body = json.dumps({"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 1}).encode()
     headers = headers_for(api_key)
     done = failed = 0
+    reasons: collections.Counter[str] = collections.Counter()
     connector = aiohttp.TCPConnector(limit=concurrency)
     window_start = time.perf_counter() + warm_s
     window_end = window_start + duration_s
@@ -306,15 +307,19 @@ async def request_rate(
         async def worker() -> None:
             nonlocal done, failed
             while time.perf_counter() < window_end:
+                reason = None
                 try:
                     async with session.post(url + "/completions", data=body, headers=headers) as response:
-                        await response.read()
-                        ok = response.status == 200
-                except aiohttp.ClientError:
-                    ok = False
+                        answer = await response.read()
+                        if response.status != 200:
+                            reason = f"HTTP {response.status}: {answer[:160].decode(errors='replace')}"
+                except aiohttp.ClientError as exc:
+                    reason = f"{type(exc).__name__}: {exc}"
                 if window_start <= time.perf_counter() < window_end:
-                    done += ok
-                    failed += not ok
+                    done += reason is None
+                    failed += reason is not None
+                    if reason is not None:
+                        reasons[reason] += 1
 
         workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
         await asyncio.sleep(window_start - time.perf_counter())
@@ -324,6 +329,8 @@ async def request_rate(
         for task in workers:
             task.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
+    for reason, count in reasons.most_common(3):
+        print(f"        {count} failed: {reason}", flush=True)
     return done / duration_s, failed, cpu_us
 
 

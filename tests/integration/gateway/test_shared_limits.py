@@ -215,6 +215,25 @@ async def test_hundreds_of_concurrent_requests_go_through_a_few_connections(redi
         await limiter.close()
 
 
+async def test_scripts_lost_by_a_restarted_redis_are_loaded_again(redis_server: RedisServer) -> None:
+    import redis
+
+    limiter = RedisLimiter(redis_server.url, max_concurrency=100, max_queue=10, queue_timeout_s=5)
+    await limiter.start()
+    try:
+        for together in (1, 20):  # one call alone, and calls sent together in a pipeline
+            client = redis.Redis.from_url(redis_server.url)
+            client.script_flush()  # what a Redis restart does to the script cache
+            client.close()
+            admissions = await asyncio.gather(*(limiter.admit("k", KeyLimits(rpm=1000), 1) for _ in range(together)))
+            assert all(admission.has_slot and not admission.local for admission in admissions)
+            for admission in admissions:
+                limiter.release(admission, 1)
+        assert limiter.errors == 0
+    finally:
+        await limiter.close()
+
+
 async def test_a_revocation_on_one_host_is_honoured_by_another_within_a_second(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
