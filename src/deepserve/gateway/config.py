@@ -58,7 +58,9 @@ class GatewayConfig(Section):
     redis_lease_s: float = Field(
         10.0, gt=0, description="a concurrency slot held in Redis expires this long after its gateway stops renewing"
     )
-    redis_timeout_s: float = Field(0.5, gt=0, description="longest wait for Redis before it counts as unreachable")
+    redis_timeout_s: float = Field(
+        1.0, gt=0, description="longest wait for one answer from Redis (3 late answers in a row: unreachable)"
+    )
     workers: int = Field(1, ge=1, description="gateway processes sharing the port (more than 1 needs --redis-url)")
     score_weight: list[str] = Field(
         default_factory=list,

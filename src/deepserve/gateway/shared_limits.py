@@ -17,8 +17,9 @@ Time comes from Redis (`TIME`) so that gateways whose clocks differ agree, unles
 When Redis cannot be reached the gateway fails closed: 503 `limiter_unavailable`, since admitting without the shared
 state would break the limits it promises. With `fail_open` it falls back to this process's own limits
 (`LocalLimiter`) instead, logs a warning when that starts and when Redis answers again, and counts each request so
-admitted (`deepserve_gateway_limiter_fallbacks_total`). After a failure Redis is left alone for RETRY_S, so that
-requests do not each wait for a connect timeout.
+admitted (`deepserve_gateway_limiter_fallbacks_total`). After a connection failure, or TIMEOUTS_TO_DOWN timeouts in a
+row, Redis is left alone for RETRY_S, so that requests do not each wait for a connect timeout; a lone timeout fails
+only the requests whose calls waited for it.
 
 Revocations: `deepserve keys revoke` writes the key database on one host; every gateway polls its own database and
 publishes each revocation it sees to Redis (a hash of revoked ids, and a pub/sub message), and `deepserve keys revoke
@@ -45,8 +46,11 @@ from deepserve.gateway.limits import Admission, Clock, KeyLimits, LocalLimiter
 
 log = logging.getLogger(__name__)
 
-# After a failed call, Redis is tried again after this long (meanwhile: 503, or local limits with fail_open).
+# After a failed connection (or TIMEOUTS_TO_DOWN timeouts in a row), Redis is left alone this long (meanwhile: 503,
+# or local limits with fail_open). A single slow answer fails only the calls that waited for it: on a busy host one
+# late answer must not refuse every request for a second.
 RETRY_S = 1.0
+TIMEOUTS_TO_DOWN = 3
 # A request waiting for a global slot retries at least this often, in case a release message was missed.
 SLOT_POLL_S = 0.1
 # The subscriber wakes at least this often (to notice that the gateway stops).
@@ -288,7 +292,7 @@ class RedisLimiter:
         max_queue: int,
         queue_timeout_s: float,
         lease_s: float = 10.0,
-        timeout_s: float = 0.5,
+        timeout_s: float = 1.0,
         fail_open: bool = False,
         prefix: str = "deepserve:gateway:",
         clock: Clock | None = None,
@@ -312,6 +316,7 @@ class RedisLimiter:
         self._clock = clock
         self._failures = _redis_failures()
         self._down_until = 0.0
+        self._timeouts_in_a_row = 0
         self._last_error = ""
         self._lease_ids = itertools.count()
         self._lease_prefix = secrets.token_hex(4) + ":"
@@ -391,6 +396,8 @@ class RedisLimiter:
             raise
         except self._failures as exc:
             self._mark_down(exc)
+            if _is_timeout(exc):  # Redis may have run it after all: give back its leases, if any
+                self._release_in_background(admission, had_slot=True, delta=0)
             return self._fallback(key_id, limits, charged_tokens)
         self._mark_up()
         code = int(code)
@@ -584,6 +591,11 @@ class RedisLimiter:
         self.errors += 1
         self.on_error()
         self._last_error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        if _is_timeout(exc):
+            self._timeouts_in_a_row += 1
+            if self._timeouts_in_a_row < TIMEOUTS_TO_DOWN:
+                log.warning("the shared limits' Redis at %s answered too late (%s)", self.where, self._last_error)
+                return
         self._down_until = time.monotonic() + RETRY_S
         if self.up:
             self.up = False
@@ -591,6 +603,7 @@ class RedisLimiter:
             log.warning("the shared limits' Redis at %s failed (%s); %s", self.where, self._last_error, then)
 
     def _mark_up(self) -> None:
+        self._timeouts_in_a_row = 0
         if not self.up:
             self.up = True
             log.warning("the shared limits' Redis at %s answers again", self.where)
@@ -612,6 +625,12 @@ class RedisLimiter:
             f"({self._last_error or 'no answer'}); requests are refused until it answers (an operator can start "
             "the gateway with --redis-fail-open to fall back to per-gateway limits instead)"
         )
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    return isinstance(exc, (RedisTimeout, asyncio.TimeoutError))
 
 
 def _refusal(code: int, wait_s: float, limits: KeyLimits, charged_tokens: int) -> RateLimited:

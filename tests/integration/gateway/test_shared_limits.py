@@ -282,6 +282,26 @@ async def test_keys_revoke_with_redis_url_tells_the_gateways_at_once(
         assert (await client.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 401
 
 
+def test_a_late_answer_fails_its_own_calls_and_only_three_in_a_row_take_redis_out() -> None:
+    """On a busy host one answer later than --redis-timeout-s must not refuse every request for a second; a refused
+    connection, or three late answers in a row, do."""
+    import redis
+
+    limiter = RedisLimiter("redis://127.0.0.1:1/0", max_concurrency=1, max_queue=1, queue_timeout_s=1)
+    for _ in range(2):
+        limiter._mark_down(redis.exceptions.TimeoutError("Timeout reading from socket"))
+    assert limiter.up and limiter._reachable() and limiter.errors == 2
+    limiter._mark_up()  # an answer in time resets the count
+    for _ in range(2):
+        limiter._mark_down(redis.exceptions.TimeoutError("Timeout reading from socket"))
+    assert limiter.up
+    limiter._mark_down(redis.exceptions.TimeoutError("Timeout reading from socket"))
+    assert not limiter.up and not limiter._reachable()
+    refused = RedisLimiter("redis://127.0.0.1:1/0", max_concurrency=1, max_queue=1, queue_timeout_s=1)
+    refused._mark_down(redis.exceptions.ConnectionError("Connection refused"))
+    assert not refused.up and not refused._reachable()
+
+
 async def test_unreachable_redis_fails_closed_with_a_clear_503() -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"
     async with (
