@@ -200,32 +200,41 @@ class RollCall:
             self.left.append((member.rank, f"{member.host} closed its connection or went silent"))
 
     def _admit(self, conn: socket.socket, line: bytes | None) -> _Member | None:
+        """Answer a JOIN. The rank is checked and taken under one lock, so two nodes claiming the same rank at once
+        cannot both get in; a node whose connection fails before it hears OK is not kept as a member."""
         if line is None:
             return None
         verb, payload = _parse(line)
         rank = payload.get("rank")
-        reason = self._refusal(verb, rank, payload.get("deployment") or {})
-        with contextlib.suppress(OSError):
-            if reason:
+        member = None
+        with self._lock:
+            reason = self._refusal(verb, rank, payload.get("deployment") or {})
+            if reason is None and isinstance(rank, int):
+                member = _Member(rank, str(payload.get("host") or "?"), conn, self.clock())
+                self.members[rank] = member
+        try:
+            if member is None:
                 _send(conn, "REFUSED", {"reason": reason})
                 return None
             _send(conn, "OK", {"nnodes": self.config.nnodes})
             if self._ready_payload is not None:
                 _send(conn, "READY", self._ready_payload)
-        assert isinstance(rank, int)
-        member = _Member(rank, str(payload.get("host") or "?"), conn, self.clock())
-        with self._lock:
-            self.members[rank] = member
+        except OSError:
+            if member is not None:
+                with self._lock:
+                    if self.members.get(member.rank) is member:
+                        del self.members[member.rank]
+            return None
         return member
 
     def _refusal(self, verb: str, rank: Any, deployment: dict[str, Any]) -> str | None:
+        """Why a JOIN is refused, or None; called with the lock held."""
         if verb != "JOIN" or not isinstance(rank, int):
             return "not a deepserve node (expected JOIN with a rank)"
         if not 1 <= rank < self.config.nnodes:
             return f"node rank {rank} is out of range: node 0 expects ranks 1 to {self.config.nnodes - 1}"
-        with self._lock:
-            if rank in self.members:
-                return f"node rank {rank} has already joined (from {self.members[rank].host}); ranks must be unique"
+        if rank in self.members:
+            return f"node rank {rank} has already joined (from {self.members[rank].host}); ranks must be unique"
         mismatch = differences(deployment_of(self.config), deployment)
         if mismatch:
             return "this node was started with a different deployment than node 0: " + "; ".join(mismatch)
@@ -264,12 +273,10 @@ class CheckIn:
         """Connect to node 0 (retrying until --join-timeout-s) and be admitted, or raise with the reason."""
         started = self.clock()
         conn = self._connect(started, on_progress)
-        _send(
-            conn,
-            "JOIN",
-            {"rank": self.config.node_rank, "host": self.host_name, "deployment": deployment_of(self.config)},
-        )
         lines = _Lines(conn, PEER_SILENCE_S)
+        join = {"rank": self.config.node_rank, "host": self.host_name, "deployment": deployment_of(self.config)}
+        with contextlib.suppress(OSError):  # node 0 dropped the connection: the missing answer below says so
+            _send(conn, "JOIN", join)
         verb, payload = _parse(lines.next() or b"")
         if verb != "OK":
             conn.close()
