@@ -18,7 +18,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -634,17 +634,20 @@ class SimulatorThread:
 
     def __enter__(self) -> SimulatorThread:
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(self._host, self._port), self._loop).result(30)
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.start(self._host, self._port), self._loop).result(30)
+        except BaseException:
+            self._stop_loop()  # a port in use must not leave the thread and its loop running
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.close(), self._loop).result(10)
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.close(), self._loop).result(10)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
-
-
-@contextlib.contextmanager
-def simulator_thread(deployment: SimulatedDeployment, config: SimulateConfig) -> Iterator[SimulatorThread]:
-    with SimulatorThread(deployment, config) as thread:
-        yield thread
