@@ -170,6 +170,12 @@ def load_section(model: type[T], section: str, file: Path | None = None, overrid
     values.update(_file_values(file).get(section, {}))
     values.update(_env_values(section, model))
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return validate_section(model, section, values)
+
+
+def validate_section(model: type[T], section: str, values: dict[str, Any]) -> T:
+    """MODEL from VALUES, or a ConfigError naming each field of SECTION that is wrong (for sections built in code
+    from the user's flags, as well as loaded ones)."""
     try:
         return model.model_validate(values)
     except ValidationError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from deepserve.config import EngineConfig
+from deepserve.config import EngineConfig, validate_section
 from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import Accelerator, get_accelerator
 from deepserve.models.presets import canonical_preset_name
@@ -226,7 +226,7 @@ def _plan_config(
         "calibration": sim.calibration,
     }
     # Fields left unset take the planner's defaults: fewer names tie this module to PlanConfig's.
-    return PlanConfig.model_validate({key: value for key, value in values.items() if value is not None})
+    return validate_section(PlanConfig, "plan", {key: value for key, value in values.items() if value is not None})
 
 
 def _weights_from_quantization(quantization: str | None, spec: ModelSpec) -> str | None:

@@ -57,6 +57,12 @@ def test_flags_given_with_a_plan_win_over_it() -> None:
     assert plan.deployment.memory.max_model_len == 16384  # and the plan was made for them
 
 
+def test_nnodes_given_with_a_plan_is_the_plan_s_node_count() -> None:
+    config, plan = planned_config(EngineConfig(model=V3, nnodes=4, master_addr="10.0.0.1"), "h100", 16)
+    assert plan.deployment.nodes == 4
+    assert (config.nnodes, config.world_size // config.nnodes) == (4, 4)  # each node's share is on that node
+
+
 def test_a_plan_that_does_not_fit_is_refused_with_its_numbers() -> None:
     with pytest.raises(ConfigError, match=r"does not fit on 8 x h100-sxm.*fits on 16 x h100"):
         planned_config(EngineConfig(model=V3), "h100", 8)
