@@ -144,14 +144,20 @@ class EngineConfig(Section):
 T = TypeVar("T", bound=BaseModel)
 
 
+def changed_fields(section: BaseModel, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """SECTION's fields whose values differ from their defaults (what a command line or config file must carry)."""
+    return {
+        name: getattr(section, name)
+        for name, field in type(section).model_fields.items()
+        if name not in skip and getattr(section, name) != field.get_default(call_default_factory=True)
+    }
+
+
 def changed_flags(section: BaseModel, skip: tuple[str, ...] = ()) -> list[str]:
     """The command-line flags that reproduce SECTION's non-default fields (the inverse of the flags derived from
     the fields in `deepserve.cli.flags`): `--field-name VALUE`, `--flag`/`--no-flag` for booleans."""
     argv: list[str] = []
-    for name, field in type(section).model_fields.items():
-        value = getattr(section, name)
-        if name in skip or value == field.get_default(call_default_factory=True):
-            continue
+    for name, value in changed_fields(section, skip).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
