@@ -238,6 +238,17 @@ def _describe_validation_error(section: str, exc: ValidationError) -> str:
     return "invalid configuration: " + "; ".join(problems)
 
 
+def parse_key_values(flag: str, pairs: list[str], example: str) -> dict[str, str]:
+    """Repeated `FLAG KEY=VALUE` arguments as a dict; one without `=` or a key is refused with EXAMPLE."""
+    parsed = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{flag} {pair!r} must look like KEY=VALUE, e.g. {flag} {example}")
+        parsed[key.strip()] = value
+    return parsed
+
+
 class ServeConfig(Section):
     """How `deepserve serve` arranges its processes: the engine alone, or behind the gateway."""
 

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import Field
 
 from deepserve import __version__
-from deepserve.config import EngineConfig, load_section, validate_section
+from deepserve.config import EngineConfig, load_section, parse_key_values, validate_section
 from deepserve.engines.base import Engine, LaunchSpec, ResolvedModel
 from deepserve.engines.registry import get_engine
 from deepserve.engines.topology import check_layout_fits_nodes
@@ -145,18 +145,8 @@ def deploy_spec(
         plan=plan,
         notes=notes,
         runtime_class=runtime_class,
-        node_selector=_labels(node_selector or []),
+        node_selector=parse_key_values("--node-selector", node_selector or [], "nvidia.com/gpu.product=H100"),
     )
-
-
-def _labels(pairs: list[str]) -> dict[str, str]:
-    labels = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--node-selector {pair!r} must look like KEY=VALUE, e.g. nvidia.com/gpu.product=H100")
-        labels[key] = value
-    return labels
 
 
 def _plan_note(plan: Plan) -> str:

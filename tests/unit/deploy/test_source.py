@@ -90,6 +90,10 @@ def test_deploy_spec_refuses_what_a_gpu_cluster_cannot_run() -> None:
         deploy_spec(EngineConfig(model=V3, tensor_parallel_size=16, gpus_per_node=8), gateway, "x")
     spec = deploy_spec(EngineConfig(model=V3, tensor_parallel_size=4, gpus_per_node=8), gateway, "x")
     assert spec.notes == ("the layout uses 4 of the 8 GPUs on each node",)
+    with pytest.raises(ConfigError, match="--node-selector 'gpu' must look like KEY=VALUE"):
+        deploy_spec(EngineConfig(model=V3), gateway, "x", node_selector=["gpu"])
+    labelled = deploy_spec(EngineConfig(model=V3), gateway, "x", node_selector=["pool=h100", "zone=a=b"])
+    assert labelled.node_selector == {"pool": "h100", "zone": "a=b"}
 
 
 def test_checkpoint_size_matches_the_published_one() -> None:
