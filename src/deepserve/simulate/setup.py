@@ -39,6 +39,7 @@ FIXED_MAX_MODEL_LEN = 32768  # a fixed-timing simulator of an unknown model: the
 # vLLM's --quantization values that change the weight format of a checkpoint that does not already have it
 QUANTIZATION_FORMATS = {"fp8": "fp8-dynamic"}
 CHECKPOINT_QUANTIZATIONS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
+CHECKPOINT_EXAMPLES = {"awq": "cognitivecomputations/DeepSeek-V3-0324-AWQ"}  # presets stored that way
 
 
 @dataclass(frozen=True)
@@ -241,10 +242,10 @@ def _weights_from_quantization(quantization: str | None, spec: ModelSpec) -> str
         valid = ", ".join([*QUANTIZATION_FORMATS, *CHECKPOINT_QUANTIZATIONS])
         raise ConfigError(f"--quantization {quantization} is not simulated; valid: {valid} (or give --weights)")
     if family not in stored:
+        example = CHECKPOINT_EXAMPLES.get(family, "a local checkpoint directory")
         raise ConfigError(
             f"--quantization {quantization} needs a checkpoint stored as {family.upper()}, but {spec.name} is "
-            f"stored as {stored}; pick a {family.upper()} preset (e.g. cognitivecomputations/DeepSeek-V3-0324-AWQ) "
-            "or give --weights"
+            f"stored as {stored}; name one stored so with --model (e.g. {example}), or give --weights"
         )
     return None
 

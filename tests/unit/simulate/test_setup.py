@@ -44,8 +44,11 @@ def test_engine_flags_change_what_is_simulated() -> None:
 def test_quantization_flags_map_to_the_planners_formats() -> None:
     fp8 = resolve(EngineConfig(model="deepseek-ai/DeepSeek-V3", quantization="fp8"), SimulateConfig())
     assert fp8.plan is not None and fp8.plan.deployment.fmt.name == "fp8"  # the checkpoint already is FP8
-    with pytest.raises(ConfigError, match="needs a checkpoint stored as AWQ"):
+    with pytest.raises(ConfigError, match="needs a checkpoint stored as AWQ.*e.g. cognitivecomputations/"):
         resolve(EngineConfig(model="deepseek-ai/DeepSeek-V3", quantization="awq"), SimulateConfig())
+    with pytest.raises(ConfigError, match="stored as GPTQ.*e.g. a local checkpoint directory") as refused:
+        resolve(EngineConfig(model="deepseek-ai/DeepSeek-V3", quantization="gptq"), SimulateConfig())
+    assert "AWQ" not in str(refused.value)  # no AWQ preset offered for GPTQ
     with pytest.raises(ConfigError, match="not simulated"):
         resolve(EngineConfig(model=AWQ, quantization="bitsandbytes"), SimulateConfig())
 
