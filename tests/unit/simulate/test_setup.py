@@ -78,7 +78,7 @@ def test_the_cli_prints_the_deployment_and_refuses_bad_flags(capsys: pytest.Capt
     out = capsys.readouterr().out
     assert "as if on 8 x h100-sxm" in out and "max_num_seqs 64" in out
     assert main(["simulate", "--dry-run", "--metric", "vllm:x"]) == 2
-    assert "NAME=VALUE" in capsys.readouterr().err
+    assert "must look like KEY=VALUE" in capsys.readouterr().err
     assert main(["simulate", "--dry-run", "--", "--enforce-eager"]) == 2
     assert "passes nothing" in capsys.readouterr().err
 
