@@ -67,6 +67,7 @@ class DeploySpec:
     engine_image: str = ""
     gateway_image: str = GATEWAY_IMAGE
     checkpoint_bytes: int | None = None  # what the weights take on disk (volume sizes); None when unknown
+    node_gpus: int | None = None  # GPUs each node has (--gpus-per-node, or --gpu-type's node); None when unknown
     plan: Plan | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
     runtime_class: str | None = None  # Kubernetes: e.g. nvidia, where GPUs need the NVIDIA container runtime
@@ -128,8 +129,10 @@ def deploy_spec(
             "rendered deployments use vLLM's own multi-node runtime (--nnodes), which needs no Ray cluster; drop "
             "--distributed-executor-backend ray (`deepserve cluster` sets up Ray by hand)"
         )
-    per_node = config.gpus_per_node or max(config.world_size // config.nnodes, 1)
-    notes = tuple(check_layout_fits_nodes(config, per_node)) + ((_plan_note(plan),) if plan else ())
+    node_gpus = _node_gpus(config)
+    per_node = node_gpus or max(config.world_size // config.nnodes, 1)
+    notes = tuple(check_layout_fits_nodes(config, per_node, on_this_machine=False))
+    notes += (_plan_note(plan),) if plan else ()
     model = render_model(config)
     engine = get_engine(config.engine)
     return DeploySpec(
@@ -142,11 +145,19 @@ def deploy_spec(
         engine_image=engine_image or engine.image,
         gateway_image=gateway_image or GATEWAY_IMAGE,
         checkpoint_bytes=_checkpoint_bytes_of(config.model or ""),
+        node_gpus=node_gpus,
         plan=plan,
         notes=notes,
         runtime_class=runtime_class,
         node_selector=parse_key_values("--node-selector", node_selector or [], "nvidia.com/gpu.product=H100"),
     )
+
+
+def _node_gpus(config: EngineConfig) -> int | None:
+    """GPUs on each node: as given, else a node of the GPU type the deployment is for (8 x H100), else unknown."""
+    if config.gpus_per_node is not None:
+        return config.gpus_per_node
+    return get_accelerator(config.gpu_type).devices_per_node if config.gpu_type else None
 
 
 def _plan_note(plan: Plan) -> str:

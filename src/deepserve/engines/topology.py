@@ -11,9 +11,10 @@ from deepserve.config import EngineConfig
 from deepserve.errors import ConfigError
 
 
-def check_layout_fits_nodes(config: EngineConfig, gpus_per_node: int | None) -> list[str]:
+def check_layout_fits_nodes(config: EngineConfig, gpus_per_node: int | None, on_this_machine: bool = True) -> list[str]:
     """Raise for a layout the nodes cannot hold; return notes for one that leaves devices idle. GPUS_PER_NODE is
-    None on CPU, where vLLM runs one worker process per rank whatever the cores."""
+    None on CPU, where vLLM runs one worker process per rank whatever the cores. ON_THIS_MACHINE False: the nodes are
+    elsewhere (a rendered deployment), which the message says."""
     world, nodes = config.world_size, config.nnodes
     layout = (
         f"TP {config.tensor_parallel_size} x PP {config.pipeline_parallel_size} x DP {config.data_parallel_size} "
@@ -28,7 +29,7 @@ def check_layout_fits_nodes(config: EngineConfig, gpus_per_node: int | None) -> 
         return []  # on Ray the ranks go to the cluster's GPUs: serve waits until the cluster has them
     per_node = world // nodes
     if per_node > gpus_per_node:
-        where = "this machine has" if nodes == 1 else "each node has"
+        where = "this machine has" if nodes == 1 and on_this_machine else "each node has"
         raise ConfigError(
             f"the layout {layout} needs {per_node} GPUs per node over {nodes} node(s), but {where} {gpus_per_node}: "
             f"lower --tensor-parallel-size, or add nodes (--nnodes {world // gpus_per_node} with "

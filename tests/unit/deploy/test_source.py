@@ -88,6 +88,8 @@ def test_deploy_spec_refuses_what_a_gpu_cluster_cannot_run() -> None:
         deploy_spec(EngineConfig(model=V3), gateway, "x", name="Deep_Serve")
     with pytest.raises(ConfigError, match="needs 16 GPUs per node"):
         deploy_spec(EngineConfig(model=V3, tensor_parallel_size=16, gpus_per_node=8), gateway, "x")
+    with pytest.raises(ConfigError, match="needs 16 GPUs per node over 1 node.*but each node has 8"):
+        deploy_spec(EngineConfig(model=V3, tensor_parallel_size=16, gpu_type="h100"), gateway, "x")  # an 8-GPU node
     spec = deploy_spec(EngineConfig(model=V3, tensor_parallel_size=4, gpus_per_node=8), gateway, "x")
     assert spec.notes == ("the layout uses 4 of the 8 GPUs on each node",)
     with pytest.raises(ConfigError, match="--node-selector 'gpu' must look like KEY=VALUE"):
