@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from deepserve.config import EngineConfig
-from deepserve.engines.base import LaunchSpec, ResolvedModel, flag_args, unless_one, url_host
+from deepserve.engines.base import LaunchSpec, ResolvedModel, flag_args, gpu_only_flags, unless_one, url_host
 from deepserve.engines.topology import nodes_share_this_host
 
 GIB = 1024**3
@@ -68,6 +68,16 @@ class VllmEngine:
 
     def phase_of(self, log_line: str) -> str | None:
         return next((phase for marker, phase in _PHASES if marker in log_line), None)
+
+    def cpu_refusals(self, config: EngineConfig) -> list[str]:
+        """Tensor and pipeline parallelism run on the CPU build (one worker process per rank, across nodes too);
+        data parallelism does not (measured: its CPU communicator raises NotImplementedError in all_gatherv)."""
+        refused = []
+        if config.data_parallel_size > 1:
+            refused.append(
+                f"--data-parallel-size {config.data_parallel_size} (vLLM's CPU build cannot run MoE data parallel)"
+            )
+        return refused + gpu_only_flags(config)
 
 
 def default_batch_limits(gpu_memory_gib: float, gpu_name: str) -> tuple[int, int]:
