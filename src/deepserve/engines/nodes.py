@@ -31,6 +31,7 @@ from deepserve.errors import ConfigError, EngineError
 PING_INTERVAL_S = 2.0
 PEER_SILENCE_S = 15.0
 CONNECT_RETRY_S = 1.0
+CONNECT_TIMEOUT_S = 5.0
 # The fields every node must agree on; node-specific ones (rank, host, ports of this node's API) are left out.
 SHARED_FIELDS = (
     "engine",
@@ -96,7 +97,6 @@ class _Member:
     rank: int
     host: str
     conn: socket.socket
-    joined_at: float
 
 
 @dataclass
@@ -106,7 +106,6 @@ class RollCall:
 
     config: EngineConfig
     bind_host: str
-    clock: Callable[[], float] = time.monotonic
     members: dict[int, _Member] = field(default_factory=dict)
     left: list[tuple[int, str]] = field(default_factory=list)  # (rank, why) of nodes gone after joining
     _server: socket.socket | None = None
@@ -210,7 +209,7 @@ class RollCall:
         with self._lock:
             reason = self._refusal(verb, rank, payload.get("deployment") or {})
             if reason is None and isinstance(rank, int):
-                member = _Member(rank, str(payload.get("host") or "?"), conn, self.clock())
+                member = _Member(rank, str(payload.get("host") or "?"), conn)
                 self.members[rank] = member
         try:
             if member is None:
@@ -305,7 +304,7 @@ class CheckIn:
         host, port = self.config.master_addr or "", self.config.effective_join_port
         while True:
             try:
-                return socket.create_connection((host, port), timeout=5)
+                return socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
             except OSError as exc:
                 waited = self.clock() - started
                 if waited > self.config.join_timeout_s:
