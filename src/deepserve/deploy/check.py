@@ -23,7 +23,7 @@ from deepserve.deploy.netif import (
     route_source,
 )
 from deepserve.deploy.source import checkpoint_bytes
-from deepserve.engines.topology import check_master_address
+from deepserve.engines.topology import MasterAddressError, check_master_address
 from deepserve.errors import ConfigError, ModelError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, match_device_name
 from deepserve.hardware.detect import LocalGpu, local_gpus, nvidia_driver_version
@@ -320,9 +320,8 @@ def check_master(expected: Expected, facts: HostFacts) -> Check:
     ports = {"master port": config.master_port, "join port": config.effective_join_port}
     try:
         check_master_address(config)
-    except ConfigError as exc:
-        problem, _, fix = str(exc).partition(": ")
-        return Check(name, Verdict.FAIL, problem, fix or problem)
+    except MasterAddressError as exc:
+        return Check(name, Verdict.FAIL, exc.problem, exc.fix)
     if config.is_head:
         busy = [f"{what} {port}" for what, port in ports.items() if facts.connect(host, port) == "open"]
         if busy:

@@ -40,6 +40,15 @@ def check_layout_fits_nodes(config: EngineConfig, gpus_per_node: int | None, on_
     return []
 
 
+class MasterAddressError(ConfigError):
+    """A master address this node cannot use: what is wrong, and the fix (apart, for checks that show both)."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"{problem}; {fix}")
+        self.problem = problem
+        self.fix = fix
+
+
 def check_master_address(config: EngineConfig) -> None:
     """Node 0 must own the master address (it listens there); other nodes must have a route to it."""
     if not config.is_multi_node:
@@ -48,9 +57,9 @@ def check_master_address(config: EngineConfig) -> None:
     try:
         infos = socket.getaddrinfo(host, config.master_port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise ConfigError(
-            f"--master-addr {host!r} does not resolve ({exc.strerror}); give node 0's IP address or a host name "
-            "every node can resolve"
+        raise MasterAddressError(
+            f"--master-addr {host!r} does not resolve ({exc.strerror})",
+            "give node 0's IP address or a host name every node can resolve",
         ) from None
     family, _, _, _, address = infos[0]
     if config.is_head:
@@ -64,9 +73,9 @@ def _require_own_address(host: str, family: int, address: tuple[object, ...]) ->
         try:
             probe.bind((address[0], 0))
         except OSError:
-            raise ConfigError(
-                f"--master-addr {host} is not an address of this machine, and node 0 (--node-rank 0) listens there: "
-                "run node 0 on that machine, or give this machine's own address on the network the nodes share"
+            raise MasterAddressError(
+                f"--master-addr {host} is not an address of this machine, and node 0 (--node-rank 0) listens there",
+                "run node 0 on that machine, or give this machine's own address on the network the nodes share",
             ) from None
 
 
@@ -76,9 +85,9 @@ def _require_route(host: str, family: int, address: tuple[object, ...]) -> None:
         try:
             probe.connect(address)
         except OSError as exc:
-            raise ConfigError(
-                f"--master-addr {host} is unreachable from this node ({exc.strerror}): check the network between "
-                "the nodes, or give node 0's address on a network both reach"
+            raise MasterAddressError(
+                f"--master-addr {host} is unreachable from this node ({exc.strerror})",
+                "check the network between the nodes, or give node 0's address on a network both reach",
             ) from None
 
 
