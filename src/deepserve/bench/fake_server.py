@@ -6,9 +6,11 @@ the moment it wrote each chunk, so a client's measurements can be compared with 
 (401, HTTP 500 for some requests, a malformed event, a dropped connection) are switched on by `FakeScript`.
 
 Several tokens per chunk, as vLLM sends them with --stream-interval or speculative decoding: `tokens_per_chunk`;
-each chunk's text then has one " tok" per token. Its token ids are listed when the request asks for them with
-vLLM's `return_token_ids` (or always, with `send_token_ids`); `return_token_ids="reject"` answers that field with
-HTTP 400 instead, and `"ignore"` accepts it and lists nothing, as servers without the field do.
+each chunk's text then has one " tok" per token (with `varied_text`, tokens of 1 to 8 characters instead, as real
+tokens differ, so that a client estimating tokens from text is not exact by construction). Its token ids are
+listed when the request asks for them with vLLM's `return_token_ids` (or always, with `send_token_ids`);
+`return_token_ids="reject"` answers that field with HTTP 400 instead, and `"ignore"` accepts it and lists
+nothing, as servers without the field do.
 
 Raw asyncio protocol on uvloop when available: the server must not be the bottleneck of a client benchmark.
 Run it on its own: `python -m deepserve.bench.fake_server --port 8123 --ttft-ms 50 --itl-ms 10`.
@@ -44,6 +46,7 @@ class FakeScript:
     ttft_s: float = 0.0
     itl_s: float = 0.0
     tokens_per_chunk: int = 1
+    varied_text: bool = False  # each token's text 1-8 characters long (fixed by its position), not " tok"
     chunks_per_write: int = 1  # events coalesced into one socket write (only when itl_s == 0)
     send_usage: bool = True
     send_token_ids: bool = False  # list every chunk's token ids, asked or not
@@ -311,7 +314,11 @@ def _chunk_sizes(total: int, per_chunk: int) -> list[int]:
 
 
 def _token_chunk(script: FakeScript, chat: bool, position: int, tokens: int, list_ids: bool) -> dict[str, Any]:
-    text = " tok" * tokens
+    if script.varied_text:
+        first = position * script.tokens_per_chunk
+        text = "".join(_varied_token_text(first + i) for i in range(tokens))
+    else:
+        text = " tok" * tokens
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
     if chat:
         choice["delta"] = {"content": text} if position else {"role": "assistant", "content": text}
@@ -323,12 +330,17 @@ def _token_chunk(script: FakeScript, chat: bool, position: int, tokens: int, lis
     return {"id": "cmpl-fake", "object": kind, "created": 0, "model": script.model, "choices": [choice]}
 
 
+def _varied_token_text(token: int) -> str:
+    """A token's text of 1 to 8 characters, scrambled by its position (Knuth's multiplicative hash)."""
+    return " " + "abcdefg"[: (token * 2654435761 >> 7) % 8]
+
+
 _CHUNK_CACHE: dict[tuple[str, bool, int], bytes] = {}
 
 
 def _cached_token_event(script: FakeScript, chat: bool, position: int, tokens: int, list_ids: bool) -> bytes:
     """Token events are the same bytes after the first (no ids): encoded once, so the server stays cheap."""
-    if position == 0 or list_ids:
+    if position == 0 or list_ids or script.varied_text:
         return _event(_token_chunk(script, chat, position, tokens, list_ids))
     key = (script.model, chat, tokens)
     if key not in _CHUNK_CACHE:
@@ -515,6 +527,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-chunk", type=int, default=1)
     parser.add_argument("--chunks-per-write", type=int, default=1)
     parser.add_argument("--send-token-ids", action="store_true", help="list every chunk's token ids, asked or not")
+    parser.add_argument("--varied-text", action="store_true", help="tokens of 1 to 8 characters, not ' tok'")
     parser.add_argument(
         "--return-token-ids",
         choices=["accept", "ignore", "reject"],
@@ -532,6 +545,7 @@ def main() -> None:
         tokens_per_chunk=args.tokens_per_chunk,
         chunks_per_write=args.chunks_per_write,
         send_token_ids=args.send_token_ids,
+        varied_text=args.varied_text,
         return_token_ids=args.return_token_ids,
         log_sends=args.log_sends,
         tokenize=not args.no_tokenize,
