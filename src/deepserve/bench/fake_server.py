@@ -335,14 +335,15 @@ def _varied_token_text(token: int) -> str:
     return " " + "abcdefg"[: (token * 2654435761 >> 7) % 8]
 
 
-_CHUNK_CACHE: dict[tuple[str, bool, int], bytes] = {}
+_CHUNK_CACHE: dict[tuple[Any, ...], bytes] = {}
 
 
 def _cached_token_event(script: FakeScript, chat: bool, position: int, tokens: int, list_ids: bool) -> bytes:
-    """Token events are the same bytes after the first (no ids): encoded once, so the server stays cheap."""
-    if position == 0 or list_ids or script.varied_text:
-        return _event(_token_chunk(script, chat, position, tokens, list_ids))
-    key = (script.model, chat, tokens)
+    """A token event's bytes depend on its position only for the first chunk (chat's role) and with varied text or
+    listed ids; each is encoded once, so that the server stays cheap at thousands of chunks per second."""
+    by_position = position == 0 or list_ids or script.varied_text
+    key = (script.model, chat, position if by_position else -1, tokens, list_ids, script.varied_text)
+    key += (script.tokens_per_chunk,)
     if key not in _CHUNK_CACHE:
         _CHUNK_CACHE[key] = _event(_token_chunk(script, chat, position, tokens, list_ids))
     return _CHUNK_CACHE[key]
