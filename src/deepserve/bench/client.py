@@ -168,9 +168,11 @@ class _ResponseParser:
 
     def feed(self, data: bytes, now: float, first_now: float | None = None) -> None:
         """NOW: when DATA arrived (its last byte); FIRST_NOW: when its first byte did, if earlier (a read that
-        drained several writes): the first body piece gets that time, the others NOW."""
+        drained several writes): the first body piece gets that time, the others NOW. Unless DATA starts with the
+        response's head: its first byte is then the head's, written when the request arrived, long before the
+        first token, so every body piece of the read gets NOW (late by at most the writes after the first one)."""
         self._now = now
-        self._first_now = now if first_now is None else first_now
+        self._first_now = now if first_now is None or not self.headers_done else first_now
         try:
             self._http.feed_data(data)
         except httptools.HttpParserError as exc:

@@ -187,3 +187,14 @@ def test_a_read_that_drained_several_writes_keeps_the_first_ones_arrival():
     parser.feed(b"%x\r\n%s\r\n%x\r\n%s\r\n" % (len(first), first, len(second), second), now=2.0, first_now=1.0)
     parser.feed(b"0\r\n\r\n", 2.5)
     assert parser.response.event_times == [1.0, 2.0]
+
+
+def test_a_read_that_starts_with_the_head_stamps_the_body_with_its_newest_arrival():
+    """The head was written when the request arrived; the first token a TTFT later. A read that drained both has
+    the head's arrival as its oldest: giving it to the first token would make TTFT that much too short."""
+    parser = _ResponseParser(Tally())
+    first = sse(completion_chunk("a"))
+    parser.feed(HEAD + b"%x\r\n%s\r\n" % (len(first), first), now=2.0, first_now=0.5)
+    parser.feed(b"0\r\n\r\n", 2.5)
+    assert parser.response.event_times == [2.0]
+
