@@ -342,8 +342,8 @@ def _cached_token_event(script: FakeScript, chat: bool, position: int, tokens: i
     """A token event's bytes depend on its position only for the first chunk (chat's role) and with varied text or
     listed ids; each is encoded once, so that the server stays cheap at thousands of chunks per second."""
     by_position = position == 0 or list_ids or script.varied_text
-    key = (script.model, chat, position if by_position else -1, tokens, list_ids, script.varied_text)
-    key += (script.tokens_per_chunk,)
+    key: tuple[Any, ...] = (script.model, chat, position if by_position else -1, tokens, list_ids)
+    key += (script.varied_text, script.tokens_per_chunk)
     if key not in _CHUNK_CACHE:
         _CHUNK_CACHE[key] = _event(_token_chunk(script, chat, position, tokens, list_ids))
     return _CHUNK_CACHE[key]

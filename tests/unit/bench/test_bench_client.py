@@ -197,4 +197,3 @@ def test_a_read_that_starts_with_the_head_stamps_the_body_with_its_newest_arriva
     parser.feed(HEAD + b"%x\r\n%s\r\n" % (len(first), first), now=2.0, first_now=0.5)
     parser.feed(b"0\r\n\r\n", 2.5)
     assert parser.response.event_times == [2.0]
-
