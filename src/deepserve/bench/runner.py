@@ -29,6 +29,7 @@ try:
 except ImportError:  # pragma: no cover - uvloop is a Linux/macOS dependency
     uvloop = None  # type: ignore[assignment]
 
+from deepserve import _compat
 from deepserve.bench.arrivals import RateRamp, arrival_offsets_s, sleep_until
 from deepserve.bench.attribution import attribution_counts, overall_attribution
 from deepserve.bench.client import DecodedStream, Endpoint, StreamingClient, build_payload, build_request_bytes
@@ -201,8 +202,7 @@ def run_async(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run on uvloop where it is installed (cheaper per read than asyncio's loop). Ctrl-C cancels the main task,
     which the driver turns into partial results."""
     factory = uvloop.new_event_loop if uvloop is not None else None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coroutine)
+    return _compat.run(coroutine, factory)
 
 
 def raise_open_files_limit() -> None:
