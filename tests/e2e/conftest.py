@@ -92,9 +92,25 @@ def stop_deepserve(served: ServedTiny, timeout_s: float = 60) -> int:
 @pytest.fixture(scope="session")
 def served_tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedTiny]:
     served = start_deepserve(tmp_path_factory.mktemp("served-home"))
-    engine_pids = [proc.pid for proc in served.process_tree()]
     yield served
+    stop_and_wait(served)
+
+
+@pytest.fixture(scope="session")
+def served_tiny_stream_interval_4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedTiny]:
+    """A second instance, without the gateway, whose vLLM sends one SSE event per 4 tokens (--stream-interval 4),
+    as MTP or speculative decoding would: started once, only for the tests that take it."""
+    served = start_deepserve(
+        tmp_path_factory.mktemp("served-interval-4"), "--no-gateway", "--", "--stream-interval", "4"
+    )
+    yield served
+    stop_and_wait(served)
+
+
+def stop_and_wait(served: ServedTiny, timeout_s: float = 30) -> None:
+    """Stop the service, then wait for its engine processes to be gone."""
+    engine_pids = [proc.pid for proc in served.process_tree()]
     stop_deepserve(served)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in engine_pids[1:]):
         time.sleep(0.5)

@@ -50,6 +50,8 @@ def test_bench_tiny_model(served_tiny, tmp_path_factory, tmp_path, endpoint):
     # ignore_eos: exactly max_tokens each, counted by the server (usage), even where chunks carry no text
     assert data["total_output_tokens"] == 4 * OUTPUT_LEN
     assert data["output_tokens_source"] == "usage"
+    # through the gateway too, vLLM lists each chunk's token ids when asked (the probe found it): exact counts
+    assert data["return_token_ids"]["sent"] is True and data["token_attribution"] == "exact"
     assert all(sum(record.chunk_tokens) == OUTPUT_LEN for record in result.records)
     assert data["total_input_tokens"] >= 4 * 32 * 0.9  # the server's prompt_tokens
     assert [key for key in VLLM_KEYS if key not in data] == []

@@ -20,7 +20,9 @@ The gaps keep their shape (the scale does not change the coefficient of variatio
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -161,3 +163,10 @@ def describe_arrivals(
         shape = f"gamma (burstiness {burstiness:g}, CV {1 / math.sqrt(burstiness):.2f})"
     ramp = f", ramped from 0 over {ramp_up_s:g} s" if ramp_up_s else ""
     return f"{shape} at {request_rate:g} req/s{ramp}"
+
+
+async def sleep_until(perf_s: float) -> None:
+    """Sleep until time.perf_counter() reaches PERF_S, never less: the event loop's timers may fire up to a
+    millisecond early (uvloop's are in whole milliseconds), which would release a request before its time."""
+    while (delay_s := perf_s - time.perf_counter()) > 0:
+        await asyncio.sleep(delay_s)

@@ -68,12 +68,17 @@ class DecodedStream:
     """The meaning of a stream's events: which chunks carried tokens, when, and how many."""
 
     chunk_times: list[float] = field(default_factory=list)
-    chunk_tokens: list[int] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)  # the server's count where it listed them, else 1
+    chunk_text_lens: list[int] = field(default_factory=list)  # characters of text each chunk carried
+    counted_chunks: int = 0  # chunks whose tokens the server listed (token_ids or logprobs)
     text: str = ""
     usage_completion_tokens: int | None = None
     usage_prompt_tokens: int | None = None
-    token_count_source: str = "chunks"  # "token_ids", "logprobs" or "chunks" (one per token-bearing chunk)
     error: str | None = None
+
+    @property
+    def all_chunks_counted(self) -> bool:
+        return bool(self.chunk_times) and self.counted_chunks == len(self.chunk_times)
 
 
 def build_request_bytes(
@@ -163,9 +168,11 @@ class _ResponseParser:
 
     def feed(self, data: bytes, now: float, first_now: float | None = None) -> None:
         """NOW: when DATA arrived (its last byte); FIRST_NOW: when its first byte did, if earlier (a read that
-        drained several writes): the first body piece gets that time, the others NOW."""
+        drained several writes): the first body piece gets that time, the others NOW. Unless DATA starts with the
+        response's head: its first byte is then the head's, written when the request arrived, long before the
+        first token, so every body piece of the read gets NOW (late by at most the writes after the first one)."""
         self._now = now
-        self._first_now = now if first_now is None else first_now
+        self._first_now = now if first_now is None or not self.headers_done else first_now
         try:
             self._http.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -563,7 +570,7 @@ def decode_events(response: RawResponse) -> DecodedStream:
         out.error = response.error or http_error_message(response.status, response.body)
         return out
     texts: list[str] = []
-    times, tokens = out.chunk_times, out.chunk_tokens
+    times, tokens, text_lens = out.chunk_times, out.chunk_tokens, out.chunk_text_lens
     for payload, arrived_s in zip(response.event_payloads, response.event_times, strict=True):
         if payload == DONE:
             continue
@@ -586,10 +593,11 @@ def decode_events(response: RawResponse) -> DecodedStream:
             continue
         choice = choices[0]
         text = choice.get("text") if type(choice) is dict else None
-        if type(text) is str and choice.get("logprobs") is None and "token_ids" not in choice:
+        if type(text) is str and choice.get("logprobs") is None and choice.get("token_ids") is None:
             # the common completions chunk, inlined: one token, its text (this loop runs once per token)
             times.append(arrived_s)
             tokens.append(1)
+            text_lens.append(len(text))
             texts.append(text)
         elif type(choice) is dict:
             _take_choice(choice, arrived_s, out, texts)
@@ -620,43 +628,24 @@ def _take_choice(choice: dict[str, Any], arrived_s: float, out: DecodedStream, t
         text = choice.get("text") or ""
     if not isinstance(text, str):  # e.g. content parts: the text is only needed when there is no usage
         text = ""
-    tokens, source = _chunk_token_count(choice)
+    tokens = _listed_token_count(choice)
     if tokens == 0:
         return
-    if source != "chunks":
-        out.token_count_source = source
+    out.counted_chunks += tokens is not None
     out.chunk_times.append(arrived_s)
-    out.chunk_tokens.append(tokens)
+    out.chunk_tokens.append(1 if tokens is None else tokens)
+    out.chunk_text_lens.append(len(text))
     texts.append(text)
 
 
-def _chunk_token_count(choice: dict[str, Any]) -> tuple[int, str]:
-    """Tokens in one chunk: the server's token ids or logprobs when it sent them, else one per chunk."""
+def _listed_token_count(choice: dict[str, Any]) -> int | None:
+    """Tokens in one chunk as the server listed them (token ids, else logprobs); None when it did not."""
     token_ids = choice.get("token_ids")
     if isinstance(token_ids, list):
-        return len(token_ids), "token_ids"
+        return len(token_ids)
     logprobs = choice.get("logprobs")
     if isinstance(logprobs, dict):
         listed = logprobs.get("tokens") if "tokens" in logprobs else logprobs.get("content")
         if isinstance(listed, list):
-            return len(listed), "logprobs"
-    return 1, "chunks"
-
-
-def reconcile_chunk_tokens(chunk_tokens: list[int], total: int) -> list[int]:
-    """Make the per-chunk counts add up to the server's total: add a shortfall to the last chunk; take an excess
-    away from the last chunks backwards (a chunk may drop to zero, except the first, which keeps one)."""
-    counts = list(chunk_tokens)
-    if not counts or total <= 0:
-        return counts
-    diff = total - sum(counts)
-    if diff > 0:
-        counts[-1] += diff
-    index = len(counts) - 1
-    while diff < 0 and index >= 0:
-        floor = 1 if index == 0 else 0
-        take = min(counts[index] - floor, -diff)
-        counts[index] -= take
-        diff += take
-        index -= 1
-    return counts
+            return len(listed)
+    return None

@@ -66,6 +66,11 @@ class TargetConfig(Section):
     request_id_prefix: str | None = Field(
         None, description="x-request-id is PREFIX + request index (default: bench-<8 hex digits>-, as vLLM)"
     )
+    return_token_ids: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="ask for each chunk's token ids (vLLM's return_token_ids), so ITL counts every token exactly: "
+        "auto asks one probe request first and sends it if the server lists them; on sends it unprobed; off never",
+    )
     insecure: bool = Field(False, description="do not verify the server's TLS certificate")
     ready_check_timeout_sec: int = Field(
         0, ge=0, description="wait up to this long for the server to answer a first request (0: check once)"
@@ -316,9 +321,23 @@ class BenchConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _trace_times_or_a_rate(self) -> BenchConfig:
+        """A trace replayed at its own times has no room for another arrival process."""
+        load = self.load
+        if self.workload.self_timed_replay and (
+            math.isfinite(load.request_rate) or load.rate_ramp() is not None or load.ramp_up_s is not None
+        ):
+            raise ValueError(
+                f"--dataset-name {self.workload.dataset_name} releases requests at the trace's own times; leave out "
+                "--request-rate and the ramp-up flags, or pass --no-self-timed to send the trace's requests by rate"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _rate_or_concurrency_with_duration(self) -> BenchConfig:
         load = self.load
-        if load.duration_s is not None and math.isinf(load.request_rate) and load.max_concurrency is None:
+        unbounded = math.isinf(load.request_rate) and load.max_concurrency is None
+        if load.duration_s is not None and unbounded and not self.workload.self_timed_replay:
             raise ValueError("duration_s needs --max-concurrency or a finite --request-rate to bound the load")
         return self
 

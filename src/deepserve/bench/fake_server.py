@@ -5,6 +5,13 @@ one chunk every ITL), formats chunks as vLLM does (usage chunk, `data: [DONE]`, 
 the moment it wrote each chunk, so a client's measurements can be compared with what really happened. Faults
 (401, HTTP 500 for some requests, a malformed event, a dropped connection) are switched on by `FakeScript`.
 
+Several tokens per chunk, as vLLM sends them with --stream-interval or speculative decoding: `tokens_per_chunk`;
+each chunk's text then has one " tok" per token (with `varied_text`, tokens of 1 to 8 characters instead, as real
+tokens differ, so that a client estimating tokens from text is not exact by construction). Its token ids are
+listed when the request asks for them with vLLM's `return_token_ids` (or always, with `send_token_ids`);
+`return_token_ids="reject"` answers that field with HTTP 400 instead, and `"ignore"` accepts it and lists
+nothing, as servers without the field do.
+
 Raw asyncio protocol on uvloop when available: the server must not be the bottleneck of a client benchmark.
 Run it on its own: `python -m deepserve.bench.fake_server --port 8123 --ttft-ms 50 --itl-ms 10`.
 """
@@ -22,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from deepserve.bench.client import SO_TIMESTAMPNS, TIMESTAMP_SPACE, ArrivalClock
 
@@ -39,9 +46,11 @@ class FakeScript:
     ttft_s: float = 0.0
     itl_s: float = 0.0
     tokens_per_chunk: int = 1
+    varied_text: bool = False  # each token's text 1-8 characters long (fixed by its position), not " tok"
     chunks_per_write: int = 1  # events coalesced into one socket write (only when itl_s == 0)
     send_usage: bool = True
-    send_token_ids: bool = False
+    send_token_ids: bool = False  # list every chunk's token ids, asked or not
+    return_token_ids: Literal["accept", "ignore", "reject"] = "accept"  # a request's return_token_ids: as vLLM, …
     api_key: str | None = None  # when set, other bearer tokens get 401
     fail_request_indices: frozenset[int] = frozenset()  # these requests (arrival order) get HTTP 500
     fail_mid_stream_indices: frozenset[int] = frozenset()  # these get an error event after a few tokens
@@ -72,6 +81,7 @@ class FakeState:
         self.bodies: list[dict[str, Any]] = []  # with script.record_bodies: each request's body, in arrival order
         self.request_ids: list[str | None] = []  # and its x-request-id header
         self.profile_calls: list[str] = []  # /start_profile, /stop_profile, in order
+        self.probes: list[dict[str, Any]] = []  # requests whose x-request-id ends in "probe" (not counted above)
         self.profile_call_requests: list[int] = []  # generation requests received before each profiler call
 
 
@@ -176,15 +186,18 @@ class _Handler(asyncio.Protocol):
     async def _stream(self, request: dict[str, Any], chat: bool, headers: dict[str, str]) -> None:
         state, script = self.state, self.state.script
         recv_s = self.read_s  # the read that completed the request: its arrival, not when we got round to it
-        index = state.requests
-        state.requests += 1
-        if script.record_bodies:
-            state.bodies.append(request)
-        state.request_ids.append(headers.get("x-request-id"))
+        index = self._count(request, headers)
         if request.get("model") not in (script.model, *script.extra_models):
             message = f"The model `{request.get('model')}` does not exist."
             self._json(404, {"error": {"message": message, "type": "NotFoundError", "code": 404}})
             return
+        if request.get("return_token_ids") is not None and script.return_token_ids == "reject":
+            message = "Unrecognized request argument supplied: return_token_ids"
+            self._json(400, {"error": {"message": message, "type": "invalid_request_error", "code": 400}})
+            return
+        list_ids = script.send_token_ids or (
+            bool(request.get("return_token_ids")) and script.return_token_ids == "accept"
+        )
         if index in script.fail_request_indices:
             self._json(500, {"error": {"message": "scripted server error", "type": "InternalServerError"}})
             return
@@ -210,7 +223,7 @@ class _Handler(asyncio.Protocol):
             if script.itl_s > 0 or position == 0:
                 await self._flush(pending, log)
                 await _sleep_until(due_s)
-            pending.append(_cached_token_event(script, chat, position, tokens))
+            pending.append(_cached_token_event(script, chat, position, tokens, list_ids))
             log.tokens.append(tokens)
             if len(pending) >= script.chunks_per_write or script.itl_s > 0:
                 await self._flush(pending, log)
@@ -225,6 +238,21 @@ class _Handler(asyncio.Protocol):
         pending.append(_frame(b"data: [DONE]\n\n"))
         pending.append(b"0\r\n\r\n")
         await self._flush(pending, log, log_send=False)
+
+    def _count(self, request: dict[str, Any], headers: dict[str, str]) -> int:
+        """The request's arrival index (what the scripted faults refer to). A probe (an x-request-id ending in
+        "probe", as the benchmark's token-ids probe) is served but kept apart, so it shifts no index."""
+        state = self.state
+        request_id = headers.get("x-request-id")
+        if request_id is not None and request_id.endswith("probe"):
+            state.probes.append(request)
+            return -1
+        index = state.requests
+        state.requests += 1
+        if state.script.record_bodies:
+            state.bodies.append(request)
+        state.request_ids.append(request_id)
+        return index
 
     async def _flush(self, pending: list[bytes], log: SendLog, log_send: bool = True) -> None:
         if not pending:
@@ -285,29 +313,39 @@ def _chunk_sizes(total: int, per_chunk: int) -> list[int]:
     return sizes
 
 
-def _token_chunk(script: FakeScript, chat: bool, position: int, tokens: int) -> dict[str, Any]:
-    text = " tok" * tokens
+def _token_chunk(script: FakeScript, chat: bool, position: int, tokens: int, list_ids: bool) -> dict[str, Any]:
+    if script.varied_text:
+        first = position * script.tokens_per_chunk
+        text = "".join(_varied_token_text(first + i) for i in range(tokens))
+    else:
+        text = " tok" * tokens
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
     if chat:
         choice["delta"] = {"content": text} if position else {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    if script.send_token_ids:
+    if list_ids:
         choice["token_ids"] = [position] * tokens
     kind = "chat.completion.chunk" if chat else "text_completion"
     return {"id": "cmpl-fake", "object": kind, "created": 0, "model": script.model, "choices": [choice]}
 
 
-_CHUNK_CACHE: dict[tuple[str, bool, int], bytes] = {}
+def _varied_token_text(token: int) -> str:
+    """A token's text of 1 to 8 characters, scrambled by its position (Knuth's multiplicative hash)."""
+    return " " + "abcdefg"[: (token * 2654435761 >> 7) % 8]
 
 
-def _cached_token_event(script: FakeScript, chat: bool, position: int, tokens: int) -> bytes:
-    """Token events are the same bytes after the first (no ids): encoded once, so the server stays cheap."""
-    if position == 0 or script.send_token_ids:
-        return _event(_token_chunk(script, chat, position, tokens))
-    key = (script.model, chat, tokens)
+_CHUNK_CACHE: dict[tuple[Any, ...], bytes] = {}
+
+
+def _cached_token_event(script: FakeScript, chat: bool, position: int, tokens: int, list_ids: bool) -> bytes:
+    """A token event's bytes depend on its position only for the first chunk (chat's role) and with varied text or
+    listed ids; each is encoded once, so that the server stays cheap at thousands of chunks per second."""
+    by_position = position == 0 or list_ids or script.varied_text
+    key: tuple[Any, ...] = (script.model, chat, position if by_position else -1, tokens, list_ids)
+    key += (script.varied_text, script.tokens_per_chunk)
     if key not in _CHUNK_CACHE:
-        _CHUNK_CACHE[key] = _event(_token_chunk(script, chat, position, tokens))
+        _CHUNK_CACHE[key] = _event(_token_chunk(script, chat, position, tokens, list_ids))
     return _CHUNK_CACHE[key]
 
 
@@ -489,6 +527,14 @@ def main() -> None:
     parser.add_argument("--itl-ms", type=float, default=0.0)
     parser.add_argument("--tokens-per-chunk", type=int, default=1)
     parser.add_argument("--chunks-per-write", type=int, default=1)
+    parser.add_argument("--send-token-ids", action="store_true", help="list every chunk's token ids, asked or not")
+    parser.add_argument("--varied-text", action="store_true", help="tokens of 1 to 8 characters, not ' tok'")
+    parser.add_argument(
+        "--return-token-ids",
+        choices=["accept", "ignore", "reject"],
+        default="accept",
+        help="a request's return_token_ids: accept (list the ids, as vLLM), ignore, or reject with HTTP 400",
+    )
     parser.add_argument("--log-sends", action="store_true")
     parser.add_argument("--no-tokenize", action="store_true", help="answer 404 to /tokenize and /detokenize")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="exit after this long, whatever happens")
@@ -499,6 +545,9 @@ def main() -> None:
         itl_s=args.itl_ms / 1000,
         tokens_per_chunk=args.tokens_per_chunk,
         chunks_per_write=args.chunks_per_write,
+        send_token_ids=args.send_token_ids,
+        varied_text=args.varied_text,
+        return_token_ids=args.return_token_ids,
         log_sends=args.log_sends,
         tokenize=not args.no_tokenize,
     )

@@ -59,6 +59,24 @@ def itl_ms(record: RequestRecord) -> list[float]:
     return samples
 
 
+def ttft_by_turn_ms(records: list[RequestRecord]) -> dict[int, list[float]]:
+    """Multi-turn: the TTFTs of completed requests grouped by turn number (1 = a conversation's first turn)."""
+    grouped: dict[int, list[float]] = {}
+    for record in successful(records):
+        if record.turn is not None and (value := ttft_ms(record)) is not None:
+            grouped.setdefault(record.turn, []).append(value)
+    return dict(sorted(grouped.items()))
+
+
+def input_tokens_by_turn(records: list[RequestRecord]) -> dict[int, float]:
+    """Multi-turn: the mean prompt tokens of completed requests per turn number (the history grows each turn)."""
+    grouped: dict[int, list[int]] = {}
+    for record in successful(records):
+        if record.turn is not None:
+            grouped.setdefault(record.turn, []).append(record.prompt_len)
+    return {turn: sum(lens) / len(lens) for turn, lens in sorted(grouped.items())}
+
+
 def client_queue_time_ms(record: RequestRecord) -> float:
     """Time a request waited in the client after its arrival (rate mode), for a free concurrency slot."""
     return (record.sent_s - record.scheduled_s) * 1000.0
@@ -216,5 +234,17 @@ def summarize(
         summary[f"std_{metric}_ms"] = stats.std
         for point, value in stats.percentiles.items():
             summary[f"p{percentile_word(point)}_{metric}_ms"] = value
+    by_turn = ttft_by_turn_ms(records)
+    if by_turn:
+        inputs = input_tokens_by_turn(records)
+        summary["ttft_by_turn_ms"] = {
+            str(turn): _distribution_json(distribution(samples, points)) for turn, samples in by_turn.items()
+        }
+        summary["mean_input_tokens_by_turn"] = {str(turn): value for turn, value in inputs.items()}
     summary["errors_by_message"] = failures_by_error(records)
     return summary
+
+
+def _distribution_json(stats: Distribution) -> dict[str, float]:
+    points = {f"p{percentile_word(point)}": value for point, value in stats.percentiles.items()}
+    return {"count": stats.count, "mean": stats.mean, "median": stats.median, "std": stats.std, **points}

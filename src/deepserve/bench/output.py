@@ -14,8 +14,10 @@ from typing import Any
 from deepserve import __version__
 from deepserve.bench import metrics as m
 from deepserve.bench.arrivals import describe_arrivals
+from deepserve.bench.attribution import ESTIMATED, EXACT, ONE_PER_CHUNK
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.server_metrics import ServerMetricsSummary
+from deepserve.bench.token_ids import TokenIdsDecision
 from deepserve.bench.types import RequestRecord
 
 WIDTH = 50
@@ -39,8 +41,11 @@ class BenchResult:
     server: ServerMetricsSummary
     workload_definition: dict[str, Any] = field(default_factory=dict)
     tokenizer_source: str = ""
-    output_tokens_source: str = "usage"  # "usage", "tokenizer" or "mixed"
-    token_attribution: str = "chunks"  # how tokens were attributed to chunks (docs/METRICS.md)
+    output_tokens_source: str = "usage"  # "usage", "token_ids", "tokenizer", "chunks" or "mixed"
+    token_attribution: str = EXACT  # how each chunk's tokens are known: exact, estimated, one-per-chunk or mixed
+    token_attribution_requests: dict[str, int] = field(default_factory=dict)  # completed requests per attribution
+    token_ids: TokenIdsDecision | None = None  # whether the requests asked for their chunks' token ids, and why
+    turns_not_sent: int = 0  # multi-turn: turns after a failed turn of their conversation
     incomplete: bool = False  # interrupted (Ctrl-C): partial results
     warmups_done: int = 0
     started_at: datetime = field(default_factory=datetime.now)
@@ -95,6 +100,8 @@ class BenchResult:
                 "tokenizer_source": self.tokenizer_source,
                 "output_tokens_source": self.output_tokens_source,
                 "token_attribution": self.token_attribution,
+                "token_attribution_requests": self.token_attribution_requests,
+                "return_token_ids": self.token_ids.to_json() if self.token_ids is not None else None,
                 "clock_origin_perf_counter_s": self.clock_origin_s,
                 "server_metrics": self.server.to_json(),
                 "served_model_name": config.target.served_model_name,
@@ -102,6 +109,9 @@ class BenchResult:
                 "profile": self.profile,
             }
         )
+        if any(record.turn is not None for record in self.records):
+            data["num_conversations"] = len({record.conversation for record in self.records})
+            data["turns_not_sent"] = self.turns_not_sent
         if config.output.save_detailed:
             data.update(detailed_lists(self.records))
         return data
@@ -156,6 +166,10 @@ def console_block(result: BenchResult) -> str:
     lines.append(_row("Total token throughput (tok/s):", data["total_token_throughput"]))
     for metric in config.metrics.selected_metrics:
         lines += _metric_rows(data, metric, config.metrics.percentiles)
+        if metric == "itl":
+            lines += _attribution_note(data)
+    if "ttft_by_turn_ms" in data:
+        lines += _turn_rows(data)
     lines += _server_rows(result.server)
     if data["errors_by_message"]:
         lines.append(_title("Failures by Error", "-"))
@@ -174,6 +188,39 @@ def _metric_rows(data: dict[str, Any], metric: str, asked: tuple[float, ...]) ->
     for point in sorted(set(m.STANDARD_PERCENTILES) | set(asked)):
         word = m.percentile_word(point)
         rows.append(_row(f"P{word} {short} (ms):", data[f"p{word}_{metric}_ms"]))
+    return rows
+
+
+def _attribution_note(data: dict[str, Any]) -> list[str]:
+    """Say when ITL rests on estimated token counts (chunks of several tokens without the server's token ids)."""
+    counts: dict[str, int] = data.get("token_attribution_requests") or {}
+    total = sum(counts.values())
+    notes = []
+    if counts.get(ESTIMATED):
+        notes.append(
+            f"ITL is estimated for {counts[ESTIMATED]} of {total} requests: their chunks listed no token ids, so "
+            "each one's total was spread over its chunks by text length"
+        )
+    if counts.get(ONE_PER_CHUNK):
+        notes.append(
+            f"ITL assumes one token per chunk for {counts[ONE_PER_CHUNK]} of {total} requests (no usage, no tokenizer)"
+        )
+    return notes
+
+
+def _turn_rows(data: dict[str, Any]) -> list[str]:
+    """TTFT per turn of multi-turn conversations: later turns carry the history, which a prefix cache reuses."""
+    rows = [_title("TTFT by Turn", "-")]
+    rows.append(_row("Conversations:", data.get("num_conversations", "n/a")))
+    if data.get("turns_not_sent"):
+        rows.append(_row("Turns not sent (after a failed turn):", data["turns_not_sent"]))
+    rows.append(f"{'turn':>4} {'requests':>8} {'input tok':>9} {'mean ms':>9} {'median ms':>9} {'P99 ms':>9}")
+    inputs = data.get("mean_input_tokens_by_turn", {})
+    for turn, stats in data["ttft_by_turn_ms"].items():
+        rows.append(
+            f"{turn:>4} {stats['count']:>8} {inputs.get(turn, 0):>9.0f} {stats['mean']:>9.2f} "
+            f"{stats['median']:>9.2f} {stats.get('p99', 0.0):>9.2f}"
+        )
     return rows
 
 
@@ -262,6 +309,9 @@ RECORD_COLUMNS = (
     "e2el_ms",
     "client_queue_time_ms",
     "num_chunks",
+    "token_attribution",
+    "conversation",
+    "turn",
 )
 
 
@@ -284,6 +334,9 @@ def record_row(record: RequestRecord) -> dict[str, Any]:
         "e2el_ms": m.e2el_ms(record),
         "client_queue_time_ms": m.client_queue_time_ms(record),
         "num_chunks": len(record.chunk_times_s),
+        "token_attribution": record.token_attribution,
+        "conversation": record.conversation,
+        "turn": record.turn,
     }
 
 

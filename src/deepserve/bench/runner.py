@@ -30,22 +30,19 @@ except ImportError:  # pragma: no cover - uvloop is a Linux/macOS dependency
     uvloop = None  # type: ignore[assignment]
 
 from deepserve import _compat
-from deepserve.bench.arrivals import RateRamp, arrival_offsets_s
-from deepserve.bench.client import (
-    Endpoint,
-    RawResponse,
-    StreamingClient,
-    build_payload,
-    build_request_bytes,
-    decode_events,
-    reconcile_chunk_tokens,
-)
+from deepserve.bench.arrivals import RateRamp, arrival_offsets_s, sleep_until
+from deepserve.bench.attribution import attribution_counts, overall_attribution
+from deepserve.bench.client import DecodedStream, Endpoint, StreamingClient, build_payload, build_request_bytes
 from deepserve.bench.config import BenchConfig, TargetConfig
+from deepserve.bench.conversations import PreparedConversation, converse
 from deepserve.bench.output import BenchResult, save_result
 from deepserve.bench.progress import LiveCounters, ProgressDisplay
+from deepserve.bench.records import UncountedOutput, finish_records, output_source, record_of, send_safely
 from deepserve.bench.server_metrics import GATEWAY_ENGINES_PATH, ServerMetricsScraper, ServerMetricsSummary
+from deepserve.bench.token_ids import FIELD as TOKEN_IDS_FIELD
+from deepserve.bench.token_ids import decide_token_ids
 from deepserve.bench.tokenizer import TokenCounter, TokenizerOptions, load_token_counter
-from deepserve.bench.types import RequestRecord, RequestSpec
+from deepserve.bench.types import ConversationSpec, RequestRecord, RequestSpec
 from deepserve.bench.workloads import Workload, build_workload
 from deepserve.errors import DeepserveError, unknown_name
 
@@ -109,17 +106,35 @@ class DrivePlan:
     request_id_prefix: str = ""  # ids of requests sent again in a duration-bound run: this prefix + their index
     rate_ramp: RateRamp | None = None  # vLLM's --ramp-up-strategy: replaces request_rate for the first batch
     verify_tls: bool = True
+    schedule_s: list[float] | None = None  # a replayed trace's release times, one per request (replaces the rate)
+    conversations: list[PreparedConversation] = field(default_factory=list)  # multi-turn: sent instead of requests
+    chat: bool = False  # the endpoint takes messages (conversations build their bodies during the run)
+    turn_slots: int = 1  # record indices each conversation owns: conversation c's turn t (from 0) is c * slots + t
+
+    @property
+    def units(self) -> int:
+        """What the dispatcher releases: requests, or conversations (each holds one concurrency slot throughout)."""
+        return len(self.conversations) or len(self.requests)
+
+    @property
+    def expected_records(self) -> int | None:
+        """Records a complete run makes (None: until duration_s)."""
+        if self.num_requests is None:
+            return None
+        if self.conversations:
+            return sum(len(conversation.spec.turns) for conversation in self.conversations)
+        return self.num_requests
 
 
 @dataclass(repr=False)  # a task's repr (asyncio builds some) must not format thousands of records
 class DriveOutcome:
     records: list[RequestRecord]
-    texts: dict[int, str]  # generated text of requests without usage, for the tokenizer count afterwards
     end_s: float  # when the last request ended, on the run's clock
+    uncounted: dict[int, UncountedOutput] = field(default_factory=dict)  # no usage: counted after the run
     clock_origin_s: float = 0.0  # the run's t = 0 as time.perf_counter() (CLOCK_MONOTONIC: same in every process)
     interrupted: bool = False
     warmups_done: int = 0
-    attribution: set[str] = field(default_factory=set)
+    turns_not_sent: int = 0  # multi-turn: turns after a failed one, which could not be built
 
     def __repr__(self) -> str:
         return f"DriveOutcome({len(self.records)} records, end_s={self.end_s:.3f}, interrupted={self.interrupted})"
@@ -151,14 +166,17 @@ def run_workload(
     config: BenchConfig, model: str, workload: Workload, counter: TokenCounter | None, display: bool = True
 ) -> BenchResult:
     """Send WORKLOAD (already built) to the checked target. COUNTER counts output tokens when the server sends
-    no usage; without one, one token per chunk is assumed (and the records say so)."""
-    if not workload.requests:
+    no usage; without one, one token per chunk is assumed (and the records say so). Whether to ask for each
+    chunk's token ids is decided first, with one probe request (token_ids.py)."""
+    if not workload.requests and not workload.conversations:
         raise BenchError("the workload has no requests; check --num-prompts and the dataset")
-    plan = make_plan(config, model, workload.requests)
+    prefix = request_id_prefix(config.target)
+    token_ids = decide_token_ids(config.target, model, f"{prefix}probe")
+    plan = make_plan(config, model, workload, prefix, token_ids.send)
     raise_open_files_limit()
     started_at = datetime.now()
     outcome, server, profile = run_async(_measure(config, plan, display))
-    records = finish_records(outcome, counter)
+    records = finish_records(outcome.records, outcome.uncounted, counter)
     return BenchResult(
         config=config,
         model_id=model,
@@ -167,8 +185,11 @@ def run_workload(
         server=server,
         workload_definition=workload.definition,
         tokenizer_source=workload.tokenizer_source,
-        output_tokens_source=_output_source(records),
-        token_attribution=",".join(sorted(outcome.attribution)) or "chunks",
+        output_tokens_source=output_source(records),
+        token_attribution=overall_attribution(records),
+        token_attribution_requests=attribution_counts(records),
+        token_ids=token_ids,
+        turns_not_sent=outcome.turns_not_sent,
         incomplete=outcome.interrupted,
         warmups_done=outcome.warmups_done,
         started_at=started_at,
@@ -266,26 +287,44 @@ def _served_models(response: httpx.Response) -> list[str]:
         return []
 
 
-def make_plan(config: BenchConfig, model: str, specs: list[RequestSpec]) -> DrivePlan:
+def request_id_prefix(target: TargetConfig) -> str:
+    """--request-id-prefix, else vLLM's default shape: bench-<8 hex digits>-."""
+    return target.request_id_prefix if target.request_id_prefix is not None else f"bench-{uuid.uuid4().hex[:8]}-"
+
+
+def make_plan(config: BenchConfig, model: str, workload: Workload, prefix: str, token_ids: bool = False) -> DrivePlan:
+    """Everything encoded before the run. TOKEN_IDS: every request asks for its chunks' token ids."""
     target, load = config.target, config.load
     endpoint = Endpoint.from_url(target.url)
     headers = target.request_headers()
-    extras = target.body_extras()
-    prefix = target.request_id_prefix if target.request_id_prefix is not None else f"bench-{uuid.uuid4().hex[:8]}-"
-    models = target.request_models(model, len(specs), config.workload.seed)
+    extras = target.body_extras() | ({TOKEN_IDS_FIELD: True} if token_ids else {})
+    specs = workload.requests
+    models = target.request_models(model, max(len(specs), len(workload.conversations)), config.workload.seed)
 
     def prepare(position: int, spec: RequestSpec, request_id: str) -> PreparedRequest:
-        payload = build_payload(spec, models[position % len(specs)], target.chat, extras)
+        payload = build_payload(spec, models[position % len(models)], target.chat, extras)
         wire = build_request_bytes(endpoint, payload, headers, request_id)
         return PreparedRequest(position, spec.prompt_len, wire, request_id)
 
+    def converse_with(position: int, conversation: ConversationSpec) -> PreparedConversation:
+        payload = {"model": models[position], "stream": True, "stream_options": {"include_usage": True}, **extras}
+        return PreparedConversation(conversation, payload, headers)
+
     requests = [prepare(i, spec, f"{prefix}{i}") for i, spec in enumerate(specs)]
-    warmups = [prepare(i, specs[i % len(specs)], f"{prefix}warmup-{i}") for i in range(load.num_warmups)]
+    conversations = [converse_with(i, conversation) for i, conversation in enumerate(workload.conversations)]
+    warmup_specs = specs or [first_turn_request(conversation) for conversation in workload.conversations]
+    warmups = [prepare(i, warmup_specs[i % len(warmup_specs)], f"{prefix}warmup-{i}") for i in range(load.num_warmups)]
+    schedule = [spec.arrival_s for spec in specs] if specs and workload.self_timed else None
+    units = len(conversations) or len(requests)
     return DrivePlan(
         endpoint=endpoint,
         requests=requests,
         warmups=warmups,
-        num_requests=None if load.duration_s is not None else len(requests),
+        conversations=conversations,
+        chat=target.chat,
+        turn_slots=max((len(conversation.turns) for conversation in workload.conversations), default=1),
+        schedule_s=[0.0 if at is None else at for at in schedule] if schedule is not None else None,
+        num_requests=None if load.duration_s is not None else units,
         request_rate=load.request_rate,
         burstiness=load.burstiness,
         seed=config.workload.seed,
@@ -299,6 +338,15 @@ def make_plan(config: BenchConfig, model: str, specs: list[RequestSpec]) -> Driv
     )
 
 
+def first_turn_request(conversation: ConversationSpec) -> RequestSpec:
+    """A conversation's first turn as a plain request (the warm-ups of a multi-turn run)."""
+    turn = conversation.turns[0]
+    min_len = turn.output_len if conversation.exact_output_len else None
+    return RequestSpec(
+        conversation.index, turn.user_text, turn.user_len, turn.output_len, min_len, conversation.ignore_eos
+    )
+
+
 async def _measure(
     config: BenchConfig, plan: DrivePlan, display: bool
 ) -> tuple[DriveOutcome, ServerMetricsSummary, str | None]:
@@ -309,7 +357,7 @@ async def _measure(
         await scraper.start()
     workers = config.load.num_workers
     counters = LiveCounters.shared(workers) if workers > 1 else LiveCounters.local()
-    total = plan.num_requests
+    total = plan.expected_records
     try:
         async with ProgressDisplay(counters, total, plan.duration_s, display and not config.output.disable_tqdm):
             if workers > 1:
@@ -394,7 +442,7 @@ class _Driver:
         self.in_flight = 0
         self.slot_freed = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
-        self.outcome = DriveOutcome(records=[], texts={}, end_s=0.0)
+        self.outcome = DriveOutcome(records=[], end_s=0.0)
 
     async def run(self) -> DriveOutcome:
         ticker = asyncio.create_task(self._publish_chunks())
@@ -438,31 +486,40 @@ class _Driver:
                 return
             if plan.duration_s is not None and offset_s >= plan.duration_s:
                 return
-            delay_s = self.t0 + offset_s - time.perf_counter()
-            if delay_s > 0:
-                await asyncio.sleep(delay_s)
+            await sleep_until(self.t0 + offset_s)
             await self._wait_for_slot()
             if plan.duration_s is not None and time.perf_counter() - self.t0 >= plan.duration_s:
                 return
-            request = plan.requests[position % len(plan.requests)]
-            index = plan.index_offset + position * plan.index_stride
-            if position >= len(plan.requests) and request.request_id:
-                request = request.renamed(f"{plan.request_id_prefix}{index}")
             self.in_flight += 1
-            task = asyncio.create_task(self._one(index, request, offset_s))
+            task = asyncio.create_task(self._unit(position, offset_s))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
-    def _offsets(self) -> Iterator[float]:
-        """Arrival offsets (s after t0): zeros in closed loop, else the arrival process, batch after batch (a
-        duration-bound run may need more than one workload's worth; a ramp spans the first batch, the later ones
-        keep its final rate)."""
+    def _unit(self, position: int, offset_s: float) -> Coroutine[Any, Any, None]:
+        """The work released at POSITION: one request, or one whole conversation."""
         plan = self.plan
+        index = plan.index_offset + position * plan.index_stride
+        if plan.conversations:
+            conversation = plan.conversations[position % len(plan.conversations)]
+            return self._conversation(index * plan.turn_slots, conversation, offset_s)
+        request = plan.requests[position % len(plan.requests)]
+        if position >= len(plan.requests) and request.request_id:
+            request = request.renamed(f"{plan.request_id_prefix}{index}")
+        return self._one(index, request, offset_s)
+
+    def _offsets(self) -> Iterator[float]:
+        """Arrival offsets (s after t0): a replayed trace's own times; zeros in closed loop; else the arrival
+        process, batch after batch (a duration-bound run may need more than one workload's worth; a ramp spans the
+        first batch, the later ones keep its final rate). A trace is replayed once."""
+        plan = self.plan
+        if plan.schedule_s is not None:
+            yield from plan.schedule_s
+            return
         rate = plan.rate_ramp.end_rps if plan.rate_ramp is not None else plan.request_rate
         if math.isinf(rate):
             while True:
                 yield 0.0
-        batch = max(len(plan.requests), 1)
+        batch = max(plan.units, 1)
         base_s, round_ = 0.0, 0
         while True:
             first = round_ == 0
@@ -497,28 +554,38 @@ class _Driver:
 
     async def _one(self, index: int, request: PreparedRequest, scheduled_s: float) -> None:
         try:
-            sent_abs, response = await self.client.send(request.wire)
-        except Exception as exc:  # a client bug must not end the run: the request fails, with the reason
-            now = time.perf_counter()
-            sent_abs, response = now, RawResponse(error=f"client error: {exc.__class__.__name__}: {exc}", end_s=now)
+            sent_abs, response = await send_safely(self.client, request.wire)
         finally:
-            self.in_flight -= 1
-            self.slot_freed.set()
-        try:
-            record, text, source = build_record(index, request.prompt_len, scheduled_s, sent_abs, response, self.t0)
-        except Exception as exc:
-            error = f"undecodable response: {exc.__class__.__name__}: {exc}"
-            record, text, source = (
-                RequestRecord(index, request.prompt_len, scheduled_s, sent_abs - self.t0, error=error),
-                "",
-                "",
-            )
+            self._free_slot()
+        record, decoded = record_of(index, request.prompt_len, scheduled_s, sent_abs, response, self.t0)
         record.request_id = request.request_id
+        self._keep(record, decoded)
+
+    async def _conversation(self, first_index: int, conversation: PreparedConversation, scheduled_s: float) -> None:
+        plan = self.plan
+        try:
+            self.outcome.turns_not_sent += await converse(
+                self.client,
+                conversation,
+                plan.endpoint,
+                plan.chat,
+                first_index,
+                plan.request_id_prefix,
+                self.t0,
+                scheduled_s,
+                self._keep,
+            )
+        finally:
+            self._free_slot()
+
+    def _free_slot(self) -> None:
+        self.in_flight -= 1
+        self.slot_freed.set()
+
+    def _keep(self, record: RequestRecord, decoded: DecodedStream) -> None:
         self.outcome.records.append(record)
         if record.output_len_source == "tokenizer":
-            self.outcome.texts[index] = text
-        if source:
-            self.outcome.attribution.add(source)
+            self.outcome.uncounted[record.index] = UncountedOutput(decoded.text, decoded.chunk_text_lens)
         self.counters.request_done(self.worker, record.success)
 
 
@@ -536,59 +603,6 @@ async def send_warmups(client: StreamingClient, warmups: list[PreparedRequest], 
     return len(warmups)
 
 
-def build_record(
-    index: int, prompt_len: int, scheduled_s: float, sent_abs: float, response: Any, t0: float
-) -> tuple[RequestRecord, str, str]:
-    """(record, generated text, token attribution) from a finished raw response; times relative to T0."""
-    decoded = decode_events(response)
-    record = RequestRecord(
-        index=index,
-        prompt_len=decoded.usage_prompt_tokens or prompt_len,
-        scheduled_s=scheduled_s,
-        sent_s=sent_abs - t0,
-        end_s=None if response.end_s is None else response.end_s - t0,
-        status_code=response.status or None,
-        error=decoded.error,
-    )
-    times = [arrived - t0 for arrived in decoded.chunk_times]
-    tokens = decoded.chunk_tokens
-    if decoded.usage_completion_tokens is not None:
-        record.output_len = decoded.usage_completion_tokens
-        tokens = reconcile_chunk_tokens(tokens, record.output_len)
-    else:
-        record.output_len = sum(tokens)
-        record.output_len_source = "tokenizer"  # counted from the text after the run
-    set_chunks(record, times, tokens)
-    return record, decoded.text, decoded.token_count_source if times else ""
-
-
-def set_chunks(record: RequestRecord, times: list[float], tokens: list[int]) -> None:
-    """Keep the chunks that carry tokens after reconciliation (the first one always)."""
-    kept = [(t, k) for position, (t, k) in enumerate(zip(times, tokens, strict=True)) if k > 0 or position == 0]
-    record.chunk_times_s = [t for t, _ in kept]
-    record.chunk_tokens = [k for _, k in kept]
-    record.first_token_s = record.chunk_times_s[0] if kept else None
-
-
-def finish_records(outcome: DriveOutcome, counter: TokenCounter | None) -> list[RequestRecord]:
-    """Count the output of requests whose server sent no usage with the tokenizer (after the run, so that the
-    tokenizer never competes with timing)."""
-    for record in outcome.records:
-        if record.output_len_source == "tokenizer" and counter is None:
-            record.output_len_source = "chunks"  # nothing to count with: one token per chunk
-        elif record.output_len_source == "tokenizer" and record.success and counter is not None:
-            record.output_len = counter.count(outcome.texts.get(record.index, "")) or record.output_len
-            set_chunks(record, record.chunk_times_s, reconcile_chunk_tokens(record.chunk_tokens, record.output_len))
-    return sorted(outcome.records, key=lambda record: record.index)
-
-
-def _output_source(records: list[RequestRecord]) -> str:
-    sources = {record.output_len_source for record in records if record.success}
-    if not sources:
-        return "none"
-    return sources.pop() if len(sources) == 1 else "mixed"
-
-
 # --- worker processes ---------------------------------------------------------------------------------------------
 
 
@@ -597,7 +611,8 @@ def split_plan(plan: DrivePlan, workers: int) -> list[DrivePlan]:
     plans = []
     for worker in range(workers):
         requests = plan.requests[worker::workers]
-        if not requests:
+        conversations = plan.conversations[worker::workers]
+        if not requests and not conversations:
             continue
         concurrency = None
         if plan.max_concurrency is not None:
@@ -608,8 +623,12 @@ def split_plan(plan: DrivePlan, workers: int) -> list[DrivePlan]:
             DrivePlan(
                 endpoint=plan.endpoint,
                 requests=requests,
+                conversations=conversations,
+                chat=plan.chat,
+                turn_slots=plan.turn_slots,
+                schedule_s=None if plan.schedule_s is None else plan.schedule_s[worker::workers],
                 warmups=plan.warmups[worker::workers],
-                num_requests=None if plan.num_requests is None else len(requests),
+                num_requests=None if plan.num_requests is None else len(conversations) or len(requests),
                 request_rate=plan.request_rate / workers,
                 burstiness=plan.burstiness,
                 seed=plan.seed + 7919 * worker,
@@ -687,13 +706,13 @@ async def _await_future(future: Future[DriveOutcome]) -> DriveOutcome:
 
 
 def merge_outcomes(outcomes: list[DriveOutcome]) -> DriveOutcome:
-    merged = DriveOutcome(records=[], texts={}, end_s=0.0)
+    merged = DriveOutcome(records=[], end_s=0.0)
     for outcome in outcomes:
         merged.records += outcome.records
-        merged.texts.update(outcome.texts)
+        merged.uncounted.update(outcome.uncounted)
+        merged.turns_not_sent += outcome.turns_not_sent
         merged.end_s = max(merged.end_s, outcome.end_s)
         merged.clock_origin_s = outcome.clock_origin_s
         merged.interrupted = merged.interrupted or outcome.interrupted
         merged.warmups_done += outcome.warmups_done
-        merged.attribution |= outcome.attribution
     return merged

@@ -20,6 +20,28 @@ class RequestSpec:
     min_output_len: int | None = None  # sent as min_tokens where the server supports it
     ignore_eos: bool = False
     extra_body: dict[str, Any] = field(default_factory=dict)
+    arrival_s: float | None = None  # a replayed trace's release time (s after the start); None: the arrival process
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    """One user turn of a conversation. Its request carries the history: every earlier user turn and the answer
+    the server actually gave to it."""
+
+    user_text: str
+    user_len: int  # tokens of user_text: server tokens of the whole prompt for the first turn, text tokens after
+    output_len: int  # max_tokens of this turn's answer
+    think_time_s: float = 0.0  # waited after the previous answer arrived, before this turn is sent (0 for the first)
+
+
+@dataclass(frozen=True)
+class ConversationSpec:
+    """A multi-turn conversation: its turns are sent one after the other, each after the previous answer."""
+
+    index: int
+    turns: tuple[TurnSpec, ...]
+    ignore_eos: bool = False
+    exact_output_len: bool = False  # send min_tokens = max_tokens with each turn
 
 
 @dataclass
@@ -35,12 +57,15 @@ class RequestRecord:
     first_token_s: float | None = None  # first chunk that carried a token
     end_s: float | None = None  # last byte of the response
     output_len: int = 0  # tokens generated
-    output_len_source: str = "usage"  # "usage" (server-reported) or "tokenizer" (counted by us)
+    output_len_source: str = "usage"  # "usage" (server-reported), "token_ids", "tokenizer" or "chunks"
     chunk_times_s: list[float] = field(default_factory=list)  # arrival of each chunk that carried tokens
     chunk_tokens: list[int] = field(default_factory=list)  # tokens carried by each of those chunks
+    token_attribution: str = "exact"  # how chunk_tokens are known: exact, estimated, one-per-chunk (attribution.py)
     error: str | None = None
     status_code: int | None = None
     request_id: str | None = None  # the x-request-id it was sent with
+    conversation: int | None = None  # multi-turn workloads: the conversation's index
+    turn: int | None = None  # and the turn's number in it, from 1
 
     @property
     def success(self) -> bool:

@@ -11,7 +11,6 @@ HUB = (
 )
 TEXT_ONLY = "deepserve bench measures text generation (completions, chat); use --dataset-name random or custom"
 REPORT = "deepserve draws charts from saved results: add --save-result, then run `deepserve report`"
-TRACE = "trace replay is not supported; use --request-rate/--burstiness with --dataset-name custom --dataset-path FILE"
 NOT_BUILT_IN = "this dataset is not built in; convert it to JSONL and use --dataset-name custom --dataset-path FILE"
 
 # True: the flag takes a value
@@ -38,14 +37,6 @@ REFUSED_VLLM_FLAGS: dict[str, tuple[bool, str]] = {
     "--no-reranker": (False, TEXT_ONLY),
     "--enable-multimodal-chat": (False, TEXT_ONLY),
     "--custom-ensure-client-side-data": (False, TEXT_ONLY + " (the flag is about images of custom_image)"),
-    "--timed-trace-chunk-hash-size": (True, TRACE),
-    "--timed-trace-sec-multiplier": (True, TRACE),
-    "--timed-trace-label-timestamp": (True, TRACE),
-    "--timed-trace-label-input-length": (True, TRACE),
-    "--timed-trace-label-output-length": (True, TRACE),
-    "--timed-trace-label-hash-ids": (True, TRACE),
-    "--self-timed": (False, TRACE),
-    "--no-self-timed": (False, TRACE),
     "--plot-timeline": (False, REPORT),
     "--timeline-itl-thresholds": (True, REPORT),
     "--plot-dataset-stats": (False, REPORT),
@@ -67,7 +58,6 @@ REFUSED_VLLM_DATASETS: dict[str, str] = {
     "spec_bench": NOT_BUILT_IN,
     "sonnet": "this dataset is not built in; use --dataset-name prefix_repetition (shared prefixes, as sonnet's), or "
     "convert it to JSONL and use --dataset-name custom --dataset-path FILE",
-    "timed_trace": TRACE,
     "random-mm": TEXT_ONLY,
     "random-rerank": TEXT_ONLY,
     "custom_audio": TEXT_ONLY,

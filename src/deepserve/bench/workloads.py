@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deepserve.bench.datasets.base import Dataset, DatasetContext, DraftRequest, draw_uniform_ints
 from deepserve.bench.datasets.files import CustomDataset, ShareGPTDataset
+from deepserve.bench.datasets.multi_turn import MultiTurnDataset
 from deepserve.bench.datasets.synthetic import (
     LongDataset,
     PrefixRepetitionDataset,
@@ -24,8 +25,9 @@ from deepserve.bench.datasets.synthetic import (
     SampledDataset,
     SharedPrefixDataset,
 )
+from deepserve.bench.datasets.traces import MooncakeDataset, TimedTraceDataset
 from deepserve.bench.tokenizer import TokenCounter
-from deepserve.bench.types import RequestSpec
+from deepserve.bench.types import ConversationSpec, RequestSpec
 from deepserve.bench.vllm_compat import REFUSED_VLLM_DATASETS, refused_dataset
 from deepserve.errors import ConfigError, unknown_name
 
@@ -39,11 +41,19 @@ DATASETS: dict[str, Dataset] = {
         PrefixRepetitionDataset(),
         CustomDataset(),
         ShareGPTDataset(),
+        MooncakeDataset(),
+        TimedTraceDataset(),
+        MultiTurnDataset(),
     )
 }
 # datasets whose 'messages' lines are rendered with the chat template here on /v1/completions (files.py)
 MESSAGES_DATASETS = frozenset({CustomDataset.name, ShareGPTDataset.name})
-DATASET_ALIASES = {"shared-prefix": "shared_prefix", "prefix-repetition": "prefix_repetition"}
+DATASET_ALIASES = {
+    "shared-prefix": "shared_prefix",
+    "prefix-repetition": "prefix_repetition",
+    "multi-turn": "multi_turn",
+    "timed-trace": "timed_trace",
+}
 # vLLM's --output-len sets every dataset's own output length (as in vLLM's main_async)
 OUTPUT_LEN_FIELDS = ("random_output_len", "sharegpt_output_len", "custom_output_len", "prefix_repetition_output_len")
 INPUT_LEN_FIELDS = ("random_input_len", "long_prompt_len")
@@ -53,6 +63,11 @@ def dataset_names() -> list[str]:
     return sorted(DATASETS)
 
 
+def replays_trace(dataset_name: str) -> bool:
+    """Whether the dataset's requests carry their own release times (trace replay)."""
+    return bool(getattr(DATASETS[dataset_name], "replays_trace", False))
+
+
 class WorkloadConfig(BaseModel):
     """What to send. Flags derive from the fields: `--random-input-len` is `random_input_len`."""
 
@@ -60,9 +75,12 @@ class WorkloadConfig(BaseModel):
 
     dataset_name: str = Field(
         default="random",
-        description="random, long, sampled, shared_prefix, prefix_repetition, custom (JSONL) or sharegpt (JSON)",
+        description="random, long, sampled, shared_prefix, prefix_repetition, multi_turn, custom (JSONL), sharegpt "
+        "(JSON), or a trace to replay: mooncake (JSONL), timed_trace (vLLM's)",
     )
-    dataset_path: str | None = Field(default=None, description="the file for custom and sharegpt")
+    dataset_path: str | None = Field(
+        default=None, description="the file for custom, sharegpt, mooncake and timed_trace"
+    )
     num_prompts: int | None = Field(
         default=None, ge=1, description="requests to send (default per dataset: 1000; long: 1; sampled: 200)"
     )
@@ -132,9 +150,43 @@ class WorkloadConfig(BaseModel):
         description="with --max-output-len: output tokens uniform in [min, max] per request (any dataset)",
     )
     max_output_len: int | None = Field(default=None, ge=1, description="see --min-output-len")
-    ignore_eos: bool = Field(default=False, description="keep generating past EOS (vLLM's ignore_eos)")
+    ignore_eos: bool | None = Field(
+        default=None,
+        description="keep generating past EOS (vLLM's ignore_eos); default: on when replaying a trace, else off",
+    )
     exact_output_len: bool = Field(
         default=False, description="send min_tokens = max_tokens so each reply has exactly its output length (vLLM)"
+    )
+    trace_block_size: int | None = Field(
+        default=None, ge=1, description="tokens per hash id of a trace (default: mooncake 512, timed_trace 16)"
+    )
+    trace_time_scale: float = Field(
+        default=1.0, gt=0, description="multiply a trace's times: 0.5 replays it twice as fast, 2 half as fast"
+    )
+    self_timed: bool | None = Field(
+        default=None,
+        description="release a trace's requests at its own times (default for traces; --no-self-timed sends them "
+        "by --request-rate instead, as vLLM's flag)",
+    )
+    timed_trace_chunk_hash_size: int | None = Field(
+        default=None, ge=1, description="vLLM's name for --trace-block-size"
+    )
+    timed_trace_sec_multiplier: float | None = Field(
+        default=None, gt=0, description="seconds per trace time unit (default: mooncake 0.001, timed_trace 1)"
+    )
+    timed_trace_label_timestamp: str = Field(default="timestamp", description="a trace's key of the arrival time")
+    timed_trace_label_input_length: str = Field(default="input_length", description="a trace's key of input tokens")
+    timed_trace_label_output_length: str = Field(default="output_length", description="a trace's key of output tokens")
+    timed_trace_label_hash_ids: str = Field(default="hash_ids", description="a trace's key of the block hash ids")
+    multi_turn_num_turns: int = Field(default=4, ge=1, description="turns per conversation (multi_turn)")
+    multi_turn_input_len: int = Field(
+        default=128, ge=1, description="text tokens of each later turn's user message (multi_turn)"
+    )
+    multi_turn_think_time_s: float = Field(
+        default=0.0, ge=0, description="seconds a user waits after an answer before the next turn (multi_turn)"
+    )
+    multi_turn_think_time_ratio: float = Field(
+        default=0.0, ge=0, le=1, description="think times uniform within ± this fraction of the mean (multi_turn)"
     )
 
     @model_validator(mode="before")
@@ -148,6 +200,11 @@ class WorkloadConfig(BaseModel):
         for generic, fields in (("input_len", INPUT_LEN_FIELDS), ("output_len", OUTPUT_LEN_FIELDS)):
             if data.get(generic) is not None:
                 data.update(dict.fromkeys(fields, data.pop(generic)))
+        chunk = data.pop("timed_trace_chunk_hash_size", None)
+        if chunk is not None:
+            if data.get("trace_block_size") not in (None, chunk):
+                raise ValueError("--timed-trace-chunk-hash-size and --trace-block-size disagree; give one of them")
+            data["trace_block_size"] = chunk
         return data
 
     @field_validator("random_range_ratio", mode="before")
@@ -184,7 +241,25 @@ class WorkloadConfig(BaseModel):
             raise ValueError("give --shared-prefix-len or --shared-prefix-fraction, not both")
         if self.custom_output_len is not None and self.custom_output_len != -1 and self.custom_output_len < 1:
             raise ValueError("--custom-output-len must be positive, or -1 for the file's output_tokens")
+        if self.self_timed is not None and not replays_trace(self.dataset_name):
+            raise ValueError(
+                "--self-timed/--no-self-timed apply to trace replay only (--dataset-name mooncake or timed_trace)"
+            )
         return self
+
+    @property
+    def replays_trace(self) -> bool:
+        return replays_trace(self.dataset_name)
+
+    @property
+    def self_timed_replay(self) -> bool:
+        """Requests are released at the trace's own times."""
+        return self.replays_trace and self.self_timed is not False
+
+    @property
+    def sends_ignore_eos(self) -> bool:
+        """--ignore-eos, which defaults to on for trace replay (the trace's output lengths are replayed)."""
+        return self.ignore_eos if self.ignore_eos is not None else self.replays_trace
 
     def range_ratios(self) -> tuple[float, float]:
         """(input, output) range ratios, each in [0, 1) as vLLM requires."""
@@ -212,6 +287,8 @@ class Workload:
     requests: list[RequestSpec]
     definition: dict[str, Any]  # JSON-able: the config, what it resolved to, and a digest of the requests
     tokenizer_source: str
+    conversations: list[ConversationSpec] = field(default_factory=list)  # multi-turn: sent instead of requests
+    self_timed: bool = False  # released at the requests' own arrival_s (trace replay)
 
     def digest(self) -> str:
         return str(self.definition["requests_sha256"])
@@ -227,19 +304,22 @@ def build_workload(config: WorkloadConfig, counter: TokenCounter, chat: bool) ->
     requests = [
         _spec(i, draft, output_lens[i] if output_lens else None, config) for i, draft in enumerate(result.requests)
     ]
+    conversations = result.conversations
     definition: dict[str, Any] = {
         "config": config.model_dump(mode="json"),
         "dataset": dataset.name,
-        "num_requests": len(requests),
+        "num_requests": len(requests) or sum(len(conversation.turns) for conversation in conversations),
         "endpoint": "chat" if chat else "completions",
         "tokenizer_source": counter.source,
         "tokenizer_check": getattr(counter, "server_check", None),  # local tokenizers: compared with the server's
         "input_len_unit": "server prompt tokens (BOS and chat template included)",
         "text_source": ctx.text_source(),
         **result.details,
-        "requests_sha256": requests_digest(requests),
+        "requests_sha256": requests_digest(requests) if requests else conversations_digest(conversations),
     }
-    return Workload(requests, definition, counter.source)
+    if config.replays_trace:
+        definition["self_timed"] = config.self_timed_replay
+    return Workload(requests, definition, counter.source, conversations, config.self_timed_replay)
 
 
 def _drawn_output_lens(config: WorkloadConfig, ctx: DatasetContext, n: int) -> list[int] | None:
@@ -256,7 +336,8 @@ def _spec(index: int, draft: DraftRequest, drawn_output_len: int | None, config:
         prompt_len=draft.prompt_len,
         output_len=output_len,
         min_output_len=output_len if config.exact_output_len else None,
-        ignore_eos=config.ignore_eos,
+        ignore_eos=config.sends_ignore_eos,
+        arrival_s=draft.arrival_s,
     )
 
 
@@ -264,6 +345,18 @@ def requests_digest(requests: list[RequestSpec]) -> str:
     """SHA-256 over every request's prompt and lengths: equal digests mean identical workloads."""
     digest = hashlib.sha256()
     for spec in requests:
-        record = [spec.prompt, spec.prompt_len, spec.output_len, spec.min_output_len, spec.ignore_eos]
+        record: list[Any] = [spec.prompt, spec.prompt_len, spec.output_len, spec.min_output_len, spec.ignore_eos]
+        if spec.arrival_s is not None:  # only then: earlier workloads keep their digests
+            record.append(spec.arrival_s)
+        digest.update(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode())
+    return digest.hexdigest()
+
+
+def conversations_digest(conversations: list[ConversationSpec]) -> str:
+    """SHA-256 over every conversation's turns (texts, lengths, think times) and output policy."""
+    digest = hashlib.sha256()
+    for conversation in conversations:
+        turns = [[t.user_text, t.user_len, t.output_len, t.think_time_s] for t in conversation.turns]
+        record = [turns, conversation.ignore_eos, conversation.exact_output_len]
         digest.update(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode())
     return digest.hexdigest()

@@ -8,6 +8,8 @@ import pytest
 
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.fake_server import FakeScript, running
+from deepserve.bench.metrics import itl_ms
+from deepserve.bench.output import console_block
 from deepserve.bench.runner import BenchError, preflight, run_workload
 from deepserve.bench.types import RequestSpec
 from deepserve.bench.workloads import Workload
@@ -99,13 +101,32 @@ def test_server_errors_mid_run_become_failed_requests():
     assert data["total_output_tokens"] == 3 * 10  # failed requests excluded
 
 
-def test_multi_token_chunks_with_token_ids():
-    with running(FakeScript(itl_s=0.005, tokens_per_chunk=3, send_token_ids=True)) as server:
-        result = run(server, n=2, output_len=10)
-    record = result.records[0]
-    assert record.chunk_tokens == [3, 3, 3, 1]
-    assert result.token_attribution == "token_ids"
-    assert len(record.chunk_times_s) == 4 and record.output_len == 10
+@pytest.mark.parametrize(
+    ("script", "mode", "attribution", "sent", "reason"),
+    [
+        ({}, "auto", "exact", True, "lists each chunk's token ids"),  # as vLLM: asked after the probe
+        ({"return_token_ids": "reject"}, "auto", "estimated", False, "refused return_token_ids (HTTP 400"),
+        ({"return_token_ids": "ignore"}, "auto", "estimated", False, "its chunks carry no token ids"),
+        ({"send_token_ids": True}, "off", "exact", False, "--return-token-ids off"),  # listed unasked
+        ({}, "off", "estimated", False, "--return-token-ids off"),
+    ],
+)
+def test_several_tokens_per_chunk_with_and_without_token_ids(script, mode, attribution, sent, reason):
+    with running(FakeScript(itl_s=0.005, tokens_per_chunk=3, record_bodies=True, **script)) as server:
+        result = run(server, n=2, output_len=10, target={"return_token_ids": mode})
+        probes, bodies = server.state.probes, server.state.bodies
+    data = result.to_json()
+    assert data["completed"] == 2  # a server that rejects the field fails the probe, never the run
+    assert data["return_token_ids"]["sent"] is sent and reason in data["return_token_ids"]["reason"]
+    assert len(probes) == (mode == "auto")  # one probe, before the run, kept apart from the measured requests
+    assert all(("return_token_ids" in body) is sent for body in bodies)
+    assert (data["token_attribution"], data["token_attribution_requests"]) == (attribution, {attribution: 2})
+    for record in result.records:
+        # exact from the ids; estimated from the usage total spread by text (" tok" per token: here exact too)
+        assert record.chunk_tokens == [3, 3, 3, 1] and record.output_len == 10
+        assert len(itl_ms(record)) == 9
+    block = console_block(result)
+    assert ("ITL is estimated for 2 of 2 requests" in block) is (attribution == "estimated")
 
 
 def test_without_usage_tokens_come_from_the_tokenizer_or_the_chunks():
@@ -115,13 +136,17 @@ def test_without_usage_tokens_come_from_the_tokenizer_or_the_chunks():
         def count(self, text: str) -> int:
             return len(text.split())
 
-    with running(FakeScript(send_usage=False, tokens_per_chunk=2)) as server:
+    with running(FakeScript(send_usage=False, tokens_per_chunk=2, return_token_ids="ignore")) as server:
         by_tokenizer = run(server, n=2, output_len=6, counter=WordCounter())
         by_chunks = run(server, n=2, output_len=6)
     assert by_tokenizer.output_tokens_source == "tokenizer"
     assert by_tokenizer.records[0].output_len == 6  # " tok tok" per chunk -> 2 words each
+    assert by_tokenizer.records[0].chunk_tokens == [2, 2, 2]  # the count spread by text: " tok tok" each
+    assert by_tokenizer.token_attribution == "estimated"
     assert by_chunks.output_tokens_source == "chunks"
     assert by_chunks.records[0].output_len == 3  # one per chunk: all we know without usage or a tokenizer
+    assert by_chunks.token_attribution == "one-per-chunk"
+    assert "ITL assumes one token per chunk for 2 of 2 requests" in console_block(by_chunks)
 
 
 def test_server_metrics_are_scraped_beside_the_run():

@@ -1,5 +1,5 @@
 """The streaming client's pieces without a network: HTTP parsing over arbitrary read boundaries, SSE framing,
-event decoding (token attribution, usage, errors) and reconciliation with the server's token count."""
+event decoding (tokens and text per chunk, usage, errors). How chunks' tokens are attributed: test_attribution.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from deepserve.bench.client import (
     decode_events,
     frame_events,
     http_error_message,
-    reconcile_chunk_tokens,
 )
 from deepserve.bench.types import RequestSpec
 
@@ -99,17 +98,36 @@ def test_decode_counts_one_token_per_chunk_and_reads_usage():
     assert decoded.chunk_times == [1.0, 2.0, 3.0]  # an empty-text chunk still carried a token
     assert decoded.chunk_tokens == [1, 1, 1]
     assert decoded.text == "ac"
+    assert decoded.chunk_text_lens == [1, 0, 1]
     assert (decoded.usage_completion_tokens, decoded.usage_prompt_tokens) == (3, 7)
-    assert decoded.token_count_source == "chunks"
+    assert decoded.counted_chunks == 0 and not decoded.all_chunks_counted
 
 
 def test_decode_uses_token_ids_or_logprobs_when_present():
     ids = RawResponse(200, [json.dumps(completion_chunk("ab", token_ids=[5, 6])).encode()], [1.0])
     assert decode_events(ids).chunk_tokens == [2]
-    assert decode_events(ids).token_count_source == "token_ids"
+    assert decode_events(ids).all_chunks_counted
     logprobs = completion_chunk("abc", logprobs={"tokens": ["a", "b", "c"], "token_logprobs": [0, 0, 0]})
     decoded = decode_events(RawResponse(200, [json.dumps(logprobs).encode()], [1.0]))
-    assert (decoded.chunk_tokens, decoded.token_count_source) == ([3], "logprobs")
+    assert (decoded.chunk_tokens, decoded.counted_chunks) == ([3], 1)
+
+
+def test_vllm_chat_chunks_with_and_without_token_ids():
+    """As vLLM 0.32 streamed them with --stream-interval 4 (tiny model, 10 tokens): the first token alone, then
+    four per chunk; without return_token_ids, `token_ids` is null and only the text tells the chunks apart."""
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+
+    def chunk(text, ids, finish=None):
+        return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish, "token_ids": ids}]}
+
+    with_ids = [role, chunk("r", [117]), chunk("x", [213, 130, 175, 297]), chunk("yz!", [1, 2, 3, 4]),
+                chunk("n", [113], "length"), {"choices": [], "usage": {"completion_tokens": 10}}]  # fmt: skip
+    decoded = decode_events(RawResponse(200, [json.dumps(e).encode() for e in with_ids], [1, 2, 3, 4, 5, 5]))
+    assert decoded.chunk_tokens == [1, 4, 4, 1] and decoded.all_chunks_counted
+    without = [role, chunk("1", None), chunk("}&", None), chunk("*c", None), chunk("", None, "length")]
+    decoded = decode_events(RawResponse(200, [json.dumps(e).encode() for e in without], [1, 2, 3, 4, 5]))
+    assert decoded.chunk_tokens == [1, 1, 1, 1] and decoded.counted_chunks == 0
+    assert decoded.chunk_text_lens == [1, 2, 2, 0]
 
 
 def test_chat_role_header_chunk_carries_no_token():
@@ -137,20 +155,6 @@ def test_bad_events_fail_the_request(payload, message):
 def test_a_stream_without_tokens_fails():
     decoded = decode_events(RawResponse(200, [json.dumps(USAGE).encode(), b"[DONE]"], [1.0, 1.0]))
     assert decoded.error == "no token in the response stream"
-
-
-@pytest.mark.parametrize(
-    ("counts", "total", "expected"),
-    [
-        ([1, 1, 1], 5, [1, 1, 3]),  # shortfall goes to the last chunk
-        ([1, 1, 1, 1], 2, [1, 1, 0, 0]),  # excess removed from the end
-        ([3, 1], 1, [1, 0]),  # the first chunk keeps at least one token
-        ([1, 2], 3, [1, 2]),
-        ([], 4, []),
-    ],
-)
-def test_reconcile_chunk_tokens(counts, total, expected):
-    assert reconcile_chunk_tokens(counts, total) == expected
 
 
 def test_payload_and_request_bytes():
@@ -183,3 +187,13 @@ def test_a_read_that_drained_several_writes_keeps_the_first_ones_arrival():
     parser.feed(b"%x\r\n%s\r\n%x\r\n%s\r\n" % (len(first), first, len(second), second), now=2.0, first_now=1.0)
     parser.feed(b"0\r\n\r\n", 2.5)
     assert parser.response.event_times == [1.0, 2.0]
+
+
+def test_a_read_that_starts_with_the_head_stamps_the_body_with_its_newest_arrival():
+    """The head was written when the request arrived; the first token a TTFT later. A read that drained both has
+    the head's arrival as its oldest: giving it to the first token would make TTFT that much too short."""
+    parser = _ResponseParser(Tally())
+    first = sse(completion_chunk("a"))
+    parser.feed(HEAD + b"%x\r\n%s\r\n" % (len(first), first), now=2.0, first_now=0.5)
+    parser.feed(b"0\r\n\r\n", 2.5)
+    assert parser.response.event_times == [2.0]

@@ -137,8 +137,6 @@ def test_lora_modules_choose_each_request_model_like_vllm():
         ("--random-mm-base-items-per-request 2", "text generation"),
         ("--asr-max-audio-len-sec 30", "text generation"),
         ("--no-reranker", "text generation"),
-        ("--self-timed", "trace replay"),
-        ("--timed-trace-sec-multiplier 2", "trace replay"),
         ("--plot-timeline", "deepserve report"),
         ("--plot-dataset-stats", "deepserve report"),
         ("--probe-request-rate 0.5", "not implemented"),
@@ -160,7 +158,6 @@ def test_refused_flags_fail_with_one_line_that_names_the_flag_and_the_way_out(fl
         ("spec_bench", "--spec-bench-category"),
         ("random-mm", "--random-mm-bucket-config"),
         ("custom_audio", "--asr-max-audio-len-sec"),
-        ("timed_trace", "--self-timed"),
     ],
 )
 def test_a_refused_vllm_dataset_and_its_flags_fail_with_the_same_reason(dataset, flag):
@@ -171,6 +168,31 @@ def test_a_refused_vllm_dataset_and_its_flags_fail_with_the_same_reason(dataset,
         parse(f"vllm bench serve {flag}" + (" 1" if takes_value else ""))
     assert f"dataset {dataset!r} (a `vllm bench serve` dataset) is not supported: {reason}" in str(by_dataset.value)
     assert str(by_flag.value) == f"{flag} (a `vllm bench serve` flag) is not supported: {reason}"
+
+
+def test_vllm_trace_replay_flags_map_to_ours():
+    config = parse(
+        "vllm bench serve --dataset-name timed_trace --dataset-path t.jsonl --timed-trace-chunk-hash-size 512 "
+        "--timed-trace-sec-multiplier 0.001 --timed-trace-label-timestamp ts --timed-trace-label-hash-ids blocks"
+    )
+    workload = config.workload
+    assert (workload.dataset_name, workload.trace_block_size, workload.timed_trace_sec_multiplier) == (
+        "timed_trace",
+        512,
+        0.001,
+    )
+    assert (workload.timed_trace_label_timestamp, workload.timed_trace_label_hash_ids) == ("ts", "blocks")
+    assert workload.self_timed_replay and workload.sends_ignore_eos  # vLLM's defaults for timed_trace
+    by_rate = parse("vllm bench serve --dataset-name timed_trace --no-self-timed --request-rate 4 --no-ignore-eos")
+    assert not by_rate.workload.self_timed_replay and not by_rate.workload.sends_ignore_eos
+    assert parse("vllm bench serve --dataset-name mooncake --trace-block-size 64").workload.trace_block_size == 64
+    for bad, words in [
+        ("--self-timed", "trace replay only"),
+        ("--dataset-name mooncake --request-rate 3", "trace's own times.*--no-self-timed"),
+        ("--dataset-name timed_trace --timed-trace-chunk-hash-size 16 --trace-block-size 32", "disagree"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            parse(f"vllm bench serve {bad}")
 
 
 def test_every_refused_flag_has_a_reason_and_a_remedy():

@@ -1,7 +1,7 @@
 """Workloads: exact prompt lengths (server tokens) for every dataset and both endpoints, vLLM's length semantics,
 seeding, output-length policies, and file parsing with clear errors.
 
-Two real tokenizers: the tiny model's byte-level one (no merges), and a small byte-level BPE trained here whose
+Two real tokenizers (conftest.py): the tiny model's byte-level one (no merges), and a small byte-level BPE whose
 merges make decoded random tokens re-encode to a different count, as real BPE tokenizers do."""
 
 from __future__ import annotations
@@ -17,43 +17,6 @@ from deepserve.bench.datasets.text import PromptBuilder, pseudo_words
 from deepserve.bench.tokenizer import LocalTokenCounter
 from deepserve.bench.workloads import DATASETS, WorkloadConfig, build_workload, dataset_names
 from deepserve.errors import ConfigError
-from deepserve.models.tiny import write_tiny_model
-
-WORDS = ["serving", "benchmark", "token", "prefix", "cache", "expert", "latency", "throughput", "model", "deep"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LocalTokenCounter:
-    path = tmp_path_factory.mktemp("tiny")
-    write_tiny_model(path)
-    return LocalTokenCounter.load(str(path))
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory: pytest.TempPathFactory) -> LocalTokenCounter:
-    """A byte-level BPE with merges (" tokens" is one token, "tok" + "ens" merge) and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] + "s" * (j % 3 == 0) for j in range(40)) for i in range(200)]
-    trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(corpus, trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-    )
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = (
-        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}[assistant]:{% endif %}"
-    )
-    path = tmp_path_factory.mktemp("bpe")
-    fast.save_pretrained(str(path))
-    return LocalTokenCounter.load(str(path))
 
 
 def _assert_exact(counter: LocalTokenCounter, workload) -> None:
@@ -237,13 +200,14 @@ def test_output_bounds_must_come_together_and_in_order() -> None:
 
 
 def test_unknown_dataset_lists_the_valid_ones() -> None:
-    with pytest.raises(ValidationError, match="unknown dataset 'nonesuch'; valid: custom, long, prefix_repetition"):
+    valid = "custom, long, mooncake, multi_turn, prefix_repetition, random, sampled, shared_prefix, sharegpt"
+    with pytest.raises(ValidationError, match=f"unknown dataset 'nonesuch'; valid: {valid}, timed_trace"):
         WorkloadConfig(dataset_name="nonesuch")
     # vLLM's datasets that are not built in say why and what to use instead
     with pytest.raises(ValidationError, match="'hf' .*is not supported: .*Hugging Face hub.*--dataset-name custom"):
         WorkloadConfig(dataset_name="hf")
     assert WorkloadConfig(dataset_name="shared-prefix").dataset_name == "shared_prefix"
-    assert dataset_names() == ["custom", "long", "prefix_repetition", "random", "sampled", "shared_prefix", "sharegpt"]
+    assert ", ".join(dataset_names()) == valid + ", timed_trace"
 
 
 def test_too_short_for_the_template_is_a_config_error(tiny: LocalTokenCounter) -> None:

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
 from deepserve.bench.datasets.text import PromptBuilder
 from deepserve.bench.tokenizer import TokenCounter
-from deepserve.bench.types import ChatMessages
+from deepserve.bench.types import ChatMessages, ConversationSpec
 from deepserve.errors import ConfigError
 
 if TYPE_CHECKING:
     from deepserve.bench.workloads import WorkloadConfig
 
 TOKENIZE_CONCURRENCY = 8  # /tokenize calls in flight while building prompts with a server tokenizer
+T = TypeVar("T")
 
 
 class DatasetError(ConfigError):
@@ -31,16 +33,20 @@ class DraftRequest:
     prompt: str | ChatMessages
     prompt_len: int  # tokens the server processes for PROMPT (BOS, chat template included)
     output_len: int | None = None
+    arrival_s: float | None = None  # a trace's release time, seconds after the first request
 
 
 @dataclass
 class DatasetResult:
     requests: list[DraftRequest]
     details: dict[str, Any] = field(default_factory=dict)  # what the dataset resolved, for the results
+    conversations: list[ConversationSpec] = field(default_factory=list)  # multi-turn datasets: instead of requests
 
 
 class Dataset(Protocol):
-    """A named way to make requests. DEFAULT_NUM_PROMPTS applies when --num-prompts is not given."""
+    """A named way to make requests. DEFAULT_NUM_PROMPTS applies when --num-prompts is not given. A dataset whose
+    requests carry their own release times (`DraftRequest.arrival_s`) also sets `replays_trace = True`: they are
+    then replayed at those times (unless --no-self-timed), with ignore_eos (unless --no-ignore-eos)."""
 
     name: str
     default_num_prompts: int
@@ -85,10 +91,15 @@ class DatasetContext:
         def one(i: int) -> str:
             return self.builder.build(targets[i], self.rng(f"{stream}/{i}"), heads[i])
 
-        if not getattr(self.counter, "concurrent", False) or len(targets) < 2:
-            return [one(i) for i in range(len(targets))]
+        return self.map_tokenizing(one, len(targets))
+
+    def map_tokenizing(self, work: Callable[[int], T], n: int) -> list[T]:
+        """[WORK(0), …, WORK(N-1)]: overlapped when each call is a round trip to the server's /tokenize, in turn
+        with a local tokenizer. WORK must not depend on the order of the calls."""
+        if not getattr(self.counter, "concurrent", False) or n < 2:
+            return [work(i) for i in range(n)]
         with ThreadPoolExecutor(max_workers=TOKENIZE_CONCURRENCY) as pool:
-            return list(pool.map(one, range(len(targets))))
+            return list(pool.map(work, range(n)))
 
     def special_tokens(self) -> int:
         """Tokens the tokenizer adds to a bare text prompt (the BOS): vLLM's num_special_tokens_to_add()."""

@@ -35,7 +35,7 @@ class FileItem:
     reference_output: str | None = None  # ShareGPT's first reply, whose length is the default output length
 
 
-def _require_path(config: WorkloadConfig, dataset: str) -> Path:
+def require_path(config: WorkloadConfig, dataset: str) -> Path:
     if not config.dataset_path:
         raise DatasetError(f"dataset {dataset!r} reads a file: pass --dataset-path FILE")
     path = Path(config.dataset_path).expanduser()
@@ -44,7 +44,7 @@ def _require_path(config: WorkloadConfig, dataset: str) -> Path:
     return path
 
 
-def _read_text(path: Path) -> str:
+def read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -92,7 +92,7 @@ def parse_custom_line(raw: str, path: Path, line: int) -> FileItem:
 def load_custom_jsonl(path: Path) -> list[FileItem]:
     items = [
         parse_custom_line(raw, path, number)
-        for number, raw in enumerate(_read_text(path).splitlines(), start=1)
+        for number, raw in enumerate(read_text(path).splitlines(), start=1)
         if raw.strip()
     ]
     if not items:
@@ -149,7 +149,7 @@ def parse_sharegpt_entry(entry: Any, path: Path, line: int) -> FileItem | None:
 
 
 def load_sharegpt(path: Path) -> list[FileItem]:
-    entries = _json_array_with_lines(_read_text(path), path, SHAREGPT_EXAMPLE)
+    entries = _json_array_with_lines(read_text(path), path, SHAREGPT_EXAMPLE)
     items = [item for line, entry in entries if (item := parse_sharegpt_entry(entry, path, line)) is not None]
     if not items:
         raise DatasetError(f"{path}: no entry has a human turn followed by a reply; expected {SHAREGPT_EXAMPLE}")
@@ -196,7 +196,7 @@ class CustomDataset:
     default_num_prompts = ALL_REQUESTS
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
-        path = _require_path(config, self.name)
+        path = require_path(config, self.name)
         items = _ordered(load_custom_jsonl(path), config, ctx)
         num_prompts = num_prompts or len(items)
         items = items[:num_prompts]
@@ -219,7 +219,7 @@ class ShareGPTDataset:
     default_num_prompts = ALL_REQUESTS
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
-        path = _require_path(config, self.name)
+        path = require_path(config, self.name)
         requests: list[DraftRequest] = []
         skipped = 0
         items = _ordered(load_sharegpt(path), config, ctx)

@@ -1,0 +1,127 @@
+"""`deepserve bench` against real vLLM when each chunk carries several tokens: the tiny model served with
+--stream-interval 4 (one SSE event per 4 tokens, as MTP or speculative decoding would send them).
+
+With the token ids vLLM lists on request (return_token_ids, found by the probe), every chunk's tokens are exact:
+ITL is per token, its median is the decode step (within 25% of the mean TPOT), and each request's samples add up
+to its decode time. Without them (--return-token-ids off), the usage total is spread by text and said to be
+estimated. The same server checks trace replay and multi-turn prompts against vLLM's own token counts. Bounded:
+about 20 short requests at concurrency 1 or 2."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from deepserve.bench.config import BenchConfig
+from deepserve.bench.metrics import e2el_ms, itl_ms, ttft_ms
+from deepserve.bench.output import console_block
+from deepserve.bench.runner import run_benchmark
+from deepserve.models.tiny import write_tiny_model
+from tests.e2e.conftest import ServedTiny
+
+OUTPUT_LEN = 128
+TRACE = Path(__file__).parents[1] / "fixtures" / "traces" / "mooncake_small.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    write_tiny_model(path)  # the served model's own tokenizer files, checked against vLLM's /tokenize
+    return path
+
+
+def config(
+    served: ServedTiny, tokenizer: Path, endpoint: str, workload: dict, load: dict | None = None, **target: object
+) -> BenchConfig:
+    return BenchConfig.model_validate(
+        {
+            "target": {"base_url": served.base_url, "endpoint": endpoint, **target},
+            "workload": {"tokenizer": str(tokenizer), **workload},
+            "load": {"max_concurrency": 1} if load is None else load,
+            "metrics": {"server_metrics": False},
+        }
+    )
+
+
+RANDOM = {"dataset_name": "random", "random_input_len": 32, "random_output_len": OUTPUT_LEN, "num_prompts": 3}
+
+
+def assert_samples_add_up_to_the_decode_time(result) -> None:
+    for record in result.records:
+        assert sum(record.chunk_tokens) == OUTPUT_LEN == record.output_len
+        samples = itl_ms(record)
+        assert len(samples) == OUTPUT_LEN - 1  # one per token after the first
+        decode_ms = e2el_ms(record) - ttft_ms(record)  # ends with the response, just after the last token chunk
+        assert sum(samples) == pytest.approx(decode_ms, rel=0.02, abs=2.0)
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_token_ids_make_itl_exact(served_tiny_stream_interval_4, tokenizer, endpoint):
+    workload = {**RANDOM, "ignore_eos": True}
+    result = run_benchmark(config(served_tiny_stream_interval_4, tokenizer, endpoint, workload), display=False)
+    data = result.to_json()
+    assert data["completed"] == 3, data["errors_by_message"]
+    assert data["return_token_ids"]["sent"] is True, data["return_token_ids"]
+    assert (data["token_attribution"], data["output_tokens_source"]) == ("exact", "usage")
+    for record in result.records:
+        assert statistics.median(record.chunk_tokens) == 4  # one event per 4 tokens (the first token comes alone)
+    assert_samples_add_up_to_the_decode_time(result)
+    assert data["median_itl_ms"] == pytest.approx(data["mean_tpot_ms"], rel=0.25)
+    assert "ITL is estimated" not in console_block(result)
+
+
+def test_without_token_ids_itl_is_estimated_and_says_so(served_tiny_stream_interval_4, tokenizer):
+    workload = {**RANDOM, "ignore_eos": True}
+    bench = config(served_tiny_stream_interval_4, tokenizer, "/v1/chat/completions", workload, return_token_ids="off")
+    result = run_benchmark(bench, display=False)
+    data = result.to_json()
+    assert data["completed"] == 3 and data["return_token_ids"]["sent"] is False
+    assert data["token_attribution"] == "estimated"
+    assert_samples_add_up_to_the_decode_time(result)
+    assert "ITL is estimated for 3 of 3 requests" in console_block(result)
+
+
+def test_a_replayed_trace_has_exactly_its_input_lengths_on_vllm(served_tiny_stream_interval_4, tokenizer):
+    workload = {
+        "dataset_name": "mooncake",
+        "dataset_path": str(TRACE),
+        "trace_block_size": 16,
+        "trace_time_scale": 0.1,
+    }
+    bench = config(served_tiny_stream_interval_4, tokenizer, "/v1/completions", workload, load={})
+    result = run_benchmark(bench, display=False)
+    data = result.to_json()
+    lines = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
+    assert data["completed"] == len(lines), data["errors_by_message"]
+    assert data["workload"]["self_timed"] is True
+    # vLLM's usage.prompt_tokens and completion_tokens: the trace's lengths, exactly (ignore_eos by default)
+    assert [record.prompt_len for record in result.records] == [line["input_length"] for line in lines]
+    assert [record.output_len for record in result.records] == [line["output_length"] for line in lines]
+
+
+def test_multi_turn_history_grows_on_vllm(served_tiny_stream_interval_4, tokenizer):
+    workload = {
+        "dataset_name": "multi_turn",
+        "num_prompts": 2,
+        "multi_turn_num_turns": 3,
+        "random_input_len": 40,
+        "multi_turn_input_len": 10,
+        "random_output_len": 8,
+        "ignore_eos": True,
+    }
+    result = run_benchmark(config(served_tiny_stream_interval_4, tokenizer, "/v1/chat/completions", workload), False)
+    data = result.to_json()
+    assert (data["completed"], data["num_conversations"]) == (6, 2), data["errors_by_message"]
+    turns = {(r.conversation, r.turn): r for r in result.records}
+    for conversation in (0, 1):
+        first = turns[(conversation, 1)]
+        assert first.prompt_len == 40  # exact on the first turn, as every dataset's prompts
+        for turn in (2, 3):
+            before, now = turns[(conversation, turn - 1)], turns[(conversation, turn)]
+            # the history: the previous prompt, its 8-token answer, the new 10-token message and the template's
+            # tokens around the two added messages
+            assert now.prompt_len >= before.prompt_len + 8 + 10
+    assert set(data["ttft_by_turn_ms"]) == {"1", "2", "3"}
