@@ -11,7 +11,7 @@ from deepserve import __version__
 from deepserve.errors import DeepserveError
 
 # Module name under deepserve.cli → registers one or more sub-commands. Kept in the order `--help` shows them.
-COMMANDS = ("serve", "model", "gateway", "keys", "usage", "bench", "sweep", "report", "runs", "plan")
+COMMANDS = ("serve", "model", "gateway", "keys", "usage", "bench", "sweep", "tune", "report", "runs", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ from deepserve.report.answers import SaturationAnswer, SloAnswer, saturation_ans
 from deepserve.report.charts import Chart, draw_charts
 from deepserve.report.html import render_html
 from deepserve.report.slo import Slo
+from deepserve.report.tune import predicted_vs_measured_chart, tune_section_html
 from deepserve.results.points import ResultSet
 from deepserve.results.sweepdir import load_result_set
 
@@ -49,8 +50,13 @@ def _make_labels_unique(sets: list[ResultSet]) -> None:
 def build_report(sets: list[ResultSet], out_dir: Path, slos: Sequence[Slo], title: str | None = None) -> Report:
     out_dir.mkdir(parents=True, exist_ok=True)
     charts = draw_charts(sets, slos, out_dir)
+    tuned = predicted_vs_measured_chart(sets, slos, out_dir)  # a `deepserve tune` directory's forecast and goodput
+    charts += [tuned] if tuned is not None else []
     slo = slo_answers(sets, slos)
     saturation = saturation_answers(sets)
     html_path = out_dir / "report.html"
-    html_path.write_text(render_html(sets, charts, slo, saturation, slos, title or "deepserve benchmark report"))
+    sections = [tune_section_html(sets, slos)]
+    html_path.write_text(
+        render_html(sets, charts, slo, saturation, slos, title or "deepserve benchmark report", sections)
+    )
     return Report(html_path, charts, slo, saturation)
