@@ -64,8 +64,9 @@ def run_tune(
     run_point: PointRunner,
     options: TuneOptions,
     progress: Progress = print,
+    clock: Callable[[], float] = time.monotonic,
 ) -> TuneOutcome:
-    started = time.monotonic()
+    started = clock()
     index = resume_or_start(directory, _fresh_index(spec))
     counts = {"ran": 0, "kept": 0, "skipped": 0, "failed": 0}
     interrupted = False
@@ -77,7 +78,7 @@ def run_tune(
                 counts["kept" if entry.status == "done" else "failed"] += 1
                 progress(f"{where}: kept ({entry.status} earlier: {entry.note})")
                 continue
-            reason = planned.skip_reason or _budget_reason(index, options, started)
+            reason = planned.skip_reason or _budget_reason(index, options, clock() - started)
             if reason:
                 entry.status, entry.note = "skipped", reason
                 counts["skipped"] += 1
@@ -99,7 +100,7 @@ def run_tune(
     best_path = _write_best(directory, best, spec, options.slos, len(scored)) if best is not None else None
     _record_choice(index, scored, best, interrupted)
     write_index(directory, index)
-    return TuneOutcome(directory, index, scored, best, best_path, counts, time.monotonic() - started, interrupted)
+    return TuneOutcome(directory, index, scored, best, best_path, counts, clock() - started, interrupted)
 
 
 def _write_best(directory: Path, best: Scored, spec: TuneSpec, slos: Sequence[Slo], measured: int) -> Path:
@@ -167,11 +168,11 @@ def _finished(directory: Path, entry: PointEntry, options: TuneOptions) -> bool:
     return entry.status == "failed" and not options.retry_failed
 
 
-def _budget_reason(index: SweepIndex, options: TuneOptions, started: float) -> str | None:
+def _budget_reason(index: SweepIndex, options: TuneOptions, elapsed_s: float) -> str | None:
     measured = sum(1 for entry in index.points if entry.status in ("done", "failed"))
     if options.max_points is not None and measured >= options.max_points:
         return f"the point budget is spent ({measured} measured, --max-points {options.max_points})"
-    if options.budget_s is not None and time.monotonic() - started > options.budget_s:
+    if options.budget_s is not None and elapsed_s > options.budget_s:
         return f"the time budget is spent (--budget-s {options.budget_s:g})"
     return None
 

@@ -39,9 +39,8 @@ def fake_python(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def model_dir(tmp_path: Path) -> Path:
     """The tiny model's config.json alone: the launcher and the planner read it; the fake engine loads nothing."""
-    monkeypatch.setenv("DEEPSERVE_HOME", str(tmp_path / "home"))
     directory = tmp_path / "model"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(tiny_config()))
