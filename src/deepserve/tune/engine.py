@@ -105,14 +105,21 @@ class EnginePointRunner:
         began = time.monotonic()
         try:
             with started_service(plan, _PhaseLines(self.progress), log_file) as running:
-                startup_s = time.monotonic() - began
-                self.progress(f"    engine ready after {startup_s:.0f} s ({plan.launch.base_url}); benchmarking")
+                ready = time.monotonic()
+                self.progress(f"    engine ready after {ready - began:.0f} s ({plan.launch.base_url}); benchmarking")
                 run = self._measure(running[0], _aimed_at(bench, plan))
+                measured = time.monotonic()
         except ProcessDied as exc:
             raise EngineFailed(_died_words(exc), exc.log_tail, log_file) from exc
         except EngineError as exc:  # not ready in time
             raise EngineFailed(str(exc), _tail(log_file), log_file) from exc
-        run.startup_s, run.engine_log = round(startup_s, 1), str(log_file)
+        stopped = time.monotonic()
+        run.startup_s, run.engine_log = round(ready - began, 1), str(log_file)
+        run.extra["timings_s"] = {
+            "startup": round(ready - began, 1),
+            "benchmark": round(measured - ready, 1),
+            "stop": round(stopped - measured, 1),
+        }
         return run
 
     def _measure(self, engine: SupervisedProcess, bench: BenchConfig) -> PointRun:
