@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deepserve.errors import ConfigError
 
@@ -33,6 +34,8 @@ class Section(BaseModel):
 
 EngineName = Literal["vllm", "sglang"]
 DeviceName = Literal["auto", "cpu", "cuda"]
+DistributedBackend = Literal["mp", "ray"]
+JOIN_PORT_OFFSET = 100  # default join port: master port + 100, clear of the ports vLLM takes near the master port
 
 
 class EngineConfig(Section):
@@ -66,11 +69,90 @@ class EngineConfig(Section):
     enable_chunked_prefill: bool | None = Field(None, description="split long prefills into chunks")
     enable_prefix_caching: bool | None = Field(None, description="reuse KV cache of shared prompt prefixes")
     trust_remote_code: bool = Field(False, description="allow the model repository's own Python code")
+    nnodes: int = Field(1, ge=1, description="nodes the engine spans (vLLM's native multi-node runtime)")
+    node_rank: int = Field(0, ge=0, description="this node: 0 runs the API and gateway, others headless workers")
+    master_addr: str | None = Field(
+        None, description="node 0's address, reachable from every node (needed with --nnodes > 1)"
+    )
+    master_port: int = Field(29501, ge=1, le=65535, description="node 0's port for the engine's rendezvous")
+    join_port: int | None = Field(
+        None, ge=1, le=65535, description="node 0's port where deepserve's nodes check in (default: master port+100)"
+    )
+    join_timeout_s: float = Field(900.0, gt=0, description="how long nodes wait for each other to join")
+    gpus_per_node: int | None = Field(
+        None, ge=1, description="GPUs on each node (default: what this machine has); checks the layout"
+    )
+    gpu_type: str | None = Field(
+        None, description="GPU type of the nodes, from the catalog (default: what nvidia-smi finds); checks the fit"
+    )
+    data_parallel_size_local: int | None = Field(
+        None, ge=1, description="data-parallel ranks on this node (default: --data-parallel-size over --nnodes)"
+    )
+    data_parallel_address: str | None = Field(None, description="address of data-parallel rank 0 (default: master)")
+    data_parallel_rpc_port: int | None = Field(None, ge=1, le=65535, description="data-parallel RPC port on node 0")
+    distributed_executor_backend: DistributedBackend | None = Field(
+        None, description="mp (vLLM's own processes, across nodes too) or ray (a Ray cluster: `deepserve cluster`)"
+    )
     extra_args: list[str] = Field(default_factory=list, description="passed to the engine unchanged (after --)")
     startup_timeout_s: float = Field(1800.0, gt=0, description="give up if the engine is not ready by then")
 
+    @model_validator(mode="after")
+    def _check_nodes(self) -> EngineConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}: "
+                f"give each node a rank from 0 to {self.nnodes - 1}"
+            )
+        if self.nnodes > 1 and not self.master_addr:
+            raise ValueError(
+                f"--nnodes {self.nnodes} needs --master-addr: node 0's address that every node can reach "
+                "(e.g. its IP on the cluster network)"
+            )
+        return self
+
+    @property
+    def is_multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    @property
+    def is_head(self) -> bool:
+        """Node 0 runs the engine's API (and the gateway); other nodes run headless workers."""
+        return self.node_rank == 0
+
+    @property
+    def world_size(self) -> int:
+        """Devices the layout needs over all nodes: tensor x pipeline x data parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def effective_join_port(self) -> int:
+        return self.join_port or self.master_port + JOIN_PORT_OFFSET
+
+    def for_node(self, rank: int) -> EngineConfig:
+        """The same deployment as node RANK runs it."""
+        return self.model_copy(update={"node_rank": rank})
+
 
 T = TypeVar("T", bound=BaseModel)
+
+
+def changed_flags(section: BaseModel, skip: tuple[str, ...] = ()) -> list[str]:
+    """The command-line flags that reproduce SECTION's non-default fields (the inverse of the flags derived from
+    the fields in `deepserve.cli.flags`): `--field-name VALUE`, `--flag`/`--no-flag` for booleans."""
+    argv: list[str] = []
+    for name, field in type(section).model_fields.items():
+        value = getattr(section, name)
+        if name in skip or value == field.get_default(call_default_factory=True):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def load_section(model: type[T], section: str, file: Path | None = None, overrides: dict[str, Any] | None = None) -> T:
@@ -143,3 +225,14 @@ class ServeConfig(Section):
     engine_port: int | None = Field(
         None, ge=1, le=65535, description="the engine's internal port behind the gateway (default: a free one)"
     )
+    force: bool = Field(False, description="start even when the memory plan says the model cannot fit")
+
+
+def serve_command(config: EngineConfig, serve: ServeConfig | None = None) -> str:
+    """The `deepserve serve` line that runs CONFIG (and SERVE's non-default settings) on a node."""
+    argv = ["deepserve", "serve", *changed_flags(config, skip=("extra_args",))]
+    if serve is not None:
+        argv += changed_flags(serve)
+    if config.extra_args:
+        argv += ["--", *config.extra_args]
+    return shlex.join(argv)

@@ -10,6 +10,7 @@ import pytest
 from deepserve import service
 from deepserve.config import EngineConfig, ServeConfig
 from deepserve.errors import ConfigError, EngineError, ModelError
+from deepserve.hardware.detect import LocalGpu
 from deepserve.models.presets import TINY_MODEL_NAME
 from deepserve.net import ensure_port_free
 
@@ -20,8 +21,11 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def eight_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(service, "has_gpu", lambda: True)
+    monkeypatch.setattr(
+        service, "local_gpus", lambda: tuple(LocalGpu(i, "NVIDIA H100 80GB HBM3", 81559) for i in range(8))
+    )
 
 
 def test_no_model_and_no_gpu_serves_the_cached_tiny_model(no_gpu: None, isolated_home: Path) -> None:
@@ -30,15 +34,15 @@ def test_no_model_and_no_gpu_serves_the_cached_tiny_model(no_gpu: None, isolated
     assert plan.model.served_name == TINY_MODEL_NAME
     assert Path(plan.model.source).parent == isolated_home / "models"
     assert (Path(plan.model.source) / "config.json").is_file()
-    assert "--model " + plan.model.source in service.dry_run_text(plan)
+    assert "serve " + plan.model.source in service.dry_run_text(plan)
 
 
 def test_gpu_only_flags_on_cpu_are_refused_with_each_flag_named(no_gpu: None) -> None:
-    config = EngineConfig(tensor_parallel_size=8, gpu_memory_utilization=0.9, quantization="fp8")
+    config = EngineConfig(data_parallel_size=2, gpu_memory_utilization=0.9, quantization="fp8")
     with pytest.raises(ConfigError) as caught:
         service.plan_service(config)
     message = str(caught.value)
-    assert "--tensor-parallel-size 8" in message
+    assert "--data-parallel-size 2" in message
     assert "--gpu-memory-utilization 0.9" in message
     assert "--quantization fp8" in message
     assert "need a GPU" in message
@@ -49,7 +53,7 @@ def test_device_cuda_without_gpu_is_refused(no_gpu: None) -> None:
         service.plan_service(EngineConfig(device="cuda"))
 
 
-def test_gpu_machine_needs_a_named_model(one_gpu: None) -> None:
+def test_gpu_machine_needs_a_named_model(eight_gpus: None) -> None:
     with pytest.raises(ModelError, match="--model deepseek-ai/DeepSeek-V3-0324"):
         service.plan_service(EngineConfig())
     plan = service.plan_service(EngineConfig(model="deepseek-ai/deepseek-v3-0324", tensor_parallel_size=8))
@@ -109,3 +113,61 @@ def test_public_port_in_use_is_reported_with_the_gateway_in_front(no_gpu: None) 
         plan = service.plan_service(EngineConfig(port=port), ServeConfig())
         with pytest.raises(ConfigError, match=f"port {port} .* already in use"):
             service.preflight(plan)
+
+
+def test_a_model_too_big_for_this_machines_ram_is_refused_unless_forced(
+    no_gpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service.psutil, "virtual_memory", lambda: type("Mem", (), {"available": 24 * 10**9})())
+    plan = service.plan_service(EngineConfig(model="deepseek-ai/DeepSeek-V3"), ServeConfig(gateway=False))
+    with pytest.raises(
+        ConfigError, match="memory plan says this cannot run.*673.2 GB of weights.*24.0 GB is available"
+    ):
+        service.preflight(plan)
+    assert "# memory plan: does not fit" in service.dry_run_text(plan)
+    forced = service.plan_service(EngineConfig(model="deepseek-ai/DeepSeek-V3"), ServeConfig(gateway=False, force=True))
+    monkeypatch.setattr(service.importlib.util, "find_spec", lambda name: None)  # past the fit check, to the next
+    with pytest.raises(EngineError, match="not installed"):
+        service.preflight(forced)
+
+
+def test_gpu_fit_uses_the_gpus_found_and_names_the_layout_that_would_fit(eight_gpus: None) -> None:
+    plan = service.plan_service(EngineConfig(model="deepseek-ai/DeepSeek-V3", tensor_parallel_size=8))
+    assert plan.fit is not None and plan.fit.fits is False
+    assert "16 x h100-sxm (2 node(s))" in plan.fit.suggestion
+    with pytest.raises(ConfigError, match="--pipeline-parallel-size 2 --nnodes 2"):
+        service.preflight(plan)
+
+
+def test_layout_needing_more_gpus_than_the_node_has_is_refused(eight_gpus: None) -> None:
+    with pytest.raises(ConfigError, match="needs 16 GPUs per node over 1 node"):
+        service.plan_service(EngineConfig(model="deepseek-ai/DeepSeek-V3", tensor_parallel_size=16))
+
+
+def test_dry_run_for_another_machine_prints_every_node_as_users_type_it(no_gpu: None) -> None:
+    config = EngineConfig(
+        model="deepseek-ai/DeepSeek-V3",
+        device="cuda",
+        gpu_type="h100",
+        tensor_parallel_size=8,
+        pipeline_parallel_size=2,
+        nnodes=2,
+        master_addr="10.0.0.1",
+        host="0.0.0.0",
+    )
+    plan = service.plan_service(config, ServeConfig(), on_this_machine=False)
+    text = service.dry_run_text(plan, ServeConfig())
+    assert plan.role == "head"
+    assert "# node 0 of 2 (this node)" in text and "# node 1 of 2:" in text
+    assert "#   deepserve serve --model deepseek-ai/DeepSeek-V3" in text and "--node-rank 1" in text
+    engine_lines = [line for line in text.splitlines() if line.startswith("vllm serve")]
+    assert len(engine_lines) == 2 and "--headless" in engine_lines[1] and "--headless" not in engine_lines[0]
+    assert "# memory plan: deepseek-ai/DeepSeek-V3 (fp8) on 16 x h100-sxm, TP=8 PP=2: fits" in text
+    assert "deepserve.cli.main gateway" in text  # the gateway runs on node 0 only
+    assert text.count("deepserve.cli.main gateway") == 1
+
+
+def test_worker_node_plans_no_gateway_and_checks_its_rank(no_gpu: None) -> None:
+    worker = EngineConfig(pipeline_parallel_size=2, nnodes=2, node_rank=1, master_addr="127.0.0.1")
+    plan = service.plan_service(worker, ServeConfig())
+    assert plan.role == "worker" and plan.gateway is None and "--headless" in plan.launch.argv

@@ -117,13 +117,21 @@ def print_plan(console: Console, plan: Plan) -> None:
     )
     for engine, line in plan.commands.items():
         console.print(f"[bold]{engine}[/]: {line}", soft_wrap=True, highlight=False)
-    if plan.deployment.nodes > 1:
-        console.print(
-            f"on {plan.deployment.nodes} nodes: start a Ray cluster over them before vLLM (`ray start --head` here, "
-            "`ray start --address HEAD_NODE_IP:6379` on the others); run SGLang's line on every node with its "
-            "own --node-rank",
-            highlight=False,
-        )
+    _print_serve_lines(console, plan)
+
+
+def _print_serve_lines(console: Console, plan: Plan) -> None:
+    nodes = plan.deployment.nodes
+    if nodes == 1:
+        console.print(f"[bold]deepserve[/]: {plan.serve_commands[0]}", soft_wrap=True, highlight=False)
+        return
+    console.print(
+        f"[bold]deepserve on {nodes} nodes[/] (vLLM's multi-node runtime; replace HEAD_NODE_IP with node 0's address "
+        "on the network the nodes share; node 0 serves the API and the gateway, the others run headless):",
+        highlight=False,
+    )
+    for rank, line in enumerate(plan.serve_commands):
+        console.print(f"  node {rank}: {line}", soft_wrap=True, highlight=False)
 
 
 def _memory_table(plan: Plan) -> Table:
@@ -145,19 +153,20 @@ def _memory_table(plan: Plan) -> Table:
 
 
 def _predictions_table(plan: Plan) -> Table:
-    table = Table(title=f"predicted at {plan.config.input_len} in / {plan.config.output_len} out tokens")
-    for column in ("concurrency", "running", "output tok/s", "TPOT ms", "TTFT ms", "$ / 1M output tokens"):
+    """The cost column only when a GPU-hour price is known (a column of placeholders says nothing)."""
+    priced = plan.config.gpu_hour_usd is not None
+    title = f"predicted at {plan.config.input_len} in / {plan.config.output_len} out tokens"
+    table = Table(title=title, caption=None if priced else "cost per 1M output tokens: give --gpu-hour-usd")
+    columns = ["concurrency", "running", "output tok/s", "TPOT ms", "TTFT ms"] + (["$/1M out tok"] * priced)
+    for column in columns:
         table.add_column(column, justify="right")
     for p in plan.predictions:
+        row = [str(p.concurrency), str(p.running), f"{p.output_throughput_tok_s:,.0f}", f"{p.tpot_ms:,.1f}"]
+        row.append(f"{p.ttft_ms:,.0f}")
         cost = plan.cost_per_million_output_tokens_usd(p)
-        table.add_row(
-            str(p.concurrency),
-            str(p.running),
-            f"{p.output_throughput_tok_s:,.0f}",
-            f"{p.tpot_ms:,.1f}",
-            f"{p.ttft_ms:,.0f}",
-            "--gpu-hour-usd" if cost is None else f"{cost:,.3f}",
-        )
+        if priced:
+            row.append("n/a" if cost is None else f"{cost:,.3f}")
+        table.add_row(*row)
     return table
 
 

@@ -46,9 +46,9 @@ def _serve(args: argparse.Namespace) -> int:
     serve = load_section(ServeConfig, "serve", args.config, section_overrides(args, ServeConfig))
     gateway_flags = {"require_keys": args.require_keys, "insecure_open": args.insecure_open}
     gateway = load_section(GatewayConfig, "gateway", args.config, gateway_flags) if serve.gateway else None
-    plan = plan_service(config, serve, gateway)
+    plan = plan_service(config, serve, gateway, on_this_machine=not args.dry_run)
     if args.dry_run:
-        print(dry_run_text(plan))
+        print(dry_run_text(plan, serve, gateway))
         return 0
     preflight(plan)
     console = Console(stderr=True)
@@ -66,8 +66,18 @@ class _ProgressLine:
         self._status = console.status("") if console.is_terminal else None
 
     def __enter__(self) -> _ProgressLine:
-        name = self.plan.engine.name
-        self.console.print(f"Starting {name} on {self.plan.device} with {self.plan.model.served_name} …")
+        name, config = self.plan.engine.name, self.plan.config
+        where = ""
+        if self.plan.role == "head":
+            where = f" as node 0 of {config.nnodes} (the API; the other nodes join at {config.master_addr})"
+        elif self.plan.role == "worker":
+            where = (
+                f" as node {config.node_rank} of {config.nnodes}: a headless worker for node 0 at "
+                f"{config.master_addr} (no API and no gateway on this node)"
+            )
+        self.console.print(f"Starting {name} on {self.plan.device} with {self.plan.model.served_name}{where} …")
+        for note in self.plan.notes:
+            self.console.print(f"  note: {note}", highlight=False)
         if self._status:
             self._status.start()
         return self
@@ -88,6 +98,9 @@ class _ProgressLine:
         if self._status:
             self._status.stop()
             self._status = None
+        if self.plan.role == "worker":
+            self._worker_ready(ready_s, processes[0])
+            return
         launch = self.plan.public
         curl = (
             f"curl {launch.base_url}/chat/completions -H 'Content-Type: application/json' "
@@ -107,3 +120,15 @@ class _ProgressLine:
         # A machine-readable line for scripts and tests: READY <public base URL> <served model name> <engine base URL>
         ready_line = f"READY {launch.base_url} {launch.served_model_name} {self.plan.launch.base_url}"
         print(ready_line, file=sys.stdout, flush=True)
+
+    def _worker_ready(self, ready_s: float, engine: SupervisedProcess) -> None:
+        config = self.plan.config
+        self.console.print(
+            f"[bold green]node {config.node_rank} is serving its share[/] after {ready_s:.0f} s; the service's API is "
+            f"on node 0 ({config.master_addr})\n  engine    pid {engine.pid}, log {engine.log_path}\n"
+            "Press Ctrl-C to stop this node (node 0 then stops too).",
+            soft_wrap=True,
+            highlight=False,
+        )
+        # For scripts and tests: WORKER <rank> <engine pid>
+        print(f"WORKER {config.node_rank} {engine.pid}", file=sys.stdout, flush=True)

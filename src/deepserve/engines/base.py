@@ -38,7 +38,11 @@ class Engine(Protocol):
     package: str  # the Python module whose presence means the engine is installed
     install_hint: str
 
-    def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str) -> LaunchSpec: ...
+    def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
+        """The command that runs CONFIG on this node (CONFIG.node_rank of CONFIG.nnodes) under PYTHON; with PYTHON
+        None, the command as users type it on a machine where the engine is installed (for printed plans and
+        rendered deployment files)."""
+        ...
 
     def phase_of(self, log_line: str) -> str | None:
         """The start-up phase a log line announces, if any (shown as progress while the engine starts)."""

@@ -1,4 +1,5 @@
-"""SGLang: `python -m sglang.launch_server`. Its flag names differ from vLLM's; the mapping lives here."""
+"""SGLang: `python -m sglang.launch_server`. Its flag names differ from vLLM's; the mapping lives here. Over several
+nodes every node runs the same command with its --node-rank and node 0's --dist-init-addr; node 0 serves the API."""
 
 from __future__ import annotations
 
@@ -24,23 +25,20 @@ class SglangEngine:
         "(it has no build for a CPU-only machine like this one; `--dry-run` still prints its command line)"
     )
 
-    def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str) -> LaunchSpec:
-        argv = [python, "-m", "sglang.launch_server", "--model-path", model.source]
+    def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
+        argv = [python or "python3", "-m", "sglang.launch_server", "--model-path", model.source]
         kv_fraction = config.gpu_memory_utilization
+        tp = _tp_size(config)
         argv += flag_args(
             [
                 ("--served-model-name", model.served_name),
                 ("--host", config.host),
                 ("--port", config.port),
-                ("--tp-size", unless_one(config.tensor_parallel_size)),
+                ("--tp-size", unless_one(tp)),
                 ("--pp-size", unless_one(config.pipeline_parallel_size)),
                 ("--dp-size", unless_one(config.data_parallel_size)),
-                # SGLang serves DeepSeek's data-parallel attention + expert parallelism as one switch pair.
-                (
-                    "--enable-dp-attention",
-                    (config.data_parallel_size > 1 and config.enable_expert_parallel) or None,
-                ),
-                ("--ep-size", config.tensor_parallel_size if config.enable_expert_parallel else None),
+                ("--enable-dp-attention", _dp_attention(config) or None),
+                ("--ep-size", tp if config.enable_expert_parallel else None),
                 ("--context-length", config.max_model_len),
                 ("--max-running-requests", config.max_num_seqs),
                 ("--chunked-prefill-size", _chunked_prefill_size(config)),
@@ -52,18 +50,34 @@ class SglangEngine:
                 ("--disable-radix-cache", True if config.enable_prefix_caching is False else None),
                 ("--trust-remote-code", config.trust_remote_code or None),
                 ("--device", "cpu" if model.on_cpu else None),
+                ("--nnodes", unless_one(config.nnodes)),
+                ("--node-rank", config.node_rank if config.is_multi_node else None),
+                ("--dist-init-addr", f"{config.master_addr}:{config.master_port}" if config.is_multi_node else None),
             ]
         )
         argv += config.extra_args
         return LaunchSpec(
             argv=argv,
-            ready_path="/v1/models",
+            ready_path="/v1/models" if config.is_head else "",
             served_model_name=model.served_name,
-            base_url=f"http://{url_host(config.host)}:{config.port}/v1",
+            base_url=f"http://{url_host(config.host)}:{config.port}/v1" if config.is_head else "",
         )
 
     def phase_of(self, log_line: str) -> str | None:
         return next((phase for marker, phase in _PHASES if marker in log_line), None)
+
+
+def _dp_attention(config: EngineConfig) -> bool:
+    """SGLang serves DeepSeek's data-parallel attention + expert parallelism as one switch pair."""
+    return config.data_parallel_size > 1 and config.enable_expert_parallel
+
+
+def _tp_size(config: EngineConfig) -> int:
+    """SGLang counts data-parallel attention ranks inside its TP size (tp = every GPU of a stage, dp = attention
+    replicas among them); our config, like vLLM, counts TP per replica and DP separately."""
+    if _dp_attention(config):
+        return config.tensor_parallel_size * config.data_parallel_size
+    return config.tensor_parallel_size
 
 
 def _chunked_prefill_size(config: EngineConfig) -> int | None:

@@ -65,24 +65,42 @@ class SupervisedProcess:
         self._reader = threading.Thread(target=self._pump_log, name=f"{self.name}-log", daemon=True)
         self._reader.start()
 
-    def wait_ready(self, timeout_s: float, on_progress: Callable[[str, float], None] | None = None) -> float:
-        """Block until the child answers its ready path; return the seconds it took."""
-        started = time.monotonic()
+    def wait_ready(
+        self,
+        timeout_s: float,
+        on_progress: Callable[[str, float], None] | None = None,
+        check: Callable[[float], None] | None = None,
+    ) -> float:
+        """Block until the child answers its ready path; return the seconds it took. CHECK(elapsed_s) runs on every
+        poll and may raise to give up early (e.g. a node that never joined)."""
         url = self.spec.base_url.removesuffix("/v1") + self.spec.ready_path
         with httpx.Client(timeout=2.0) as client:
-            while True:
-                elapsed = time.monotonic() - started
-                self.raise_if_died()
-                if on_progress:
-                    on_progress(self.phase, elapsed)
-                if _answers(client, url):
-                    return elapsed
-                if elapsed > timeout_s:
-                    raise EngineError(
-                        f"the {self.name} was not ready after {timeout_s:.0f} s (last phase: {self.phase}); "
-                        f"see {self.log_path}, or raise --startup-timeout-s"
-                    )
-                time.sleep(0.5)
+            return self.wait_until(lambda: _answers(client, url), timeout_s, on_progress, check)
+
+    def wait_until(
+        self,
+        is_ready: Callable[[], bool],
+        timeout_s: float,
+        on_progress: Callable[[str, float], None] | None = None,
+        check: Callable[[float], None] | None = None,
+    ) -> float:
+        """Block until IS_READY() holds, showing the start-up phase; raise if the child dies or TIMEOUT_S passes."""
+        started = time.monotonic()
+        while True:
+            elapsed = time.monotonic() - started
+            self.raise_if_died()
+            if check:
+                check(elapsed)
+            if on_progress:
+                on_progress(self.phase, elapsed)
+            if is_ready():
+                return elapsed
+            if elapsed > timeout_s:
+                raise EngineError(
+                    f"the {self.name} was not ready after {timeout_s:.0f} s (last phase: {self.phase}); "
+                    f"see {self.log_path}, or raise --startup-timeout-s"
+                )
+            time.sleep(0.5)
 
     def raise_if_died(self) -> None:
         if self._proc is not None and self._proc.poll() is not None:

@@ -1,13 +1,22 @@
-"""vLLM: `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of the CPU build is broken)."""
+"""vLLM: `vllm serve MODEL …`, on one node or several (vLLM's native multi-node runtime: node 0 serves the API,
+the others run `--headless`). vLLM's CPU build has a broken `vllm` console script, so there the same command runs
+through `python -m deepserve.engines.vllm_cli` (see that module)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from deepserve.config import EngineConfig
 from deepserve.engines.base import LaunchSpec, ResolvedModel, flag_args, unless_one, url_host
+from deepserve.engines.topology import nodes_share_this_host
 
 GIB = 1024**3
 CPU_DEFAULT_KV_CACHE_GIB = 1.0  # the tiny model needs 4.6 KB/token: 1 GiB holds about 230K tokens
 CPU_DEFAULT_MAX_MODEL_LEN = 32768
+# On CPU, vLLM checks --gpu-memory-utilization x RAM against free memory at start on every node; nodes sharing one
+# host (a loopback test) must split it.
+CPU_SHARED_HOST_MEMORY_FRACTION = 0.8
 
 # Start-up log markers, in the order vLLM prints them.
 _PHASES = (
@@ -20,6 +29,9 @@ _PHASES = (
     ("Capturing CUDA graph", "capturing CUDA graphs"),
     ("torch.compile", "compiling"),
     ("Warming up", "warming up (compiling)"),
+    ("headless multiproc executor", "joining node 0 as a headless worker"),
+    ("data parallel engine(s) in headless mode", "joining node 0 as a headless worker"),
+    ("DP group leader", "waiting for the other nodes"),
     ("Starting vLLM", "starting API server"),
     ("Application startup complete", "starting API server"),
 )
@@ -33,44 +45,109 @@ class VllmEngine:
         "(then `pip uninstall -y torchvision torchaudio torchcodec`), or `pip install vllm` on NVIDIA GPUs"
     )
 
-    def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str) -> LaunchSpec:
-        max_model_len = config.max_model_len
-        if model.on_cpu and max_model_len is None:
-            max_model_len = CPU_DEFAULT_MAX_MODEL_LEN
-        kv_gib = config.kv_cache_memory_gib or (CPU_DEFAULT_KV_CACHE_GIB if model.on_cpu else None)
-        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model.source]
-        argv += flag_args(
-            [
-                ("--served-model-name", model.served_name),
-                ("--host", config.host),
-                ("--port", config.port),
-                ("--tensor-parallel-size", unless_one(config.tensor_parallel_size)),
-                ("--pipeline-parallel-size", unless_one(config.pipeline_parallel_size)),
-                ("--data-parallel-size", unless_one(config.data_parallel_size)),
-                ("--enable-expert-parallel", config.enable_expert_parallel or None),
-                ("--max-model-len", max_model_len),
-                ("--max-num-seqs", config.max_num_seqs),
-                ("--max-num-batched-tokens", config.max_num_batched_tokens),
-                ("--gpu-memory-utilization", config.gpu_memory_utilization),
-                ("--kv-cache-memory-bytes", int(kv_gib * GIB) if kv_gib else None),
-                ("--block-size", config.block_size),
-                ("--quantization", config.quantization),
-                ("--kv-cache-dtype", config.kv_cache_dtype),
-                ("--dtype", config.dtype),
-                ("--enable-chunked-prefill", config.enable_chunked_prefill),
-                ("--enable-prefix-caching", config.enable_prefix_caching),
-                ("--trust-remote-code", config.trust_remote_code or None),
-            ]
-        )
+    def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
+        argv = [*_program(model, python), model.source]
+        argv += flag_args(_api_flags(config, model) + _model_flags(config, model) + _node_flags(config))
         argv += config.extra_args
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "auto"} if model.on_cpu else {}
         return LaunchSpec(
             argv=argv,
-            env=env,
-            ready_path="/v1/models",
+            env=_environment(config, model),
+            ready_path="/v1/models" if config.is_head else "",
             served_model_name=model.served_name,
-            base_url=f"http://{url_host(config.host)}:{config.port}/v1",
+            base_url=f"http://{url_host(config.host)}:{config.port}/v1" if config.is_head else "",
         )
 
     def phase_of(self, log_line: str) -> str | None:
         return next((phase for marker, phase in _PHASES if marker in log_line), None)
+
+
+def _program(model: ResolvedModel, python: str | None) -> list[str]:
+    """`vllm serve` as users type it (PYTHON None: a command for another machine); with a Python to run it under,
+    the `vllm` script beside it, or on the CPU build (whose script fails) our shim under that Python."""
+    if python is None:
+        return ["vllm", "serve"]
+    if model.on_cpu:
+        return [python, "-m", "deepserve.engines.vllm_cli", "serve"]
+    return [str(Path(python).parent / "vllm"), "serve"]
+
+
+def _api_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, object]]:
+    if not config.is_head:
+        return [("--headless", True)]  # no API server on this node: it runs its share of the model for node 0
+    return [("--served-model-name", model.served_name), ("--host", config.host), ("--port", config.port)]
+
+
+def _model_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, object]]:
+    max_model_len = config.max_model_len
+    if model.on_cpu and max_model_len is None:
+        max_model_len = CPU_DEFAULT_MAX_MODEL_LEN
+    kv_gib = config.kv_cache_memory_gib or (CPU_DEFAULT_KV_CACHE_GIB if model.on_cpu else None)
+    return [
+        ("--tensor-parallel-size", unless_one(config.tensor_parallel_size)),
+        ("--pipeline-parallel-size", unless_one(config.pipeline_parallel_size)),
+        ("--data-parallel-size", unless_one(config.data_parallel_size)),
+        ("--enable-expert-parallel", config.enable_expert_parallel or None),
+        ("--distributed-executor-backend", config.distributed_executor_backend),
+        ("--max-model-len", max_model_len),
+        ("--max-num-seqs", config.max_num_seqs),
+        ("--max-num-batched-tokens", config.max_num_batched_tokens),
+        ("--gpu-memory-utilization", _memory_utilization(config, model)),
+        ("--kv-cache-memory-bytes", int(kv_gib * GIB) if kv_gib else None),
+        ("--block-size", config.block_size),
+        ("--quantization", config.quantization),
+        ("--kv-cache-dtype", config.kv_cache_dtype),
+        ("--dtype", config.dtype),
+        ("--enable-chunked-prefill", config.enable_chunked_prefill),
+        ("--enable-prefix-caching", config.enable_prefix_caching),
+        ("--trust-remote-code", config.trust_remote_code or None),
+    ]
+
+
+def _node_flags(config: EngineConfig) -> list[tuple[str, object]]:
+    """How this node finds the others. Whole data-parallel replicas per node use vLLM's data-parallel flags (each
+    node runs its replicas, node 0 also the API); a replica spread over nodes (pipeline or tensor parallel across
+    them) uses --nnodes/--node-rank with the master's rendezvous address."""
+    if not config.is_multi_node:
+        return []
+    if replicas_per_node(config) is not None:
+        local = config.data_parallel_size_local or replicas_per_node(config)
+        return [
+            ("--data-parallel-size-local", local),
+            ("--data-parallel-address", config.data_parallel_address or config.master_addr),
+            ("--data-parallel-rpc-port", config.data_parallel_rpc_port),
+            ("--data-parallel-start-rank", None if config.is_head else config.node_rank * (local or 1)),
+        ]
+    return [
+        ("--nnodes", config.nnodes),
+        ("--node-rank", config.node_rank),
+        ("--master-addr", config.master_addr),
+        ("--master-port", config.master_port),
+    ]
+
+
+def replicas_per_node(config: EngineConfig) -> int | None:
+    """Data-parallel replicas on each node when whole replicas are spread over the nodes; None when a replica
+    itself spans nodes."""
+    dp, nodes = config.data_parallel_size, config.nnodes
+    if dp > 1 and dp % nodes == 0:
+        return dp // nodes
+    return None
+
+
+def _memory_utilization(config: EngineConfig, model: ResolvedModel) -> float | None:
+    if config.gpu_memory_utilization is not None or not model.on_cpu or not config.is_multi_node:
+        return config.gpu_memory_utilization
+    if nodes_share_this_host(config):
+        return round(CPU_SHARED_HOST_MEMORY_FRACTION / config.nnodes, 3)
+    return None
+
+
+def _environment(config: EngineConfig, model: ResolvedModel) -> dict[str, str]:
+    if not model.on_cpu:
+        return {}
+    # Nodes sharing one host would all pin their worker to core 0: give each node its own core.
+    per_node_workers = config.world_size // config.nnodes
+    if nodes_share_this_host(config) and per_node_workers == 1:
+        cores = os.cpu_count() or 1
+        return {"VLLM_CPU_OMP_THREADS_BIND": str(config.node_rank % cores)}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "auto"}

@@ -4,28 +4,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deepserve.config import EngineConfig
+from deepserve.config import EngineConfig, serve_command
 from deepserve.engines.base import ResolvedModel
 from deepserve.engines.registry import ENGINES
 
 if TYPE_CHECKING:
     from deepserve.plan.planner import Deployment, PlanConfig
 
-ENGINE_PYTHON = "python3"
+HEAD_NODE_ADDRESS = "HEAD_NODE_IP"  # a placeholder the user replaces with node 0's address
 
 
 def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> EngineConfig:
-    """The plan as an EngineConfig. SGLang counts data-parallel attention ranks inside its TP size (tp = all
-    GPUs of the stage, dp = attention replicas); vLLM counts TP per replica and DP separately."""
+    """The plan as an EngineConfig for ENGINE (each engine's launcher maps the layout to its own flags)."""
     layout = deployment.layout
-    tp = layout.tp * layout.dp if engine == "sglang" and layout.ep else layout.tp
     memory = deployment.memory
     seqs = deployment.running_cap // layout.pp if deployment.running_cap else None
     return EngineConfig.model_validate(
         {
-            "engine": "sglang" if engine == "sglang" else "vllm",
+            "engine": engine,
             "model": config.model,
-            "tensor_parallel_size": tp,
+            "tensor_parallel_size": layout.tp,
             "pipeline_parallel_size": layout.pp,
             "data_parallel_size": layout.dp,
             "enable_expert_parallel": layout.ep,
@@ -35,23 +33,25 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
             "quantization": deployment.fmt.vllm_quantization,
             "kv_cache_dtype": "fp8" if deployment.kv_dtype == "fp8" else None,
             "trust_remote_code": True,
-            "extra_args": _multi_node_args(deployment, engine),
+            "nnodes": deployment.nodes,
+            "master_addr": HEAD_NODE_ADDRESS if deployment.nodes > 1 else None,
         }
     )
-
-
-def _multi_node_args(deployment: Deployment, engine: str) -> list[str]:
-    """SGLang starts one process per node and needs to know which; vLLM's head process finds the others through a
-    Ray cluster started beforehand, so its command line is the same on one node or several."""
-    if engine != "sglang" or deployment.nodes == 1:
-        return []
-    return ["--nnodes", str(deployment.nodes), "--node-rank", "0", "--dist-init-addr", "HEAD_NODE_IP:5000"]
 
 
 def engine_commands(deployment: Deployment, config: PlanConfig) -> dict[str, str]:
     model = ResolvedModel(source=config.model, served_name=config.model, on_cpu=False)
     lines = {}
     for name, engine in ENGINES.items():
-        launch = engine.launch_spec(engine_config(deployment, config, name), model, ENGINE_PYTHON)
+        launch = engine.launch_spec(engine_config(deployment, config, name), model, None)
         lines[name] = launch.shell_line()
     return lines
+
+
+def serve_commands(deployment: Deployment, config: PlanConfig) -> tuple[str, ...]:
+    """The `deepserve serve` line for each node of the plan (vLLM), node 0 first: the same lines `serve --dry-run`
+    prints, so a plan can be pasted onto the nodes as it is."""
+    engine = engine_config(deployment, config, "vllm").model_copy(
+        update={"gpu_type": deployment.accelerator.name, "host": "0.0.0.0" if deployment.nodes > 1 else "127.0.0.1"}
+    )
+    return tuple(serve_command(engine.for_node(rank)) for rank in range(deployment.nodes))

@@ -28,7 +28,7 @@ class PlanConfig(Section):
     model: str = Field("deepseek-ai/DeepSeek-V3", description="preset name (`deepserve model list`) or model dir")
     gpu: str = Field("h100", description="GPU type from the catalog, case-insensitive (h100 = H100 SXM)")
     gpus: int = Field(8, ge=1, description="total GPUs (all nodes)")
-    nodes: int = Field(1, ge=1, description="nodes the GPUs are spread over")
+    nodes: int | None = Field(None, ge=1, description="nodes the GPUs are spread over (default: as few as hold them)")
     weights: str | None = Field(
         None, description="bf16, fp16, fp8, fp8-dynamic, awq-int4; None = the checkpoint's format"
     )
@@ -152,6 +152,7 @@ class Plan:
     max_concurrency_within_slo: int | None
     commands: dict[str, str]
     smallest_fitting_gpus: int | None = None  # when it does not fit: GPUs of this type (whole nodes) that would
+    serve_commands: tuple[str, ...] = ()  # `deepserve serve` on each node, node 0 first
 
     @property
     def fits(self) -> bool:
@@ -205,11 +206,12 @@ class Plan:
             "smallest_fitting_gpus": self.smallest_fitting_gpus,
             "mtp_params_not_loaded": d.spec.mtp_params(),
             "commands": self.commands,
+            "serve_commands": list(self.serve_commands),
         }
 
 
 def make_plan(config: PlanConfig) -> Plan:
-    from deepserve.plan.commands import engine_commands
+    from deepserve.plan.commands import engine_commands, serve_commands
 
     spec = load_spec(config.model)
     layout = _layout_from(config)
@@ -218,7 +220,7 @@ def make_plan(config: PlanConfig) -> Plan:
         spec,
         config.gpu,
         config.gpus,
-        nodes=config.nodes,
+        nodes=nodes_for(config),
         weights=config.weights,
         layout=layout,
         engine=config.engine,
@@ -241,11 +243,20 @@ def make_plan(config: PlanConfig) -> Plan:
         if config.slo_itl_ms is not None:
             within_slo = highest_concurrency_within(model, workload, cap, config.slo_itl_ms)
     commands = engine_commands(deployment, config)
+    serve_lines = serve_commands(deployment, config)
     smallest = None if deployment.memory.fits else smallest_fitting_gpus(config)
-    return Plan(config, deployment, selected, predictions, within_slo, commands, smallest)
+    return Plan(config, deployment, selected, predictions, within_slo, commands, smallest, serve_lines)
 
 
 MAX_NODES_SEARCHED = 8
+
+
+def nodes_for(config: PlanConfig) -> int:
+    """--nodes, or the fewest whole nodes that hold --gpus (16 H100s: two nodes of 8, as practitioners run it)."""
+    if config.nodes is not None:
+        return config.nodes
+    per_node = get_accelerator(config.gpu).devices_per_node
+    return max(-(-config.gpus // per_node), 1)
 
 
 def smallest_fitting_gpus(config: PlanConfig) -> int | None:
@@ -296,6 +307,6 @@ def _layout_from(config: PlanConfig) -> Layout | None:
     if config.tp is None and config.pp is None and config.dp == 1 and not config.ep:
         return None
     dp = config.dp
-    pp = config.pp or config.nodes
+    pp = config.pp or nodes_for(config)
     tp = config.tp or max(config.gpus // (pp * dp), 1)
     return Layout(tp=tp, pp=pp, dp=dp, ep=config.ep)

@@ -18,6 +18,11 @@ from deepserve.errors import ConfigError, unknown_name
 
 # Set by the tune for every point (a free loopback port), never by the user.
 TUNE_SETS = ("host", "port")
+# A tune starts each point on this machine alone: the fields of a deployment over several nodes do not apply.
+MULTI_NODE_FIELDS = (
+    "nnodes", "node_rank", "master_addr", "master_port", "join_port", "join_timeout_s", "data_parallel_size_local",
+    "data_parallel_address", "data_parallel_rpc_port",
+)  # fmt: skip
 DEFAULT_WORDS = ("default", "none", "null")  # a grid value that leaves an optional field to the engine's default
 
 
@@ -39,7 +44,7 @@ class TunePoint:
 
 
 def engine_fields() -> list[str]:
-    return [name for name in EngineConfig.model_fields if name not in TUNE_SETS]
+    return [name for name in EngineConfig.model_fields if name not in TUNE_SETS + MULTI_NODE_FIELDS]
 
 
 def parse_axis(text: str) -> GridAxis:
@@ -71,6 +76,8 @@ def parse_setting(text: str) -> tuple[str, Any]:
 def check_field(field: str, flag: str) -> None:
     if field in TUNE_SETS:
         raise ConfigError(f"{flag} {field}: the tune starts each engine on a free loopback port itself; leave it out")
+    if field in MULTI_NODE_FIELDS:
+        raise ConfigError(f"{flag} {field}: a tune runs every point on this machine alone, not over several nodes")
     if field not in EngineConfig.model_fields:
         raise ConfigError(unknown_name("engine-config field", field, engine_fields()))
 

@@ -76,6 +76,9 @@ def build_spec(request: TuneRequest) -> TuneSpec:
         else Forecast(fits=None, note="not planned: the engine refuses this config")
         for point in points
     ]
+    for point_id, plan in plans.items():  # the memory plan `serve` itself checks (this machine's GPUs or RAM)
+        if plan.fit is not None and plan.fit.fits is False:
+            refused[point_id] = f"cannot fit: {plan.fit.describe()}"
     planned = plan_order(points, forecasts, request.slos, request.prune_margin, refused)
     commands = {point_id: plan.launch.shell_line() for point_id, plan in plans.items()}
     planned = [PlannedPoint(p.point, p.forecast, p.skip_reason, commands.get(p.point.point_id)) for p in planned]

@@ -1,4 +1,5 @@
-"""A stand-in for `python -m vllm.entrypoints.openai.api_server`, for tune tests without vLLM: it reads the flags
+"""A stand-in for vLLM's server as deepserve's launcher starts it (`python -m deepserve.engines.vllm_cli serve MODEL
+…`, the CPU build's `vllm serve`), for tune tests without vLLM: it reads the flags
 deepserve's vLLM launcher writes, logs vLLM's start-up markers, then serves the benchmark's fake OpenAI server with
 --max-num-seqs as its running-batch cap (requests beyond it wait, as in vLLM's waiting queue). Like vLLM with
 chunked prefill off (its CPU build for MLA models), it refuses to start when --max-num-batched-tokens is below
@@ -22,7 +23,8 @@ ITL_S = 0.004
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("-m", dest="module", required=True)
-    parser.add_argument("--model", required=True)
+    parser.add_argument("words", nargs="*")  # serve MODEL
+    parser.add_argument("--model", default=None)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
@@ -30,8 +32,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     args, _ = parser.parse_known_args()
-    if args.module != "vllm.entrypoints.openai.api_server":
-        sys.exit(f"fake_vllm: unexpected module {args.module}")
+    if args.module != "deepserve.engines.vllm_cli" or args.words[:1] != ["serve"] or len(args.words) != 2:
+        sys.exit(f"fake_vllm: expected -m deepserve.engines.vllm_cli serve MODEL, got {sys.argv[1:]}")
+    args.model = args.words[1]
     print(f"INFO Resolved architecture: DeepseekV3ForCausalLM ({args.model})", flush=True)
     print("INFO Loading weights took 0.01 seconds", flush=True)
     tokens, context = args.max_num_batched_tokens, args.max_model_len

@@ -27,8 +27,8 @@ def test_serve_dry_run_prints_command_and_environment(
     assert main(["serve", "--dry-run", "--port", "8765", "--max-num-seqs", "16", "--", "--seed", "7"]) == 0
     out = capsys.readouterr().out
     assert "VLLM_CPU_OMP_THREADS_BIND=auto" in out
-    assert "-m vllm.entrypoints.openai.api_server" in out
-    engine_line = next(line for line in out.splitlines() if "vllm.entrypoints" in line)
+    assert "-m deepserve.engines.vllm_cli serve " in out  # `vllm serve` through the CPU build's shim
+    engine_line = next(line for line in out.splitlines() if "vllm_cli serve" in line)
     gateway_line = out.rstrip().splitlines()[-1]
     assert "--max-num-seqs 16" in engine_line and engine_line.endswith("--seed 7")
     assert "--port 8765" not in engine_line  # the engine hides behind the gateway on an internal port
@@ -39,7 +39,7 @@ def test_errors_are_one_line_with_exit_code_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(service, "has_gpu", lambda: False)
-    assert main(["serve", "--dry-run", "--tensor-parallel-size", "2"]) == 2
+    assert main(["serve", "--dry-run", "--data-parallel-size", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("deepserve: error: these flags need a GPU")
     assert "Traceback" not in err

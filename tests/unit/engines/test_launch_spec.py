@@ -37,7 +37,7 @@ def test_vllm_on_gpu_carries_every_tuned_flag() -> None:
         trust_remote_code=True,
         port=9000,
     )
-    assert argv[:5] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", GPU_MODEL.source]
+    assert argv[:3] == ["vllm", "serve", GPU_MODEL.source]  # the `vllm` script beside that Python
     expected = {
         "--tensor-parallel-size": "8",
         "--pipeline-parallel-size": "2",
@@ -88,9 +88,9 @@ def test_base_url_for_wildcard_and_ipv6_hosts() -> None:
 
 
 def test_sglang_maps_the_same_config_to_its_own_flags() -> None:
-    config = EngineConfig(
+    config = EngineConfig(  # DP attention over 8 GPUs: one GPU of TP per replica, as vLLM counts it
         engine="sglang",
-        tensor_parallel_size=8,
+        tensor_parallel_size=1,
         data_parallel_size=8,
         enable_expert_parallel=True,
         max_model_len=32768,
@@ -102,8 +102,9 @@ def test_sglang_maps_the_same_config_to_its_own_flags() -> None:
     )
     argv = get_engine("sglang").launch_spec(config, GPU_MODEL, "python").argv
     assert argv[:5] == ["python", "-m", "sglang.launch_server", "--model-path", GPU_MODEL.source]
-    assert flag_value(argv, "--tp-size") == "8"
+    assert flag_value(argv, "--tp-size") == "8"  # SGLang counts the DP-attention ranks inside its TP size
     assert flag_value(argv, "--dp-size") == "8"
+    assert flag_value(argv, "--ep-size") == "8"
     assert "--enable-dp-attention" in argv
     assert flag_value(argv, "--context-length") == "32768"
     assert flag_value(argv, "--max-running-requests") == "256"

@@ -147,8 +147,12 @@ def test_two_nodes_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan["layout"] == {"tp": 8, "pp": 2, "dp": 1, "ep": False}
     assert "--pipeline-parallel-size 2" in plan["commands"]["vllm"]
     assert "--nnodes 2" in plan["commands"]["sglang"] and "--pp-size 2" in plan["commands"]["sglang"]
-    _code, out, _ = run(capsys, "--gpu", "h100", "--gpus", "16", "--nodes", "2", "--weights", "fp8")
-    assert "Ray cluster" in out
+    assert "--nnodes 2 --node-rank 1 --master-addr HEAD_NODE_IP" in plan["serve_commands"][1]
+    _code, out, _ = run(capsys, "--gpu", "h100", "--gpus", "16", "--weights", "fp8")  # two nodes of 8 by default
+    assert "deepserve on 2 nodes" in out and "node 1: deepserve serve" in out
+    assert "$/1M out tok" not in out and "give --gpu-hour-usd" in out
+    _code, out, _ = run(capsys, "--gpu", "h100", "--gpus", "16", "--weights", "fp8", "--gpu-hour-usd", "2")
+    assert "$/1M out tok" in out
 
 
 def test_unknown_engine_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:

@@ -66,3 +66,11 @@ def test_dry_run_with_a_planner_gpu_predicts_and_prunes(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "quantization=default: skip, cannot fit" in err  # 671B parameters in FP8 on one H100
     assert "quantization=awq: skip, this machine cannot start it: these flags need a GPU" in err
+
+
+def test_a_point_the_memory_plan_refuses_is_skipped_before_anything_starts(tmp_path, model_dir, capsys):
+    args = tune(tmp_path, model_dir, "--grid", "kv_cache_memory_gib=1,100000", "--dry-run")
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "kv_cache_memory_gib=1: run" in err
+    assert "kv_cache_memory_gib=100000: skip, cannot fit: does not fit:" in err and "GB is available" in err

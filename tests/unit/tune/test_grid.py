@@ -88,3 +88,10 @@ def test_point_ids_are_readable_stable_and_distinct():
     assert one != point_id({"max_num_seqs": 16, "max_num_batched_tokens": 513})
     assert point_id({"max_num_seqs": None}).startswith("mnsdefault-")
     assert point_id({"max_num_seqs": None}) != point_id({"max_num_seqs": 256})
+
+
+def test_multi_node_fields_are_not_tuned():
+    with pytest.raises(ConfigError, match="on this machine alone"):
+        parse_axis("nnodes=1,2")
+    with pytest.raises(ConfigError, match="on this machine alone"):
+        parse_setting("master_addr=10.0.0.1")

@@ -1,0 +1,163 @@
+"""Will this engine config fit on these machines? `deepserve serve` asks the memory plan before it starts anything,
+so that a deployment that cannot fit fails in a second with the plan's numbers and the nearest layout that would,
+instead of after minutes of weight loading (or, on a CPU machine, not at all until the kernel kills it).
+
+GPUs: the planner's per-GPU memory plan (weights by component, activation reserve, KV cache) for the GPU type found
+by nvidia-smi or given with --gpu-type, the layout of the engine config, and the format its --quantization or
+checkpoint implies. CPU: the weights of the workers on this host, their KV caches and a per-process overhead
+against the RAM available now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepserve.config import EngineConfig
+from deepserve.errors import ConfigError, ModelError
+from deepserve.hardware.catalog import Accelerator, get_accelerator, match_device_name
+from deepserve.models.resolve import load_spec
+from deepserve.models.spec import ModelSpec
+from deepserve.plan.formats import FORMATS, WeightFormat, checkpoint_format, get_format
+from deepserve.plan.layout import Layout
+from deepserve.plan.memory import weights_per_gpu
+from deepserve.plan.planner import PlanConfig, build_deployment, smallest_fitting_gpus
+
+GB = 1e9
+GIB = 1024**3
+VLLM_DEFAULT_MEMORY_UTILIZATION = 0.9
+VLLM_DEFAULT_BATCHED_TOKENS = 8192
+CPU_DEFAULT_KV_CACHE_GIB = 1.0
+CPU_PROCESS_OVERHEAD_BYTES = 2 * GIB  # Python, torch and vLLM's own buffers in each engine process (measured ~1.8)
+
+
+@dataclass(frozen=True)
+class FitCheck:
+    fits: bool | None  # None: not checked (an unknown GPU, a model whose config.json is not here)
+    summary: str  # one line with the numbers
+    suggestion: str = ""  # the nearest deployment that would fit, when it does not
+
+    def describe(self) -> str:
+        return self.summary + (f"; {self.suggestion}" if self.suggestion else "")
+
+
+def check_gpu_fit(config: EngineConfig, model_source: str, accelerator: Accelerator | None) -> FitCheck:
+    spec = _spec_or_none(model_source)
+    if spec is None or accelerator is None:
+        return FitCheck(None, _unchecked(spec is None, "the GPU type is unknown (give --gpu-type)"))
+    fmt = weight_format(config, spec)
+    layout = _layout(config)
+    context = config.max_model_len or spec.max_position_embeddings
+    deployment = build_deployment(
+        spec,
+        accelerator.name,
+        layout.gpus,
+        nodes=config.nnodes,
+        weights=fmt.name if fmt.name in FORMATS else None,
+        layout=layout,
+        kv_dtype=config.kv_cache_dtype or "auto",
+        gpu_memory_utilization=config.gpu_memory_utilization or VLLM_DEFAULT_MEMORY_UTILIZATION,
+        max_model_len=context,
+        max_num_batched_tokens=config.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS,
+    )
+    memory = deployment.memory
+    where = f"{spec.name} ({fmt.name}) on {layout.gpus} x {accelerator.name}, {layout.describe()}"
+    numbers = (
+        f"weights {memory.weights_bytes_per_gpu / GB:.1f} GB + reserve {memory.reserve_bytes_per_gpu / GB:.1f} GB "
+        f"per GPU of a {memory.budget_bytes_per_gpu / GB:.1f} GB budget"
+    )
+    if memory.fits:
+        return FitCheck(True, f"{where}: fits; {numbers}, KV cache {memory.kv_cache_tokens:,} tokens")
+    if memory.kv_cache_bytes_per_gpu <= 0:
+        why = f"does not fit: {numbers}"
+    else:
+        why = (
+            f"the KV cache holds {memory.kv_cache_tokens:,} tokens, fewer than --max-model-len {context:,} "
+            f"({numbers}); lower --max-model-len to {memory.kv_cache_tokens:,} or less"
+        )
+    return FitCheck(False, f"{where}: {why}", _nearest_fit(config, spec, fmt, accelerator, context))
+
+
+def check_cpu_fit(config: EngineConfig, model_source: str, available_bytes: int, nodes_on_this_host: int) -> FitCheck:
+    spec = _spec_or_none(model_source)
+    if spec is None:
+        return FitCheck(None, _unchecked(True, ""))
+    fmt = weight_format(config, spec)
+    layout = _layout(config)
+    per_worker = sum(c.bytes_per_gpu for c in weights_per_gpu(spec, fmt, layout))
+    workers = layout.gpus // config.nnodes * nodes_on_this_host
+    kv_bytes = (config.kv_cache_memory_gib or CPU_DEFAULT_KV_CACHE_GIB) * GIB * workers
+    need = per_worker * workers + kv_bytes + CPU_PROCESS_OVERHEAD_BYTES * workers
+    numbers = (
+        f"{spec.name} ({fmt.name}) needs {need / GB:,.1f} GB of RAM on this host ({per_worker * workers / GB:,.1f} "
+        f"GB of weights, {kv_bytes / GB:.1f} GB of KV cache, {workers} engine process(es)); "
+        f"{available_bytes / GB:,.1f} GB is available"
+    )
+    if need <= available_bytes:
+        return FitCheck(True, "fits: " + numbers)
+    return FitCheck(
+        False,
+        "does not fit: " + numbers,
+        f"serve it on GPUs (`deepserve plan --model {model_source}` says how many), or spread it over more nodes",
+    )
+
+
+def weight_format(config: EngineConfig, spec: ModelSpec) -> WeightFormat:
+    """What the engine will load: the checkpoint's own format, or FP8 quantized at load for --quantization fp8 on
+    a 16-bit checkpoint (other --quantization values name the checkpoint's own method)."""
+    native = checkpoint_format(spec)
+    if config.quantization and config.quantization.lower() == "fp8" and not native.name.startswith("fp8"):
+        return get_format("fp8-dynamic")
+    return native
+
+
+def _nearest_fit(
+    config: EngineConfig, spec: ModelSpec, fmt: WeightFormat, accelerator: Accelerator, context: int
+) -> str:
+    plan = PlanConfig(
+        model=spec.name,
+        gpu=accelerator.name,
+        gpus=accelerator.devices_per_node,
+        weights=fmt.name if fmt.name in FORMATS else None,
+        kv_dtype=config.kv_cache_dtype or "auto",
+        max_model_len=context,
+        gpu_memory_utilization=config.gpu_memory_utilization or VLLM_DEFAULT_MEMORY_UTILIZATION,
+    )
+    try:
+        gpus = smallest_fitting_gpus(plan)
+    except (ConfigError, ModelError):
+        gpus = None
+    if gpus is None:
+        return f"no layout of up to 8 nodes of {accelerator.name} holds it at this context; lower --max-model-len"
+    nodes = max(gpus // accelerator.devices_per_node, 1)
+    layout = f"--tensor-parallel-size {gpus // nodes}"
+    if nodes > 1:
+        layout += f" --pipeline-parallel-size {nodes} --nnodes {nodes} --master-addr NODE0_ADDRESS"
+    return f"it fits on {gpus} x {accelerator.name} ({nodes} node(s)): {layout} (or pass --force to try anyway)"
+
+
+def _layout(config: EngineConfig) -> Layout:
+    return Layout(
+        tp=config.tensor_parallel_size,
+        pp=config.pipeline_parallel_size,
+        dp=config.data_parallel_size,
+        ep=config.enable_expert_parallel,
+    )
+
+
+def _spec_or_none(model_source: str) -> ModelSpec | None:
+    try:
+        return load_spec(model_source)
+    except ModelError:
+        return None  # a hub id that is not a preset: its config.json is not here, and we never download
+
+
+def _unchecked(no_spec: bool, other: str) -> str:
+    reason = "the model's config.json is not on this machine (a hub id we have no preset for)" if no_spec else other
+    return f"memory fit not checked: {reason}"
+
+
+def accelerator_for(gpu_type: str | None, reported_name: str | None) -> Accelerator | None:
+    """The catalog entry for --gpu-type, else for the name nvidia-smi reports; None when neither is known."""
+    if gpu_type:
+        return get_accelerator(gpu_type)
+    return match_device_name(reported_name) if reported_name else None

@@ -1,0 +1,102 @@
+"""The roll call between node 0 and the worker nodes, over real sockets on loopback."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from deepserve.config import EngineConfig
+from deepserve.engines.nodes import CheckIn, HeadStopped, RollCall
+from deepserve.errors import ConfigError, EngineError
+from deepserve.net import free_port
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Events cross threads and sockets: poll for them, failing only after a generous bound."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def node(rank: int, nnodes: int, port: int, **fields: object) -> EngineConfig:
+    return EngineConfig.model_validate(
+        {"nnodes": nnodes, "node_rank": rank, "master_addr": "127.0.0.1", "join_port": port, "join_timeout_s": 5}
+        | fields
+    )
+
+
+@pytest.fixture
+def head() -> Iterator[RollCall]:
+    roll = RollCall(node(0, 3, free_port(), pipeline_parallel_size=3), bind_host="127.0.0.1").start()
+    yield roll
+    roll.stop("test over")
+
+
+def join(head: RollCall, rank: int, **fields: object) -> CheckIn:
+    fields = {"pipeline_parallel_size": 3} | fields
+    check_in = CheckIn(node(rank, head.config.nnodes, head.port, **fields), host_name=f"host{rank}")
+    check_in.join()
+    return check_in
+
+
+def test_nodes_join_learn_readiness_and_follow_a_stop(head: RollCall) -> None:
+    assert head.missing() == [1, 2]
+    first = join(head, 1)
+    assert head.missing() == [2]
+    head.announce_ready("http://10.0.0.1:8000/v1")
+    wait_for(lambda: first.ready_url == "http://10.0.0.1:8000/v1")
+    late = join(head, 2)  # joining after the service is ready still learns where it is
+    wait_for(lambda: late.ready_url == "http://10.0.0.1:8000/v1")
+    assert head.missing() == []
+    head.stop("node 0 is stopping")
+    for check_in in (first, late):
+        wait_for(lambda check_in=check_in: check_in.stop_reason is not None)  # type: ignore[misc]
+        with pytest.raises(HeadStopped, match="node 0 stopped the service"):
+            check_in.raise_if_head_gone()
+    assert head.left == []  # a stop on purpose is not a node leaving
+
+
+def test_a_node_started_with_another_deployment_is_refused_with_the_difference(head: RollCall) -> None:
+    with pytest.raises(ConfigError, match="pipeline_parallel_size: node 0 has 3, this node 2"):
+        join(head, 1, pipeline_parallel_size=2)
+    assert head.missing() == [1, 2]
+
+
+def test_a_rank_taken_twice_is_refused(head: RollCall) -> None:
+    join(head, 1)
+    with pytest.raises(ConfigError, match="node rank 1 has already joined"):
+        join(head, 1)
+
+
+def test_a_worker_that_leaves_is_reported_by_node_zero(head: RollCall) -> None:
+    leaving = join(head, 1)
+    leaving.close()
+    wait_for(lambda: bool(head.left))
+    with pytest.raises(EngineError, match="node 1 left the deployment"):
+        head.raise_if_one_left()
+
+
+def test_a_worker_notices_node_zero_vanishing_without_a_stop() -> None:
+    port = free_port()
+    roll = RollCall(node(0, 2, port), bind_host="127.0.0.1").start()
+    worker = CheckIn(node(1, 2, port))
+    worker.join()
+    for member in list(roll.members.values()):  # a crash: the OS drops the connections, no STOP is sent
+        member.conn.shutdown(socket.SHUT_RDWR)
+    assert roll._server is not None
+    roll._server.close()
+    wait_for(lambda: worker.head_gone)
+    with pytest.raises(EngineError, match="went away"):
+        worker.raise_if_head_gone()
+
+
+def test_a_worker_gives_up_on_a_node_zero_that_never_answers() -> None:
+    config = node(1, 2, free_port(), join_timeout_s=0.5)
+    seen: list[str] = []
+    with pytest.raises(EngineError, match="did not answer within 0 s"):
+        CheckIn(config).join(lambda phase, _elapsed: seen.append(phase))
+    assert seen and "waiting for node 0 at 127.0.0.1" in seen[0]
