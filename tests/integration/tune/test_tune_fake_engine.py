@@ -155,3 +155,20 @@ def test_engine_dying_during_the_benchmark_is_a_failed_point_with_its_log(
     assert "exited with code -9" in str(failed.value)
     assert any("Application startup complete" in line for line in failed.value.log_tail)
     assert failed.value.log_path == tmp_path / "logs" / "dies.log"
+
+
+def test_the_concurrency_search_brackets_the_batch_cap(tmp_path: Path, fake_python: Path, model_dir: Path) -> None:
+    """Batches of 2 requests of about 80 ms: the P99 TTFT at concurrency c is about (c/2 - 1) x 80 ms, so a 400 ms
+    SLO holds up to about 10 (timing noise on a shared machine moves the edge, not the bracket's order)."""
+    args = tune_args(fake_python, model_dir, tmp_path / "tune", tmp_path / "results.db")
+    args[args.index("max_num_seqs=2,16")] = "max_num_seqs=2"
+    args[args.index("max_num_batched_tokens=128,512")] = "max_num_batched_tokens=512"
+    assert main([*args, "--find-max-concurrency", "--search-steps", "4", "--no-report"]) == 0
+    index = read_index(tmp_path / "tune")
+    assert index is not None
+    result = json.loads((tmp_path / "tune" / (index.points[0].result_file or "")).read_text())
+    search = result["tune"]["search"]
+    loads = [probe["load"] for probe in search["probes"]]
+    assert loads[0] == 16 and len(loads) <= 1 + 4  # the point's own run, then at most 4 more
+    assert search["max_load"] is not None and 4 <= search["max_load"] < search["missed_above"] <= 16
+    assert index.metadata["best"]["judged_at"].startswith(f"{search['max_load']:g} concurrent requests")
