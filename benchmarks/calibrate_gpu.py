@@ -1,23 +1,27 @@
-"""Calibrate the planner on a real GPU: PyTorch microbenchmarks of DeepSeek-V3's layer shapes at TP=8 shard sizes.
+"""Calibrate the planner on a real GPU: PyTorch microbenchmarks of each kind of work the step model uses
+(plan/perf.py), at DeepSeek-V3's TP=8 shard shapes.
 
     python benchmarks/calibrate_gpu.py --out benchmarks/results/calibration_h100.json
     deepserve plan --gpu h100 ... --calibration benchmarks/results/calibration_h100.json
 
-Three families, each timed with CUDA events (median of N runs after warm-up) and compared with the planner's
-roofline for the same bytes and FLOPs on the catalog entry of the device:
+Each case is timed with CUDA events (median of N runs after warm-up) and compared with the device's datasheet
+figures from the catalog:
 
-- MLA decode attention over a latent cache: 16 heads per rank (128 / TP 8) attend over [batch, context, 576]
-  latent vectors (absorbed form: scores against all 576 values, output from the first 512);
-- MoE expert GEMMs: one MoE layer's 256 experts split 8 ways (gate+up 7168 -> 512, down 256 -> 7168), a batch of
-  tokens routed top-8 uniformly at random, the touched experts run as one batched matmul (the shape of a fused MoE
-  kernel: each touched expert's weights read once);
-- dense GEMMs of the attention projections, the dense MLP and the output head at their TP=8 shard shapes, in BF16
-  and, where torch._scaled_mm runs (Hopper and newer), FP8.
+- dense_gemm: the attention projections, the dense MLP and the output head at their shard shapes, in BF16 and,
+  where torch._scaled_mm runs (Ada, Hopper and newer), FP8 with per-tensor scales;
+- moe_gemm: one MoE layer's 256 experts split 8 ways (gate+up 7168 -> 512, down 256 -> 7168), a batch of tokens
+  routed top-8 uniformly at random, the touched experts run as one batched matmul (each touched expert's weights
+  read once, as in a fused MoE kernel); BF16;
+- mla_decode: 16 heads per rank attend over [batch, context, 576] latent vectors (absorbed form);
+- mla_prefill: causal attention in MLA's decompressed form (query/key 192, value 128 per head, 16 heads per rank)
+  through torch's scaled_dot_product_attention, at 2K-8K tokens.
 
-The JSON it writes has every measurement and a `planner` block: memory_efficiency (median achieved fraction of
-datasheet bandwidth of the weight- and cache-streaming cases) and compute_efficiency (median achieved fraction of
-dense peak of the large GEMMs in the planner's compute dtype). `--smoke` shrinks every shape for a CPU run that only
-checks this script works; its file is marked and the planner refuses it.
+The JSON has every measurement and, under `planner.kinds`, the fields data/kernels.json has per kind and weight
+family (memory_efficiency, compute_efficiency, floor_us), which `deepserve plan --calibration FILE` uses in place of
+the table's: memory efficiency from the streaming cases (small batches), compute efficiency from the largest, and
+for moe_gemm the floor as the intercept of time against bytes over the small batches. All-reduce bandwidth is not
+measured here (it needs several GPUs: run nccl-tests' all_reduce_perf). `--smoke` shrinks every shape for a CPU
+run that only checks the script works; its file is marked and the planner refuses it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 
 from deepserve.hardware.catalog import Accelerator, get_accelerator, match_device_name
 from deepserve.models import load_spec
+from deepserve.plan.calibration import CALIBRATION_FORMAT
 
 TP = 8
 
@@ -141,9 +146,30 @@ class Calibration:
                 self.record("mla_decode", f"batch {batch} context {context}", "bf16", seconds, bytes_moved, flops)
                 del cache, query
 
+    # ---- MLA prefill attention ------------------------------------------------------------------------------
+
+    def mla_prefill(self, lengths: tuple[int, ...]) -> None:
+        spec = self.spec
+        heads = self.dim(spec.num_attention_heads // TP)
+        qk = self.dim(spec.qk_nope_head_dim + spec.qk_rope_head_dim)
+        v = self.dim(spec.v_head_dim)
+        for length in lengths:
+            q = torch.randn(1, heads, length, qk, device=self.device, dtype=torch.bfloat16)
+            k = torch.randn(1, heads, length, qk, device=self.device, dtype=torch.bfloat16)
+            value = torch.randn(1, heads, length, v, device=self.device, dtype=torch.bfloat16)
+
+            def attend(q: torch.Tensor = q, k: torch.Tensor = k, value: torch.Tensor = value) -> None:
+                torch.nn.functional.scaled_dot_product_attention(q, k, value, is_causal=True)
+
+            seconds = self.timer.median_s(attend)
+            flops = 2 * heads * (qk + v) * length * length / 2  # causal: half the score matrix
+            bytes_moved = (q.numel() + k.numel() + 2 * value.numel()) * 2
+            self.record("mla_prefill", f"{length} tokens", "bf16", seconds, bytes_moved, flops)
+            del q, k, value
+
     # ---- MoE experts ----------------------------------------------------------------------------------------
 
-    def moe_experts(self, batches: tuple[int, ...]) -> None:
+    def moe_gemm(self, batches: tuple[int, ...]) -> None:
         spec = self.spec
         experts, top_k = spec.n_routed_experts, spec.num_experts_per_tok
         hidden, inter = self.dim(spec.hidden_size), self.dim(spec.moe_intermediate_size // TP)
@@ -168,7 +194,7 @@ class Calibration:
             weights = touched * (hidden * 2 * inter + inter * hidden) * 2
             flops = 2 * batch * top_k * (hidden * 2 * inter + inter * hidden)
             case = f"batch {batch} ({touched} experts touched)"
-            self.record("moe_experts", case, "bf16", seconds, weights, flops)
+            self.record("moe_gemm", case, "bf16", seconds, weights, flops)
 
     # ---- dense GEMMs ----------------------------------------------------------------------------------------
 
@@ -216,32 +242,68 @@ class Calibration:
 
     # ---- summary --------------------------------------------------------------------------------------------
 
-    def planner_block(self, compute_dtype: str) -> dict[str, Any]:
-        """The two kernel efficiencies the planner uses. Streaming cases: MoE at batch <= 8, dense GEMMs at m=1,
-        MLA decode at the longest context. Compute cases: dense GEMMs with the most rows, in COMPUTE_DTYPE when it
-        was measured (else BF16)."""
-        streaming = [
-            m.bandwidth_fraction
-            for m in self.results
-            if (m.family == "moe_experts" and int(m.case.split()[1]) <= 8)
-            or (m.family == "dense_gemm" and m.case.endswith(" m=1") and m.dtype == "bf16")
-            or (m.family == "mla_decode" and m.case.endswith(f"context {max(self.contexts)}"))
-        ]
-        dtypes = {m.dtype for m in self.results if m.family == "dense_gemm"}
-        dtype = compute_dtype if compute_dtype in dtypes else "bf16"
-        largest = max(int(m.case.rsplit("=", 1)[1]) for m in self.results if m.family == "dense_gemm")
-        compute = [
-            m.compute_fraction
-            for m in self.results
-            if m.family == "dense_gemm" and m.dtype == dtype and m.case.endswith(f"m={largest}")
-        ]
-        return {
-            "memory_efficiency": round(statistics.median(streaming), 4),
-            "compute_efficiency": round(statistics.median(compute), 4),
-            "compute_dtype": dtype,
-            "memory_cases": len(streaming),
-            "compute_cases": len(compute),
-        }
+    def planner_block(self) -> dict[str, Any]:
+        """Per kind and weight family, what data/kernels.json holds: the streaming cases' median bandwidth
+        fraction, the largest cases' median compute fraction, and (moe_gemm) the fixed time of one call."""
+        kinds: dict[str, dict[str, dict[str, float]]] = {}
+        for dtype, family in (("bf16", "16bit"), ("fp8", "fp8")):
+            dense = [m for m in self.results if m.family == "dense_gemm" and m.dtype == dtype]
+            if dense:
+                largest = max(_rows(m) for m in dense)
+                kinds.setdefault("dense_gemm", {})[family] = _figures(
+                    [m for m in dense if _rows(m) == 1], [m for m in dense if _rows(m) == largest]
+                )
+        moe = [m for m in self.results if m.family == "moe_gemm"]
+        if moe:
+            small = [m for m in moe if _rows(m) <= 32]
+            floor_us, bandwidth = _intercept(small)
+            figures = _figures(small, [max(moe, key=_rows)])
+            figures["floor_us"] = round(floor_us, 2)
+            if bandwidth:
+                figures["memory_efficiency"] = round(min(bandwidth / (self.acc.memory_bandwidth_gb_s * 1e9), 1.0), 4)
+            kinds["moe_gemm"] = {"16bit": figures}
+        decode = [m for m in self.results if m.family == "mla_decode"]
+        if decode:
+            longest = [m for m in decode if m.case.endswith(f"context {max(self.contexts)}")]
+            kinds["mla_decode"] = {"any": _figures(longest, [max(decode, key=lambda m: m.flops)])}
+        prefill = [m for m in self.results if m.family == "mla_prefill"]
+        if prefill:
+            kinds["mla_prefill"] = {"any": _figures(prefill, prefill, memory=False)}
+        return {"kinds": kinds}
+
+
+def _rows(m: Measurement) -> int:
+    """The batch (rows, tokens) of a dense or MoE case: `... m=128` or `batch 8 (...)`."""
+    if "m=" in m.case:
+        return int(m.case.rsplit("=", 1)[1])
+    return int(m.case.split()[1])
+
+
+def _figures(streaming: list[Measurement], compute: list[Measurement], memory: bool = True) -> dict[str, float]:
+    return {
+        "memory_efficiency": round(min(statistics.median(m.bandwidth_fraction for m in streaming), 1.0), 4)
+        if memory
+        else 0.9,  # prefill attention is compute-bound; the table's value for its (small) cache reads
+        "compute_efficiency": round(min(statistics.median(m.compute_fraction for m in compute), 1.0), 4),
+        "floor_us": 0.0,
+    }
+
+
+def _intercept(cases: list[Measurement]) -> tuple[float, float]:
+    """Least-squares line seconds = floor + bytes / bandwidth over CASES: (floor in us, bandwidth in B/s; 0 when
+    the cases cannot tell)."""
+    if len(cases) < 2:
+        return 0.0, 0.0
+    xs = [m.bytes_moved for m in cases]
+    ys = [m.seconds for m in cases]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread == 0:
+        return 0.0, 0.0
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+    if slope <= 0:
+        return 0.0, 0.0
+    return max(mean_y - slope * mean_x, 0.0) * 1e6, 1 / slope
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,7 +315,6 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="tiny shapes, few runs: checks the script, measures nothing"
     )
     parser.add_argument("--iterations", type=int, default=20, help="timed runs per case (median is kept)")
-    parser.add_argument("--compute-dtype", default="fp8", help="the planner's compute dtype to report (fp8, bf16)")
     args = parser.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -270,16 +331,19 @@ def main(argv: list[str] | None = None) -> int:
 
     batches = (1, 8) if args.smoke else (1, 8, 32, 128)
     calibration.mla_decode(batches, calibration.contexts)
-    calibration.moe_experts((1, 8, 64) if args.smoke else (1, 8, 32, 128, 512))
+    calibration.mla_prefill((64, 128) if args.smoke else (2048, 4096, 8192))
+    calibration.moe_gemm((1, 8, 64) if args.smoke else (1, 8, 16, 32, 128, 512))
     calibration.dense_gemms((1, 64) if args.smoke else (1, 16, 128, 1024, 4096, 8192))
 
     result = {
+        "format": CALIBRATION_FORMAT,
         "device": reported,
         "catalog_entry": acc.name,
+        "hardware_class": acc.hardware_class,
         "torch": torch.__version__,
         "smoke": args.smoke,
         "tensor_parallel_shard": TP,
-        "planner": calibration.planner_block(args.compute_dtype),
+        "planner": calibration.planner_block(),
         "measurements": [
             {**asdict(m), "measured_over_roofline": round(m.measured_over_roofline, 4)} for m in calibration.results
         ],

@@ -8,6 +8,13 @@ load generator (aiohttp on uvloop). On a small shared machine all of them compet
 
     .venv/bin/python benchmarks/gateway_overhead.py                  # the table in docs/PERFORMANCE.md
     .venv/bin/python benchmarks/gateway_overhead.py --no-litellm     # without the peer
+
+`--lockstep` makes the fake emit tokens the way vLLM does: one engine step every --itl-ms, in which every running
+stream gets its next token (bursts), instead of each stream on its own timer (staggered). `--redis` adds two paths:
+the gateway with its limits in Redis (`--redis-url`, a redis-server this benchmark starts on loopback) and
+`--workers 2` with Redis. Every deepserve path sends a key with (generous) rpm, tpm and concurrency limits, so that
+the whole admission path runs; `--latency-requests N` times N sequential non-streamed requests per path, which shows
+what the Redis round trips add to each request.
 """
 
 from __future__ import annotations
@@ -15,9 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import gc
 import json
 import os
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +58,7 @@ class Server:
     url: str  # base URL ending in /v1
     process: subprocess.Popen[str]
     output: list[str] = field(default_factory=list)
+    api_key: str = "sk-bench-master-key"  # what the load generator sends (LiteLLM's master key by default)
 
     def cpu_s(self) -> float:
         """CPU seconds used so far by the server and its children."""
@@ -110,21 +121,56 @@ def _answers(url: str) -> bool:
         return False
 
 
-def start_fake(itl_ms: float) -> Server:
+def start_fake(itl_ms: float, ttft_ms: float = 0.0, lockstep: bool = False) -> Server:
     port = free_port()
-    argv = [sys.executable, "-m", "deepserve.gateway.fake_upstream", "--port", str(port), "--itl-ms", str(itl_ms)]
+    argv = [sys.executable, "-m", "deepserve.gateway.fake_upstream", "--port", str(port), "--itl-ms", str(itl_ms),
+            "--ttft-ms", str(ttft_ms)] + (["--lockstep"] if lockstep else [])  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     return start_server("fake upstream", argv, "FAKE READY", url + "/v1", url + "/health", 30)
 
 
-def start_gateway(upstream: str) -> Server:
+def start_gateway(upstream: str, api_key: str, **fields: object) -> Server:
     port = free_port()
     config = GatewayConfig.model_validate(
-        {"upstream": [upstream], "port": port, "max_concurrency": 8192, "max_queue": 8192}
+        {"upstream": [upstream], "port": port, "max_concurrency": 8192, "max_queue": 8192, **fields}
     )
     url = f"http://127.0.0.1:{port}"
-    return start_server("deepserve gateway", gateway_argv(config, sys.executable), "GATEWAY READY", url + "/v1",
-                        url + "/ready", 60)  # fmt: skip
+    server = start_server("deepserve gateway", gateway_argv(config, sys.executable), "GATEWAY READY", url + "/v1",
+                          url + "/ready", 90)  # fmt: skip
+    server.api_key = api_key
+    return server
+
+
+def bench_key() -> str:
+    """A key whose limits every request passes but which makes the gateway run its whole admission path."""
+    from deepserve.gateway.keys import KeyStore
+    from deepserve.gateway.limits import KeyLimits
+
+    store = KeyStore()
+    try:
+        _, secret = store.create("bench", KeyLimits(rpm=10**9, tpm=10**12, max_concurrency=10**6))
+    finally:
+        store.close()
+    return secret
+
+
+def start_redis() -> Server:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (Debian: apt-get install -y redis-server)")
+    port = free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = Server("redis", f"redis://127.0.0.1:{port}/0", process)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            if sock.recv(16).startswith(b"+PONG"):
+                return server
+        time.sleep(0.05)
+    server.stop()
+    raise RuntimeError("redis-server did not answer PING")
 
 
 def ensure_litellm() -> Path | None:
@@ -181,15 +227,16 @@ class StreamResult:
         return self.error is None
 
 
-HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench-master-key"}
+def headers_for(api_key: str) -> dict[str, str]:
+    return {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes) -> StreamResult:
+async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> StreamResult:
     started = time.perf_counter()
     first = last = 0.0
     events = 0
     try:
-        async with session.post(url, data=body, headers=HEADERS) as response:
+        async with session.post(url, data=body, headers=headers) as response:
             if response.status != 200:
                 detail = (await response.read())[:120].decode(errors="replace")
                 return StreamResult(0.0, None, f"HTTP {response.status}: {detail}")
@@ -212,7 +259,9 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes) -> S
     return StreamResult(first - started, itl, None if tokens > 0 else "no tokens")
 
 
-async def stream_load(url: str, concurrency: int, rounds: int, tokens: int, stream_s: float) -> list[StreamResult]:
+async def stream_load(
+    url: str, concurrency: int, rounds: int, tokens: int, stream_s: float, api_key: str
+) -> list[StreamResult]:
     """CONCURRENCY streams at all times, ROUNDS each; the first round (connection set-up) is not counted. Workers
     start spread over one stream's duration (STREAM_S), so that arrivals are steady rather than one burst."""
     body = json.dumps(
@@ -226,7 +275,7 @@ async def stream_load(url: str, concurrency: int, rounds: int, tokens: int, stre
         async def worker(offset_s: float) -> None:
             await asyncio.sleep(offset_s)
             for round_index in range(rounds):
-                result = await one_stream(session, url + "/chat/completions", body)
+                result = await one_stream(session, url + "/chat/completions", body, headers_for(api_key))
                 if round_index:
                     results.append(result)
 
@@ -235,14 +284,21 @@ async def stream_load(url: str, concurrency: int, rounds: int, tokens: int, stre
 
 
 async def request_rate(
-    url: str, concurrency: int, duration_s: float, warm_s: float = 2.0, cpu_s: Callable[[], float] = lambda: 0.0
+    url: str,
+    concurrency: int,
+    duration_s: float,
+    warm_s: float = 2.0,
+    cpu_s: Callable[[], float] = lambda: 0.0,
+    api_key: str = "sk-bench-master-key",
 ) -> tuple[float, int, float]:
     """Non-streamed 1-token requests, CONCURRENCY at a time: completions that END inside a window of DURATION_S
     (after WARM_S) per second, so that slow servers are measured fairly. Returns (requests/s, failures in the
     window, CPU µs the server (CPU_S) used per request completed in the window). Requests still in flight at the
     end are abandoned."""
     body = json.dumps({"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    headers = headers_for(api_key)
     done = failed = 0
+    reasons: collections.Counter[str] = collections.Counter()
     connector = aiohttp.TCPConnector(limit=concurrency)
     window_start = time.perf_counter() + warm_s
     window_end = window_start + duration_s
@@ -251,15 +307,19 @@ async def request_rate(
         async def worker() -> None:
             nonlocal done, failed
             while time.perf_counter() < window_end:
+                reason = None
                 try:
-                    async with session.post(url + "/completions", data=body, headers=HEADERS) as response:
-                        await response.read()
-                        ok = response.status == 200
-                except aiohttp.ClientError:
-                    ok = False
+                    async with session.post(url + "/completions", data=body, headers=headers) as response:
+                        answer = await response.read()
+                        if response.status != 200:
+                            reason = f"HTTP {response.status}: {answer[:160].decode(errors='replace')}"
+                except aiohttp.ClientError as exc:
+                    reason = f"{type(exc).__name__}: {exc}"
                 if window_start <= time.perf_counter() < window_end:
-                    done += ok
-                    failed += not ok
+                    done += reason is None
+                    failed += reason is not None
+                    if reason is not None:
+                        reasons[reason] += 1
 
         workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
         await asyncio.sleep(window_start - time.perf_counter())
@@ -269,7 +329,23 @@ async def request_rate(
         for task in workers:
             task.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
+    for reason, count in reasons.most_common(3):
+        print(f"        {count} failed: {reason}", flush=True)
     return done / duration_s, failed, cpu_us
+
+
+async def request_latencies(url: str, requests: int, api_key: str) -> list[float]:
+    """REQUESTS non-streamed 1-token requests one after the other on one connection: each one's latency in ms."""
+    body = json.dumps({"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    latencies: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+        for _ in range(requests):
+            started = time.perf_counter()
+            async with session.post(url + "/completions", data=body, headers=headers_for(api_key)) as response:
+                await response.read()
+                if response.status == 200:
+                    latencies.append((time.perf_counter() - started) * 1000)
+    return latencies
 
 
 # ---- metrics and table --------------------------------------------------------------------------------------------
@@ -319,6 +395,11 @@ def main() -> int:
     parser.add_argument("--rate-duration-s", type=float, default=8.0)
     parser.add_argument("--litellm-max-streams", type=int, default=64, help="LiteLLM only up to this concurrency")
     parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument("--lockstep", action="store_true", help="the fake emits every stream's token in one step")
+    parser.add_argument("--ttft-ms", type=float, default=0.0, help="the fake upstream's time to first token")
+    parser.add_argument("--redis", action="store_true", help="add the gateway with Redis limits and --workers 2")
+    parser.add_argument("--latency-requests", type=int, default=0, help="sequential requests per path, timed")
+    parser.add_argument("--no-rate", action="store_true", help="skip the requests/s measurement")
     args = parser.parse_args()
     try:
         import uvloop
@@ -333,13 +414,23 @@ def main() -> int:
 
 async def _run(args: argparse.Namespace, workdir: Path) -> int:
     print(f"machine: {os.cpu_count()} CPUs (shared); every server is one process on loopback", flush=True)
-    fake = start_fake(args.itl_ms)
+    fake = start_fake(args.itl_ms, args.ttft_ms, args.lockstep)
     servers = [fake]
     try:
         targets = {"direct": fake}
-        gateway = start_gateway(fake.url)
+        key = bench_key()
+        gateway = start_gateway(fake.url, key)
         servers.append(gateway)
         targets["gateway"] = gateway
+        if args.redis:
+            redis = start_redis()
+            servers.append(redis)
+            shared = start_gateway(fake.url, key, redis_url=redis.url)
+            servers.append(shared)
+            targets["gw+redis"] = shared
+            workers = start_gateway(fake.url, key, redis_url=redis.url, workers=2)
+            servers.append(workers)
+            targets["workers=2"] = workers
         binary = None if args.no_litellm else ensure_litellm()
         if binary is not None:
             try:
@@ -360,9 +451,9 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
     """Each path in turn under the same load. For the proxies, also the CPU the proxy process itself used per
     request: unlike latency, that does not depend on what else the shared cores are doing."""
     rows: dict[str, object] = {}
-    stream_s = args.tokens * args.itl_ms / 1000
+    stream_s = (args.ttft_ms + args.tokens * args.itl_ms) / 1000
     for server in targets.values():  # warm every path (imports, connection pools, caches) before anything counts
-        await request_rate(server.url, 16, 1.0, warm_s=0.0)
+        await request_rate(server.url, 16, 1.0, warm_s=0.0, api_key=server.api_key)
     # The load generator's own long-lived objects out of the collector's reach: its full collections would pause
     # the timing of whichever path runs at that moment (the gateway does the same in its own process)
     gc.collect()
@@ -372,14 +463,14 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
         results: dict[str, list[StreamResult]] = {name: [] for name in names}
         by_repeat: dict[str, list[StreamSummary]] = {name: [] for name in names}
         for name in names:  # not counted: the first run at a new concurrency (pools and buffers growing) was slower
-            await stream_load(targets[name].url, concurrency, 2, args.tokens, stream_s)
+            await stream_load(targets[name].url, concurrency, 2, args.tokens, stream_s, targets[name].api_key)
         cpu_s: dict[str, float] = dict.fromkeys(names, 0.0)
         for repeat in range(args.repeats):
             # alternate the order (A B, B A, …) so that a change in the machine's load hits every path alike
             for name in names if repeat % 2 == 0 else names[::-1]:
                 server = targets[name]
                 started, cpu_before = time.perf_counter(), server.cpu_s()
-                batch = await stream_load(server.url, concurrency, args.rounds, args.tokens, stream_s)
+                batch = await stream_load(server.url, concurrency, args.rounds, args.tokens, stream_s, server.api_key)
                 cpu_s[name] += (server.cpu_s() - cpu_before) * (args.rounds - 1) / args.rounds
                 results[name] += batch
                 one, elapsed_s = summarise(batch), time.perf_counter() - started
@@ -394,9 +485,18 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
             summary.proxy_cpu_ms_per_stream = cpu_s[name] * 1000 / max(1, len(results[name]))
             summary.repeats = by_repeat[name]
             rows[f"stream/{concurrency}/{name}"] = summary
+    if args.latency_requests:
+        latencies: dict[str, list[float]] = {name: [] for name in targets if name != "litellm"}
+        for repeat in range(4):  # alternating order, as for the streams
+            for name in list(latencies) if repeat % 2 == 0 else list(latencies)[::-1]:
+                server = targets[name]
+                latencies[name] += await request_latencies(server.url, args.latency_requests // 4, server.api_key)
+        rows["latency"] = latencies
     for name, server in targets.items():
+        if args.no_rate:
+            break
         rate, failed, cpu_us = await request_rate(
-            server.url, args.rate_concurrency, args.rate_duration_s, cpu_s=server.cpu_s
+            server.url, args.rate_concurrency, args.rate_duration_s, cpu_s=server.cpu_s, api_key=server.api_key
         )
         rows[f"rate/{name}"] = (rate, failed, cpu_us)
         print(f"  requests/s via {name:<8} {rate:,.0f} ({failed} failed), {cpu_us:,.0f} µs CPU per request "
@@ -413,16 +513,21 @@ def _spread_row(concurrency: int, name: str, summary: StreamSummary, direct: Str
             f"{' / '.join(f'{v:+.2f}' for v in p99s)} | {min(p99s):+.2f} … {max(p99s):+.2f} |")  # fmt: skip
 
 
+PATHS = ("direct", "gateway", "gw+redis", "workers=2", "litellm")
+
+
 def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
     print()
-    print(f"Streams of {args.tokens} tokens, fake upstream ITL {args.itl_ms:g} ms; added = via − direct, same run")
+    mode = "lockstep (one engine step for all streams)" if args.lockstep else "staggered"
+    print(f"Streams of {args.tokens} tokens, fake upstream TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms, {mode}; "
+          "added = via − direct, same run")  # fmt: skip
     print("| streams | path | TTFT p50 ms | TTFT p99 ms | ITL mean ms | added TTFT p50 ms | added TTFT p99 ms "
           "| added ITL ms | server CPU ms/stream | failed |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     spreads = []
     for concurrency in args.concurrency:
         direct = rows.get(f"stream/{concurrency}/direct")
-        for name in ("direct", "gateway", "litellm"):
+        for name in PATHS:
             summary = rows.get(f"stream/{concurrency}/{name}")
             if not isinstance(summary, StreamSummary) or not isinstance(direct, StreamSummary):
                 continue
@@ -442,6 +547,24 @@ def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
     print("|---|---|---|---|---|")
     for row in spreads:
         print(row)
+    latency = rows.get("latency")
+    if isinstance(latency, dict):
+        print()
+        print("Non-streamed 1-token completions one after the other on one connection: latency per request")
+        print("| path | requests | p50 ms | p99 ms | p50 − direct ms | p50 − gateway ms | p99 − gateway ms |")
+        print("|---|---|---|---|---|---|---|")
+        direct_p50 = percentile(latency.get("direct") or [], 50)
+        base = latency.get("gateway") or []
+        for name, values in latency.items():
+            p50, p99 = percentile(values, 50), percentile(values, 99)
+            versus_gateway = (
+                f"{p50 - percentile(base, 50):+.3f} | {p99 - percentile(base, 99):+.3f}"
+                if name not in ("direct", "gateway") else "– | –"
+            )  # fmt: skip
+            versus_direct = f"{p50 - direct_p50:+.3f}" if name != "direct" else "–"
+            print(f"| {name} | {len(values)} | {p50:.3f} | {p99:.3f} | {versus_direct} | {versus_gateway} |")
+    if args.no_rate:
+        return
     print()
     print(f"Non-streamed 1-token completions, {args.rate_concurrency} concurrent, {args.rate_duration_s:g} s")
     print(
@@ -449,7 +572,7 @@ def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
     )
     print("|---|---|---|---|---|---|---|")
     litellm = rows.get("rate/litellm")
-    for name in ("direct", "gateway", "litellm"):
+    for name in PATHS:
         value = rows.get(f"rate/{name}")
         if not isinstance(value, tuple):
             continue

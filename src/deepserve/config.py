@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from deepserve.errors import ConfigError
+from deepserve.errors import ConfigError, unknown_name
 
 ENV_PREFIX = "DEEPSERVE_"
 
@@ -32,7 +32,6 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-EngineName = Literal["vllm", "sglang"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 DistributedBackend = Literal["mp", "ray"]
 JOIN_PORT_OFFSET = 100  # default join port: master port + 100, clear of the ports vLLM takes near the master port
@@ -41,7 +40,7 @@ JOIN_PORT_OFFSET = 100  # default join port: master port + 100, clear of the por
 class EngineConfig(Section):
     """How the inference engine is launched: the flags the seeds tune, in one place."""
 
-    engine: EngineName = Field("vllm", description="inference engine to launch")
+    engine: str = Field("vllm", description="inference engine to launch (a name in deepserve.engines.registry)")
     model: str | None = Field(
         None, description="preset name, Hugging Face id or local path (default: the tiny model on CPU)"
     )
@@ -95,6 +94,15 @@ class EngineConfig(Section):
     )
     extra_args: list[str] = Field(default_factory=list, description="passed to the engine unchanged (after --)")
     startup_timeout_s: float = Field(1800.0, gt=0, description="give up if the engine is not ready by then")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        from deepserve.engines.registry import ENGINES  # the registry imports this module: look it up late
+
+        if name not in ENGINES:
+            raise ValueError(unknown_name("engine", name, sorted(ENGINES)))
+        return name
 
     @model_validator(mode="after")
     def _check_nodes(self) -> EngineConfig:

@@ -17,6 +17,7 @@ from types import FrameType
 import psutil
 
 from deepserve.config import EngineConfig, ServeConfig, deepserve_home, serve_command
+from deepserve.deploy.ray_backend import check_ray_backend, wait_for_ray_gpus
 from deepserve.engines.base import Engine, LaunchSpec, ResolvedModel
 from deepserve.engines.nodes import CheckIn, RollCall
 from deepserve.engines.registry import get_engine
@@ -77,6 +78,7 @@ def plan_service(
     another machine (`--dry-run` with any --device): nothing about this one is looked at."""
     serve = serve or ServeConfig(gateway=False)
     on_cpu = _uses_cpu(config, on_this_machine)
+    check_ray_backend(config, on_cpu)
     if on_cpu:
         _reject_gpu_only_flags(config)
     notes = tuple(check_layout_fits_nodes(config, None if on_cpu else _gpus_per_node(config, on_this_machine)))
@@ -223,6 +225,7 @@ def started_service(
 
 def _run_head(plan: ServicePlan, on_progress: ProgressCallback, on_ready: ReadyCallback) -> None:
     started = time.monotonic()
+    wait_for_ray_gpus(plan.config, on_progress)  # returns at once unless the engine runs on a Ray cluster
     roll = RollCall(plan.config, bind_host=plan.config.master_addr or "").start() if plan.role == "head" else None
     with ExitStack() as children:
         try:
@@ -344,8 +347,10 @@ def _uses_cpu(config: EngineConfig, on_this_machine: bool = True) -> bool:
 
 def _reject_gpu_only_flags(config: EngineConfig) -> None:
     given = []  # tensor and pipeline parallel run on CPU too (one worker process per rank), across nodes as well
-    if config.data_parallel_size > 1:
-        given.append(f"--data-parallel-size {config.data_parallel_size}")
+    if config.data_parallel_size > 1:  # measured: its CPU communicator raises NotImplementedError in all_gatherv
+        given.append(
+            f"--data-parallel-size {config.data_parallel_size} (vLLM's CPU build cannot run MoE data parallel)"
+        )
     if config.enable_expert_parallel:
         given.append("--enable-expert-parallel")
     if config.gpu_memory_utilization is not None:

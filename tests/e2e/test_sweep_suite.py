@@ -56,6 +56,12 @@ def test_concurrency_suite_runs_resumes_records_and_reports(served_tiny, tmp_pat
 
     html = (out / "report" / "report.html").read_text()
     assert len(re.findall(r'<img src="data:image/png;base64,', html)) >= 3
+    # The deployment: the tiny model's config and this CPU host's measured bandwidth, hence the hardware limit.
+    deployment = index["metadata"]["deployment"]
+    assert deployment["accelerator"] == "cpu" and deployment["host"]["memory_bandwidth_gb_s"] > 0
+    assert deployment["model_config"]["model_type"] == "deepseek_v3"
+    assert "of the hardware&#x27;s memory-bandwidth limit" in html and 'id="decode_vs_hardware_limit"' in html
+    assert 'id="pareto"' in html
     assert "the highest concurrency that meets P99 ITL" in html or "no measured concurrency meets" in html
     runs = ResultsStore().list_runs(suite="concurrency")
     assert {run.point_id for run in runs} == {p["point_id"] for p in done}

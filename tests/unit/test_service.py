@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 from pathlib import Path
 
@@ -105,6 +106,9 @@ def test_no_gateway_serves_the_engine_on_the_public_address(no_gpu: None) -> Non
     assert plan.public.base_url == "http://127.0.0.1:9000/v1"
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="preflight checks that vLLM is installed before the ports"
+)
 def test_public_port_in_use_is_reported_with_the_gateway_in_front(no_gpu: None) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -29,6 +29,7 @@ try:
 except ImportError:  # pragma: no cover - uvloop is a Linux/macOS dependency
     uvloop = None  # type: ignore[assignment]
 
+from deepserve import _compat
 from deepserve.bench.arrivals import RateRamp, arrival_offsets_s
 from deepserve.bench.client import (
     Endpoint,
@@ -180,8 +181,7 @@ def run_async(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run on uvloop where it is installed (cheaper per read than asyncio's loop). Ctrl-C cancels the main task,
     which the driver turns into partial results."""
     factory = uvloop.new_event_loop if uvloop is not None else None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coroutine)
+    return _compat.run(coroutine, factory)
 
 
 def raise_open_files_limit() -> None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from deepserve.config import load_section
+from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.keys import KeyStore
 from deepserve.gateway.limits import KeyLimits
 
@@ -18,9 +21,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     create = commands.add_parser("create", help="create a key and print it once")
     create.add_argument("name", help="a unique name for the key (shown in usage and metrics)")
-    create.add_argument("--rpm", type=int, default=None, help="requests per minute (default: unlimited)")
-    create.add_argument("--tpm", type=int, default=None, help="prompt + completion tokens per minute")
-    create.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    create.add_argument("--rpm", type=int, default=None, help="requests per minute, at least 1 (default: unlimited)")
+    create.add_argument(
+        "--tpm", type=int, default=None, help="prompt + completion tokens per minute, at least 1 (default: unlimited)"
+    )
+    create.add_argument(
+        "--max-concurrency", type=int, default=None, help="most requests in flight at once (default: unlimited)"
+    )
     create.add_argument("--models", default=None, help="comma-separated models the key may use (default: all)")
     create.set_defaults(handler=_create)
 
@@ -29,6 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     revoke = commands.add_parser("revoke", help="revoke a key (the gateway stops accepting it within a second)")
     revoke.add_argument("name")
+    revoke.add_argument(
+        "--redis-url",
+        default=None,
+        help="also tell every gateway sharing this Redis at once (default: the gateway config's redis_url, if any; "
+        "a gateway with --redis-url on this host publishes it within a second anyway)",
+    )
+    revoke.add_argument("--config", type=Path, default=None, help="config file whose `gateway` section to read")
     revoke.set_defaults(handler=_revoke)
 
 
@@ -68,12 +82,25 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _revoke(args: argparse.Namespace) -> int:
+    gateway = load_section(GatewayConfig, "gateway", args.config, {"redis_url": args.redis_url})
     store = KeyStore()
     try:
-        store.revoke(args.name)
+        key = store.revoke(args.name)
     finally:
         store.close()
     print(f"revoked key {args.name!r}")
+    if gateway.redis_url and key.revoked_at is not None:
+        from deepserve.gateway.shared_limits import publish_revocation_now, redis_where
+
+        try:
+            publish_revocation_now(gateway.redis_url, gateway.redis_prefix, key.id, key.revoked_at)
+        except Exception as exc:  # the key is revoked here; only the news to other hosts is late
+            Console(stderr=True).print(
+                f"could not tell the gateways through Redis at {redis_where(gateway.redis_url)} ({exc}); a gateway "
+                "using this key database publishes the revocation within a second of noticing it"
+            )
+            return 1
+        print(f"published the revocation to the gateways sharing Redis at {redis_where(gateway.redis_url)}")
     return 0
 
 

@@ -11,7 +11,10 @@ from deepserve import __version__
 from deepserve.errors import DeepserveError
 
 # Module name under deepserve.cli → registers one or more sub-commands. Kept in the order `--help` shows them.
-COMMANDS = ("serve", "model", "gateway", "keys", "usage", "bench", "sweep", "tune", "report", "runs", "plan")
+COMMANDS = (
+    "serve", "model", "gateway", "keys", "usage", "bench", "sweep", "tune", "report", "runs", "plan", "simulate",
+    "deploy", "cluster",
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(args_list)
     args.passthrough = passthrough
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed, for commands that record their own line
     try:
         return int(args.handler(args) or 0)
     except DeepserveError as exc:

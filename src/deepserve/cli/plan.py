@@ -12,9 +12,9 @@ from rich.table import Table
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
 from deepserve.errors import ConfigError
-from deepserve.plan.fit import HeldOut, fit_profiles, fits_to_json, leave_one_out, write_fits
+from deepserve.plan.fit import fit_profiles, fit_to_json, row_cases, write_fits
 from deepserve.plan.planner import Plan, PlanConfig, make_plan
-from deepserve.plan.validate import Validation, validate
+from deepserve.plan.validate import MAX_RATIO, TARGET_MAPE_PCT, Score, Validation, validate
 
 GB = 1e9
 
@@ -37,15 +37,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_plan)
     actions = parser.add_subparsers(dest="plan_command", metavar="ACTION", required=False)
 
-    check = actions.add_parser("validate", help="predicted vs published figures, MAPE, unpredictable rows")
-    check.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    check.add_argument(
-        "--cross-validate", action="store_true", help="also predict each fitted row from factors fitted without it"
+    check = actions.add_parser(
+        "validate", help="predicted vs published figures: leave-one-source-out first, in-sample second"
     )
+    check.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    check.add_argument("--in-sample", action="store_true", help="also print the in-sample table row by row")
+    check.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for docs)")
+    # Accepted for scripts written against the earlier validation; leave-one-source-out is now always shown.
+    check.add_argument("--cross-validate", action="store_true", help=argparse.SUPPRESS)
     check.set_defaults(handler=_validate)
 
-    fit = actions.add_parser("fit", help="refit the efficiency factors to the published figures")
-    fit.add_argument("--write", action="store_true", help="store them in the package (data/efficiency_factors.json)")
+    fit = actions.add_parser("fit", help="refit the engine profiles' overhead parameters to the published figures")
+    fit.add_argument("--write", action="store_true", help="store them in the package (data/engine_profiles.json)")
     fit.set_defaults(handler=_fit)
 
 
@@ -102,19 +105,15 @@ def print_plan(console: Console, plan: Plan) -> None:
                 f"({plan.smallest_fitting_gpus // d.accelerator.devices_per_node} node(s), TP in a node, PP across)",
                 highlight=False,
             )
+        _print_explanations(console, plan)
         return
     console.print(_predictions_table(plan))
     if plan.config.slo_itl_ms is not None:
         within = plan.max_concurrency_within_slo
         text = "none: even one request misses it" if within is None else f"{within}"
         console.print(f"highest concurrency with mean ITL <= {plan.config.slo_itl_ms:g} ms: {text}", highlight=False)
-    f = plan.factors
-    console.print(
-        f"efficiency factors: profile {f.profile} ({f.provenance}): layer overhead {f.factors.layer_overhead_us:.0f} "
-        f"us, memory {f.factors.memory_efficiency:.0%}, compute {f.factors.compute_efficiency:.1%} "
-        "(docs/PLANNING.md explains them)",
-        highlight=False,
-    )
+    console.print(_model_line(plan), highlight=False)
+    _print_explanations(console, plan)
     for engine, line in plan.commands.items():
         console.print(f"[bold]{engine}[/]: {line}", soft_wrap=True, highlight=False)
     _print_serve_lines(console, plan)
@@ -132,6 +131,26 @@ def _print_serve_lines(console: Console, plan: Plan) -> None:
     )
     for rank, line in enumerate(plan.serve_commands):
         console.print(f"  node {rank}: {line}", soft_wrap=True, highlight=False)
+
+
+def _model_line(plan: Plan) -> str:
+    f, p = plan.factors, plan.factors.parameters
+    launch = f.facts.step_launch(plan.rates.family if plan.rates else "16bit").replace("_", " ")
+    overheads = [f"{p.kernels_per_layer:.1f} small kernels per layer ({launch})"]
+    if p.step_overhead_ms:
+        overheads.append(f"{p.step_overhead_ms:.2f} ms per step")
+    if p.per_sequence_us:
+        overheads.append(f"{p.per_sequence_us:.0f} us per sequence per step")
+    overheads.append(f"prompt FLOPs at {p.prefill_efficiency:.0%} of the kernel rates")
+    return (
+        f"performance model: engine profile {f.profile} {f.version} ({f.provenance}): {', '.join(overheads)}; "
+        f"kernel figures: {plan.rates.provenance if plan.rates else 'table'} (docs/PLANNING.md explains them)"
+    )
+
+
+def _print_explanations(console: Console, plan: Plan) -> None:
+    for explanation in plan.explanations:
+        console.print(f"[bold]why {explanation.topic.replace('_', ' ')}[/]: {explanation.text}", highlight=False)
 
 
 def _memory_table(plan: Plan) -> Table:
@@ -187,95 +206,95 @@ def _shortfall(plan: Plan) -> str:
 
 def _validate(args: argparse.Namespace) -> int:
     result = validate()
-    held = leave_one_out() if args.cross_validate else None
     if args.json:
-        data = result.to_json()
-        if held is not None:
-            data["leave_one_out"] = {
-                "mape_pct": round(_mape(held), 2),
-                "rows": [
-                    {"row": h.row.number, "predicted": round(h.predicted, 2), "ratio": round(h.ratio, 3)} for h in held
-                ],
-            }
-        print(json.dumps(data, indent=2))
+        print(json.dumps(result.to_json(), indent=2))
+        return 0
+    if args.markdown:
+        print(validation_markdown(result))
         return 0
     console = Console(soft_wrap=True)
-    print_validation(console, result)
-    if held is not None:
-        print_leave_one_out(console, held)
+    print_validation(console, result, in_sample_rows=args.in_sample)
     return 0
 
 
-def _mape(held: list[HeldOut]) -> float:
-    return sum(abs(h.ratio - 1) for h in held) / max(len(held), 1) * 100
-
-
-def print_leave_one_out(console: Console, held: list[HeldOut]) -> None:
-    table = Table(title="leave-one-out: each row predicted by factors fitted without it")
-    for column in ("row", "setup", "predicted", "published", "ratio"):
-        table.add_column(column, justify="left" if column == "setup" else "right")
-    for h in held:
-        label = h.row.label().split(" ", 1)[1]
-        table.add_row(str(h.row.number), label, f"{h.predicted:,.2f}", f"{h.row.value:,.2f}", f"{h.ratio:.2f}")
-    console.print(table)
-    worst = max(held, key=lambda h: max(h.ratio, 1 / h.ratio))
-    console.print(
-        f"leave-one-out MAPE over {len(held)} rows: {_mape(held):.1f}%; worst ratio {worst.ratio:.2f} "
-        f"(row {worst.row.number})",
-        highlight=False,
-    )
-
-
-def print_validation(console: Console, result: Validation) -> None:
-    table = Table(title="published figures the model predicts")
-    for column in ("row", "setup", "predicted", "published", "ratio", "factors"):
-        table.add_column(column, justify="right" if column in ("predicted", "published", "ratio") else "left")
-    for r in result.results:
-        label = r.row.label().split(" ", 1)[1]
-        table.add_row(
-            str(r.row.number),
-            label,
-            f"{r.predicted:,.2f}",
-            f"{r.row.value:,.2f} {r.row.unit}",
-            f"{r.ratio:.2f}",
-            r.profile if r.provenance == "fitted" else f"{r.profile} (transferred)",
+def validation_markdown(result: Validation) -> str:
+    """Leave-one-source-out and in-sample side by side per row, then both summaries, as docs quote them."""
+    in_sample = {r.row.number: r for r in result.in_sample.results}
+    lines = [
+        "| row | setup | published | leave-one-source-out | ratio | in-sample | ratio |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result.held_out.results:
+        own = in_sample[r.row.number]
+        lines.append(
+            f"| {r.row.number} | {r.row.label().split(' ', 1)[1]} | {r.row.value:,.4g} {r.row.unit} | "
+            f"{r.predicted:,.4g} | {r.ratio:.2f} | {own.predicted:,.4g} | {own.ratio:.2f} |"
         )
-    console.print(table)
-    worst, worst_fitted = result.worst, result.worst_fitted
-    if worst is None or worst_fitted is None:
-        console.print("no predictable rows")
-    else:
-        summary = (
-            f"MAPE over {len(result.results)} predicted rows: {result.mape_pct:.1f}%, worst ratio {worst.ratio:.2f} "
-            f"(row {worst.row.number})"
-        )
-        if any(r.provenance != "fitted" for r in result.results):  # factors from the same vendor's other GPUs
-            summary += (
-                f"; over the rows of fitted profiles: {result.mape_pct_of(True):.1f}%, worst ratio "
-                f"{worst_fitted.ratio:.2f} (row {worst_fitted.row.number})"
-            )
-        console.print(summary, highlight=False)
-    off = result.off_by_more_than_2x
+    lines += ["", _score_summary("leave-one-source-out", result.held_out),
+              "", _score_summary("in-sample (fitted on every row)", result.in_sample)]  # fmt: skip
+    return "\n".join(lines)
+
+
+def print_validation(console: Console, result: Validation, in_sample_rows: bool = False) -> None:
     console.print(
-        f"off by more than 2x: {', '.join(f'row {r.row.number} ({r.provenance})' for r in off) or 'none'}",
-        highlight=False,
+        _score_table("leave-one-source-out: each source predicted by a profile fitted on the others", result.held_out)
     )
+    console.print(_score_summary("leave-one-source-out", result.held_out), highlight=False)
+    console.print(_score_summary("in-sample (fitted on every row)", result.in_sample), highlight=False)
+    if in_sample_rows:
+        console.print(_score_table("in-sample", result.in_sample))
+    for name, parameters in result.parameters.items():
+        values = ", ".join(f"{key} {value:g}" for key, value in parameters.to_json().items())
+        console.print(f"profile {name} fitted on every row: {values}", highlight=False)
+    if result.not_held_out:
+        console.print("[bold]rows predicted in-sample only[/]")
+        for skipped in result.not_held_out:
+            console.print(f"  {skipped.row.label()}: {skipped.reason}", highlight=False)
     console.print("[bold]rows the model cannot predict[/]")
     for skipped in result.skipped:
         console.print(f"  {skipped.row.label()}: {skipped.reason}", highlight=False)
         if (t := skipped.transferred) is not None:
             console.print(
-                f"    for information, not counted: {t.profile}'s factors predict {t.predicted:,.2f} {t.row.unit} "
-                f"(ratio {t.ratio:.2f})",
+                f"    for information, not scored: with the carried-over figures the model predicts "
+                f"{t.predicted:,.2f} {t.row.unit} (ratio {t.ratio:.2f})",
                 highlight=False,
             )
 
 
+def _score_table(title: str, score: Score) -> Table:
+    table = Table(title=title)
+    for column in ("row", "setup", "predicted", "published", "ratio"):
+        table.add_column(column, justify="left" if column == "setup" else "right")
+    for r in score.results:
+        label = r.row.label().split(" ", 1)[1]
+        table.add_row(
+            str(r.row.number), label, f"{r.predicted:,.2f}", f"{r.row.value:,.2f} {r.row.unit}", f"{r.ratio:.2f}"
+        )
+    return table
+
+
+def _score_summary(name: str, score: Score) -> str:
+    if not score.results:
+        return f"{name}: no predictable rows"
+    parts = [
+        f"{group} {score.mape_pct(group):.1f}% (target <= {TARGET_MAPE_PCT[group]:g}%)" for group in score.groups()
+    ]
+    worst = score.worst
+    assert worst is not None
+    off = ", ".join(f"row {r.row.number}" for r in score.off_by_more_than_2x) or "none"
+    verdict = "meets the targets" if score.meets_targets() else "MISSES the targets"
+    return (
+        f"{name} over {len(score.results)} rows: MAPE {'; '.join(parts)}; worst ratio {worst.ratio:.2f} "
+        f"(row {worst.row.number}); off by more than {MAX_RATIO:g}x: {off}; {verdict}"
+    )
+
+
 def _fit(args: argparse.Namespace) -> int:
-    fits = fit_profiles()
+    cases = row_cases()[0]
+    fits = fit_profiles(cases)
     if not fits:
-        raise ConfigError("no profile has enough predictable published rows to fit")
+        raise ConfigError("no engine profile has enough predictable published rows to fit")
     if args.write:
-        print(f"wrote {write_fits(fits)}")
-    print(json.dumps(fits_to_json(fits)["profiles"], indent=1))
+        print(f"wrote {write_fits(fits, cases)}")
+    print(json.dumps({fit.profile: fit_to_json(fit, cases) for fit in fits}, indent=1))
     return 0

@@ -42,6 +42,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="METRIC=MS",
         help=f"an SLO the answers and charts use, repeatable (default: {' '.join(DEFAULT_SLOS)})",
     )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GPUs that served each set whose run recorded none (for tokens/s per GPU and cost; default 1, noted)",
+    )
+    parser.add_argument(
+        "--gpu-hour-usd",
+        type=float,
+        default=None,
+        metavar="USD",
+        help="price of one GPU-hour, for the cost per million output tokens of sets whose run recorded none",
+    )
     parser.add_argument("--title", default=None, help="report title")
     parser.set_defaults(handler=_report)
 
@@ -50,12 +64,14 @@ def _report(args: argparse.Namespace) -> int:
     if not args.dirs and not args.runs:
         raise ConfigError("give at least one result directory (or --runs ID,...)")
     from deepserve.report.build import build_report, load_sets  # matplotlib: only when a report is drawn
+    from deepserve.report.deployment import DeploymentOptions
 
+    deployment = DeploymentOptions(gpus=args.gpus, gpu_hour_usd=args.gpu_hour_usd)
     sets = load_sets(args.dirs, args.label) if args.dirs else []
     if args.runs:
         run_ids = _run_ids(args.runs)
         sets.append(ResultsStore(args.db).as_result_set(run_ids))
-    report = build_report(sets, args.out, parse_slos(args.slo), args.title)
+    report = build_report(sets, args.out, parse_slos(args.slo), args.title, deployment)
     for answer in report.answer_texts():
         print(answer)
     print(

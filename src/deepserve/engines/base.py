@@ -33,10 +33,22 @@ class ResolvedModel:
     on_cpu: bool
 
 
+@dataclass(frozen=True)
+class LoadMetricNames:
+    """The Prometheus series in which a running engine reports its load (what the gateway's engine_aware policy
+    reads). Several names for one quantity: the first one present wins (engines rename series between versions)."""
+
+    waiting: tuple[str, ...]  # requests queued, not yet scheduled
+    running: tuple[str, ...]  # requests in the running batch
+    kv_cache_usage: tuple[str, ...]  # fraction (0..1) of the KV cache in use
+
+
 class Engine(Protocol):
     name: str
     package: str  # the Python module whose presence means the engine is installed
     install_hint: str
+    image: str  # the engine's official container image, for rendered deployments (`deepserve deploy render`)
+    load_metrics: LoadMetricNames
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         """The command that runs CONFIG on this node (CONFIG.node_rank of CONFIG.nnodes) under PYTHON; with PYTHON

@@ -4,7 +4,7 @@ nodes every node runs the same command with its --node-rank and node 0's --dist-
 from __future__ import annotations
 
 from deepserve.config import EngineConfig
-from deepserve.engines.base import LaunchSpec, ResolvedModel, flag_args, unless_one, url_host
+from deepserve.engines.base import LaunchSpec, LoadMetricNames, ResolvedModel, flag_args, unless_one, url_host
 
 _PHASES = (
     ("Load weight begin", "loading weights"),
@@ -20,10 +20,17 @@ _PHASES = (
 class SglangEngine:
     name = "sglang"
     package = "sglang"
+    # token_usage: the fraction of the KV-cache token pool in use, SGLang's counterpart of vLLM's KV-cache usage
+    load_metrics = LoadMetricNames(
+        waiting=("sglang:num_queue_reqs",),
+        running=("sglang:num_running_reqs",),
+        kv_cache_usage=("sglang:token_usage",),
+    )
     install_hint = (
         'install SGLang into deepserve\'s environment on a GPU machine: `pip install "sglang[all]"` '
         "(it has no build for a CPU-only machine like this one; `--dry-run` still prints its command line)"
     )
+    image = "lmsysorg/sglang:latest"  # SGLang's official image; pin a release with --engine-image
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         argv = [python or "python3", "-m", "sglang.launch_server", "--model-path", model.source]

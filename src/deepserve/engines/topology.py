@@ -24,8 +24,8 @@ def check_layout_fits_nodes(config: EngineConfig, gpus_per_node: int | None) -> 
             f"the layout {layout} does not split evenly over --nnodes {nodes}: make tensor x pipeline x data "
             f"parallel a multiple of {nodes} (e.g. --pipeline-parallel-size {nodes} with the GPUs of one node as TP)"
         )
-    if gpus_per_node is None:
-        return []
+    if gpus_per_node is None or config.distributed_executor_backend == "ray":
+        return []  # on Ray the ranks go to the cluster's GPUs: serve waits until the cluster has them
     per_node = world // nodes
     if per_node > gpus_per_node:
         where = "this machine has" if nodes == 1 else "each node has"

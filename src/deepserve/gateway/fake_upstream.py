@@ -5,6 +5,13 @@ It streams like vLLM (`data: {chunk}` events, a usage-only chunk when stream_opt
 requests seen, streams completed, streams aborted by the client (GET /stats). Run it as its own process:
 
     python -m deepserve.gateway.fake_upstream --port 9001 --ttft-ms 5 --itl-ms 10
+
+Its /metrics reports its load under vLLM's names: `vllm:num_requests_running` (the streams it is sending),
+`vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (whatever a test sets: `FakeBehaviour.waiting` and
+`kv_cache_usage`, `--waiting`/`--kv-cache-usage`, or `POST /fake/load {"waiting": 3, "kv_cache_usage": 0.8}`).
+
+`--lockstep` emits tokens the way vLLM's continuous batching does: one engine step every ITL, and every running
+stream gets its next token in that same step (bursts), rather than each stream on its own timer (staggered).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class FakeStats:
     requests: int = 0
     completed: int = 0
     aborted: int = 0
+    engine_steps: int = 0  # lockstep: engine steps taken (each one gave every waiting stream a token)
     active: int = 0
     metrics_scrapes: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)  # the last few request bodies, as received
@@ -50,15 +58,20 @@ class FakeBehaviour:
     healthy: bool = True
     health_delay_s: float = 0.0  # answer /health this late (an overloaded replica)
     model: str = FAKE_MODEL
-    max_model_len: int = FAKE_MAX_MODEL_LEN
-    metrics_text: bytes = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"  # its /metrics
+    max_model_len: int = FAKE_MAX_MODEL_LEN  # refuses max_tokens that do not fit (400), as vLLM does
+    advertise_max_model_len: bool = True  # list max_model_len in /v1/models (SGLang and older servers may not)
+    waiting: int = 0  # reported as vllm:num_requests_waiting
+    kv_cache_usage: float = 0.0  # reported as vllm:kv_cache_usage_perc (0..1)
+    metrics_text: bytes | None = None  # its /metrics verbatim instead of the load above
     metrics_delay_s: float = 0.0  # answer /metrics this late
+    lockstep: bool = False  # all streams get their tokens in one engine step every itl_ms
 
 
 class FakeUpstream:
     def __init__(self, behaviour: FakeBehaviour | None = None) -> None:
         self.behaviour = behaviour or FakeBehaviour()
         self.stats = FakeStats()
+        self._steps = _EngineSteps(self.stats)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -69,12 +82,21 @@ class FakeUpstream:
                 await asyncio.sleep(self.behaviour.health_delay_s)
             await _respond(send, 200 if self.behaviour.healthy else 503, b"{}")
         elif path == "/v1/models":
-            card = {"id": self.behaviour.model, "object": "model", "max_model_len": self.behaviour.max_model_len}
+            card: dict[str, Any] = {"id": self.behaviour.model, "object": "model"}
+            if self.behaviour.advertise_max_model_len:
+                card["max_model_len"] = self.behaviour.max_model_len
             await _respond(send, 200, json.dumps({"object": "list", "data": [card]}).encode())
         elif path == "/metrics":
             self.stats.metrics_scrapes += 1
             await asyncio.sleep(self.behaviour.metrics_delay_s)
-            await _respond(send, 200, self.behaviour.metrics_text)
+            await _respond(send, 200, self.metrics_text())
+        elif path == "/fake/load":
+            if scope["method"] == "POST":
+                load = json.loads(await _read(receive) or b"{}")
+                self.behaviour.waiting = int(load.get("waiting", self.behaviour.waiting))
+                self.behaviour.kv_cache_usage = float(load.get("kv_cache_usage", self.behaviour.kv_cache_usage))
+            current = {"waiting": self.behaviour.waiting, "kv_cache_usage": self.behaviour.kv_cache_usage}
+            await _respond(send, 200, json.dumps(current).encode())
         elif path == "/stats":
             await _respond(send, 200, json.dumps(asdict(self.stats)).encode())
         elif path in ("/v1/completions", "/v1/chat/completions"):
@@ -87,6 +109,19 @@ class FakeUpstream:
         else:
             await _respond(send, 404, b'{"error": {"message": "not found"}}')
 
+    def metrics_text(self) -> bytes:
+        if self.behaviour.metrics_text is not None:
+            return self.behaviour.metrics_text
+        model = f'{{model_name="{self.behaviour.model}"}}'
+        return (
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{model} {float(self.stats.active)}\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{model} {float(self.behaviour.waiting)}\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{model} {float(self.behaviour.kv_cache_usage)}\n"
+        ).encode()
+
     async def _generate(self, path: str, receive: Receive, send: Send) -> None:
         body = await _read(receive)
         request = json.loads(body)
@@ -98,6 +133,11 @@ class FakeUpstream:
             await _respond(send, behaviour.fail_status, json.dumps(error).encode())
             return
         tokens = int(request.get("max_tokens") or request.get("max_completion_tokens") or 16)
+        if tokens >= behaviour.max_model_len:
+            message = f"This model's maximum context length is {behaviour.max_model_len} tokens"
+            refusal = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": "400"}}
+            await _respond(send, 400, json.dumps(refusal).encode())
+            return
         chat = path.endswith("chat/completions")
         prompt_tokens = len(json.dumps(request.get("messages") or request.get("prompt")))
         if request.get("stream"):
@@ -117,15 +157,18 @@ class FakeUpstream:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE})
             delay_s = self.behaviour.ttft_ms / 1000
+            lockstep_s = self.behaviour.itl_ms / 1000 if self.behaviour.lockstep else 0.0
             for index in range(tokens):
                 if delay_s:
                     await asyncio.sleep(delay_s)
+                if lockstep_s:
+                    await self._steps.next(lockstep_s)
                 if gone.is_set():
                     self.stats.aborted += 1
                     return
                 chunk = _chunk(chat, index, tokens)
                 await send({"type": "http.response.body", "body": b"data: " + chunk + b"\n\n", "more_body": True})
-                delay_s = self.behaviour.itl_ms / 1000
+                delay_s = 0.0 if lockstep_s else self.behaviour.itl_ms / 1000
             tail = b""
             if (request.get("stream_options") or {}).get("include_usage"):
                 usage = {
@@ -141,6 +184,38 @@ class FakeUpstream:
         finally:
             self.stats.active -= 1
             watcher.cancel()
+
+
+class _EngineSteps:
+    """One engine step every STEP_S, shared by every stream that waits for its next token: all of them get it at
+    the same instant. Steps are scheduled on an absolute grid (no drift) and stop when no stream waits."""
+
+    def __init__(self, stats: FakeStats) -> None:
+        self._stats = stats
+        self._step = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting = 0
+
+    async def next(self, step_s: float) -> None:
+        if self._timer is None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_at(loop.time() + step_s, self._tick, loop, loop.time() + step_s, step_s)
+        step = self._step
+        self._waiting += 1
+        try:
+            await step.wait()
+        finally:
+            self._waiting -= 1
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, at: float, step_s: float) -> None:
+        step, self._step = self._step, asyncio.Event()
+        had_waiters = self._waiting > 0
+        self._stats.engine_steps += had_waiters
+        step.set()
+        if had_waiters:  # keep stepping while the batch has streams; they wait for the next step at once
+            self._timer = loop.call_at(at + step_s, self._tick, loop, at + step_s, step_s)
+        else:
+            self._timer = None
 
 
 def _chunk(chat: bool, index: int, tokens: int) -> bytes:
@@ -238,8 +313,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttft-ms", type=float, default=0.0)
     parser.add_argument("--itl-ms", type=float, default=0.0)
     parser.add_argument("--fail-status", type=int, default=None)
+    parser.add_argument("--lockstep", action="store_true", help="one engine step every --itl-ms for all streams")
+    parser.add_argument("--waiting", type=int, default=0, help="reported as vllm:num_requests_waiting")
+    parser.add_argument("--kv-cache-usage", type=float, default=0.0, help="reported as vllm:kv_cache_usage_perc")
     args = parser.parse_args(argv)
-    app = FakeUpstream(FakeBehaviour(ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, fail_status=args.fail_status))
+    behaviour = FakeBehaviour(
+        ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, fail_status=args.fail_status, lockstep=args.lockstep,
+        waiting=args.waiting, kv_cache_usage=args.kv_cache_usage,
+    )  # fmt: skip
+    app = FakeUpstream(behaviour)
     server = uvicorn.Server(uvicorn_config(app, args.port))
 
     async def run() -> None:

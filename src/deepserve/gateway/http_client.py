@@ -21,6 +21,8 @@ from typing import cast
 
 import httptools
 
+from deepserve import _compat
+
 # Flow control: stop reading from the upstream while this many body chunks wait for the reader; go on at half that.
 _PAUSE_AT_CHUNKS = 64
 _RESUME_AT_CHUNKS = _PAUSE_AT_CHUNKS // 2
@@ -342,7 +344,7 @@ class HttpClient:
             self._sweeper = asyncio.create_task(self._sweep(), name="upstream-idle-sweep")
         tls = self._tls_context() if origin.tls else None
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with _compat.timeout(self.connect_timeout_s):
                 if origin.is_address:
                     connection = await self._open(loop, origin, [origin.host], tls)
                 else:

@@ -89,6 +89,7 @@ class KeyStore:
     def create(self, name: str, limits: KeyLimits | None = None, models: list[str] | None = None) -> tuple[ApiKey, str]:
         """Create a key; return it and the full key text, which is shown once and never stored."""
         limits = limits or KeyLimits()
+        limits.check()
         key_id = secrets.token_hex(6)
         secret = secrets.token_urlsafe(32)
         salt = secrets.token_bytes(16)
@@ -105,13 +106,15 @@ class KeyStore:
         key = ApiKey(key_id, name, limits, frozenset(models) if models else None, now)
         return key, f"{KEY_PREFIX}-{key_id}-{secret}"
 
-    def revoke(self, name: str) -> None:
+    def revoke(self, name: str) -> ApiKey:
+        """Revoke the active key NAME; return it as it is now (with its revoked_at)."""
         cursor = self._db.execute(
             "UPDATE keys SET revoked_at = ? WHERE name = ? AND revoked_at IS NULL", (time.time(), name)
         )
         if cursor.rowcount == 0:
             valid = [key.name for key in self.all_keys() if key.revoked_at is None]
             raise ConfigError(f"no active key named {name!r}; active keys: {', '.join(valid) or 'none'}")
+        return next(key for key in self.all_keys() if key.name == name)
 
     def all_keys(self) -> list[ApiKey]:
         return [stored.key for stored in self._load()]
@@ -143,10 +146,15 @@ class KeyStore:
 
 
 class KeyRing:
-    """The gateway's in-memory copy of the active keys; `verify` is the only hot-path call."""
+    """The gateway's in-memory copy of the active keys; `verify` is the only hot-path call.
+
+    `revoked_ids` holds keys revoked elsewhere (another host's key database, through Redis: shared_limits.py);
+    `revoked_here` the keys this database revoked ({id: when}), which the gateway publishes to the others."""
 
     def __init__(self, store: KeyStore) -> None:
         self.store = store
+        self.revoked_ids: set[str] = set()
+        self.revoked_here: dict[str, float] = {}
         self._keys: dict[str, _StoredKey] = {}
         self._version = -1
         self.refresh()
@@ -160,7 +168,11 @@ class KeyRing:
         if version == self._version:
             return False
         self._version = version
-        self._keys = {stored.key.id: stored for stored in self.store._load() if stored.key.revoked_at is None}
+        stored_keys = self.store._load()
+        self._keys = {stored.key.id: stored for stored in stored_keys if stored.key.revoked_at is None}
+        self.revoked_here = {
+            stored.key.id: stored.key.revoked_at for stored in stored_keys if stored.key.revoked_at is not None
+        }
         return True
 
     def verify(self, token: str) -> ApiKey | None:
@@ -172,7 +184,7 @@ class KeyRing:
         stored = self._keys.get(key_id)
         if stored is None and self.refresh():  # a key created a moment ago: usable at once
             stored = self._keys.get(key_id)
-        if stored is None:
+        if stored is None or key_id in self.revoked_ids:
             return None
         if not hmac.compare_digest(_hash(stored.salt, secret), stored.secret_hash):
             return None

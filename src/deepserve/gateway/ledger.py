@@ -35,6 +35,7 @@ CREATE INDEX IF NOT EXISTS usage_key_ts ON usage (key, ts);
 
 _INSERT = "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 BATCH_INTERVAL_S = 0.25
+LOCK_WAIT_S = 30.0
 MAX_BATCH = 2048
 
 
@@ -73,7 +74,9 @@ def default_ledger_path() -> Path:
 
 def _connect(path: Path) -> sqlite3.Connection:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    db = sqlite3.connect(path, check_same_thread=False)
+    # Several writers (gateway workers, `deepserve usage`) share the file: a writer that finds it locked waits up to
+    # LOCK_WAIT_S for the others' commits instead of failing (WAL: readers never wait for writers).
+    db = sqlite3.connect(path, check_same_thread=False, timeout=LOCK_WAIT_S)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes, fast commits
     db.executescript(_SCHEMA)

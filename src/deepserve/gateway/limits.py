@@ -1,5 +1,10 @@
 """Admission control: per-key token buckets and concurrency, and the global slot queue.
 
+`LocalLimiter` keeps them in this process's memory (exact, reset on restart); `shared_limits.RedisLimiter` keeps them
+in Redis so that several gateways enforce one limit. Both are a `Limiter`: the app asks it to admit a key's request
+(`admit`, never waits), to get one of the global slots (`acquire_slot`, may wait in the queue), and to give everything
+back with the real usage (`release`, never raises, never waits).
+
 Everything takes an injected clock so that tests can move time by hand."""
 
 from __future__ import annotations
@@ -9,7 +14,9 @@ import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+from deepserve.errors import ConfigError
 from deepserve.gateway.errors import Overloaded, RateLimited
 
 Clock = Callable[[], float]
@@ -59,6 +66,17 @@ class KeyLimits:
     rpm: int | None = None
     tpm: int | None = None
     max_concurrency: int | None = None
+
+    def check(self) -> None:
+        """Raise ConfigError unless every limit given is at least 1. Zero is refused rather than given a meaning:
+        as "unlimited" it would surprise whoever meant "blocked", and the other way round (leave a limit out for
+        no limit; `deepserve keys revoke` blocks a key)."""
+        for flag, value in (("--rpm", self.rpm), ("--tpm", self.tpm), ("--max-concurrency", self.max_concurrency)):
+            if value is not None and value < 1:
+                raise ConfigError(
+                    f"{flag} {value} is not a limit: give a whole number of at least 1, leave {flag} out for no "
+                    "limit, or revoke the key (`deepserve keys revoke NAME`) to refuse all its requests"
+                )
 
 
 class KeyLimiter:
@@ -165,3 +183,96 @@ class AdmissionQueue:
 def _expire(slot: asyncio.Future[None]) -> None:
     if not slot.done():
         slot.set_exception(_QueueTimeout())
+
+
+# ---- the limiter interface ----------------------------------------------------------------------------------------
+
+
+class Admission:
+    """What one admitted request holds, so that `release` gives back exactly that."""
+
+    __slots__ = ("charged_tokens", "has_slot", "key_id", "key_limiter", "lease", "limits", "local")
+
+    def __init__(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> None:
+        self.key_id = key_id
+        self.limits = limits
+        self.charged_tokens = charged_tokens
+        self.has_slot = False  # holds one of the global --max-concurrency slots
+        self.key_limiter: KeyLimiter | None = None  # the local limiter that counted it (local path)
+        self.lease: str | None = None  # its lease id in Redis (shared path)
+        self.local = True  # admitted by this process's own limits (always without Redis; on fallback with it)
+
+
+class Limiter(Protocol):
+    """Admission control as the app uses it (see the module docstring)."""
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def admit(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> Admission:
+        """Count a request against its key's limits (none for an anonymous request), or raise RateLimited."""
+        ...
+
+    async def acquire_slot(self, admission: Admission) -> None:
+        """Wait (FIFO, bounded) for a global slot, or raise Overloaded."""
+        ...
+
+    def release(self, admission: Admission, used_tokens: int | None) -> None:
+        """The request ended: free what it held and correct its token charge with USED_TOKENS (when known)."""
+        ...
+
+
+class LocalLimiter:
+    """This process's own limits: a KeyLimiter per key and one AdmissionQueue. Nothing here suspends except a wait
+    for a slot in the queue, so the request path pays no more than it did before the Limiter interface."""
+
+    def __init__(self, max_concurrency: int, max_queue: int, queue_timeout_s: float, clock: Clock = time.monotonic):
+        self.queue = AdmissionQueue(max_concurrency, max_queue, queue_timeout_s)
+        self._clock = clock
+        self._keys: dict[str, KeyLimiter] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return self.queue.in_flight
+
+    @property
+    def waiting(self) -> int:
+        return self.queue.waiting
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def admit(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> Admission:
+        return self.admit_now(key_id, limits, charged_tokens)
+
+    def admit_now(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> Admission:
+        admission = Admission(key_id, limits, charged_tokens)
+        if key_id is not None and limits is not None:
+            limiter = self._keys.get(key_id)
+            if limiter is None or limiter.limits != limits:
+                limiter = self._keys[key_id] = KeyLimiter(limits, self._clock)
+            limiter.admit(charged_tokens)
+            admission.key_limiter = limiter
+        return admission
+
+    async def acquire_slot(self, admission: Admission) -> None:
+        await self.queue.acquire()
+        admission.has_slot = True
+
+    def release(self, admission: Admission, used_tokens: int | None) -> None:
+        if admission.has_slot:
+            admission.has_slot = False
+            self.queue.release()
+        limiter, admission.key_limiter = admission.key_limiter, None
+        if limiter is not None:
+            limiter.release(admission.charged_tokens, used_tokens)

@@ -1,18 +1,27 @@
 """Prometheus metrics of the gateway. Counters and histograms are updated on the request path; gauges that mirror
-live state (queue depth, in-flight, replica health) are read only when /metrics is scraped."""
+live state (queue depth, in-flight, replica health) are read only when /metrics is scraped.
+
+With several worker processes (`--workers N`) every worker writes its counters and histograms to files in
+PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode; the supervisor sets it) and /metrics, answered by
+whichever worker gets the scrape, adds up all workers' files: the series are the same as with one process. The live
+gauges are then copied into such files once a second by every worker (`publish_live_state`): queue depth and in-flight
+counts are summed over the live workers, a replica counts as healthy only if every worker has it in rotation."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from deepserve.gateway.limits import AdmissionQueue
+from deepserve.gateway.limits import Limiter
 from deepserve.gateway.upstreams import UpstreamPool
+
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -21,8 +30,9 @@ _ITL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.
 
 
 class GatewayMetrics:
-    def __init__(self, pool: UpstreamPool, queue: AdmissionQueue) -> None:
+    def __init__(self, pool: UpstreamPool, limiter: Limiter) -> None:
         self.registry = CollectorRegistry()
+        self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_ENV) or None
         r = self.registry
         self.requests = Counter(
             "deepserve_gateway_requests", "Requests answered, by key, model and status", ["key", "model", "status"],
@@ -54,7 +64,17 @@ class GatewayMetrics:
             ["replica", "code"], registry=r,
         )  # fmt: skip
         self.retries = Counter("deepserve_gateway_retries", "Requests retried on another replica", registry=r)
-        r.register(_LiveState(pool, queue))
+        self.limiter_fallbacks = Counter(
+            "deepserve_gateway_limiter_fallbacks", "Requests admitted by this gateway's own limits while the shared "
+            "limits' Redis was unreachable (--redis-fail-open)", registry=r,
+        )  # fmt: skip
+        self.redis_errors = Counter(
+            "deepserve_gateway_redis_errors", "Failed calls to the shared limits' Redis", registry=r
+        )
+        self._live = _LiveState(pool, limiter)
+        self._live_gauges = _MultiprocessGauges() if self.multiprocess_dir else None
+        if self._live_gauges is None:
+            r.register(self._live)
         # Labelled children, looked up once: prometheus_client's labels() validates and locks on every call.
         self._requests: dict[tuple[str, str, int], Any] = {}
         self._tokens: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -83,8 +103,26 @@ class GatewayMetrics:
             )
         return per_model
 
+    def watch_limiter(self, limiter: Limiter) -> None:
+        """Count the shared limiter's Redis failures and fallbacks (a local limiter has none)."""
+        if hasattr(limiter, "on_fallback") and hasattr(limiter, "on_error"):
+            limiter.on_fallback = self.limiter_fallbacks.inc
+            limiter.on_error = self.redis_errors.inc
+
+    def publish_live_state(self) -> None:
+        """Several workers: copy this worker's live gauges where the others' /metrics can add them up."""
+        if self._live_gauges is not None:
+            self._live_gauges.copy(self._live)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        self.publish_live_state()
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=self.multiprocess_dir)
+        return generate_latest(registry)
 
 
 @dataclass(frozen=True)
@@ -95,13 +133,18 @@ class ModelMetrics:
 
 
 class _LiveState(Collector):
-    def __init__(self, pool: UpstreamPool, queue: AdmissionQueue) -> None:
+    def __init__(self, pool: UpstreamPool, limiter: Limiter) -> None:
         self.pool = pool
-        self.queue = queue
+        self.limiter = limiter
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily("deepserve_gateway_queue_depth", "Requests waiting for a slot", self.queue.waiting)
-        yield GaugeMetricFamily("deepserve_gateway_in_flight", "Requests being forwarded", self.queue.in_flight)
+        yield GaugeMetricFamily("deepserve_gateway_queue_depth", "Requests waiting for a slot", self.limiter.waiting)
+        yield GaugeMetricFamily("deepserve_gateway_in_flight", "Requests being forwarded", self.limiter.in_flight)
+        redis_up = getattr(self.limiter, "up", None)
+        if redis_up is not None:
+            yield GaugeMetricFamily(
+                "deepserve_gateway_redis_up", "1 while the shared limits' Redis answers", 1.0 if redis_up else 0.0
+            )
         healthy = GaugeMetricFamily(
             "deepserve_gateway_upstream_healthy", "1 if the replica is in rotation", labels=["replica"]
         )
@@ -113,3 +156,37 @@ class _LiveState(Collector):
             outstanding.add_metric([replica.url], replica.outstanding)
         yield healthy
         yield outstanding
+
+
+class _MultiprocessGauges:
+    """The live gauges as prometheus_client multiprocess gauges (one file per worker, combined at scrape time)."""
+
+    def __init__(self) -> None:
+        self.queue_depth = Gauge(
+            "deepserve_gateway_queue_depth", "Requests waiting for a slot", multiprocess_mode="livesum", registry=None
+        )
+        self.in_flight = Gauge(
+            "deepserve_gateway_in_flight", "Requests being forwarded", multiprocess_mode="livesum", registry=None
+        )
+        self.redis_up = Gauge(
+            "deepserve_gateway_redis_up", "1 while the shared limits' Redis answers (to every worker)",
+            multiprocess_mode="livemin", registry=None,
+        )  # fmt: skip
+        self.healthy = Gauge(
+            "deepserve_gateway_upstream_healthy", "1 if the replica is in rotation (in every worker)", ["replica"],
+            multiprocess_mode="livemin", registry=None,
+        )  # fmt: skip
+        self.outstanding = Gauge(
+            "deepserve_gateway_upstream_in_flight", "Requests in flight on the replica", ["replica"],
+            multiprocess_mode="livesum", registry=None,
+        )  # fmt: skip
+
+    def copy(self, live: _LiveState) -> None:
+        self.queue_depth.set(live.limiter.waiting)
+        self.in_flight.set(live.limiter.in_flight)
+        redis_up = getattr(live.limiter, "up", None)
+        if redis_up is not None:
+            self.redis_up.set(1.0 if redis_up else 0.0)
+        for replica in live.pool.replicas:
+            self.healthy.labels(replica.url).set(1.0 if replica.healthy else 0.0)
+            self.outstanding.labels(replica.url).set(replica.outstanding)

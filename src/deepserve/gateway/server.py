@@ -11,6 +11,7 @@ import contextlib
 import gc
 import logging
 import signal
+import socket
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -74,8 +75,10 @@ def _uvicorn_config(app: GatewayApp, config: GatewayConfig) -> uvicorn.Config:
     )
 
 
-async def serve(config: GatewayConfig, on_ready: Callable[[str], None]) -> None:
-    """Serve until SIGINT/SIGTERM."""
+async def serve(
+    config: GatewayConfig, on_ready: Callable[[str], None], sockets: list[socket.socket] | None = None
+) -> None:
+    """Serve until SIGINT/SIGTERM (on SOCKETS when given: a worker of `--workers N`, see workers.py)."""
     app = GatewayApp(config)
     await app.start()
 
@@ -85,7 +88,7 @@ async def serve(config: GatewayConfig, on_ready: Callable[[str], None]) -> None:
 
     try:
         server = _Server(_uvicorn_config(app, config), listening)
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         await app.close()
 
@@ -136,6 +139,10 @@ def run_gateway(config: GatewayConfig) -> int:
     def announce(url: str) -> None:
         print(f"{READY_PREFIX} {url}", flush=True)
 
+    if config.workers > 1:
+        from deepserve.gateway.workers import run_workers
+
+        return run_workers(config, announce)
     _run(serve(config, announce))
     return 0
 
@@ -153,6 +160,11 @@ def _warn_if_no_keys() -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def run_event_loop(main: Any) -> None:
+    """Run the coroutine MAIN on uvloop (asyncio's loop where uvloop is missing)."""
+    _run(main)
 
 
 def _run(main: Any) -> None:

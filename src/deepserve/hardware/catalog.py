@@ -10,8 +10,12 @@ values, and are marked as such.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deepserve.errors import ConfigError, unknown_name
+
+if TYPE_CHECKING:
+    from deepserve.hardware.host import HostMeasurement
 
 
 @dataclass(frozen=True)
@@ -257,13 +261,47 @@ def class_vendor(hardware_class: str) -> str:
     raise ConfigError(unknown_name("hardware class", hardware_class, sorted({a.hardware_class for a in ACCELERATORS})))
 
 
+HOST_NAMES = ("host", "this-host", "local-cpu")
+
+
+def host_accelerator(measurement: HostMeasurement | None = None) -> Accelerator:
+    """This machine's CPU as an accelerator, from deepserve's own measurement of it (hardware/host.py, cached
+    per host; or MEASUREMENT, e.g. one stored with a benchmark): copy bandwidth, vLLM's CPU GEMM rate in bf16, the
+    cost of one operator call."""
+    from deepserve.hardware.host import measured_host, physical_memory_gib
+
+    m = measurement or measured_host()
+    gemm = m.engine_gflops
+    return Accelerator(
+        name="host",
+        vendor="host",
+        hardware_class="cpu",
+        memory_gib=physical_memory_gib(),
+        memory_bandwidth_gb_s=m.memory_bandwidth_gb_s,
+        dense_tflops={"bf16": gemm / 1e3, "fp16": gemm / 1e3, "fp32": m.fp32_gflops / 1e3},
+        intra_node=Link("host", 5.0, 50.0),
+        devices_per_node=1,
+        sources=(
+            f"measured by deepserve on {m.host} ({m.cpu_model}, {m.cores} cores) at {m.measured_at}: copy bandwidth "
+            f"{m.memory_bandwidth_gb_s} GB/s, {gemm} GFLOP/s for a bf16 model "
+            f"({'bf16 units' if m.native_bf16 else 'no bf16 units: the fp32 rate'}) (hardware/host.py)",
+        ),
+        aliases=HOST_NAMES[1:],
+        notes="this machine, measured; vLLM's CPU build",
+    )
+
+
 def get_accelerator(name: str) -> Accelerator:
-    """Case-insensitive lookup by name or alias (h100 is the SXM part); unknown names list the valid ones."""
+    """Case-insensitive lookup by name or alias (h100 is the SXM part); `host` is this machine's CPU as measured
+    (hardware/host.py); unknown names list the valid ones."""
     wanted = name.strip().lower().replace("_", "-").replace(" ", "-")
+    if wanted in HOST_NAMES:
+        return host_accelerator()
     for acc in ACCELERATORS:
         if wanted == acc.name or wanted in acc.aliases:
             return acc
     valid = [f"{acc.name} ({', '.join(acc.aliases)})" if acc.aliases else acc.name for acc in ACCELERATORS]
+    valid.append(f"host ({', '.join(HOST_NAMES[1:])}: this machine's CPU, measured)")
     raise ConfigError(unknown_name("GPU", name, valid))
 
 

@@ -8,6 +8,10 @@ once, and keep the result under DEEPSERVE_HOME keyed by host name and CPU model 
   the GIL while copying), counted as bytes read plus bytes written, best of several repeats (STREAM's "copy").
 - FLOP rate: square matrix multiplies through NumPy's BLAS in float32, and through PyTorch in bfloat16 where torch
   is installed (vLLM's CPU build computes in bf16), best of several repeats.
+- Whether the CPU has bf16 units (AVX512-BF16 or AMX). Without them vLLM's CPU build runs a bf16 model at about the
+  fp32 rate (measured on a 2-core AVX2 machine: a 512-token prefill at 11-14 GFLOP/s against 14-26 for fp32 and
+  0.4-1.4 for eager PyTorch's bf16 matmul; its compiled kernels widen bf16 to fp32): `engine_gflops` is the rate the
+  planner uses for vLLM's CPU build.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ COPY_BYTES = 512 * 1024**2  # per array; far beyond any CPU cache
 MATMUL_SIZE = 1024
 BF16_MATMUL_SIZE = 512  # CPUs without bf16 units run torch's bf16 matmul a hundred times slower
 REPEATS = 5
-FORMAT = "deepserve-host/1"
+FORMAT = "deepserve-host/2"
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,16 @@ class HostMeasurement:
     fp32_gflops: float  # NumPy BLAS float32 matmul, all cores
     bf16_gflops: float | None  # PyTorch bfloat16 matmul, all cores; None without torch
     measured_at: str
+    native_bf16: bool | None = None  # the CPU has bf16 units (AVX512-BF16 or AMX); None when unknown
     format: str = FORMAT
+
+    @property
+    def engine_gflops(self) -> float:
+        """The rate vLLM's CPU build computes a bf16 model at: the bf16 rate on CPUs with bf16 units, else the fp32
+        rate (see the module's doc string for the measurement behind it)."""
+        if self.native_bf16 and self.bf16_gflops:
+            return self.bf16_gflops
+        return self.fp32_gflops
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -56,6 +70,24 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def physical_memory_gib() -> float:
+    """Installed RAM in GiB (what the CPU engine's KV cache and weights share)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 1024**3
+    except (ValueError, OSError, AttributeError):
+        return 16.0  # sysconf names differ off Linux; the planner only needs an order of magnitude here
 
 
 def host_key() -> str:
@@ -103,6 +135,7 @@ def measure_host() -> HostMeasurement:
         fp32_gflops=round(numpy_matmul_gflops(), 1),
         bf16_gflops=_rounded(torch_bf16_matmul_gflops()),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        native_bf16=bool(cpu_flags() & set(BF16_CPU_FLAGS)) if Path("/proc/cpuinfo").is_file() else None,
     )
 
 

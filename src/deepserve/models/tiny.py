@@ -47,6 +47,7 @@ _TRAILING_SPECIALS = [
     "<｜tool▁sep｜>",
 ]
 TINY_VOCAB_SIZE = 320  # 3 leading specials + 256 bytes + trailing specials + placeholders
+BYTE_TOKEN_OFFSET = len(_LEADING_SPECIALS)  # byte b is token BYTE_TOKEN_OFFSET + b
 
 # DeepSeek-V3's chat format: BOS, system prompt, then <｜User｜> / <｜Assistant｜> turns, each assistant turn closed
 # by EOS; tool results wrapped in tool-output markers; the generation prompt is <｜Assistant｜>.
@@ -209,7 +210,7 @@ def special_tokens() -> list[tuple[int, str]]:
 
 def tokenizer_json() -> dict[str, Any]:
     vocab = {tok: i for i, tok in special_tokens()}
-    vocab.update({char: len(_LEADING_SPECIALS) + b for b, char in enumerate(_byte_level_alphabet())})
+    vocab.update({char: BYTE_TOKEN_OFFSET + b for b, char in enumerate(_byte_level_alphabet())})
     added = [
         {
             "id": i,

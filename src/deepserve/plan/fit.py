@@ -1,16 +1,16 @@
-"""Fit the efficiency factors to the published figures: least squares on log(predicted / published).
+"""Fit an engine profile's (at most two) overhead parameters: least squares on log(predicted / observed).
 
-Rows are grouped by profile (hardware class x engine x weight family). A profile with at least MIN_ROWS_PER_FACTOR
-rows per factor is fitted; the others are predicted by transfer (same engine and weights on other hardware) or
-not at all. Each profile has three factors, so a fitted profile is over-determined by its rows, never tuned row by
-row. The search is Nelder-Mead over the factors' logarithms (no SciPy in the dependencies; three dimensions).
+Everything else in a prediction comes from the hardware (catalog, kernel table) and the engine's version facts;
+only the parameters a profile lists as `fitted` are searched (Nelder-Mead over their logarithms, from a few
+starting points, best kept). Targets are published rows (`deepserve plan fit`) or measured runs (the CPU profile,
+benchmarks/cpu_profile.py). `leave_one_source_out` is the honest score: each source predicted from a fit to the
+others.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -18,92 +18,74 @@ from typing import Any
 
 import numpy as np
 
-from deepserve.hardware.catalog import get_accelerator
-from deepserve.plan.factors import FACTORS_PATH, EfficiencyFactors, ProfileKey
+from deepserve.plan.perf import PerformanceModel
 from deepserve.plan.planner import Deployment
-from deepserve.plan.published import (
-    PublishedRow,
-    load_rows,
-    predict_row,
-    row_deployment,
-    unpredictable_reason,
-    with_factors,
-)
+from deepserve.plan.profiles import PROFILES_PATH, EngineParameters, SelectedFactors, write_parameters
+from deepserve.plan.published import PublishedRow, load_rows, predict_row, row_deployment, unpredictable_reason
 
-FACTOR_COUNT = 3
-MIN_ROWS_PER_FACTOR = 2  # at least 6 rows for the 3 factors of a profile
-# Starting points (layer overhead in us, memory efficiency, compute efficiency): the corners of what engines do.
-STARTS = ((100.0, 0.7, 0.2), (400.0, 0.3, 0.05), (30.0, 0.9, 0.5), (1000.0, 0.1, 0.02))
+MIN_TARGETS_PER_PARAMETER = 2
+# Starting points per parameter, spanning what engines do (kernels per layer; prefill efficiency; ms; us).
+STARTS: dict[str, tuple[float, ...]] = {
+    "kernels_per_layer": (5.0, 30.0, 120.0),
+    "prefill_efficiency": (0.05, 0.3, 1.0),
+    "step_overhead_ms": (0.5, 5.0, 30.0),
+    "per_sequence_us": (10.0, 200.0, 2000.0),
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """One observed figure and how the model predicts it."""
+
+    label: str
+    value: float
+    predict: Callable[[PerformanceModel], float]
+    model: Callable[[EngineParameters], PerformanceModel]
+
+    def predicted(self, parameters: EngineParameters) -> float:
+        return self.predict(self.model(parameters))
 
 
 @dataclass(frozen=True)
 class ProfileFit:
-    key: ProfileKey
-    factors: EfficiencyFactors
-    rows: tuple[PublishedRow, ...]
+    profile: str
+    parameters: EngineParameters
+    fitted: tuple[str, ...]
+    labels: tuple[str, ...]
     rms_log_error: float
 
 
-def fittable_rows() -> dict[ProfileKey, list[tuple[PublishedRow, Deployment]]]:
-    groups: dict[ProfileKey, list[tuple[PublishedRow, Deployment]]] = {}
-    for row in load_rows():
-        if unpredictable_reason(row) is not None:
-            continue
-        deployment = row_deployment(row)
-        if not deployment.memory.fits:
-            continue
-        groups.setdefault(deployment.profile_key(), []).append((row, deployment))
-    return groups
+def fit_parameters(base: SelectedFactors, targets: Sequence[Target]) -> ProfileFit:
+    """The values of BASE's fitted parameters that minimise the squared log errors over TARGETS."""
+    names = base.engine.fitted
+    if len(targets) < MIN_TARGETS_PER_PARAMETER * max(len(names), 1):
+        raise ValueError(f"{len(targets)} targets cannot determine {len(names)} parameters of {base.profile}")
 
-
-def fit_profiles() -> list[ProfileFit]:
-    fits = []
-    for key, members in sorted(fittable_rows().items(), key=lambda item: item[0].describe()):
-        if len(members) < FACTOR_COUNT * MIN_ROWS_PER_FACTOR:
-            continue
-        fits.append(fit_profile(key, members))
-    return fits
-
-
-def fit_profile(key: ProfileKey, members: list[tuple[PublishedRow, Deployment]]) -> ProfileFit:
-    def residuals(factors: EfficiencyFactors) -> np.ndarray:
-        errors = []
-        for row, deployment in members:
-            predicted = predict_row(row, deployment, with_factors(deployment, factors))
-            errors.append(math.log(predicted / row.value))
-        return np.array(errors)
+    def parameters_at(x: np.ndarray) -> EngineParameters:
+        return base.parameters.with_values({name: float(math.exp(v)) for name, v in zip(names, x, strict=True)})
 
     def loss(x: np.ndarray) -> float:
-        return float(np.sum(residuals(_factors_from(x)) ** 2))
+        parameters = parameters_at(x)
+        return float(sum(math.log(t.predicted(parameters) / t.value) ** 2 for t in targets))
 
-    # Nelder-Mead finds a local minimum; start it from a few corners of the plausible range and keep the best.
-    candidates = [_nelder_mead(loss, _to_search_space(start)) for start in STARTS]
-    best = min(candidates, key=loss)
-    factors = _factors_from(best)
-    rms = float(np.sqrt(np.mean(residuals(factors) ** 2)))
-    return ProfileFit(key, factors, tuple(row for row, _ in members), rms)
-
-
-def _to_search_space(start: tuple[float, float, float]) -> np.ndarray:
-    overhead, memory, compute = start
-    return np.array([math.log(overhead), _logit(memory), _logit(compute)])
+    starts = [np.log(np.array(point)) for point in _start_grid(names)]
+    best = min(starts, key=loss)  # the grid's best point seeds the simplex; a second start guards against its basin
+    second = min((s for s in starts if s is not best), key=loss, default=best)
+    candidates = [_nelder_mead(loss, best), _nelder_mead(loss, second)]
+    winner = min(candidates, key=loss)
+    parameters = parameters_at(winner)
+    rms = math.sqrt(loss(winner) / len(targets))
+    return ProfileFit(base.profile, parameters, names, tuple(t.label for t in targets), rms)
 
 
-def _factors_from(x: np.ndarray) -> EfficiencyFactors:
-    """Search space to factors: the overhead is exp(x0); the efficiencies are logistic, so they stay in (0, 1)
-    without a penalty wall the simplex could stick to."""
-    return EfficiencyFactors(float(math.exp(x[0])), _logistic(x[1]), _logistic(x[2]))
+def _start_grid(names: tuple[str, ...]) -> list[tuple[float, ...]]:
+    grid: list[tuple[float, ...]] = [()]
+    for name in names:
+        grid = [(*point, value) for point in grid for value in STARTS[name]]
+    return grid
 
 
-def _logit(p: float) -> float:
-    return math.log(p / (1 - p))
-
-
-def _logistic(u: float) -> float:
-    return 1 / (1 + math.exp(-min(max(u, -50.0), 50.0)))
-
-
-def _nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, iterations: int = 600) -> np.ndarray:
+def _nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, iterations: int = 200) -> np.ndarray:
     """Standard Nelder-Mead (reflection 1, expansion 2, contraction 0.5, shrink 0.5), restarted once from the
     best point so a collapsed simplex cannot stop it early."""
     for _ in range(2):
@@ -113,7 +95,7 @@ def _nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, iterations: i
             order = np.argsort(values)
             simplex = [simplex[i] for i in order]
             values = [values[i] for i in order]
-            if abs(values[-1] - values[0]) < 1e-12:
+            if abs(values[-1] - values[0]) < 1e-10:
                 break
             centroid = np.mean(simplex[:-1], axis=0)
             reflected = centroid + (centroid - simplex[-1])
@@ -136,68 +118,147 @@ def _nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, iterations: i
     return x0
 
 
-def fits_to_json(fits: list[ProfileFit]) -> dict[str, Any]:
-    """The stored factors with the fit's inputs: which rows, and the catalog figures the model used for them."""
-    profiles = []
-    for fit in fits:
-        hardware = sorted({row.hardware for row in fit.rows})
-        profiles.append(
-            {
-                "key": {"hardware_class": fit.key.hardware_class, "engine": fit.key.engine, "weights": fit.key.weights},
-                "factors": fit.factors.to_json(),
-                "rms_log_error": round(fit.rms_log_error, 4),
-                "fitted_on_rows": [row.number for row in fit.rows],
-                "inputs": {
-                    "rows": [
-                        {"row": row.number, "label": row.label(), "published": row.value, "unit": row.unit}
-                        for row in fit.rows
-                    ],
-                    "catalog": {
-                        name: {
-                            "memory_bandwidth_gb_s": get_accelerator(name).memory_bandwidth_gb_s,
-                            "dense_tflops": get_accelerator(name).dense_tflops,
-                        }
-                        for name in hardware
-                    },
-                },
-            }
-        )
-    return {
-        "generated_by": "deepserve plan fit --write",
-        "generated_on": date.today().isoformat(),
-        "method": "least squares on log(predicted/published) per profile; Nelder-Mead from each start, best kept",
-        "starts": [
-            dict(zip(("layer_overhead_us", "memory_efficiency", "compute_efficiency"), start, strict=True))
-            for start in STARTS
-        ],
-        "profiles": profiles,
-    }
+# ---- published rows ---------------------------------------------------------------------------------------------
 
 
-def write_fits(fits: list[ProfileFit], path: Path = FACTORS_PATH) -> Path:
-    path.write_text(json.dumps(fits_to_json(fits), indent=1) + "\n")
-    return path
+@dataclass(frozen=True)
+class RowCase:
+    row: PublishedRow
+    deployment: Deployment
+    engine: SelectedFactors
+
+    def target(self) -> Target:
+        def model(parameters: EngineParameters) -> PerformanceModel:
+            return self.deployment.performance_model(self.engine.with_parameters(parameters, "fit"))
+
+        return Target(self.row.label(), self.row.value, lambda m: predict_row(self.row, self.deployment, m), model)
+
+
+def row_cases(rows: list[PublishedRow] | None = None) -> tuple[list[RowCase], dict[int, str]]:
+    """The rows a profile can be fitted to or scored on, and why each other row cannot be."""
+    cases, reasons = [], {}
+    for row in load_rows() if rows is None else rows:
+        reason = unpredictable_reason(row)
+        if reason is None:
+            reason, case = _row_case(row)
+            if case is not None:
+                cases.append(case)
+                continue
+        reasons[row.number] = reason or ""
+    return cases, reasons
+
+
+def _row_case(row: PublishedRow) -> tuple[str | None, RowCase | None]:
+    deployment = row_deployment(row)
+    engine = deployment.select_engine(across_engines=False)
+    rates = deployment.kernel_rates()
+    if engine is None:
+        return (
+            f"no engine profile for {row.engine}: no other published row to fit its overheads on, and fitting them "
+            "to this row alone would memorise it"
+        ), None
+    if not rates.measured:
+        return (
+            f"no measured kernel figures for {deployment.accelerator.hardware_class} hardware "
+            f"({deployment.accelerator.vendor}): the table carries NVIDIA's over, and another vendor's kernel stack "
+            "does not run at NVIDIA's fractions"
+        ), None
+    if not deployment.memory.fits:
+        return "the model says this setup does not fit in memory", None
+    return None, RowCase(row, deployment, engine)
+
+
+def fit_profiles(cases: list[RowCase] | None = None) -> list[ProfileFit]:
+    """Every profile with enough published rows, fitted to all of them."""
+    cases = row_cases()[0] if cases is None else cases
+    fits = []
+    for _name, members in sorted(_by_profile(cases).items()):
+        if len(members) >= MIN_TARGETS_PER_PARAMETER * len(members[0].engine.engine.fitted):
+            fits.append(fit_parameters(members[0].engine, [m.target() for m in members]))
+    return fits
+
+
+def _by_profile(cases: list[RowCase]) -> dict[str, list[RowCase]]:
+    groups: dict[str, list[RowCase]] = {}
+    for case in cases:
+        groups.setdefault(case.engine.profile, []).append(case)
+    return groups
 
 
 @dataclass(frozen=True)
 class HeldOut:
     row: PublishedRow
-    predicted: float  # by factors fitted without this row
+    predicted: float | None  # by parameters fitted without the row's source; None when none could be
+    parameters: EngineParameters | None
+    reason: str = ""
 
     @property
     def ratio(self) -> float:
+        assert self.predicted is not None
         return self.predicted / self.row.value
 
 
-def leave_one_out() -> list[HeldOut]:
-    """Refit each fitted profile once per row without that row and predict it: how the model does on a figure it
-    has not seen, with everything else about the setup the same."""
+def leave_one_source_out(cases: list[RowCase] | None = None) -> list[HeldOut]:
+    """For each source: refit each engine profile on the other sources' rows, predict the source's rows. A source
+    whose profile has too few rows elsewhere is reported, not predicted."""
+    cases = row_cases()[0] if cases is None else cases
     held = []
-    for key, members in sorted(fittable_rows().items(), key=lambda item: item[0].describe()):
-        if len(members) < FACTOR_COUNT * MIN_ROWS_PER_FACTOR:
-            continue
-        for index, (row, deployment) in enumerate(members):
-            others = members[:index] + members[index + 1 :]
-            factors = fit_profile(key, others).factors
-            held.append(HeldOut(row, predict_row(row, deployment, with_factors(deployment, factors))))
-    return held
+    for source in sorted({c.row.source for c in cases}):
+        others = [c for c in cases if c.row.source != source]
+        fitted: dict[str, EngineParameters | None] = {}
+        for case in (c for c in cases if c.row.source == source):
+            name = case.engine.profile
+            if name not in fitted:
+                train = [c for c in others if c.engine.profile == name]
+                needed = MIN_TARGETS_PER_PARAMETER * len(case.engine.engine.fitted)
+                fitted[name] = (
+                    fit_parameters(case.engine, [c.target() for c in train]).parameters
+                    if len(train) >= needed
+                    else None
+                )
+            parameters = fitted[name]
+            if parameters is None:
+                held.append(
+                    HeldOut(
+                        case.row,
+                        None,
+                        None,
+                        f"fewer than {MIN_TARGETS_PER_PARAMETER} rows per fitted "
+                        f"parameter of {name} in the other sources",
+                    )
+                )
+                continue
+            predicted = case.target().predicted(parameters)
+            held.append(HeldOut(case.row, predicted, parameters))
+    return sorted(held, key=lambda h: h.row.number)
+
+
+def fit_to_json(fit: ProfileFit, cases: list[RowCase]) -> dict[str, Any]:
+    """What `plan fit --write` stores next to the parameters: the rows, the catalog figures, the error."""
+    used = [c for c in cases if c.row.label() in set(fit.labels)]
+    return {
+        "generated_by": "deepserve plan fit --write",
+        "generated_on": date.today().isoformat(),
+        "method": "least squares on log(predicted/published) over the fitted parameters' logarithms; Nelder-Mead "
+        "from the best two points of a start grid",
+        "fitted_on": f"{len(used)} published rows of {len({c.row.source for c in used})} sources",
+        "values": {name: round(getattr(fit.parameters, name), 6) for name in fit.fitted},
+        "rms_log_error": round(fit.rms_log_error, 4),
+        "rows": [
+            {"row": c.row.number, "label": c.row.label(), "published": c.row.value, "unit": c.row.unit} for c in used
+        ],
+        "catalog": {
+            c.deployment.accelerator.name: {
+                "memory_bandwidth_gb_s": c.deployment.accelerator.memory_bandwidth_gb_s,
+                "dense_tflops": c.deployment.accelerator.dense_tflops,
+            }
+            for c in used
+        },
+    }
+
+
+def write_fits(fits: list[ProfileFit], cases: list[RowCase], path: Path = PROFILES_PATH) -> Path:
+    for fit in fits:
+        values = {name: getattr(fit.parameters, name) for name in fit.fitted}
+        write_parameters(fit.profile, values, fit_to_json(fit, cases), path)
+    return path

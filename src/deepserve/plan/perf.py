@@ -1,11 +1,15 @@
-"""The performance model: step times from bytes and FLOPs per GPU, continuous batching per concurrency level.
+"""The performance model: step times from bytes and FLOPs per kind of work, continuous batching per concurrency.
 
-One engine step on one GPU of one pipeline stage, with b decode tokens and p prefill tokens, takes
+One engine step on one GPU of the first pipeline stage, with b decode tokens and p prefill tokens, takes
 
-    t_step = L_s * t_layer + max(bytes / (BW * eff_mem), flops / (peak * eff_compute)) + t_comm
+    t_step = t_engine + sum over kinds [ floor + max(bytes / (BW * e_mem), FLOPs / (peak * e_compute)) ] + t_comm
 
-where L_s is the stage's layer count and t_layer, eff_mem and eff_compute are the fitted efficiency factors. The
-equations and the meaning of every factor are in docs/PLANNING.md; this module is their only implementation.
+The kinds are dense GEMMs, grouped MoE GEMMs, MLA decode attention and MLA prefill attention; their efficiencies
+and floors come from public kernel measurements (data/kernels.json, plan/kernels.py). t_comm is TP all-reduces, EP
+all-to-alls and the PP hand-over, at NCCL's measured bus bandwidths. t_engine is the engine's own cost per step
+(data/engine_profiles.json, plan/profiles.py): small kernels per layer, each one launch in the engine's launch mode,
+plus CPU time per step and per sequence. The prompt tokens' FLOPs run at the profile's prefill efficiency times
+the table's rates. docs/PLANNING.md derives every term; this module is their only implementation.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ from functools import lru_cache
 
 from deepserve.hardware.catalog import Accelerator, Link
 from deepserve.models.spec import ModelSpec, dtype_bytes
-from deepserve.plan.factors import EfficiencyFactors
 from deepserve.plan.formats import WeightFormat
+from deepserve.plan.kernels import KernelRates, KindRate
 from deepserve.plan.layout import Layout, Links, stage_layers
 from deepserve.plan.memory import shard_count
+from deepserve.plan.profiles import SelectedFactors
 
 ACTIVATION_BYTES = 2  # hidden states cross the links in 16-bit
+ATTENTION_DTYPE = "bf16"  # attention kernels compute in 16-bit whatever the weights
 MAX_PREFILL_UTILISATION = 0.95  # queueing formula's guard: prefill demand at or above capacity means unbounded waits
+NVLINK_KINDS = frozenset({"nvlink3", "nvlink4", "nvlink5", "xgmi"})
 
 
 def expected_distinct_experts(experts: int, top_k: int, tokens: float) -> float:
@@ -33,17 +40,58 @@ def expected_distinct_experts(experts: int, top_k: int, tokens: float) -> float:
 
 
 @dataclass(frozen=True)
-class StepCost:
-    """One step of one stage on one GPU, in seconds, by cause."""
+class WorkCost:
+    """One kind of work in one step on one GPU, summed over the stage's layers."""
 
-    overhead_s: float
+    kind: str
     memory_s: float
     compute_s: float
-    comm_s: float
+    floor_s: float = 0.0
+
+    @property
+    def time_s(self) -> float:
+        return self.floor_s + max(self.memory_s, self.compute_s)
+
+    @property
+    def bound(self) -> str:
+        if self.floor_s >= max(self.memory_s, self.compute_s):
+            return "launch"
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step of one stage on one GPU, in seconds, by kind of work."""
+
+    overhead_s: float  # the engine's own time (small kernels' launches, CPU per step and per sequence)
+    work: tuple[WorkCost, ...]
+    comm: tuple[tuple[str, float], ...] = ()  # (all_reduce | all_to_all | pipeline, seconds)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(seconds for _, seconds in self.comm)
+
+    @property
+    def memory_s(self) -> float:
+        return sum(w.memory_s for w in self.work)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(w.compute_s for w in self.work)
 
     @property
     def total_s(self) -> float:
-        return self.overhead_s + max(self.memory_s, self.compute_s) + self.comm_s
+        return self.overhead_s + sum(w.time_s for w in self.work) + self.comm_s
+
+    def kind(self, name: str) -> WorkCost:
+        return next(w for w in self.work if w.kind == name)
+
+    def breakdown_s(self) -> dict[str, float]:
+        """Seconds by kind of work, communication and engine overhead; sums to total_s."""
+        parts = {"engine_overhead": self.overhead_s}
+        parts.update({w.kind: w.time_s for w in self.work})
+        parts.update(dict(self.comm))
+        return parts
 
 
 @dataclass(frozen=True)
@@ -72,8 +120,18 @@ class Prediction:
         }
 
 
+@dataclass(frozen=True)
+class _StageShape:
+    layers: int
+    moe_layers: int
+    layer_params: float  # non-expert parameters per GPU over the stage's layers
+    head_params: float  # output head parameters per GPU
+    static_bytes: float  # bytes every step reads whatever the batch
+    gemm_calls: int  # non-expert GEMM launches over the stage's layers
+
+
 class PerformanceModel:
-    """Step times and per-concurrency predictions for one model on one layout of one accelerator."""
+    """Step times and per-concurrency predictions for one model on one layout of one device, one engine."""
 
     def __init__(
         self,
@@ -82,7 +140,8 @@ class PerformanceModel:
         layout: Layout,
         accelerator: Accelerator,
         links: Links,
-        factors: EfficiencyFactors,
+        rates: KernelRates,
+        engine: SelectedFactors,
         kv_dtype: str,
     ) -> None:
         self.spec = spec
@@ -90,81 +149,159 @@ class PerformanceModel:
         self.layout = layout
         self.accelerator = accelerator
         self.links = links
-        self.factors = factors
+        self.rates = rates
+        self.engine = engine
         self.kv_dtype = kv_dtype
-        self._stage = stage_layers(spec, layout.pp)[0]  # the first stage is the largest and holds the dense layers
-        self._moe_layers, self._layer_params, self._head_params, self._static_bytes = _stage_weights(spec, fmt, layout)
+        self._shape = _stage_shape(spec, fmt, layout)
+        facts = engine.facts
+        self.launch_mode = facts.step_launch(rates.family)
+        self.per_expert_moe = facts.moe_per_expert.get(rates.family)
+
+    @property
+    def factors(self) -> SelectedFactors:
+        return self.engine
 
     # ---- one step ---------------------------------------------------------------------------------------------
 
-    def step(self, decode_tokens: float, prefill_tokens: float, context_len: float) -> StepCost:
-        """One step of the first stage: DECODE_TOKENS sequences at CONTEXT_LEN plus one prompt chunk of
-        PREFILL_TOKENS, counted over the whole stage (all data-parallel ranks together)."""
-        f = self.factors
-        layers = len(self._stage)
-        bytes_gpu = self._weight_bytes(decode_tokens + prefill_tokens) + self._kv_read_bytes(decode_tokens, context_len)
-        flops_gpu = self._flops(decode_tokens, prefill_tokens, context_len)
-        peak = self.accelerator.peak_tflops(self.fmt.compute_dtype) * 1e12
+    def step(
+        self, decode_tokens: float, prefill_tokens: float, context_len: float, prefill_context: float = 0.0
+    ) -> StepCost:
+        """One step of the first stage: DECODE_TOKENS sequences at CONTEXT_LEN, plus PREFILL_TOKENS of prompt
+        (a chunk whose sequence already has PREFILL_CONTEXT tokens cached), counted over the whole stage (all
+        data-parallel ranks together)."""
+        work = (
+            self._dense(decode_tokens, prefill_tokens),
+            self._moe(decode_tokens, prefill_tokens),
+            self._decode_attention(decode_tokens, context_len),
+            self._prefill_attention(prefill_tokens, prefill_context),
+        )
         return StepCost(
-            overhead_s=layers * f.layer_overhead_us * 1e-6,
-            memory_s=bytes_gpu / (self.accelerator.memory_bandwidth_gb_s * 1e9 * f.memory_efficiency),
-            compute_s=flops_gpu / (peak * f.compute_efficiency),
-            comm_s=self._comm_s(decode_tokens + prefill_tokens),
+            self._overhead_s(decode_tokens, prefill_tokens), work, self._comm(decode_tokens + prefill_tokens)
         )
 
-    def _weight_bytes(self, tokens: float) -> float:
-        spec = self.spec
-        experts = expected_distinct_experts(spec.n_routed_experts, spec.num_experts_per_tok, tokens)
-        per_expert = spec.expert_params * self.fmt.bytes_per_param("routed_experts") / self.layout.expert_shards
-        return self._static_bytes + self._moe_layers * experts * per_expert
+    def _launch_s(self, mode: str | None = None) -> float:
+        mode = mode or self.launch_mode
+        if mode == "cpu_eager":  # operator dispatch on a CPU is part of the CPU profile's fitted step overhead
+            return 0.0
+        return self.rates.launch_us[mode] * 1e-6
 
-    def _kv_read_bytes(self, decode_tokens: float, context_len: float) -> float:
+    def _overhead_s(self, decode_tokens: float, prefill_tokens: float) -> float:
+        p = self.engine.parameters
+        sequences = decode_tokens + (1 if prefill_tokens else 0)
+        small_kernels = self._shape.layers * p.kernels_per_layer * self._launch_s()
+        return p.step_overhead_ms * 1e-3 + small_kernels + p.per_sequence_us * 1e-6 * sequences
+
+    def _compute_s(self, decode_flops: float, prefill_flops: float, rate: KindRate, dtype: str) -> float:
+        peak = self.accelerator.peak_tflops(dtype) * 1e12 * rate.compute_efficiency
+        return (decode_flops + prefill_flops / self.engine.parameters.prefill_efficiency) / peak
+
+    def _memory_s(self, nbytes: float, rate: KindRate) -> float:
+        return nbytes / (self.accelerator.memory_bandwidth_gb_s * 1e9 * rate.memory_efficiency)
+
+    def _dense(self, decode_tokens: float, prefill_tokens: float) -> WorkCost:
+        """Every non-expert linear layer reads its weights once per step; the output head runs for the sampled
+        tokens (every decode token, one per prompt)."""
+        shape, dp = self._shape, self.layout.dp
+        rate = self.rates.rate("dense_gemm")
+        decode = 2 * decode_tokens / dp * (shape.layer_params + shape.head_params)
+        prefill = 2 * prefill_tokens / dp * shape.layer_params + (2 * shape.head_params / dp if prefill_tokens else 0)
+        return WorkCost(
+            "dense_gemm",
+            self._memory_s(shape.static_bytes, rate),
+            self._compute_s(decode, prefill, rate, self.fmt.compute_dtype),
+            shape.gemm_calls * self._launch_s() if decode_tokens + prefill_tokens else 0.0,
+        )
+
+    def _moe(self, decode_tokens: float, prefill_tokens: float) -> WorkCost:
+        spec, layout, shape = self.spec, self.layout, self._shape
+        tokens = decode_tokens + prefill_tokens
+        if not shape.moe_layers or not tokens:
+            return WorkCost("moe_gemm", 0.0, 0.0)
+        rate = self.rates.rate("moe_gemm")
+        touched = expected_distinct_experts(spec.n_routed_experts, spec.num_experts_per_tok, tokens)
+        per_expert = spec.expert_params / layout.expert_shards
+        nbytes = shape.moe_layers * touched * per_expert * self.fmt.bytes_per_param("routed_experts")
+        flops_per_token = 2 * spec.num_experts_per_tok * per_expert * shape.moe_layers
+        compute = self._compute_s(
+            flops_per_token * decode_tokens, flops_per_token * prefill_tokens, rate, self.fmt.compute_dtype
+        )
+        if self.per_expert_moe is not None:  # one launch per touched expert and GEMM, from the host
+            experts_here = touched / layout.dp if layout.ep else touched
+            launches = shape.moe_layers * experts_here * self.per_expert_moe.launches_per_expert
+            floor = launches * self._launch_s(self.per_expert_moe.launch)
+        else:
+            floor = shape.moe_layers * rate.floor_us * 1e-6
+        return WorkCost("moe_gemm", self._memory_s(nbytes, rate), compute, floor)
+
+    def _decode_attention(self, decode_tokens: float, context_len: float) -> WorkCost:
         """Each decode token reads its sequence's cache on every layer of the stage; under TP every rank reads the
         whole MLA latent (it is replicated), under DP attention a rank reads only its own sequences."""
-        per_layer = float(self.spec.kv_values_per_token_per_layer * dtype_bytes(self.kv_dtype))
-        if not self.spec.is_mla:
-            per_layer /= min(self.layout.tp, self.spec.num_kv_heads)
-        return decode_tokens / self.layout.dp * context_len * per_layer * len(self._stage)
-
-    def _flops(self, decode_tokens: float, prefill_tokens: float, context_len: float) -> float:
-        spec, layout = self.spec, self.layout
-        tokens = decode_tokens + prefill_tokens
-        rank_tokens = tokens / layout.dp
-        # The output head runs for the tokens that are sampled: every decode token, one per prompt.
-        head_tokens = (decode_tokens + (1 if prefill_tokens else 0)) / layout.dp
-        linear = 2 * rank_tokens * self._layer_params + 2 * head_tokens * self._head_params
-        routed = 2 * tokens * spec.num_experts_per_tok * spec.expert_params / layout.expert_shards
-        linear += routed * self._moe_layers
+        spec, layout, layers = self.spec, self.layout, self._shape.layers
+        if not decode_tokens:
+            return WorkCost("mla_decode", 0.0, 0.0)
+        rate = self.rates.rate("mla_decode")
+        per_layer = float(spec.kv_values_per_token_per_layer * dtype_bytes(self.kv_dtype))
         heads = spec.num_attention_heads / layout.tp
-        layers = len(self._stage)
         if spec.is_mla:
-            latent = (spec.kv_lora_rank or 0) + spec.qk_rope_head_dim
-            decode_attn = 2 * heads * (latent + (spec.kv_lora_rank or 0)) * context_len  # absorbed MLA
-            qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
-            prefill_attn = 2 * heads * (qk + spec.v_head_dim) * prefill_tokens / 2  # causal, average half prompt
+            kv_lora = spec.kv_lora_rank or 0
+            flops_per_position = 2 * heads * (kv_lora + spec.qk_rope_head_dim + kv_lora)  # absorbed: scores + values
         else:
-            decode_attn = 4 * heads * spec.head_dim * context_len
-            prefill_attn = 4 * heads * spec.head_dim * prefill_tokens / 2
-        attention = (decode_tokens * decode_attn + prefill_tokens * prefill_attn) / layout.dp * layers
-        return linear + attention
+            per_layer /= min(layout.tp, spec.num_kv_heads)
+            flops_per_position = 4 * heads * spec.head_dim
+        sequences = decode_tokens / layout.dp
+        nbytes = sequences * context_len * per_layer * layers
+        flops = sequences * context_len * flops_per_position * layers
+        return WorkCost(
+            "mla_decode",
+            self._memory_s(nbytes, rate),
+            self._compute_s(flops, 0.0, rate, ATTENTION_DTYPE),
+            layers * self._launch_s(),
+        )
 
-    def _comm_s(self, tokens: float) -> float:
+    def _prefill_attention(self, prefill_tokens: float, prefill_context: float) -> WorkCost:
+        """Prompt tokens attend to the cached context and, causally, to each other: MLA's prefill runs in the
+        decompressed form, (qk_nope + qk_rope) + v_head per head and position."""
+        spec, layout, layers = self.spec, self.layout, self._shape.layers
+        if not prefill_tokens:
+            return WorkCost("mla_prefill", 0.0, 0.0)
+        rate = self.rates.rate("mla_prefill")
+        heads = spec.num_attention_heads / layout.tp
+        if spec.is_mla:
+            per_position = 2 * heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim)
+        else:
+            per_position = 4 * heads * spec.head_dim
+        positions = prefill_context + prefill_tokens / 2
+        flops = prefill_tokens / layout.dp * positions * per_position * layers
+        cached = prefill_context * spec.kv_values_per_token_per_layer * dtype_bytes(self.kv_dtype) * layers
+        return WorkCost(
+            "mla_prefill",
+            self._memory_s(cached, rate),
+            self._compute_s(0.0, flops, rate, ATTENTION_DTYPE),
+            layers * self._launch_s(),
+        )
+
+    def _comm(self, tokens: float) -> tuple[tuple[str, float], ...]:
         """TP: two all-reduces per layer (after attention and after the MLP/MoE); EP: a dispatch and a combine
         all-to-all per MoE layer; PP: one activation transfer to the next stage."""
         spec, layout = self.spec, self.layout
-        rank_tokens = tokens / layout.dp
-        message = rank_tokens * spec.hidden_size * ACTIVATION_BYTES
-        total = 0.0
-        if layout.tp > 1:
-            per = _all_reduce_s(message, layout.tp, self.links.tensor)
-            total += 2 * len(self._stage) * per
-        if layout.ep and layout.expert_shards > 1:
+        message = tokens / layout.dp * spec.hidden_size * ACTIVATION_BYTES
+        parts: list[tuple[str, float]] = []
+        if layout.tp > 1 and tokens:
+            per = _all_reduce_s(
+                message, layout.tp, self.links.tensor, self.rates.all_reduce_bus_gb_s(self.links.tensor)
+            )
+            parts.append(("all_reduce", 2 * self._shape.layers * per))
+        if layout.ep and layout.expert_shards > 1 and tokens:
             shards = layout.expert_shards
             volume = message * spec.num_experts_per_tok * (shards - 1) / shards
-            total += 2 * self._moe_layers * _transfer_s(volume, self.links.tensor)
-        if layout.pp > 1:
-            total += _transfer_s(message, self.links.pipeline)
-        return total
+            link = self.links.tensor
+            efficiency = (
+                self.rates.all_to_all_efficiency if link.kind in NVLINK_KINDS else self.rates.network_efficiency
+            )
+            parts.append(("all_to_all", 2 * self._shape.moe_layers * _transfer_s(volume, link, efficiency)))
+        if layout.pp > 1 and tokens:
+            parts.append(("pipeline", _transfer_s(message, self.links.pipeline, self.rates.network_efficiency)))
+        return tuple(parts)
 
     # ---- continuous batching ----------------------------------------------------------------------------------
 
@@ -204,28 +341,48 @@ class PerformanceModel:
 
 
 @lru_cache(maxsize=256)
-def _stage_weights(spec: ModelSpec, fmt: WeightFormat, layout: Layout) -> tuple[int, float, float, float]:
-    """For one GPU of the first stage: its MoE layers, its non-expert layer params, its output-head params, and the
-    bytes every step reads there whatever the batch (everything but the routed experts, plus the output head, read
-    once per step on the last stage)."""
+def _stage_shape(spec: ModelSpec, fmt: WeightFormat, layout: Layout) -> _StageShape:
+    """For one GPU of the first stage: its layers and MoE layers, its non-expert layer parameters, its output-head
+    parameters, the bytes every step reads there whatever the batch (everything but the routed experts, plus the
+    output head), and its non-expert GEMM launches."""
     stage = stage_layers(spec, layout.pp)[0]
-    moe_layers, params, total = 0, 0.0, 0.0
+    moe_layers, params, total, calls = 0, 0.0, 0.0, 0
     for index in stage:
-        for key, count in spec.layer_parameter_breakdown(index).items():
+        parts = spec.layer_parameter_breakdown(index)
+        for key, count in parts.items():
             if key == "routed_experts":
-                moe_layers += 1 if count else 0
                 continue
             share = count / shard_count(key, spec, layout)
             params += share
             total += share * fmt.bytes_per_param(key)
+        moe_layers += 1 if parts.get("routed_experts") else 0
+        calls += _gemm_calls(spec, parts)
     head = spec.parameter_breakdown()["lm_head"] / layout.tp
-    return moe_layers, params, head, total + head * fmt.bytes_per_param("lm_head")
+    return _StageShape(
+        layers=len(stage),
+        moe_layers=moe_layers,
+        layer_params=params,
+        head_params=head,
+        static_bytes=total + head * fmt.bytes_per_param("lm_head"),
+        gemm_calls=calls + 1,  # the output head
+    )
 
 
-def _all_reduce_s(message_bytes: float, ranks: int, link: Link) -> float:
-    """Ring all-reduce: 2 (n-1)/n of the message crosses each link, plus one collective latency."""
-    return link.collective_latency_us * 1e-6 + 2 * (ranks - 1) / ranks * message_bytes / (link.bandwidth_gb_s * 1e9)
+def _gemm_calls(spec: ModelSpec, parts: dict[str, int]) -> int:
+    """Non-expert GEMM launches of one layer as vLLM runs DeepSeek: MLA's fused q_a/kv_a projection, q_b, the
+    absorbed key and value products and o_proj (a GQA layer: qkv and o); gate_up and down of a dense MLP or a
+    shared expert; the router."""
+    attention = 5 if spec.is_mla else 2
+    mlp = 2 if parts.get("dense_mlp") else 0
+    shared = 2 if parts.get("shared_experts") else 0
+    router = 1 if parts.get("router") else 0
+    return attention + mlp + shared + router
 
 
-def _transfer_s(message_bytes: float, link: Link) -> float:
-    return link.collective_latency_us * 1e-6 + message_bytes / (link.bandwidth_gb_s * 1e9)
+def _all_reduce_s(message_bytes: float, ranks: int, link: Link, bus_gb_s: float) -> float:
+    """Ring all-reduce: 2 (n-1)/n of the message at the collective's bus bandwidth, plus one collective latency."""
+    return link.collective_latency_us * 1e-6 + 2 * (ranks - 1) / ranks * message_bytes / (bus_gb_s * 1e9)
+
+
+def _transfer_s(message_bytes: float, link: Link, efficiency: float) -> float:
+    return link.collective_latency_us * 1e-6 + message_bytes / (link.bandwidth_gb_s * 1e9 * efficiency)

@@ -13,11 +13,15 @@ from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import Accelerator, Network, get_accelerator, get_network
 from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
-from deepserve.plan.factors import ProfileKey, SelectedFactors, select_factors, weight_family
+from deepserve.plan.calibration import apply_calibration
+from deepserve.plan.cost import usd_per_million_output_tokens
+from deepserve.plan.explain import Explanation, explain
 from deepserve.plan.formats import WeightFormat, checkpoint_format, get_format
+from deepserve.plan.kernels import KernelRates, kernel_rates
 from deepserve.plan.layout import Layout, check_layout, default_layout, layout_links
 from deepserve.plan.memory import MemoryPlan, plan_memory
 from deepserve.plan.perf import PerformanceModel, Prediction, Workload
+from deepserve.plan.profiles import SelectedFactors, select_profile
 
 DEFAULT_CONCURRENCY = (1, 8, 16, 32, 64, 128, 256)
 
@@ -41,7 +45,10 @@ class PlanConfig(Section):
     concurrency: list[int] = Field(default_factory=lambda: list(DEFAULT_CONCURRENCY), description="levels")
     slo_itl_ms: float | None = Field(50.0, gt=0, description="inter-token latency objective (mean, ms)")
     gpu_hour_usd: float | None = Field(None, gt=0, description="price of one GPU-hour, for cost per 1M tokens")
-    engine: Literal["vllm", "sglang"] = Field("vllm", description="engine whose efficiency factors to use")
+    engine: Literal["vllm", "sglang"] = Field("vllm", description="engine whose overhead profile to use")
+    engine_version: str | None = Field(
+        None, description="engine version (e.g. 0.7.3) for its version facts; None = the profile's current version"
+    )
     tp: int | None = Field(None, ge=1, description="tensor-parallel size; None = GPUs per node")
     pp: int | None = Field(None, ge=1, description="pipeline-parallel size; None = the number of nodes")
     dp: int = Field(1, ge=1, description="data-parallel attention replicas (with --ep)")
@@ -50,7 +57,9 @@ class PlanConfig(Section):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory the engine uses")
     max_num_seqs: int | None = Field(None, ge=1, description="running-batch cap; None = what the KV cache holds")
     max_num_batched_tokens: int = Field(8192, ge=1, description="tokens per step (sizes the activation reserve)")
-    calibration: Path | None = Field(None, description="JSON from benchmarks/calibrate_gpu.py (measured factors)")
+    calibration: Path | None = Field(
+        None, description="JSON from benchmarks/calibrate_gpu.py: measured kernel efficiencies replace the table's"
+    )
 
     @field_validator("concurrency")
     @classmethod
@@ -62,7 +71,7 @@ class PlanConfig(Section):
 
 @dataclass(frozen=True)
 class Deployment:
-    """Model x format x layout x hardware, resolved and checked; everything except the efficiency factors."""
+    """Model x format x layout x hardware x engine, resolved and checked."""
 
     spec: ModelSpec
     fmt: WeightFormat
@@ -74,6 +83,8 @@ class Deployment:
     kv_dtype: str
     memory: MemoryPlan
     max_num_seqs: int | None
+    engine_version: str | None = None
+    max_num_batched_tokens: int = 8192
 
     @property
     def running_cap(self) -> int:
@@ -84,13 +95,32 @@ class Deployment:
             cap = min(cap, self.max_num_seqs * self.layout.pp)
         return max(cap, 0)
 
-    def profile_key(self) -> ProfileKey:
-        return ProfileKey(self.accelerator.hardware_class, self.engine, weight_family(self.fmt.name))
+    def select_engine(self, across_engines: bool = True) -> SelectedFactors | None:
+        """The engine profile for this deployment (see plan/profiles.py); None when none may stand in."""
+        return select_profile(
+            self.engine, self.accelerator.hardware_class, self.engine_version, across_engines=across_engines
+        )
 
-    def performance_model(self, selected: SelectedFactors) -> PerformanceModel:
+    def kernel_rates(self) -> KernelRates:
+        return kernel_rates(self.accelerator, self.fmt.name)
+
+    def performance_model(
+        self, selected: SelectedFactors | None = None, rates: KernelRates | None = None
+    ) -> PerformanceModel:
+        """The step model of this deployment with engine profile SELECTED (default: the deployment's own) and
+        kernel figures RATES (default: the table's for this GPU and weight format)."""
+        engine = selected or self.select_engine()
+        assert engine is not None  # across_engines=True always finds the device's profile
         links = layout_links(self.layout, self.accelerator, self.nodes, self.network)
         return PerformanceModel(
-            self.spec, self.fmt, self.layout, self.accelerator, links, selected.factors, self.kv_dtype
+            self.spec,
+            self.fmt,
+            self.layout,
+            self.accelerator,
+            links,
+            rates or self.kernel_rates(),
+            engine,
+            self.kv_dtype,
         )
 
 
@@ -117,8 +147,11 @@ def build_deployment(
     workload: Workload | None = None,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int = 8192,
+    engine_version: str | None = None,
+    accelerator: Accelerator | None = None,
 ) -> Deployment:
-    accelerator = get_accelerator(gpu)
+    """GPU names the catalog entry; ACCELERATOR, when given, is used instead (a measured host, for instance)."""
+    accelerator = accelerator or get_accelerator(gpu)
     if engine not in ("vllm", "sglang", "trtllm"):
         raise ConfigError(f"unknown engine {engine!r}; valid: sglang, vllm")
     fmt = get_format(weights) if weights else checkpoint_format(spec)
@@ -140,29 +173,42 @@ def build_deployment(
         workload.input_len + workload.output_len,
         max_num_batched_tokens,
     )
-    return Deployment(spec, fmt, layout, accelerator, nodes, get_network(network), engine, kv, memory, max_num_seqs)
+    return Deployment(
+        spec,
+        fmt,
+        layout,
+        accelerator,
+        nodes,
+        get_network(network),
+        engine,
+        kv,
+        memory,
+        max_num_seqs,
+        engine_version,
+        max_num_batched_tokens,
+    )
 
 
 @dataclass(frozen=True)
 class Plan:
     config: PlanConfig
     deployment: Deployment
-    factors: SelectedFactors
+    factors: SelectedFactors  # the engine profile (name kept from the fitted-factors model)
     predictions: tuple[Prediction, ...]
     max_concurrency_within_slo: int | None
     commands: dict[str, str]
     smallest_fitting_gpus: int | None = None  # when it does not fit: GPUs of this type (whole nodes) that would
     serve_commands: tuple[str, ...] = ()  # `deepserve serve` on each node, node 0 first
+    rates: KernelRates | None = None  # the kernel figures the predictions used
+    explanations: tuple[Explanation, ...] = ()  # why this format, layout and KV-cache size
 
     @property
     def fits(self) -> bool:
         return self.deployment.memory.fits
 
     def cost_per_million_output_tokens_usd(self, prediction: Prediction) -> float | None:
-        if self.config.gpu_hour_usd is None or prediction.output_throughput_tok_s <= 0:
-            return None
-        dollars_per_s = self.config.gpu_hour_usd * self.deployment.layout.gpus / 3600
-        return dollars_per_s / prediction.output_throughput_tok_s * 1e6
+        gpus = self.deployment.layout.gpus
+        return usd_per_million_output_tokens(prediction.output_throughput_tok_s, gpus, self.config.gpu_hour_usd)
 
     def to_json(self) -> dict[str, Any]:
         d, memory = self.deployment, self.deployment.memory
@@ -195,11 +241,13 @@ class Plan:
             "max_concurrent_sequences": memory.max_concurrent_sequences,
             "input_len": self.config.input_len,
             "output_len": self.config.output_len,
-            "efficiency_factors": {
-                **self.factors.factors.to_json(),
+            "efficiency_factors": {  # key kept for scripts: the engine profile now, not three fitted factors
+                **self.factors.parameters.to_json(),
                 "profile": self.factors.profile,
                 "provenance": self.factors.provenance,
             },
+            "performance_model": self._model_json(),
+            "explanations": [e.to_json() for e in self.explanations],
             "predictions": predictions,
             "slo_itl_ms": self.config.slo_itl_ms,
             "max_concurrency_within_slo": self.max_concurrency_within_slo,
@@ -207,6 +255,29 @@ class Plan:
             "mtp_params_not_loaded": d.spec.mtp_params(),
             "commands": self.commands,
             "serve_commands": list(self.serve_commands),
+        }
+
+    def _model_json(self) -> dict[str, Any]:
+        f = self.factors
+        rates = self.rates or self.deployment.kernel_rates()
+        return {
+            "engine_profile": f.profile,
+            "engine_version": f.version,
+            "provenance": f.provenance,
+            "parameters": f.parameters.to_json(),
+            "fitted_parameters": list(f.engine.fitted),
+            "launch_mode": f.facts.step_launch(rates.family),
+            "kernel_figures": rates.provenance,
+            "kinds": {
+                kind: {
+                    "memory_efficiency": rate.memory_efficiency,
+                    "compute_efficiency": rate.compute_efficiency,
+                    "floor_us": rate.floor_us,
+                    "measured": rate.measured,
+                    "source": rate.source,
+                }
+                for kind, rate in rates.kinds.items()
+            },
         }
 
 
@@ -231,13 +302,17 @@ def make_plan(config: PlanConfig) -> Plan:
         workload=workload,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        engine_version=config.engine_version,
     )
-    selected = select_factors(deployment.profile_key(), calibration=config.calibration)
-    assert selected is not None  # across_engines=True always finds a profile when any is fitted
+    selected = deployment.select_engine()
+    assert selected is not None  # across_engines=True always finds the device's profile
+    rates = deployment.kernel_rates()
+    if config.calibration is not None:
+        rates = apply_calibration(rates, config.calibration)
     predictions: tuple[Prediction, ...] = ()
     within_slo = None
     if deployment.memory.fits and deployment.running_cap > 0:
-        model = deployment.performance_model(selected)
+        model = deployment.performance_model(selected, rates)
         cap = deployment.running_cap
         predictions = tuple(model.predict(c, workload, cap) for c in config.concurrency)
         if config.slo_itl_ms is not None:
@@ -245,7 +320,10 @@ def make_plan(config: PlanConfig) -> Plan:
     commands = engine_commands(deployment, config)
     serve_lines = serve_commands(deployment, config)
     smallest = None if deployment.memory.fits else smallest_fitting_gpus(config)
-    return Plan(config, deployment, selected, predictions, within_slo, commands, smallest, serve_lines)
+    explanations = explain(config, deployment, selected, rates, smallest)
+    return Plan(
+        config, deployment, selected, predictions, within_slo, commands, smallest, serve_lines, rates, explanations
+    )
 
 
 MAX_NODES_SEARCHED = 8

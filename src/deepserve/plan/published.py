@@ -1,9 +1,9 @@
 """The published serving figures (calibration set) and how each row becomes a prediction of the model.
 
 Rows come from ../shared/published/serving_figures.csv, copied to data/serving_figures.json. A row is predictable
-when its workload (input and output lengths) is known and a profile for its engine was fitted (or fits by transfer
-from other hardware with the same engine and weights). Setup facts the CSV leaves out but the seeds state (the
-engine's max_num_seqs, the network between nodes, the concurrency sweep) are listed in SOURCE_SETUPS.
+when its workload (input and output lengths) is known, its engine has a profile and its hardware has measured
+kernel figures. Setup facts the CSV leaves out but the seeds state (the engine's max_num_seqs, the network between
+nodes, the concurrency sweep) are listed in SOURCE_SETUPS.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 
 from deepserve.models.presets import preset_spec
 from deepserve.models.spec import ModelSpec
-from deepserve.plan.factors import EfficiencyFactors, SelectedFactors
 from deepserve.plan.layout import Layout
 from deepserve.plan.perf import PerformanceModel, Prediction, Workload
 from deepserve.plan.planner import Deployment, build_deployment
+from deepserve.plan.profiles import EngineParameters
 
 FIGURES_PATH = Path(__file__).with_name("data") / "serving_figures.json"
 
@@ -157,6 +157,7 @@ def row_deployment(row: PublishedRow) -> Deployment:
         max_model_len=setup.max_model_len or row.input_len + row.output_len,
         workload=Workload(row.input_len, row.output_len),
         max_num_seqs=setup.max_num_seqs,
+        engine_version=row.engine_version or None,
     )
 
 
@@ -174,8 +175,12 @@ def predict_row(row: PublishedRow, deployment: Deployment, model: PerformanceMod
     return metric(model.predict(cap, workload, cap), workload)  # a request-rate sweep peaks when the batch is full
 
 
-def with_factors(deployment: Deployment, factors: EfficiencyFactors) -> PerformanceModel:
-    return deployment.performance_model(SelectedFactors(factors, "fit", "fit"))
+def with_parameters(deployment: Deployment, parameters: EngineParameters) -> PerformanceModel:
+    """DEPLOYMENT's step model with its own engine profile's overhead parameters set to PARAMETERS."""
+    selected = deployment.select_engine(across_engines=False)
+    if selected is None:
+        raise ValueError(f"no engine profile for {deployment.engine} on {deployment.accelerator.name}")
+    return deployment.performance_model(selected.with_parameters(parameters, "fit"))
 
 
 def _int_or_none(text: str) -> int | None:

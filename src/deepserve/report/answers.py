@@ -6,16 +6,21 @@
   plateau is the highest completed rate; the server saturates at the first offered rate whose completed rate reaches
   95% of that plateau while falling short of the offered rate by more than 10%.
 - Saturation under a concurrency sweep: the first concurrency whose output throughput reaches 95% of the peak.
+- Efficiency: how close decode runs to the hardware's memory-bandwidth limit (the range over the set's points, and
+  the closest point), and, with a price, the cheapest point's cost per million output tokens.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from deepserve.report import derived as dv
 from deepserve.report import series as sr
+from deepserve.report.deployment import SetDeployment
 from deepserve.report.slo import Slo, metric_words
-from deepserve.results.points import ResultSet
+from deepserve.results.points import ResultPoint, ResultSet
 
 PLATEAU_FRACTION = 0.95  # within 5% of the best is "on the plateau"
 KEEPING_UP_FRACTION = 0.90  # completing at least 90% of the offered rate is "keeping up"
@@ -121,3 +126,73 @@ def _tps(value: float | None) -> str:
 
 def _ms(value: float | None) -> str:
     return "no value" if value is None else f"{value:,.1f} ms"
+
+
+@dataclass(frozen=True)
+class EfficiencyAnswer:
+    series: str
+    text: str
+
+
+def efficiency_answers(sets: list[ResultSet], deployments: Sequence[SetDeployment]) -> list[EfficiencyAnswer]:
+    """Per set: how close decode runs to the hardware's limit, and what the cheapest point costs."""
+    answers = []
+    for result_set, deployment in zip(sets, deployments, strict=True):
+        limit_text = _limit_answer(result_set, deployment)
+        if limit_text:
+            answers.append(EfficiencyAnswer(result_set.label, limit_text))
+        cost_text = _cost_answer(result_set, deployment)
+        if cost_text:
+            answers.append(EfficiencyAnswer(result_set.label, cost_text))
+    return answers
+
+
+def _limit_answer(result_set: ResultSet, deployment: SetDeployment) -> str | None:
+    points = [point for point in result_set.points if point.metric(dv.LIMIT_FRACTION) is not None]
+    if not points or deployment.limit is None:
+        return None
+    fractions = [point.metric(dv.LIMIT_FRACTION) or 0.0 for point in points]
+    closest = points[fractions.index(max(fractions))]
+    span = f"{min(fractions):.0%} to {max(fractions):.0%}" if len(points) > 1 else f"{fractions[0]:.0%}"
+    return (
+        f"{result_set.label}: decode runs at {span} of the hardware's memory-bandwidth limit (closest at a decode "
+        f"batch of {closest.metric(dv.DECODE_BATCH) or 0:,.1f}, {closest.params.describe()}: "
+        f"{_tps(closest.metric(dv.DECODE_TOK_S))} of {_tps(closest.metric(dv.LIMIT_TOK_S))} tokens/s, "
+        f"{_bytes(closest.metric(dv.BYTES_PER_STEP))} read per step per device); "
+        f"{deployment.limit.describe()}."
+    )
+
+
+def _cost_answer(result_set: ResultSet, deployment: SetDeployment) -> str | None:
+    points = [point for point in result_set.points if point.metric(dv.COST) is not None]
+    if not points or deployment.gpu_hour_usd is None:
+        return None
+    cheapest = min(points, key=lambda point: point.metric(dv.COST) or math.inf)
+    text = (
+        f"{result_set.label}: the cheapest point costs ${cheapest.metric(dv.COST):,.2f} per million output tokens "
+        f"({cheapest.params.describe()}, {_speed(cheapest)})"
+    )
+    fastest = max(points, key=lambda point: point.metric(dv.PER_USER) or 0.0)
+    if fastest is not cheapest and fastest.metric(dv.PER_USER) is not None:
+        text += (
+            f"; the fastest per user, {_speed(fastest)} ({fastest.params.describe()}), costs "
+            f"${fastest.metric(dv.COST):,.2f}"
+        )
+    text += f"; {deployment.gpus} x ${deployment.gpu_hour_usd:,.2f} per hour"
+    if deployment.gpus_assumed:
+        text += " (1 GPU assumed: the run recorded no GPU count; pass --gpus N)"
+    return text + "."
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "? bytes"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:,.1f} {unit}"
+    return f"{value:,.0f} bytes"
+
+
+def _speed(point: ResultPoint) -> str:
+    value = point.metric(dv.PER_USER)
+    return "speed per user unknown" if value is None else f"{value:,.1f} tokens/s per user"

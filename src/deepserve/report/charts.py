@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
+from deepserve.report import derived as dv
 from deepserve.report import series as sr
 from deepserve.report.slo import Slo, metric_words
 from deepserve.results.points import ResultSet
@@ -255,6 +256,95 @@ def _prefix_pairs(sets: list[ResultSet]) -> list[tuple[str, sr.ResultPoint, sr.R
     return pairs
 
 
+def pareto(sets: list[ResultSet], slos: Sequence[Slo], out_dir: Path) -> Chart | None:
+    """Throughput per GPU against speed per user: the trade every deployment makes. Up and to the right is
+    better; the frontier joins the points no other point of the line beats on both."""
+    lines = sr.build_workload_series(sets, _per_user_x, dv.PER_GPU)
+    return _frontier_chart(
+        "pareto",
+        "Throughput per GPU vs speed per user (Pareto frontier)",
+        lines,
+        dv.PER_GPU,
+        "output tokens/s per GPU",
+        out_dir,
+        caption="Every point: output tokens/s per GPU against output tokens/s per user (1000 / median TPOT). The "
+        "thick line joins the points that no other point of its line beats on both axes (the Pareto frontier); up "
+        "and to the right is better.",
+    )
+
+
+def cost_per_million_tokens(sets: list[ResultSet], slos: Sequence[Slo], out_dir: Path) -> Chart | None:
+    """What a million output tokens cost at each speed per user; down and to the right is better."""
+    lines = sr.build_workload_series(sets, _per_user_x, dv.COST)
+    return _frontier_chart(
+        "cost_per_million_tokens",
+        "Cost per million output tokens vs speed per user",
+        lines,
+        dv.COST,
+        "USD per million output tokens",
+        out_dir,
+        caption="GPUs x price per GPU-hour / output tokens per hour, for every point, against output tokens/s per "
+        "user. The thick line joins the cheapest points at each speed (the frontier); down and to the right is "
+        "better.",
+        lower_is_better=True,
+    )
+
+
+def decode_vs_hardware_limit(sets: list[ResultSet], slos: Sequence[Slo], out_dir: Path) -> Chart | None:
+    lines = sr.build_workload_series(sets, lambda point: point.metric(dv.DECODE_BATCH), dv.LIMIT_TOK_S)
+    if sum(len(line.points) for line in lines) < 2:
+        return None
+    return _line_chart(
+        "decode_vs_hardware_limit",
+        "Decode vs the memory-bandwidth limit",
+        lines,
+        (
+            Metric(dv.DECODE_TOK_S, "achieved decode", SOLID),
+            Metric(dv.LIMIT_TOK_S, "limit: bytes per step / memory bandwidth", DASHED),
+        ),
+        "decode batch (mean sequences decoding)",
+        "decode tokens/s",
+        out_dir,
+        caption="Achieved decode tokens/s (decode batch x 1000 / mean TPOT) against the most the hardware allows at "
+        "that batch: every step reads the weights (for MoE, the experts the batch touches) and each sequence's KV "
+        "cache once, at the full memory bandwidth.",
+    )
+
+
+def _per_user_x(point: sr.ResultPoint) -> float | None:
+    return point.metric(dv.PER_USER)
+
+
+def _frontier_chart(
+    name: str,
+    title: str,
+    lines: list[sr.Series],
+    y_key: str,
+    y_label: str,
+    out_dir: Path,
+    *,
+    caption: str,
+    lower_is_better: bool = False,
+) -> Chart | None:
+    """Every point of every line as a faint dot, and each line's frontier as a thick line in its colour."""
+    if sum(len(line.points) for line in lines) < 2:
+        return None
+    fig, ax = _figure(title)
+    handles: list[Line2D] = []
+    for color, line in zip(_colors(), lines, strict=False):
+        ys = line.ys(y_key)
+        ax.scatter(line.xs, ys, color=color, alpha=0.35, s=26, linewidths=0)
+        sign = -1.0 if lower_is_better else 1.0
+        front = dv.pareto_frontier([(x, sign * y) for x, y in zip(line.xs, ys, strict=True)])
+        ax.plot([line.xs[i] for i in front], [ys[i] for i in front], color=color, linewidth=2.2, marker="o")
+        handles.append(Line2D([], [], color=color, linewidth=2.2, marker="o", label=line.label))
+    handles.append(Line2D([], [], color="black", linewidth=2.2, marker="o", label="frontier"))
+    handles.append(Line2D([], [], color="black", alpha=0.35, linestyle="", marker="o", label="other points"))
+    _labels(ax, "output tokens/s per user (1000 / median TPOT)", y_label)
+    _scale_axes(ax, lines, (Metric(y_key, "", SOLID),))
+    return _save(fig, ax, out_dir, name, title, caption, handles)
+
+
 # In the order the report shows them.
 CHARTS: tuple[ChartFunction, ...] = (
     throughput_vs_concurrency,
@@ -267,6 +357,9 @@ CHARTS: tuple[ChartFunction, ...] = (
     latency_vs_input_len,
     throughput_vs_batch_size,
     prefix_sharing,
+    pareto,
+    cost_per_million_tokens,
+    decode_vs_hardware_limit,
 )
 
 

@@ -10,10 +10,26 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from deepserve.report.answers import SaturationAnswer, SloAnswer
+from deepserve.report import derived as dv
+from deepserve.report.answers import EfficiencyAnswer, SaturationAnswer, SloAnswer
 from deepserve.report.charts import Chart
+from deepserve.report.deployment import SetDeployment
 from deepserve.report.slo import Slo
-from deepserve.results.points import SUMMARY_COLUMNS, ResultSet, format_rate
+from deepserve.results.points import SUMMARY_COLUMNS, ResultPoint, ResultSet, format_rate
+
+Answers = tuple[Sequence[SloAnswer], Sequence[SaturationAnswer], Sequence[EfficiencyAnswer]]
+
+# Derived columns of the points table: (key, heading, how many decimals; "%" for a fraction shown as a percentage).
+# The cost and limit columns appear only when some point has them.
+DERIVED_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    (dv.PER_GPU, "output tok/s per GPU", "1"),
+    (dv.PER_USER, "tok/s per user", "1"),
+    (dv.COST, "USD per M output tok", "2"),
+    (dv.DECODE_BATCH, "decode batch", "1"),
+    (dv.LIMIT_TOK_S, "limit decode tok/s", "0"),
+    (dv.LIMIT_FRACTION, "% of limit", "%"),
+)
+_OPTIONAL_COLUMNS = {dv.COST, dv.DECODE_BATCH, dv.LIMIT_TOK_S, dv.LIMIT_FRACTION}
 
 # Run facts shown per result set, in this order: (metadata key, heading).
 METADATA_ROWS = (
@@ -43,14 +59,15 @@ table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0 1.5em; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.5em; text-align: right; }
 th { background: #f3f3f3; } td.text, th.text { text-align: left; }
 table.meta td, table.meta th { text-align: left; }
+div.wide { overflow-x: auto; }
 """
 
 
 def render_html(
     sets: list[ResultSet],
+    deployments: Sequence[SetDeployment],
     charts: Sequence[Chart],
-    slo_answers: Sequence[SloAnswer],
-    saturation_answers: Sequence[SaturationAnswer],
+    answers: Answers,
     slos: Sequence[Slo],
     title: str = "deepserve benchmark report",
     sections: Sequence[str] = (),
@@ -67,18 +84,18 @@ def render_html(
         f"<h1>{_e(title)}</h1>",
         f'<p class="generated">Generated {generated} from {len(sets)} result set(s): '
         f"{_e(', '.join(s.label for s in sets))}. SLOs: {_e(', '.join(slo.words for slo in slos) or 'none')}.</p>",
-        _answers_html(slo_answers, saturation_answers),
+        _answers_html(answers),
         _charts_html(charts),
         *(section for section in sections if section),
         _points_html(sets),
-        _metadata_html(sets),
+        _metadata_html(sets, deployments),
         "</body></html>",
     ]
     return "\n".join(parts)
 
 
-def _answers_html(slo_answers: Sequence[SloAnswer], saturation_answers: Sequence[SaturationAnswer]) -> str:
-    items = [answer.text for answer in slo_answers] + [answer.text for answer in saturation_answers]
+def _answers_html(answers: Answers) -> str:
+    items = [answer.text for group in answers for answer in group]
     if not items:
         items = ["These results have no concurrency or request-rate sweep, so there is no SLO or saturation answer."]
     lines = "".join(f"<li>{_e(item)}</li>" for item in items)
@@ -99,11 +116,13 @@ def _charts_html(charts: Sequence[Chart]) -> str:
 
 
 def _points_html(sets: list[ResultSet]) -> str:
-    headings = ["set", "point", "concurrency", "rate (req/s)", "input", "output", "prompts"]
+    headings = ["set", "point", "concurrency", "rate (req/s)", "input", "output", "prompts", "GPUs"]
+    derived = _derived_columns(sets)
     head = "".join(f'<th class="text">{_e(h)}</th>' for h in headings[:2])
     head += "".join(f"<th>{_e(h)}</th>" for h in headings[2:]) + "".join(
         f"<th>{_e(h)}</th>" for _, h in SUMMARY_COLUMNS
     )
+    head += "".join(f"<th>{_e(heading)}</th>" for _, heading, _ in derived)
     rows = []
     for result_set in sets:
         for point in result_set.points:
@@ -116,16 +135,38 @@ def _points_html(sets: list[ResultSet]) -> str:
                 _td(params.input_len),
                 _td(params.output_len),
                 _td(params.num_prompts),
+                _td(point.metric(dv.GPUS)),
             ]
             cells += [_td(point.metric(key)) for key, _ in SUMMARY_COLUMNS]
+            cells += [_derived_td(point, key, decimals) for key, _, decimals in derived]
             rows.append("<tr>" + "".join(cells) + "</tr>")
-    return f'<h2 id="points">Every point</h2><table class="points"><tr>{head}</tr>{"".join(rows)}</table>'
+    table = f'<table class="points"><tr>{head}</tr>{"".join(rows)}</table>'
+    return f'<h2 id="points">Every point</h2><div class="wide">{table}</div>'
 
 
-def _metadata_html(sets: list[ResultSet]) -> str:
+def _derived_columns(sets: list[ResultSet]) -> list[tuple[str, str, str]]:
+    points = [point for result_set in sets for point in result_set.points]
+    return [
+        column
+        for column in DERIVED_COLUMNS
+        if column[0] not in _OPTIONAL_COLUMNS or any(column[0] in point.derived for point in points)
+    ]
+
+
+def _derived_td(point: ResultPoint, key: str, decimals: str) -> str:
+    value = point.derived.get(key)
+    if value is None:
+        return "<td>–</td>"
+    if decimals == "%":
+        return f"<td>{value:.1%}</td>"
+    return f"<td>{value:,.{decimals}f}</td>"
+
+
+def _metadata_html(sets: list[ResultSet], deployments: Sequence[SetDeployment]) -> str:
     blocks = ['<h2 id="metadata">Run metadata</h2>']
-    for result_set in sets:
+    for result_set, deployment in zip(sets, deployments, strict=True):
         rows = [f"<tr><th>source</th><td>{_e(result_set.source)}</td></tr>"]
+        rows += [f"<tr><th>{_e(heading)}</th><td>{_e(words)}</td></tr>" for heading, words in deployment.facts()]
         shown: set[str] = set()
         for key, heading in METADATA_ROWS:
             value = result_set.metadata.get(key)

@@ -98,7 +98,30 @@ def build_series(
     return lines
 
 
+def build_workload_series(sets: list[ResultSet], x_of: XValue, y_key: str) -> list[Series]:
+    """Lines whose points are every load level (concurrency, request rate, batch) of one workload (input and
+    output length, variant) of a set, for charts whose axes are both measured (Pareto, cost): each line sorted by
+    x, points without an x or a Y_KEY value left out. One point is kept: a dot still places a set."""
+    lines: list[Series] = []
+    for result_set in sets:
+        groups: dict[ParamKey, list[ResultPoint]] = {}
+        for point in result_set.points:
+            if x_of(point) is not None and point.metric(y_key) is not None:
+                groups.setdefault(_workload_params(point), []).append(point)
+        for key, points in groups.items():
+            points.sort(key=lambda point: x_of(point) or 0.0)
+            label = _series_label(result_set.label, key, list(groups), "")
+            lines.append(Series(label, [x_of(point) or 0.0 for point in points], points))
+    return lines
+
+
 _PARAM_NAMES = ("max_concurrency", "request_rate", "input_len", "output_len", "variant")
+_WORKLOAD_NAMES = ("input_len", "output_len", "variant")
+
+
+def _workload_params(point: ResultPoint) -> ParamKey:
+    values = point.params.as_dict()
+    return tuple((name, values[name]) for name in _WORKLOAD_NAMES)
 
 
 def _other_params(point: ResultPoint, x_name: str) -> ParamKey:

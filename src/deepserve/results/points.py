@@ -85,13 +85,17 @@ class ResultPoint:
     params: PointParams
     result: dict[str, Any]
     source: str = ""
+    # Values a report computes from the result and the run's deployment (per GPU, per user, cost, hardware
+    # limit): kept apart from the measured result and never written back to it.
+    derived: dict[str, float] = field(default_factory=dict)
 
     def metric(self, key: str) -> float | None:
-        """A numeric result value, or None where the result lacks it (vLLM omits metrics not asked for)."""
+        """A numeric result value (or a derived one), or None where neither has it (vLLM omits metrics not asked
+        for)."""
         value = self.result.get(key)
         if isinstance(value, bool) or not isinstance(value, int | float):
-            return None
-        return float(value)
+            value = self.derived.get(key)
+        return None if value is None else float(value)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 
 from deepserve.config import deepserve_home
 from deepserve.results.points import PointParams, ResultPoint, ResultsError, ResultSet, params_from_result
-from deepserve.results.sweepdir import now_iso
+from deepserve.results.sweepdir import now_iso, result_metadata
 
 DB_ENV = "DEEPSERVE_RESULTS_DB"
 SCHEMA_VERSION = 1
@@ -205,7 +205,7 @@ class ResultsStore:
         return ResultSet(
             label or first.label or f"runs {','.join(map(str, run_ids))}",
             [record.as_point() for record in records],
-            first.metadata,
+            {**result_metadata(first.result), **first.metadata},  # a single bench run records its facts inline
             str(self.path),
         )
 

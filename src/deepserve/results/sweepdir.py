@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deepserve.results.deployment import DEPLOYMENT_KEY, USER_KEYS
 from deepserve.results.points import (
     ResultPoint,
     ResultsError,
@@ -110,7 +111,7 @@ def load_result_set(path: Path, label: str | None = None) -> ResultSet:
     if path.is_file():
         result = read_result_file(path)
         point = ResultPoint(path.stem, params_from_result(result), result, str(path))
-        return ResultSet(label or result.get("label") or path.stem, [point], _result_metadata(result), str(path))
+        return ResultSet(label or result.get("label") or path.stem, [point], result_metadata(result), str(path))
     index = read_index(path)
     if index is not None:
         return _load_sweep(path, index, label)
@@ -144,15 +145,17 @@ def _load_loose_files(directory: Path, label: str | None) -> ResultSet:
         if not is_result_json(data):
             continue
         points.append(ResultPoint(path.stem, params_from_result(data), data, str(path)))
-        metadata = metadata or _result_metadata(data)
+        metadata = metadata or result_metadata(data)
     if not points:
         raise ResultsError(f"{directory} holds no index.json and no benchmark result JSON files")
     return ResultSet(label or directory.name, points, metadata, str(directory))
 
 
-def _result_metadata(result: dict[str, Any]) -> dict[str, Any]:
-    """The run facts a vLLM-format result carries itself."""
-    keys = ("date", "backend", "endpoint_type", "model_id", "tokenizer_id", "label", "metadata")
+def result_metadata(result: dict[str, Any]) -> dict[str, Any]:
+    """The run facts a vLLM-format result carries itself (with --metadata KEY=VALUE pairs, which both vLLM and
+    deepserve write as top-level keys: gpus, gpu_hour_usd, hardware, ...)."""
+    keys: tuple[str, ...] = ("date", "backend", "endpoint_type", "model_id", "tokenizer_id", "label", "metadata")
+    keys += (DEPLOYMENT_KEY, *USER_KEYS)
     found = {key: result[key] for key in keys if result.get(key) is not None}
     nested = result.get("deepserve")  # our additions, when C's runner writes them under one key
     if isinstance(nested, dict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -14,18 +15,23 @@ import httpx
 from deepserve.bench.config import BenchConfig
 from deepserve.errors import ConfigError
 from deepserve.hardware.detect import local_gpus
+from deepserve.hardware.host import HostMeasurement, measured_host
+from deepserve.results.deployment import DEPLOYMENT_KEY, cpu_deployment, gpu_deployment, model_config_for
 from deepserve.results.sweepdir import now_iso
 from deepserve.sweep.grid import apply_overrides
 from deepserve.sweep.run import PointRunner
 from deepserve.sweep.suites import SpeedProbe, fit_prefill
 
 
-def server_facts(base: BenchConfig) -> dict[str, Any]:
+def server_facts(base: BenchConfig, measure_host: Callable[[], HostMeasurement] = measured_host) -> dict[str, Any]:
     """What the server says about itself (model, engine, version, context length) and, for a server on this
     machine, its hardware: the report's run metadata. Best effort: the benchmark's own preflight reports a server
-    that cannot be reached."""
+    that cannot be reached. The deployment facts (see `deepserve.results.deployment`) let the report put the runs
+    against the hardware's limit: the model's config.json where it is known here, and for a server on this machine
+    its GPUs, or for a CPU-only host the memory bandwidth deepserve measures (once per host; MEASURE_HOST)."""
     target = base.target
     facts: dict[str, Any] = {"base_url": target.root_url, "date": now_iso()}
+    card: dict[str, Any] = {}
     try:
         models = httpx.get(f"{target.root_url}/v1/models", headers=target.request_headers(), timeout=10).json()
         cards = models.get("data") or []
@@ -36,9 +42,33 @@ def server_facts(base: BenchConfig) -> dict[str, Any]:
             facts["engine_version"] = version.json().get("version")
     except (httpx.HTTPError, ValueError, AttributeError):
         pass
-    if urlsplit(target.root_url).hostname in ("127.0.0.1", "localhost", "::1"):
+    local = urlsplit(target.root_url).hostname in ("127.0.0.1", "localhost", "::1")
+    if local:
         facts["hardware"] = local_hardware()
+    deployment = _deployment_facts(card, local, measure_host)
+    if deployment:
+        facts[DEPLOYMENT_KEY] = deployment
     return {key: value for key, value in facts.items() if value is not None}
+
+
+def _deployment_facts(card: dict[str, Any], local: bool, measure_host: Callable[[], HostMeasurement]) -> dict[str, Any]:
+    """The served model's architecture (vLLM names the loaded path `root`, the served name `id`) and, on this
+    machine, its devices. A CPU host is measured only when the model is known: the bandwidth serves the report's
+    hardware limit, which needs the model's bytes per step too."""
+    names = [str(card[key]) for key in ("root", "id") if isinstance(card.get(key), str)]
+    config = model_config_for(names) if names else None
+    facts: dict[str, Any] = {"model_config": config} if config is not None else {}
+    if not local:
+        return facts
+    gpus = local_gpus()
+    if gpus:
+        facts |= gpu_deployment(gpus)
+    elif config is not None:
+        try:
+            facts |= cpu_deployment(measure_host())
+        except (OSError, MemoryError) as exc:  # no room for the copy arrays, or no writable home: no limit line
+            facts["host_measurement_error"] = f"{type(exc).__name__}: {exc}"
+    return facts
 
 
 def local_hardware() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,3 +130,82 @@ async def fake_and_gateway(
         httpx.AsyncClient(base_url=url, timeout=30) as client,
     ):
         yield fake, app, client
+
+
+# ---- a real Redis for the shared limits ----------------------------------------------------------------------------
+
+
+@dataclass
+class RedisServer:
+    """A redis-server of our own on a free loopback port (nothing persisted)."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def flush(self) -> None:
+        import redis
+
+        client = redis.Redis(port=self.port, socket_timeout=5)
+        try:
+            client.flushall()
+        finally:
+            client.close()
+
+
+def start_redis_server(port: int | None = None) -> RedisServer:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip(
+            "redis-server is not installed (Debian: `apt-get install -y redis-server`; ./run-tests installs it where "
+            "it may); the shared-limits tests need a real Redis"
+        )
+    port = port or free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--protected-mode", "no", "--loglevel", "warning"]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    server = RedisServer(process, port)
+    import redis
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"redis-server exited: {process.stderr.read().decode() if process.stderr else ''}")
+        client = redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1)
+        try:
+            if client.ping():
+                return server
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+        finally:
+            client.close()
+    process.kill()
+    raise AssertionError("redis-server did not answer PING within 10 s")
+
+
+def stop_redis_server(server: RedisServer) -> None:
+    if server.process.poll() is None:
+        server.process.terminate()
+        try:
+            server.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_session() -> Iterator[RedisServer]:
+    """One redis-server for the whole test session."""
+    server = start_redis_server()
+    yield server
+    stop_redis_server(server)
+
+
+@pytest.fixture
+def redis_server(redis_session: RedisServer) -> RedisServer:
+    """The session's Redis, emptied for this test."""
+    redis_session.flush()
+    return redis_session

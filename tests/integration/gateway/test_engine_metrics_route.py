@@ -8,7 +8,7 @@ import asyncio
 import httpx
 
 from deepserve.gateway.engine_metrics import CACHE_S
-from deepserve.gateway.fake_upstream import FakeBehaviour, running_fake_upstream
+from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour, running_fake_upstream
 from deepserve.gateway.server import running_gateway
 
 from .conftest import gateway_config
@@ -43,4 +43,4 @@ async def test_a_replica_answering_bytes_that_are_not_utf8_is_left_out_with_a_co
             response = await client.get("/metrics/engines")
         assert response.status_code == 200
         assert f"# replica {broken} left out: UnicodeDecodeError" in response.text
-        assert f'vllm:num_requests_running{{replica="{good}"}} 0.0' in response.text
+        assert f'vllm:num_requests_running{{replica="{good}",model_name="{FAKE_MODEL}"}} 0.0' in response.text

@@ -59,7 +59,7 @@ async def test_client_disconnect_mid_stream_aborts_the_upstream_request() -> Non
         assert fake.stats.aborted == 1 and fake.stats.completed == 0
         await asyncio.sleep(0.05)
         assert 'status="499"' in app.metrics.render().decode()
-        assert app.queue.in_flight == 0 and all(r.outstanding == 0 for r in app.pool.replicas)
+        assert app.limiter.in_flight == 0 and all(r.outstanding == 0 for r in app.pool.replicas)
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, object]) -> tuple[int, bytes]:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from deepserve.report.build import build_report, load_sets
+from deepserve.report.deployment import DeploymentOptions
 from deepserve.report.slo import Slo
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "results"
@@ -74,7 +75,10 @@ def report(tmp_path_factory: pytest.TempPathFactory):
         "h200_vllm_output_length",
         "h200_vllm_prefix",
     )
-    return build_report(load_sets([FIXTURES / name for name in names]), out, [Slo("p99_itl_ms", 50)])
+    # a price, so that the cost chart is drawn too (the Pareto and hardware-limit charts come from the fixtures' own
+    # hardware records)
+    options = DeploymentOptions(gpu_hour_usd=2.0)
+    return build_report(load_sets([FIXTURES / name for name in names]), out, [Slo("p99_itl_ms", 50)], None, options)
 
 
 def test_every_chart_loads(report, tmp_path: Path):
@@ -82,6 +86,8 @@ def test_every_chart_loads(report, tmp_path: Path):
     assert len(images) == len(report.charts) >= 7
     assert all(image["width"] > 0 for image in images), images
     assert {image["alt"] for image in images} == {chart.title for chart in report.charts}
+    names = {chart.name for chart in report.charts}
+    assert {"pareto", "cost_per_million_tokens", "decode_vs_hardware_limit"} <= names
 
 
 def test_a_broken_chart_is_caught(report, tmp_path: Path):

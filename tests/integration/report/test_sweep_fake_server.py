@@ -10,7 +10,12 @@ import pytest
 
 from deepserve.bench.fake_server import FakeScript, running
 from deepserve.cli.main import main
+from deepserve.hardware import host
+from deepserve.hardware.host import HostMeasurement
+from deepserve.report import derived as dv
+from deepserve.report.build import build_report, load_sets
 from deepserve.results.store import ResultsStore
+from deepserve.sweep import probe
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -97,3 +102,46 @@ def test_suite_probes_plans_and_runs(fake, tmp_path: Path, capsys):
         assert result["completed"] == 1
         assert result["total_input_tokens"] == pytest.approx(point["overrides"]["long_prompt_len"], rel=0.01)
     assert (out / "report" / "latency_vs_input_len.png").is_file()
+
+
+def test_a_sweep_on_this_host_records_its_deployment_and_the_report_sets_it_against_the_limit(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+):
+    """A served model whose architecture is known (a preset name here) on a CPU-only host: the sweep records the
+    model's config.json and the host's measured bandwidth (stubbed: the real measurement copies a gigabyte), the
+    report draws the Pareto, cost and hardware-limit charts from them, and a later report reads them back."""
+    measured: list[int] = []
+
+    def measure() -> HostMeasurement:
+        measured.append(1)
+        return HostMeasurement("box", "Test CPU", 2, 5.0, 50.0, None, "2026-11-22T00:00:00Z")
+
+    monkeypatch.setattr(host, "measure_host", measure)
+    monkeypatch.setattr(probe, "local_gpus", lambda: ())
+    out = tmp_path / "tiny"
+    command = ["sweep", "--random-input-len", "16", "--random-output-len", "8", "--num-prompts", "8"]
+    command += ["--max-concurrency", "1,2,4", "--ignore-eos", "--result-dir", str(out), "--no-stop-at-saturation"]
+    command += ["--metadata", "gpu_hour_usd=0.5", "--label", "tiny"]
+    with running(FakeScript(model="deepserve/tiny-deepseek-v3", ttft_s=0.02, itl_s=0.004)) as server:
+        assert main([*command, "--base-url", server.base_url]) == 0
+    assert measured == [1]
+    deployment = json.loads((out / "index.json").read_text())["metadata"]["deployment"]
+    assert deployment["accelerator"] == "cpu" and deployment["devices"] == 1
+    assert deployment["host"]["memory_bandwidth_gb_s"] == 5.0
+    assert deployment["model_config"]["model_type"] == "deepseek_v3"
+    printed = capsys.readouterr().err
+    assert "tiny: decode runs at" in printed and "the CPU host (5 GB/s, measured by deepserve: Test CPU" in printed
+    assert "tiny: the cheapest point costs $" in printed and "1 x $0.50 per hour" in printed
+    for name in ("pareto", "cost_per_million_tokens", "decode_vs_hardware_limit"):
+        assert (out / "report" / f"{name}.png").is_file()
+
+    # Read back by a later report: every point has its limit, consistent with the planner's own numbers.
+    sets = load_sets([out])
+    report = build_report(sets, tmp_path / "again", [])
+    limit = report.deployments[0].limit
+    assert limit is not None and limit.bandwidth_gb_s == 5.0
+    for point in sets[0].points:
+        batch, context = point.metric(dv.DECODE_BATCH), dv.mean_context_len(point)
+        assert batch is not None and context == pytest.approx(16 + 8 / 2)
+        assert point.metric(dv.LIMIT_TOK_S) == pytest.approx(limit.tokens_per_s(batch, context))
+        assert 0 < (point.metric(dv.LIMIT_FRACTION) or 0) < 1

@@ -38,3 +38,25 @@ def test_gateway_without_upstream_fails_fast(capsys: pytest.CaptureFixture[str])
 def test_gateway_rejects_an_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["gateway", "--upstream", "http://127.0.0.1:1/v1", "--balancing", "fastest"]) == 2
     assert "least_outstanding" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-5", "0"])
+def test_keys_create_refuses_a_limit_below_one(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["keys", "create", "team", "--rpm", value]) == 2
+    error = capsys.readouterr().err
+    assert f"--rpm {value} is not a limit" in error and "leave --rpm out for no limit" in error
+    assert KeyStore().all_keys() == []  # nothing half-created
+
+
+def test_gateway_refuses_several_workers_without_redis(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gateway", "--upstream", "http://127.0.0.1:1/v1", "--workers", "2"]) == 2
+    error = capsys.readouterr().err
+    assert "--workers 2 needs --redis-url" in error and "2x" in error
+
+
+def test_gateway_refuses_an_unknown_scorer_and_a_bad_redis_url(capsys: pytest.CaptureFixture[str]) -> None:
+    upstream = ["--upstream", "http://127.0.0.1:1/v1"]
+    assert main(["gateway", *upstream, "--balancing", "engine_aware", "--score-weight", "latency=2"]) == 2
+    assert "prefix" in capsys.readouterr().err  # the valid scorer names are listed
+    assert main(["gateway", *upstream, "--redis-url", "http://127.0.0.1:6379"]) == 2
+    assert "redis://" in capsys.readouterr().err

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
+from deepserve.errors import ConfigError
 from deepserve.gateway.errors import Overloaded, RateLimited
-from deepserve.gateway.limits import AdmissionQueue, KeyLimiter, KeyLimits, TokenBucket
+from deepserve.gateway.keys import KeyStore
+from deepserve.gateway.limits import AdmissionQueue, KeyLimiter, KeyLimits, LocalLimiter, TokenBucket
 
 
 class FakeClock:
@@ -127,3 +130,48 @@ async def test_cancelled_waiter_does_not_leak_the_slot() -> None:
     assert queue.in_flight == 1
     queue.release()
     assert queue.in_flight == 0 and queue.waiting == 0
+
+
+@pytest.mark.parametrize(
+    ("limits", "flag"),
+    [(KeyLimits(rpm=-5), "--rpm -5"), (KeyLimits(rpm=0), "--rpm 0"), (KeyLimits(tpm=0), "--tpm 0"),
+     (KeyLimits(max_concurrency=-1), "--max-concurrency -1")],
+)  # fmt: skip
+def test_limits_below_one_are_refused_with_what_to_do_instead(limits: KeyLimits, flag: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        limits.check()
+    message = str(caught.value)
+    assert message.startswith(f"{flag} is not a limit") and "leave" in message and "revoke" in message
+
+
+def test_limits_of_one_and_more_and_no_limit_are_accepted() -> None:
+    KeyLimits().check()
+    KeyLimits(rpm=1, tpm=1, max_concurrency=1).check()
+
+
+def test_a_key_with_a_negative_limit_cannot_be_created(tmp_path: Path) -> None:
+    store = KeyStore(tmp_path / "keys.sqlite")
+    with pytest.raises(ConfigError, match="--rpm -5 is not a limit"):
+        store.create("broken", KeyLimits(rpm=-5))
+    assert store.all_keys() == []
+
+
+async def test_local_limiter_counts_keys_and_slots_and_gives_them_back() -> None:
+    clock = FakeClock()
+    limiter = LocalLimiter(max_concurrency=1, max_queue=0, queue_timeout_s=1, clock=clock)
+    limits = KeyLimits(tpm=100, max_concurrency=2)
+    first = await limiter.admit("k", limits, 60)
+    await limiter.acquire_slot(first)
+    assert limiter.in_flight == 1
+    second = await limiter.admit("k", limits, 40)
+    with pytest.raises(Overloaded):  # the one global slot is taken and nothing may queue
+        await limiter.acquire_slot(second)
+    limiter.release(second, 0)  # refused: nothing used, its 40 back
+    limiter.release(first, 10)  # used 10 of the 60 charged: 50 back
+    assert limiter.in_flight == 0
+    anonymous = await limiter.admit(None, None, 10**9)  # no key: no key limits
+    await limiter.acquire_slot(anonymous)
+    limiter.release(anonymous, None)
+    assert (await limiter.admit("k", limits, 90)).key_limiter is not None  # 100 - 60 - 40 + 40 + 50 = 90 left
+    with pytest.raises(RateLimited):
+        await limiter.admit("k", limits, 1)

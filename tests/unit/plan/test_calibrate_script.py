@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from deepserve.errors import ConfigError
-from deepserve.plan.factors import load_calibration
+from deepserve.hardware.catalog import get_accelerator
+from deepserve.plan.calibration import CALIBRATION_FORMAT, apply_calibration, load_calibration
+from deepserve.plan.kernels import WORK_KINDS, kernel_rates
 
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "calibrate_gpu.py"
 
@@ -22,18 +24,71 @@ def _load_script(monkeypatch: pytest.MonkeyPatch):
     return module
 
 
-def test_smoke_run_on_cpu_writes_every_family_and_is_refused_by_the_planner(
+def test_smoke_run_on_cpu_writes_every_kind_and_is_refused_by_the_planner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("torch")
     out = tmp_path / "calibration.json"
     assert _load_script(monkeypatch).main(["--device", "cpu", "--smoke", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["smoke"] is True
-    families = {m["family"] for m in data["measurements"]}
-    assert families == {"mla_decode", "moe_experts", "dense_gemm"}
+    assert data["smoke"] is True and data["format"] == CALIBRATION_FORMAT
+    assert {m["family"] for m in data["measurements"]} == set(WORK_KINDS)
     for m in data["measurements"]:
         assert m["seconds"] > 0 and m["roofline_s"] > 0 and m["bytes_moved"] > 0
-    assert {"memory_efficiency", "compute_efficiency"} <= data["planner"].keys()
+    kinds = data["planner"]["kinds"]
+    assert set(kinds) == set(WORK_KINDS)
+    for by_family in kinds.values():
+        for figures in by_family.values():
+            assert {"memory_efficiency", "compute_efficiency", "floor_us"} <= figures.keys()
     with pytest.raises(ConfigError, match="smoke"):
         load_calibration(out)
+
+
+def _write(path: Path, kinds: object, **extra: object) -> Path:
+    path.write_text(
+        json.dumps(
+            {"format": CALIBRATION_FORMAT, "device": "NVIDIA H100 80GB HBM3", "planner": {"kinds": kinds}, **extra}
+        )
+    )
+    return path
+
+
+def test_calibration_replaces_the_measured_kinds_only(tmp_path: Path) -> None:
+    table = kernel_rates(get_accelerator("h100"), "fp8")
+    path = _write(
+        tmp_path / "cal.json",
+        {"moe_gemm": {"fp8": {"memory_efficiency": 0.55, "compute_efficiency": 0.4, "floor_us": 12}}},
+        hardware_class="hopper",
+    )
+    rates = apply_calibration(table, path)
+    assert rates.rate("moe_gemm").memory_efficiency == 0.55 and rates.rate("moe_gemm").floor_us == 12
+    assert rates.rate("dense_gemm") == table.rate("dense_gemm")
+    assert "measured on NVIDIA H100" in rates.provenance
+
+
+@pytest.mark.parametrize(
+    ("kinds", "extra", "message"),
+    [
+        ({"moe_gemm": {"fp8": {"memory_efficiency": 1.5, "compute_efficiency": 0.5}}}, {}, "must be in"),
+        ({"warp_drive": {"any": {"memory_efficiency": 0.5, "compute_efficiency": 0.5}}}, {}, "unknown kind"),
+        ({}, {}, "lacks planner.kinds"),
+        (
+            {"moe_gemm": {"fp8": {"memory_efficiency": 0.5, "compute_efficiency": 0.5}}},
+            {"hardware_class": "ampere"},
+            "measured on ampere",
+        ),
+    ],
+)
+def test_bad_calibration_files_are_clear_errors(tmp_path: Path, kinds: object, extra: dict, message: str) -> None:
+    path = _write(tmp_path / "cal.json", kinds, **extra)
+    with pytest.raises(ConfigError, match=message):
+        apply_calibration(kernel_rates(get_accelerator("h100"), "fp8"), path)
+
+
+def test_files_of_the_earlier_format_and_missing_files_are_refused(tmp_path: Path) -> None:
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"device": "x", "planner": {"memory_efficiency": 0.8, "compute_efficiency": 0.5}}))
+    with pytest.raises(ConfigError, match="per-kind"):
+        load_calibration(old)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_calibration(tmp_path / "missing.json")

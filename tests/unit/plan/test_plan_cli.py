@@ -54,6 +54,65 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     for text in ("memory per GPU", "routed_experts", "fits", "output tok/s", "highest concurrency", "vllm:", "sglang:"):
         assert text in out
+    for topic in ("why quantization", "why layout", "why kv cache", "why performance", "performance model"):
+        assert topic in out
+
+
+def test_explanations_say_why(capsys: pytest.CaptureFixture[str]) -> None:
+    _code, out, _ = run(capsys, "--model", AWQ, "--gpu", "h100", "--json")
+    plan = json.loads(out)
+    why = {e["topic"]: e["text"] for e in plan["explanations"]}
+    assert set(why) == {"quantization", "layout", "kv_cache", "performance"}
+    assert "checkpoint's own format" in why["quantization"]
+    assert "TP=8" in why["layout"] and "inside a node" in why["layout"]
+    # the KV cache is the budget minus weights minus reserve, per GPU, with the replicated latent's bytes per token
+    budget, weights, reserve = (
+        plan[k] / 1e9 for k in ("budget_bytes_per_gpu", "weights_bytes_per_gpu", "reserve_bytes_per_gpu")
+    )
+    assert f"= {budget:,.1f} GB, minus weights {weights:,.1f} GB, minus reserve {reserve:,.1f} GB" in why["kv_cache"]
+    assert "70,272 B on every GPU" in why["kv_cache"] and "TP does not divide the cache" in why["kv_cache"]
+    assert plan["performance_model"]["engine_profile"] == "vllm"
+    assert set(plan["performance_model"]["kinds"]) == {"dense_gemm", "moe_gemm", "mla_decode", "mla_prefill"}
+    _code, out, _ = run(capsys, "--model", "deepseek-ai/DeepSeek-V3", "--gpu", "h100", "--json")
+    why = {e["topic"]: e["text"] for e in json.loads(out)["explanations"]}
+    assert "exceed the" in why["quantization"] and "awq-int4" in why["quantization"]  # what would fit instead
+    assert "16 x h100-sxm" in why["layout"]
+    _code, out, _ = run(capsys, "--gpu", "a100", "--weights", "fp8", "--gpus", "16", "--nodes", "2", "--json")
+    why = {e["topic"]: e["text"] for e in json.loads(out)["explanations"]}
+    assert "no FP8 units" in why["quantization"]
+    assert "PP=2" in why["layout"]
+
+
+def test_plan_on_this_machine_uses_its_measurement(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deepserve.hardware import host
+
+    measured = host.HostMeasurement("box", "Test CPU", 2, 10.0, 50.0, 0.5, "2026-11-22T00:00:00Z", native_bf16=False)
+    monkeypatch.setattr(host, "measured_host", lambda refresh=False: measured)
+    code, out, _ = run(
+        capsys,
+        "--model",
+        "deepserve/tiny-deepseek-v3",
+        "--gpu",
+        "host",
+        "--gpus",
+        "1",
+        "--concurrency",
+        "1,64",
+        "--json",
+    )
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["gpu"] == "host" and plan["performance_model"]["engine_profile"] == "vllm-cpu"
+    low, high = plan["predictions"]
+    assert high["output_throughput_tok_s"] > low["output_throughput_tok_s"] and high["tpot_ms"] > low["tpot_ms"]
+    from deepserve.hardware.catalog import host_accelerator
+
+    # no bf16 units: vLLM's compiled kernels run a bf16 model at the fp32 rate, not eager PyTorch's bf16 rate
+    assert host_accelerator(measured).peak_tflops("bf16") == pytest.approx(0.050)
+    with_units = host.HostMeasurement("box", "Test CPU", 2, 10.0, 50.0, 80.0, "2026-11-22T00:00:00Z", native_bf16=True)
+    assert host_accelerator(with_units).peak_tflops("bf16") == pytest.approx(0.080)
 
 
 def test_cost_per_million_tokens(capsys: pytest.CaptureFixture[str]) -> None:
@@ -121,24 +180,38 @@ def test_config_file_section(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 def test_validate_command(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "validate")
     assert code == 0
-    assert "MAPE over" in out and "cannot predict" in out and "trtllm" in out
+    assert out.index("leave-one-source-out over") < out.index("in-sample (fitted on every row) over")
+    assert "meets the targets" in out and "cannot predict" in out and "trtllm" in out
     code, out, _ = run(capsys, "validate", "--json")
     data = json.loads(out)
-    assert data["mape_pct_fitted_rows"] <= 25
-    assert len(data["rows"]) + len(data["unpredictable"]) == 31
+    assert data["leave_one_source_out"]["meets_targets"] is True
+    assert data["leave_one_source_out"]["mape_pct_by_metric"]["tpot"] <= 30
+    assert len(data["in_sample"]["rows"]) + len(data["unpredictable"]) == 31
+    code, _out, _ = run(capsys, "validate", "--cross-validate")  # the earlier flag still parses
+    assert code == 0
 
 
 def test_calibration_file_is_used(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     calibration = tmp_path / "calibration.json"
+    figures = {"memory_efficiency": 0.5, "compute_efficiency": 0.4, "floor_us": 10}
     calibration.write_text(
         json.dumps(
-            {"device": "NVIDIA H100 80GB HBM3", "planner": {"memory_efficiency": 0.5, "compute_efficiency": 0.4}}
+            {
+                "format": "deepserve-calibration/2",
+                "device": "NVIDIA H100 80GB HBM3",
+                "hardware_class": "hopper",
+                "planner": {"kinds": {"moe_gemm": {"int4": figures}}},
+            }
         )
     )
-    _code, out, _ = run(capsys, "--model", AWQ, "--gpu", "h100", "--calibration", str(calibration), "--json")
-    factors = json.loads(out)["efficiency_factors"]
-    assert factors["memory_efficiency"] == 0.5 and factors["compute_efficiency"] == 0.4
-    assert factors["provenance"].startswith("measured on NVIDIA H100")
+    _code, base, _ = run(capsys, "--model", AWQ, "--gpu", "h100", "--concurrency", "64", "--json")
+    _code, out, _ = run(
+        capsys, "--model", AWQ, "--gpu", "h100", "--concurrency", "64", "--calibration", str(calibration), "--json"
+    )
+    kinds = json.loads(out)["performance_model"]["kinds"]
+    assert kinds["moe_gemm"]["memory_efficiency"] == 0.5 and kinds["moe_gemm"]["source"].startswith("measured on")
+    slower = json.loads(out)["predictions"][0]["output_throughput_tok_s"]
+    assert slower < json.loads(base)["predictions"][0]["output_throughput_tok_s"]
 
 
 def test_two_nodes_commands(capsys: pytest.CaptureFixture[str]) -> None:

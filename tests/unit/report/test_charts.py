@@ -54,6 +54,37 @@ def test_every_chart_the_issue_asks_for_is_drawn(tmp_path: Path):
         assert_drawn(chart.path)
 
 
+def test_pareto_cost_and_limit_charts_are_drawn(tmp_path: Path):
+    from deepserve.report.build import build_report
+    from deepserve.report.deployment import DeploymentOptions
+
+    sets = sets_of("h100_vllm_concurrency", "h100_v3_rate", "b200_vllm_loose")
+    report = build_report(sets, tmp_path, [], deployment=DeploymentOptions(gpus=8, gpu_hour_usd=2.0))
+    charts = {chart.name: chart for chart in report.charts}
+    for name in ("pareto", "cost_per_million_tokens", "decode_vs_hardware_limit"):
+        assert_drawn(charts[name].path)
+    # one line per set on the Pareto chart; the B200 files have no hardware, so no limit line for them
+    assert "b200_vllm_loose: 8 (--gpus)" in charts["pareto"].caption
+    assert "b200" not in charts["decode_vs_hardware_limit"].caption
+
+
+def test_workload_lines_join_every_load_level_of_one_workload():
+    lines = sr.build_workload_series(sets_of("h100_vllm_concurrency", "h200_vllm_output_length"), _speed, "duration")
+    assert [line.label for line in lines] == [
+        "H100 vLLM V3",
+        "H200 vLLM R1 · out 800",
+        "H200 vLLM R1 · out 1600",
+        "H200 vLLM R1 · out 3200",
+        "H200 vLLM R1 · out 6400",
+    ]
+    assert len(lines[0].points) == 13 and lines[0].xs == sorted(lines[0].xs)
+
+
+def _speed(point):
+    tpot = point.metric("median_tpot_ms")
+    return 1000 / tpot if tpot else None
+
+
 def test_only_charts_with_data_are_drawn(tmp_path: Path):
     charts = draw_charts(sets_of("h100_v3_rate"), [], tmp_path)
     assert {chart.name for chart in charts} == {

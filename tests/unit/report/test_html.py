@@ -48,17 +48,31 @@ def test_cli_report_writes_html_and_pngs(tmp_path: Path, capsys):
             "SGLang",
             "--slo",
             "p99_itl_ms=100",
+            "--gpus",
+            "4",
+            "--gpu-hour-usd",
+            "2.5",
         ]
     )
     assert code == 0
     printed = capsys.readouterr().out
     assert "vLLM: the highest concurrency that meets P99 ITL ≤ 100 ms is 15" in printed
+    assert "SGLang: decode runs at" in printed and "of the hardware's memory-bandwidth limit" in printed
+    assert "8 x $2.50 per hour" in printed  # the runs recorded 8 GPUs: --gpus is for sets that recorded none
     assert (out / "report.html").is_file()
     assert {p.name for p in out.glob("*.png")} == {
         "throughput_vs_concurrency.png",
         "itl_vs_concurrency.png",
         "ttft_ttlt_vs_concurrency.png",
+        "pareto.png",
+        "cost_per_million_tokens.png",
+        "decode_vs_hardware_limit.png",
     }
+    html = (out / "report.html").read_text()
+    for heading in ("GPUs", "output tok/s per GPU", "tok/s per user", "USD per M output tok", "% of limit"):
+        assert f"<th>{heading}</th>" in html
+    assert "8 GPUs (recorded hardware: 8x NVIDIA H100 SXM5 80GB)" in html
+    assert "$2.50 per GPU-hour (--gpu-hour-usd)" in html
 
 
 def test_cli_report_from_stored_runs(tmp_path: Path, capsys):
@@ -75,4 +89,6 @@ def test_cli_report_from_stored_runs(tmp_path: Path, capsys):
 def test_cli_report_errors_are_one_line(tmp_path: Path, capsys):
     assert main(["report", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["report", str(FIXTURES / "h100_v3_rate"), "--out", str(tmp_path / "o"), "--gpus", "0"]) == 2
+    assert "--gpus 0: give the number of GPUs" in capsys.readouterr().err
     assert main(["report", "--out", str(tmp_path / "o")]) == 2

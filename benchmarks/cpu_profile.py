@@ -1,0 +1,271 @@
+"""The planner against real vLLM on this machine: predicted vs measured TTFT, TPOT and output tokens/s for the tiny
+model on vLLM's CPU build, at several concurrency levels and two prompt lengths.
+
+    .venv/bin/python benchmarks/cpu_profile.py [--input-lens 128,512] [--output-len 128] [--concurrency 1,4,16,64]
+                                               [--write-profile]
+
+1. Measures this machine (copy bandwidth, matmul rate; hardware/host.py) right before each point, so the planner's
+   `host` device describes the machine under the load of that moment (it is shared).
+2. Starts the tiny model with `deepserve serve` on loopback (temporary DEEPSERVE_HOME) and runs `deepserve bench`
+   straight at the engine for every (prompt length, concurrency) point, closed loop, fixed lengths.
+3. Fits the CPU engine profile's two overhead parameters (per step, per sequence; data/engine_profiles.json) on two
+   calibration points (--calibrate, by default concurrency 1 and the highest at the shorter prompt) and predicts
+   every point with them; the other points are held out. `--write-profile` stores the fit in the package.
+
+Lengths vary +-50% around their means (--range-ratio): with fixed lengths the closed-loop clients of an engine that
+prefills a whole wave of prompts in one step (vLLM's CPU build runs MLA without chunked prefill) stay in lockstep,
+every prompt of a wave waiting for all of them; the planner predicts the steady state in which arrivals are spread.
+
+Prints a Markdown table (docs/PLANNING.md quotes it) and writes benchmarks/results/cpu_profile_<host>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from deepserve.hardware.catalog import Accelerator, host_accelerator
+from deepserve.hardware.host import HostMeasurement, measure_host
+from deepserve.models import load_spec
+from deepserve.models.presets import TINY_MODEL_NAME
+from deepserve.net import free_port
+from deepserve.plan.fit import Target, fit_parameters
+from deepserve.plan.perf import PerformanceModel, Workload
+from deepserve.plan.planner import Deployment, build_deployment
+from deepserve.plan.profiles import EngineParameters, write_parameters
+
+RESULTS = Path(__file__).with_name("results")
+TARGET_RATIO_ERROR = 0.25  # issue 11: within 25% on TPOT and throughput
+METRICS = ("ttft_ms", "tpot_ms", "output_tok_s")
+
+
+@dataclass(frozen=True)
+class Point:
+    input_len: int
+    concurrency: int
+    ttft_ms: float
+    tpot_ms: float
+    output_tok_s: float
+    prompts: int
+    host: dict[str, Any]  # this machine measured right before the point (HostMeasurement)
+
+    def accelerator(self) -> Accelerator:
+        return host_accelerator(HostMeasurement(**self.host))
+
+
+def start_service(home: Path) -> tuple[subprocess.Popen[str], list[str]]:
+    env = {**os.environ, "DEEPSERVE_HOME": str(home)}
+    command = [sys.executable, "-m", "deepserve.cli.main", "serve", "--port", str(free_port())]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("READY "):
+            return process, line.split()
+    raise SystemExit(f"deepserve serve exited with {process.wait()} before it was ready")
+
+
+def bench(engine_url: str, input_len: int, concurrency: int, args: argparse.Namespace, out: Path) -> Point:
+    host = measure_host().to_json()
+    name = f"in{input_len}-c{concurrency}.json"
+    prompts = max(args.min_prompts, concurrency * args.rounds)
+    command = [
+        sys.executable, "-m", "deepserve.cli.main", "bench", "--base-url", engine_url.removesuffix("/v1"),
+        "--dataset-name", "random", "--random-input-len", str(input_len),
+        "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio), "--ignore-eos",
+        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--num-warmups", "2",
+        "--save-result", "--result-dir", str(out), "--result-filename", name, "--disable-tqdm",
+    ]  # fmt: skip
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+    result = json.loads((out / name).read_text())
+    return Point(
+        input_len=input_len,
+        concurrency=concurrency,
+        ttft_ms=float(result["mean_ttft_ms"]),
+        tpot_ms=float(result["mean_tpot_ms"]),
+        output_tok_s=float(result["output_throughput"]),
+        prompts=prompts,
+        host=host,
+    )
+
+
+def deployment_for(point: Point, output_len: int) -> Deployment:
+    return build_deployment(
+        load_spec(TINY_MODEL_NAME),
+        "host",
+        1,
+        workload=Workload(point.input_len, output_len),
+        max_model_len=32768,
+        accelerator=point.accelerator(),
+    )
+
+
+def predicted(point: Point, output_len: int, parameters: EngineParameters) -> dict[str, float]:
+    deployment = deployment_for(point, output_len)
+    model = _model(deployment, parameters)
+    p = model.predict(point.concurrency, Workload(point.input_len, output_len), deployment.running_cap)
+    return {"ttft_ms": p.ttft_ms, "tpot_ms": p.tpot_ms, "output_tok_s": p.output_throughput_tok_s}
+
+
+def _model(deployment: Deployment, parameters: EngineParameters) -> PerformanceModel:
+    engine = deployment.select_engine(across_engines=False)
+    assert engine is not None, "data/engine_profiles.json lacks the vllm-cpu profile"
+    return deployment.performance_model(engine.with_parameters(parameters, "fit"))
+
+
+def targets(points: list[Point], output_len: int) -> list[Target]:
+    """TPOT and throughput of each calibration point as fit targets."""
+    result = []
+    for point in points:
+        deployment = deployment_for(point, output_len)
+        workload = Workload(point.input_len, output_len)
+        cap = deployment.running_cap
+
+        def model(parameters: EngineParameters, d: Deployment = deployment) -> PerformanceModel:
+            return _model(d, parameters)
+
+        label = f"c={point.concurrency} in={point.input_len}"
+        result.append(Target(f"{label} tpot", point.tpot_ms, _metric(point.concurrency, workload, cap, "tpot"), model))
+        result.append(
+            Target(f"{label} tok/s", point.output_tok_s, _metric(point.concurrency, workload, cap, "tput"), model)
+        )
+    return result
+
+
+def _metric(concurrency: int, workload: Workload, cap: int, which: str) -> Callable[[PerformanceModel], float]:
+    def value(model: PerformanceModel) -> float:
+        prediction = model.predict(concurrency, workload, cap)
+        return prediction.tpot_ms if which == "tpot" else prediction.output_throughput_tok_s
+
+    return value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input-lens", default="128,512")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--rounds", type=int, default=3, help="prompts per stream (closed loop)")
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.5,
+        help="lengths drawn within +-ratio of the mean, so the clients fall out of step (see the doc string)",
+    )
+    parser.add_argument("--min-prompts", type=int, default=8)
+    parser.add_argument("--calibrate", default="", help="points to fit on, as c:input_len,... (default: see doc)")
+    parser.add_argument("--write-profile", action="store_true", help="store the fit in data/engine_profiles.json")
+    parser.add_argument("--from-file", type=Path, help="refit and print from an earlier run's JSON (no vLLM)")
+    args = parser.parse_args()
+    lens = [int(x) for x in args.input_lens.split(",")]
+    levels = [int(x) for x in args.concurrency.split(",")]
+    calibration = (
+        [tuple(int(v) for v in item.split(":")) for item in args.calibrate.split(",")]
+        if args.calibrate
+        else [(min(levels), min(lens)), (max(levels), min(lens))]
+    )
+    command = " ".join(sys.argv)
+    if args.from_file:
+        saved = json.loads(args.from_file.read_text())
+        points = [Point(**p) for p in saved["points"]]
+        command = saved.get("command", command)
+    else:
+        points = run_points(lens, levels, args)
+    report(points, calibration, args, command)
+
+
+def run_points(lens: list[int], levels: list[int], args: argparse.Namespace) -> list[Point]:
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.monotonic()
+        process, fields = start_service(Path(tmp) / "home")
+        print(f"engine ready after {time.monotonic() - started:.0f} s", file=sys.stderr)
+        engine_url = fields[3]
+        try:
+            points = []
+            for input_len in lens:
+                for concurrency in levels:
+                    points.append(bench(engine_url, input_len, concurrency, args, Path(tmp)))
+                    print(f"measured {points[-1]}", file=sys.stderr)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=120)
+    return points
+
+
+def report(points: list[Point], calibration: list[tuple[int, ...]], args: argparse.Namespace, command: str) -> None:
+    chosen = [p for p in points if (p.concurrency, p.input_len) in calibration]
+    host = points[0].host
+    deployment = deployment_for(points[0], args.output_len)
+    base = deployment.select_engine(across_engines=False)
+    assert base is not None
+    fit = fit_parameters(base, targets(chosen, args.output_len))
+    rows, held_errors = [], []
+    for point in points:
+        guess = predicted(point, args.output_len, fit.parameters)
+        calibrating = point in chosen
+        ratios = {m: guess[m] / getattr(point, m) for m in METRICS}
+        if not calibrating:
+            held_errors += [abs(ratios["tpot_ms"] - 1), abs(ratios["output_tok_s"] - 1)]
+        rows.append((point, guess, ratios, calibrating))
+    print(
+        f"host {host['cpu_model']} x{host['cores']} (bf16 units: {host.get('native_bf16')}); fitted "
+        f"{', '.join(f'{n} {getattr(fit.parameters, n):.3g}' for n in fit.fitted)} on {len(chosen)} points; "
+        f"output {args.output_len} tokens (+-{args.range_ratio:.0%})\n"
+    )
+    print(
+        "| prompt | concurrency | machine: copy GB/s, GFLOP/s "
+        "| TTFT ms measured / predicted (ratio) | TPOT ms measured / predicted (ratio) "
+        "| output tok/s measured / predicted (ratio) | |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---|")
+    for point, guess, ratios, calibrating in rows:
+        measured = HostMeasurement(**point.host)
+        machine = f"{measured.memory_bandwidth_gb_s:.1f}, {measured.engine_gflops:.1f}"
+        cells = [f"{getattr(point, m):,.1f} / {guess[m]:,.1f} ({ratios[m]:.2f})" for m in METRICS]
+        print(
+            f"| {point.input_len} | {point.concurrency} | {machine} | "
+            + " | ".join(cells)
+            + f" | {'fit on' if calibrating else 'held out'} |"
+        )
+    worst = max(held_errors, default=0.0)
+    verdict = "meets" if worst <= TARGET_RATIO_ERROR else "MISSES"
+    print(f"\nheld-out points: worst TPOT/throughput error {worst:.0%} ({verdict} the {TARGET_RATIO_ERROR:.0%} target)")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"cpu_profile_{host['host']}.json"
+    payload = {
+        "command": command,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "calibration": [list(c) for c in calibration],
+        "fitted": {n: getattr(fit.parameters, n) for n in fit.fitted},
+        "points": [asdict(p) for p in points],
+        "predicted": [guess for _, guess, _, _ in rows],
+    }
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {out}")
+    if args.write_profile:
+        fit_inputs = {
+            "generated_by": "benchmarks/cpu_profile.py --write-profile",
+            "generated_on": time.strftime("%Y-%m-%d"),
+            "fitted_on": f"{len(chosen)} measured points on {host['host']} ({host['cpu_model']} x{host['cores']})",
+            "values": payload["fitted"],
+            "rms_log_error": round(fit.rms_log_error, 4),
+            "points": payload["points"],
+            "calibration": payload["calibration"],
+            "output_len": args.output_len,
+        }
+        path = write_parameters("vllm-cpu", payload["fitted"], fit_inputs)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Python 3.10 support: the standard-library APIs of 3.11 that deepserve uses, with 3.10 stand-ins.
+
+Ubuntu 22.04, common on GPU servers, ships Python 3.10. On 3.11 and later these names are the standard library's own.
+
+- `timeout(delay_s)`: `asyncio.timeout`; on 3.10 the async-timeout backport (asyncio.timeout's origin), raising
+  the builtin TimeoutError on expiry as 3.11 does (3.10's asyncio.TimeoutError is a different class).
+- `run(coroutine, loop_factory=...)`: `asyncio.Runner(loop_factory=...).run(...)`, including its Ctrl-C handling:
+  the first Ctrl-C cancels the main task (which may catch the cancellation and return partial results), a second
+  one raises KeyboardInterrupt.
+
+Elsewhere, an except clause for a timeout of asyncio.wait_for or aiohttp names asyncio.TimeoutError too: on 3.10 that
+is not the builtin TimeoutError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+LoopFactory = Callable[[], asyncio.AbstractEventLoop]
+
+if sys.version_info >= (3, 11):
+    timeout = asyncio.timeout
+
+else:  # pragma: no cover - exercised by the Python 3.10 test run
+
+    @contextlib.asynccontextmanager
+    async def timeout(delay_s: float | None) -> AsyncIterator[None]:
+        import async_timeout
+
+        try:
+            async with async_timeout.timeout(delay_s):
+                yield
+        except asyncio.TimeoutError as exc:
+            raise TimeoutError from exc
+
+
+def run(coroutine: Coroutine[Any, Any, T], loop_factory: LoopFactory | None = None) -> T:
+    """Run COROUTINE to completion on a new event loop from LOOP_FACTORY (asyncio's default when None)."""
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(coroutine)
+    return _run_310(coroutine, loop_factory)  # pragma: no cover - exercised by the Python 3.10 test run
+
+
+def _run_310(coroutine: Coroutine[Any, Any, T], loop_factory: LoopFactory | None) -> T:
+    loop = loop_factory() if loop_factory is not None else asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    task = loop.create_task(coroutine)
+    interrupts = [0]
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        interrupts[0] += 1
+        if interrupts[0] == 1 and not task.done():
+            task.cancel()
+            loop.call_soon_threadsafe(lambda: None)  # wake the loop from its selector
+            return
+        raise KeyboardInterrupt
+
+    handled = threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
+    if handled:
+        signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        return loop.run_until_complete(task)
+    except asyncio.CancelledError:
+        if interrupts[0]:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        if handled and signal.getsignal(signal.SIGINT) is on_interrupt:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        _close(loop)
+
+
+def _close(loop: asyncio.AbstractEventLoop) -> None:
+    """What asyncio.run does on the way out: cancel what is left, finish async generators and the executor."""
+    try:
+        pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()

@@ -1,0 +1,116 @@
+"""What each replica's engine says about its own load: requests waiting and running, KV-cache use, read from its
+Prometheus /metrics every `interval_s` (for the engine_aware balancing policy).
+
+Only the few series named in each engine's `load_metrics` (engines/) are looked for, by searching the text for their
+names rather than parsing every line: vLLM's /metrics is about 100 KB of mostly histograms, scraped several times a
+second per replica. Series with several label sets (several engines behind one server, e.g. data parallel) are
+combined: waiting and running add up, the KV-cache fraction takes the fullest engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from deepserve.engines.base import LoadMetricNames
+from deepserve.engines.registry import ENGINES
+from deepserve.gateway.balancing import EngineLoad
+from deepserve.gateway.upstreams import UpstreamPool, UpstreamReplica
+
+log = logging.getLogger(__name__)
+
+# A scrape that takes longer than this many intervals is abandoned (the replica's load is then unknown).
+SCRAPE_TIMEOUT_INTERVALS = 5
+
+
+def parse_engine_load(text: str, scraped_at_s: float, engines: tuple[LoadMetricNames, ...] | None = None) -> EngineLoad:
+    """The load in TEXT (Prometheus text format), by the first engine whose series are present; zeros when none."""
+    for names in engines or tuple(engine.load_metrics for engine in ENGINES.values()):
+        waiting = _first_present(text, names.waiting, _sum)
+        running = _first_present(text, names.running, _sum)
+        kv_cache = _first_present(text, names.kv_cache_usage, max)
+        if waiting is not None or running is not None or kv_cache is not None:
+            return EngineLoad(waiting or 0.0, running or 0.0, min(1.0, max(0.0, kv_cache or 0.0)), scraped_at_s)
+    return EngineLoad(0.0, 0.0, 0.0, scraped_at_s)
+
+
+def _sum(values: list[float]) -> float:
+    return float(sum(values))
+
+
+def _first_present(text: str, names: tuple[str, ...], combine: Callable[[list[float]], float]) -> float | None:
+    for name in names:
+        values = _sample_values(text, name)
+        if values:
+            return combine(values)
+    return None
+
+
+def _sample_values(text: str, name: str) -> list[float]:
+    """The values of every sample of series NAME (any labels) in TEXT."""
+    values: list[float] = []
+    start = 0
+    while True:
+        at = text.find(name, start)
+        if at < 0:
+            return values
+        start = at + len(name)
+        if at and text[at - 1] != "\n":
+            continue  # inside another line (a HELP/TYPE comment, or a longer name ending in NAME)
+        follower = text[start : start + 1]
+        if follower not in ("{", " "):
+            continue  # a longer name that starts with NAME
+        end = text.find("\n", start)
+        line = text[start : end if end >= 0 else len(text)]
+        rest = line[line.rfind("}") + 1 :] if follower == "{" else line
+        with contextlib.suppress(IndexError, ValueError):
+            values.append(float(rest.split()[0]))
+
+
+class EngineLoadScraper:
+    """Keeps LOADS ({replica URL: EngineLoad}) current for POOL's healthy replicas."""
+
+    def __init__(self, pool: UpstreamPool, loads: dict[str, EngineLoad], interval_s: float) -> None:
+        self.pool = pool
+        self.loads = loads
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="engine-load-scrape")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def scrape_once(self) -> None:
+        healthy = [replica for replica in self.pool.replicas if replica.healthy]
+        await asyncio.gather(*(self._scrape(replica) for replica in healthy))
+        for url in set(self.loads) - {replica.url for replica in healthy}:
+            del self.loads[url]  # out of rotation: its last load must not linger
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.scrape_once()
+            except Exception:  # never let the loop die: routing would silently go blind
+                log.exception("scraping the engines' load failed")
+            await asyncio.sleep(self.interval_s)
+
+    async def _scrape(self, replica: UpstreamReplica) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s * SCRAPE_TIMEOUT_INTERVALS))
+        try:
+            async with self.pool.session.get(replica.root + "/metrics", timeout=timeout) as response:
+                if response.status != 200:
+                    raise aiohttp.ClientResponseError(response.request_info, (), status=response.status)
+                text = (await response.read()).decode("utf-8", errors="replace")
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            self.loads.pop(replica.url, None)
+            return
+        self.loads[replica.url] = parse_engine_load(text, time.monotonic())

@@ -1,0 +1,668 @@
+"""Limits shared by several gateways (`--redis-url`): per-key rpm/tpm buckets, per-key and global concurrency, and
+key revocations live in Redis, so that N gateways (replicas behind a load balancer, or `--workers N` on one host)
+enforce one limit.
+
+Every decision is one Lua script, which Redis runs atomically: the check and the charge cannot be split by another
+gateway's request (no check-then-set race). An admitted request costs two script calls: the admission script (key
+limits and, when free, a global slot) and the release script (sent in the background once the request ended). Calls
+go out in pipelines (`ScriptBatcher`): alone when the connection is idle, and together with every call made while
+the previous pipeline was in flight when busy, so that under load a round trip serves many requests.
+
+Concurrency slots are leases: a sorted-set member whose score is its expiry. The gateway renews its leases every
+lease/3 seconds; a gateway that dies stops renewing, and its slots expire after at most `--redis-lease-s`, so they
+never leak. Every script drops expired members before it counts.
+
+Time comes from Redis (`TIME`) so that gateways whose clocks differ agree, unless a clock is injected (tests).
+
+When Redis cannot be reached the gateway fails closed: 503 `limiter_unavailable`, since admitting without the shared
+state would break the limits it promises. With `fail_open` it falls back to this process's own limits
+(`LocalLimiter`) instead, logs a warning when that starts and when Redis answers again, and counts each request so
+admitted (`deepserve_gateway_limiter_fallbacks_total`). After a connection failure, or TIMEOUTS_TO_DOWN timeouts in a
+row, Redis is left alone for RETRY_S, so that requests do not each wait for a connect timeout; a lone timeout fails
+only the requests whose calls waited for it.
+
+Revocations: `deepserve keys revoke` writes the key database on one host; every gateway polls its own database and
+publishes each revocation it sees to Redis (a hash of revoked ids, and a pub/sub message), and `deepserve keys revoke
+--redis-url` publishes at once. Every gateway subscribes, so a revocation on one host is honoured by gateways on other
+hosts (with their own copy of the key database) within a second; the hash is re-read on every (re)subscription, so a
+message missed while disconnected is not lost."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from deepserve._compat import timeout
+from deepserve.gateway.errors import LimiterUnavailable, Overloaded, RateLimited
+from deepserve.gateway.limits import Admission, Clock, KeyLimits, LocalLimiter
+
+log = logging.getLogger(__name__)
+
+# After a failed connection (or TIMEOUTS_TO_DOWN timeouts in a row), Redis is left alone this long (meanwhile: 503,
+# or local limits with fail_open). A single slow answer fails only the calls that waited for it: on a busy host one
+# late answer must not refuse every request for a second.
+RETRY_S = 1.0
+TIMEOUTS_TO_DOWN = 3
+# A request waiting for a global slot retries at least this often, in case a release message was missed.
+SLOT_POLL_S = 0.1
+# The subscriber wakes at least this often (to notice that the gateway stops).
+LISTEN_POLL_S = 0.25
+
+_PRELUDE = """
+local now = tonumber(ARGV[1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+-- a token bucket stored as {tokens, at}; a missing bucket is a full one
+local function refill(key, capacity)
+  local state = redis.call('HMGET', key, 'tokens', 'at')
+  local tokens = tonumber(state[1])
+  if not tokens then return capacity end
+  return math.min(capacity, tokens + math.max(0, now - tonumber(state[2])) * capacity / 60)
+end
+local function store(key, capacity, tokens)
+  redis.call('HSET', key, 'tokens', tostring(tokens), 'at', tostring(now))
+  -- full again, the bucket is the same as no bucket: Redis may drop it then
+  redis.call('PEXPIRE', key, math.ceil((capacity - tokens) * 60000 / capacity) + 1000)
+end
+"""
+
+# KEYS: rpm bucket, tpm bucket, key leases, global leases.
+# ARGV: now, lease, lease_s, rpm, tpm, key max concurrency, global max concurrency, charged tokens, want a slot.
+# Returns {code, detail}: 0 admitted with a global slot, 1 admitted without one (wait for it), 2 key concurrency
+# refused (detail: leases held), 3 rpm refused, 4 tpm refused (detail: seconds until it would pass).
+_ADMIT = (
+    _PRELUDE
+    + """
+local lease, lease_s = ARGV[2], tonumber(ARGV[3])
+local rpm, tpm, key_max = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local global_max, charge = tonumber(ARGV[7]), tonumber(ARGV[8])
+if key_max > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  local held = redis.call('ZCARD', KEYS[3])
+  if held >= key_max then return {2, tostring(held)} end
+end
+local rpm_left, tpm_left
+if rpm > 0 then
+  local tokens = refill(KEYS[1], rpm)
+  if tokens < 1 then return {3, tostring((1 - tokens) * 60 / rpm)} end
+  rpm_left = tokens - 1
+end
+if tpm > 0 then
+  local tokens = refill(KEYS[2], tpm)
+  local needed = math.min(charge, tpm)
+  if tokens < needed then return {4, tostring((needed - tokens) * 60 / tpm)} end
+  tpm_left = tokens - charge
+end
+if rpm_left then store(KEYS[1], rpm, rpm_left) end
+if tpm_left then store(KEYS[2], tpm, tpm_left) end
+local expiry = now + lease_s
+if key_max > 0 then
+  redis.call('ZADD', KEYS[3], expiry, lease)
+  redis.call('PEXPIRE', KEYS[3], math.ceil(lease_s * 2000))
+end
+if ARGV[9] == '1' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+  if redis.call('ZCARD', KEYS[4]) < global_max then
+    redis.call('ZADD', KEYS[4], expiry, lease)
+    redis.call('PEXPIRE', KEYS[4], math.ceil(lease_s * 2000))
+    return {0, '0'}
+  end
+end
+return {1, '0'}
+"""
+)
+
+# KEYS: global leases. ARGV: now, lease, lease_s, global max concurrency. Returns 1 when the slot was taken.
+_TAKE_SLOT = (
+    _PRELUDE
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3]) * 2000))
+return 1
+"""
+)
+
+# KEYS: tpm bucket, key leases, global leases.
+# ARGV: now, lease, tpm, tokens to give back (negative: charge more), held a global slot, global max, channel.
+# A slot freed from a full set is announced on the channel, so that gateways with waiting requests retry at once.
+_RELEASE = (
+    _PRELUDE
+    + """
+local tpm, delta = tonumber(ARGV[3]), tonumber(ARGV[4])
+if tpm > 0 and delta ~= 0 then store(KEYS[1], tpm, math.min(tpm, refill(KEYS[1], tpm) + delta)) end
+redis.call('ZREM', KEYS[2], ARGV[2])
+if ARGV[5] == '1' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  local full = redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[6])
+  if redis.call('ZREM', KEYS[3], ARGV[2]) == 1 and full then redis.call('PUBLISH', ARGV[7], '1') end
+end
+return 1
+"""
+)
+
+# KEYS: lease sets (repeated as needed). ARGV: now, lease_s, then one lease per key. Leases already expired (and
+# dropped by another gateway's script) stay dropped: XX only updates members that exist.
+_RENEW = (
+    _PRELUDE
+    + """
+local expiry = now + tonumber(ARGV[2])
+for i, key in ipairs(KEYS) do redis.call('ZADD', key, 'XX', expiry, ARGV[i + 2]) end
+return #KEYS
+"""
+)
+
+
+class ScriptBatcher:
+    """Calls Lua scripts by hash in pipelines: a call made while no pipeline is in flight goes out at once (no added
+    wait); calls made while one is in flight go together in the next. Under load that turns N round trips (and N
+    times the client's per-command work) into one. A script missing from Redis's cache (Redis restarted) is loaded
+    again and its calls retried once. Failures of the connection fail every call of the pipeline."""
+
+    def __init__(self, client: Any, sources: dict[str, str]) -> None:
+        self._client = client
+        self._sources = sources
+        self._hashes = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in sources.items()}
+        self._pending: list[tuple[str, list[Any], asyncio.Future[Any]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def load(self) -> None:
+        for source in self._sources.values():
+            await self._client.script_load(source)
+
+    def submit(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        """Queue one call; its future gets the script's result (or exception)."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.append((name, [len(keys), *keys, *args], future))
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush(), name="redis-pipeline")
+        return future
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                await self._send(batch, retry_missing=True)
+        finally:
+            self._flusher = None
+            abandoned, self._pending = self._pending, []  # only when cancelled (the gateway stops)
+            for _, _, future in abandoned:
+                if not future.done():
+                    future.cancel()
+
+    async def _send(self, batch: list[tuple[str, list[Any], asyncio.Future[Any]]], retry_missing: bool) -> None:
+        from redis.exceptions import NoScriptError, ResponseError
+
+        try:
+            if len(batch) == 1:  # a pipeline of one costs the client about a third more than the plain command
+                name, arguments, _ = batch[0]
+                try:
+                    results = [await self._client.evalsha(self._hashes[name], *arguments)]
+                except ResponseError as exc:  # the script's own error, or NOSCRIPT: the same as in a pipeline
+                    results = [exc]
+            else:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for name, arguments, _ in batch:
+                        pipe.evalsha(self._hashes[name], *arguments)
+                    results = await pipe.execute(raise_on_error=False)
+        except BaseException as exc:
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        missing = []
+        for item, result in zip(batch, results, strict=True):
+            future = item[2]
+            if isinstance(result, NoScriptError) and retry_missing:
+                missing.append(item)
+            elif future.done():
+                continue  # its caller went away
+            elif isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        if missing:
+            try:
+                await self.load()
+            except Exception as exc:
+                for _, _, future in missing:
+                    if not future.done():
+                        future.set_exception(exc)
+                return
+            await self._send(missing, retry_missing=False)
+
+
+class RedisNames:
+    """The Redis keys and channels of one deployment, all under PREFIX (gateways sharing limits share the prefix)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.global_leases = prefix + "leases:global"
+        self.revoked = prefix + "revoked"  # hash: key id → unix time of the revocation
+        self.revocations = prefix + "revocations"  # channel: a revoked key id
+        self.slots = prefix + "slots"  # channel: a global slot was freed from a full set
+
+    def bucket(self, kind: str, key_id: str) -> str:
+        return f"{self.prefix}{kind}:{key_id}"
+
+    def key_leases(self, key_id: str) -> str:
+        return f"{self.prefix}leases:key:{key_id}"
+
+
+def redis_where(url: str) -> str:
+    """host:port/db of a Redis URL, never its password (for messages and logs)."""
+    parts = urlsplit(url)
+    return f"{parts.hostname or '?'}:{parts.port or 6379}{parts.path or ''}"
+
+
+def _redis_failures() -> tuple[type[BaseException], ...]:
+    from redis.exceptions import RedisError
+
+    return (RedisError, OSError, asyncio.TimeoutError)
+
+
+class RedisLimiter:
+    """The `Limiter` whose state lives in Redis (see the module docstring); `local` answers while Redis cannot be
+    reached, when fail_open is set. Also keeps the set of key ids revoked anywhere (`revoked_ids`)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_concurrency: int,
+        max_queue: int,
+        queue_timeout_s: float,
+        lease_s: float = 10.0,
+        timeout_s: float = 1.0,
+        fail_open: bool = False,
+        prefix: str = "deepserve:gateway:",
+        clock: Clock | None = None,
+    ) -> None:
+        self.url = url
+        self.where = redis_where(url)
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self.lease_s = lease_s
+        self.timeout_s = timeout_s
+        self.fail_open = fail_open
+        self.names = RedisNames(prefix)
+        self.local = LocalLimiter(max_concurrency, max_queue, queue_timeout_s)
+        self.revoked_ids: set[str] = set()
+        self.up = True
+        self.fallbacks = 0  # requests admitted by the local limits because Redis was unreachable
+        self.errors = 0  # failed calls to Redis
+        self.on_fallback: Callable[[], None] = lambda: None  # the app counts these in its metrics
+        self.on_error: Callable[[], None] = lambda: None
+        self._clock = clock
+        self._failures = _redis_failures()
+        self._down_until = 0.0
+        self._timeouts_in_a_row = 0
+        self._last_error = ""
+        self._lease_ids = itertools.count()
+        self._lease_prefix = secrets.token_hex(4) + ":"
+        self._held: dict[str, Admission] = {}  # lease → admission, for renewal
+        self._waiters: collections.deque[asyncio.Event] = collections.deque()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._client: Any = None
+        self._scripts: ScriptBatcher | None = None
+        self._closing = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        import redis.asyncio
+
+        self._client = redis.asyncio.Redis.from_url(
+            self.url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, decode_responses=True
+        )
+        self._scripts = ScriptBatcher(
+            self._client, {"admit": _ADMIT, "slot": _TAKE_SLOT, "release": _RELEASE, "renew": _RENEW}
+        )
+        try:
+            await self._scripts.load()
+            await self.load_revocations()
+        except self._failures as exc:
+            self._mark_down(exc)
+        self._spawn(self._listen(), "redis-listen")
+        self._spawn(self._renew_loop(), "redis-lease-renewal")
+
+    async def close(self) -> None:
+        self._closing = True  # the listener checks it: redis-py's get_message can swallow a cancellation
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._scripts is not None:
+            await self._scripts.close()
+        if self._client is not None:
+            await self._client.aclose()
+
+    def _spawn(self, coroutine: Any, name: str) -> None:
+        task = asyncio.create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- the Limiter interface ----------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return sum(admission.has_slot for admission in self._held.values()) + self.local.in_flight
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters) + self.local.waiting
+
+    async def admit(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> Admission:
+        if not self._reachable():
+            return self._fallback(key_id, limits, charged_tokens)
+        admission = Admission(key_id, limits, charged_tokens)
+        admission.local = False
+        admission.lease = lease = self._lease_prefix + str(next(self._lease_ids))
+        limits = limits or KeyLimits()
+        bucket_id = key_id or "-"
+        keys = [
+            self.names.bucket("rpm", bucket_id),
+            self.names.bucket("tpm", bucket_id),
+            self.names.key_leases(bucket_id),
+            self.names.global_leases,
+        ]
+        args = [
+            self._now(), lease, self.lease_s, limits.rpm or 0, limits.tpm or 0, limits.max_concurrency or 0,
+            self.max_concurrency, charged_tokens, 0 if self._waiters else 1,
+        ]  # fmt: skip
+        try:
+            code, detail = await self._call("admit", keys, args)
+        except asyncio.CancelledError:
+            self._release_in_background(admission, had_slot=True, delta=0)  # it may have been admitted
+            raise
+        except self._failures as exc:
+            self._mark_down(exc)
+            if _is_timeout(exc):  # Redis may have run it after all: give back its leases, if any
+                self._release_in_background(admission, had_slot=True, delta=0)
+            return self._fallback(key_id, limits, charged_tokens)
+        self._mark_up()
+        code = int(code)
+        if code >= 2:
+            raise _refusal(code, float(detail), limits, charged_tokens)
+        admission.has_slot = code == 0
+        self._held[lease] = admission
+        return admission
+
+    async def acquire_slot(self, admission: Admission) -> None:
+        if admission.local:
+            await self.local.acquire_slot(admission)
+            return
+        if admission.has_slot:
+            return
+        if len(self._waiters) >= self.max_queue:
+            raise Overloaded(
+                f"the gateway is at capacity ({self.max_concurrency} in flight across all gateways, "
+                f"{len(self._waiters)} queued here); retry later",
+                reason="queue_full",
+            )
+        await self._wait_for_slot(admission)
+
+    def release(self, admission: Admission, used_tokens: int | None) -> None:
+        if admission.local:
+            self.local.release(admission, used_tokens)
+            return
+        assert admission.lease is not None
+        self._held.pop(admission.lease, None)
+        tpm = admission.limits.tpm if admission.limits else None
+        delta = admission.charged_tokens - used_tokens if tpm and used_tokens is not None else 0
+        self._release_in_background(admission, admission.has_slot, delta)
+        admission.has_slot = False
+
+    # ---- waiting for a global slot ------------------------------------------------------------------------------
+
+    async def _wait_for_slot(self, admission: Admission) -> None:
+        """FIFO among this gateway's waiters: only the oldest asks Redis, when woken (a slot was freed here or
+        announced by another gateway) or every SLOT_POLL_S; the others wait to become the oldest."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.queue_timeout_s
+        woken = asyncio.Event()
+        self._waiters.append(woken)
+        try:
+            while True:
+                if self._waiters[0] is woken and await self._take_slot(admission):
+                    return
+                remaining_s = deadline - loop.time()
+                if remaining_s <= 0:
+                    raise Overloaded(
+                        f"no capacity freed within {self.queue_timeout_s:g} s of queueing; retry later",
+                        reason="queue_timeout",
+                    )
+                woken.clear()
+                wait_s = min(SLOT_POLL_S, remaining_s) if self._waiters[0] is woken else remaining_s
+                with contextlib.suppress(TimeoutError):
+                    async with timeout(wait_s):
+                        await woken.wait()
+        finally:
+            head = self._waiters[0] is woken
+            self._waiters.remove(woken)
+            if head:
+                self._wake_oldest()
+
+    async def _take_slot(self, admission: Admission) -> bool:
+        if not self._reachable():
+            return await self._local_slot(admission)
+        args = [self._now(), admission.lease, self.lease_s, self.max_concurrency]
+        try:
+            taken = await self._call("slot", [self.names.global_leases], args)
+        except asyncio.CancelledError:
+            self._release_in_background(admission, had_slot=True, delta=0)
+            raise
+        except self._failures as exc:
+            self._mark_down(exc)
+            return await self._local_slot(admission)
+        self._mark_up()
+        admission.has_slot = bool(int(taken))
+        return admission.has_slot
+
+    async def _local_slot(self, admission: Admission) -> bool:
+        """Redis went away while this request waited: with fail_open it waits for a local slot instead."""
+        if not self.fail_open:
+            raise self._unavailable()
+        self._count_fallback()
+        await self.local.queue.acquire()
+        admission.local = True  # from now on it is the local limiter's (its key lease in Redis expires)
+        admission.has_slot = True
+        assert admission.lease is not None
+        self._held.pop(admission.lease, None)
+        return True
+
+    def _wake_oldest(self) -> None:
+        if self._waiters:
+            self._waiters[0].set()
+
+    # ---- talking to Redis ---------------------------------------------------------------------------------------
+
+    def _call(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        assert self._scripts is not None, "RedisLimiter.start() was not awaited"
+        return self._scripts.submit(name, keys, args)
+
+    def _now(self) -> str:
+        return repr(self._clock()) if self._clock is not None else ""
+
+    def _release_in_background(self, admission: Admission, had_slot: bool, delta: int) -> None:
+        tpm = admission.limits.tpm if admission.limits else None
+        bucket_id = admission.key_id or "-"
+        keys = [self.names.bucket("tpm", bucket_id), self.names.key_leases(bucket_id), self.names.global_leases]
+        args = [
+            self._now(), admission.lease, tpm or 0, delta, 1 if had_slot else 0, self.max_concurrency,
+            self.names.slots,
+        ]  # fmt: skip
+        self._spawn(self._release(keys, args, had_slot), "redis-release")
+
+    async def _release(self, keys: list[str], args: list[Any], had_slot: bool) -> None:
+        try:
+            await self._call("release", keys, args)
+        except self._failures as exc:  # its leases expire by themselves; only a tpm correction is lost
+            self._mark_down(exc)
+            return
+        if had_slot:
+            self._wake_oldest()
+
+    async def renew_leases(self) -> None:
+        """Push the expiry of every lease this gateway holds lease_s into the future."""
+        keys: list[str] = []
+        members: list[str] = []
+        for lease, admission in self._held.items():
+            if admission.limits is not None and admission.limits.max_concurrency and admission.key_id:
+                keys.append(self.names.key_leases(admission.key_id))
+                members.append(lease)
+            if admission.has_slot:
+                keys.append(self.names.global_leases)
+                members.append(lease)
+        if not keys:
+            return
+        try:
+            await self._call("renew", keys, [self._now(), self.lease_s, *members])
+        except self._failures as exc:
+            self._mark_down(exc)
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            await self.renew_leases()
+
+    async def _listen(self) -> None:
+        """Subscribe to slot releases and revocations; after any failure, subscribe again (and re-read the revoked
+        set, in case a revocation was published meanwhile)."""
+        while not self._closing:
+            pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.names.slots, self.names.revocations)
+                await self.load_revocations()
+                self._mark_up()
+                while not self._closing:
+                    message = await pubsub.get_message(timeout=LISTEN_POLL_S)
+                    if message is None:
+                        continue
+                    if message["channel"] == self.names.revocations:
+                        self.revoked_ids.add(str(message["data"]))
+                    else:
+                        self._wake_oldest()
+            except self._failures as exc:
+                self._mark_down(exc)
+                await asyncio.sleep(max(RETRY_S, LISTEN_POLL_S))
+            finally:
+                with contextlib.suppress(*self._failures):
+                    await pubsub.aclose()
+
+    # ---- revocations --------------------------------------------------------------------------------------------
+
+    async def load_revocations(self) -> None:
+        self.revoked_ids |= set(await self._client.hkeys(self.names.revoked))
+
+    async def publish_revocation(self, key_id: str, revoked_at: float) -> None:
+        """Tell every gateway that KEY_ID is revoked (raises on a Redis failure; the caller retries later)."""
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.hset(self.names.revoked, key_id, repr(revoked_at))
+            pipe.publish(self.names.revocations, key_id)
+            await pipe.execute()
+        self.revoked_ids.add(key_id)
+
+    # ---- Redis unreachable --------------------------------------------------------------------------------------
+
+    def _reachable(self) -> bool:
+        return self.up or time.monotonic() >= self._down_until
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self.errors += 1
+        self.on_error()
+        self._last_error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        if _is_timeout(exc):
+            self._timeouts_in_a_row += 1
+            if self._timeouts_in_a_row < TIMEOUTS_TO_DOWN:
+                log.warning("the shared limits' Redis at %s answered too late (%s)", self.where, self._last_error)
+                return
+        self._down_until = time.monotonic() + RETRY_S
+        if self.up:
+            self.up = False
+            then = "this gateway's own limits apply meanwhile" if self.fail_open else "requests get 503 meanwhile"
+            log.warning("the shared limits' Redis at %s failed (%s); %s", self.where, self._last_error, then)
+
+    def _mark_up(self) -> None:
+        self._timeouts_in_a_row = 0
+        if not self.up:
+            self.up = True
+            log.warning("the shared limits' Redis at %s answers again", self.where)
+
+    def _fallback(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> Admission:
+        if not self.fail_open:
+            raise self._unavailable()
+        admission = self.local.admit_now(key_id, limits, charged_tokens)
+        self._count_fallback()
+        return admission
+
+    def _count_fallback(self) -> None:
+        self.fallbacks += 1
+        self.on_fallback()
+
+    def _unavailable(self) -> LimiterUnavailable:
+        return LimiterUnavailable(
+            f"the gateway's limits are shared through Redis at {self.where}, which cannot be reached "
+            f"({self._last_error or 'no answer'}); requests are refused until it answers (an operator can start "
+            "the gateway with --redis-fail-open to fall back to per-gateway limits instead)"
+        )
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    return isinstance(exc, (RedisTimeout, asyncio.TimeoutError))
+
+
+def _refusal(code: int, wait_s: float, limits: KeyLimits, charged_tokens: int) -> RateLimited:
+    if code == 2:
+        return RateLimited(
+            f"this key already has {int(wait_s)} requests in flight (its limit, across all gateways); wait for one "
+            "to finish",
+            retry_after_s=1.0,
+            reason="key_concurrency",
+        )
+    if code == 3:
+        return RateLimited(
+            f"this key's limit of {limits.rpm} requests per minute is reached", retry_after_s=wait_s, reason="key_rpm"
+        )
+    return RateLimited(
+        f"this key's limit of {limits.tpm} tokens per minute is reached (this request may use {charged_tokens})",
+        retry_after_s=wait_s,
+        reason="key_tpm",
+    )
+
+
+def publish_revocation_now(url: str, prefix: str, key_id: str, revoked_at: float, timeout_s: float = 2.0) -> None:
+    """The same as RedisLimiter.publish_revocation, from a short-lived process (`deepserve keys revoke`)."""
+    import redis
+
+    names = RedisNames(prefix)
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        with client.pipeline(transaction=True) as pipe:
+            pipe.hset(names.revoked, key_id, repr(revoked_at))
+            pipe.publish(names.revocations, key_id)
+            pipe.execute()
+    finally:
+        client.close()

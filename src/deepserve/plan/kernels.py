@@ -1,0 +1,145 @@
+"""What a device achieves per kind of work: the kernel table in data/kernels.json.
+
+Each kind of work in an engine step (dense GEMMs, grouped MoE GEMMs, MLA decode and prefill attention, collectives)
+runs at a fraction of the device's datasheet bandwidth and dense FLOP rate. The fractions come from public kernel
+measurements (DeepGEMM, FlashMLA, Marlin, FlashAttention, NCCL, DeepEP, the engines' own kernel benchmarks), each
+recorded with its source next to the number; plan/perf.py turns them into seconds. Nothing here is fitted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from deepserve.errors import ConfigError
+from deepserve.hardware.catalog import Accelerator, Link
+
+KERNELS_PATH = Path(__file__).with_name("data") / "kernels.json"
+
+# Kinds of computation, in the order a layer runs them.
+WORK_KINDS = ("dense_gemm", "moe_gemm", "mla_decode", "mla_prefill")
+LAUNCH_MODES = ("cuda_graph", "stream", "host_synchronised", "cpu_eager")
+
+
+@dataclass(frozen=True)
+class KindRate:
+    """One kind of work on one device class and weight family."""
+
+    memory_efficiency: float
+    compute_efficiency: float
+    floor_us: float
+    measured: bool
+    source: str
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """Everything the step model needs about one device for one weight format."""
+
+    hardware_class: str
+    family: str  # weight family the GEMM rates are for: fp8, int4, 16bit
+    kinds: dict[str, KindRate]
+    launch_us: dict[str, float]  # cost of one small kernel by launch mode
+    all_to_all_efficiency: float
+    network_efficiency: float
+    collectives: dict[str, float]  # link kind -> all-reduce bus bandwidth (GB/s)
+    class_measured: bool
+    provenance: str  # where the figures come from, for `plan` and `validate`
+
+    def rate(self, kind: str) -> KindRate:
+        return self.kinds[kind]
+
+    @property
+    def measured(self) -> bool:
+        """Whether the class has public measurements at all (a class that borrows another vendor's is not)."""
+        return self.class_measured
+
+    def all_reduce_bus_gb_s(self, link: Link) -> float:
+        """NCCL-style bus bandwidth of an all-reduce over LINK: measured per NVLink generation, else the network's
+        efficiency applied to the link's own bandwidth."""
+        if link.kind in self.collectives:
+            return min(self.collectives[link.kind], link.bandwidth_gb_s)
+        return link.bandwidth_gb_s * self.network_efficiency
+
+    def with_overrides(self, overrides: dict[str, KindRate], provenance: str) -> KernelRates:
+        return replace(self, kinds={**self.kinds, **overrides}, provenance=provenance)
+
+
+def weight_family(format_name: str) -> str:
+    if format_name.startswith("fp8"):
+        return "fp8"
+    if "int4" in format_name:
+        return "int4"
+    return "16bit"
+
+
+@lru_cache(maxsize=4)
+def _table(path: Path = KERNELS_PATH) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def kernel_rates(accelerator: Accelerator, format_name: str, path: Path = KERNELS_PATH) -> KernelRates:
+    """The table's figures for ACCELERATOR's class and FORMAT_NAME's weight family."""
+    table = _table(path)
+    classes = table["classes"]
+    if accelerator.hardware_class not in classes:
+        raise ConfigError(
+            f"no kernel figures for hardware class {accelerator.hardware_class!r} in {path.name}; "
+            f"known: {', '.join(sorted(classes))}"
+        )
+    entry = classes[accelerator.hardware_class]
+    family = weight_family(format_name)
+    kinds = {kind: _kind_rate(entry, kind, family, accelerator.hardware_class) for kind in WORK_KINDS}
+    collectives = table["collectives"]
+    measured = bool(entry["measured"])
+    provenance = f"{accelerator.hardware_class} kernel figures" + ("" if measured else " (carried over, not measured)")
+    return KernelRates(
+        hardware_class=accelerator.hardware_class,
+        family=family,
+        kinds=kinds,
+        launch_us={mode: float(value["value"]) for mode, value in table["launch_us"].items()},
+        all_to_all_efficiency=float(collectives["all_to_all_nvlink_efficiency"]["value"]),
+        network_efficiency=float(collectives["network"]["efficiency"]),
+        collectives={
+            kind: float(value["bus_bandwidth_gb_s"])
+            for kind, value in collectives.items()
+            if isinstance(value, dict) and "bus_bandwidth_gb_s" in value
+        },
+        class_measured=measured,
+        provenance=provenance,
+    )
+
+
+def _kind_rate(entry: dict[str, Any], kind: str, family: str, hardware_class: str) -> KindRate:
+    by_family = entry[kind]
+    record = by_family.get(family) or by_family.get("any")
+    if record is None:
+        raise ConfigError(f"kernels.json: {hardware_class}/{kind} has no entry for weight family {family}")
+    return KindRate(
+        memory_efficiency=float(record["memory_efficiency"]),
+        compute_efficiency=float(record["compute_efficiency"]),
+        floor_us=float(record.get("floor_us", 0.0)),
+        measured=bool(record.get("measured", True)) and bool(entry["measured"]),
+        source=str(record["source"]),
+    )
+
+
+def ideal_rates(rates: KernelRates) -> KernelRates:
+    """RATES at the hardware's limit: every kind at full bandwidth and peak, no floors, free launches (a bound, not a
+    prediction)."""
+    perfect = KindRate(memory_efficiency=1.0, compute_efficiency=1.0, floor_us=0.0, measured=True, source="ideal")
+    return replace(
+        rates,
+        kinds=dict.fromkeys(rates.kinds, perfect),
+        launch_us=dict.fromkeys(rates.launch_us, 0.0),
+        provenance="ideal (datasheet bandwidth and peak)",
+    )
+
+
+def kind_sources(rates: KernelRates) -> dict[str, str]:
+    """Each kind's source, marked when it is carried over rather than measured."""
+    return {kind: ("" if rate.measured else "(not measured) ") + rate.source for kind, rate in rates.kinds.items()}

@@ -1,0 +1,89 @@
+"""What `deepserve simulate` is asked (section `simulate` of the config file): the hardware to pretend to be, how
+time passes, and the faults to inject. The engine's own settings (model, parallel layout, max_num_seqs, block
+size, …) come from the `engine` section, the same EngineConfig that `deepserve serve` launches vLLM with, so a
+config that serves a model on GPUs simulates it unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from deepserve.config import Section
+
+CutMode = Literal["close", "error_event", "malformed_event"]
+
+
+class SimulateConfig(Section):
+    gpu: str = Field("h200", description="GPU type from the catalog whose step times to simulate (h100 = H100 SXM)")
+    gpus: int = Field(8, ge=1, description="total GPUs of the simulated deployment (all nodes)")
+    nodes: int | None = Field(None, ge=1, description="nodes the GPUs are spread over (default: as few as hold them)")
+    weights: str | None = Field(
+        None, description="bf16, fp16, fp8, fp8-dynamic, awq-int4; None = the checkpoint's format (or --quantization)"
+    )
+    network: str = Field("infiniband-ndr", description="between nodes: infiniband-ndr, roce-400g, ethernet-100g")
+    calibration: Path | None = Field(None, description="JSON from benchmarks/calibrate_gpu.py (measured kernels)")
+    # ---- time ----
+    time_scale: float = Field(
+        1.0, gt=0, description="wall seconds per simulated second: 0.1 runs ten times faster than the modelled GPU"
+    )
+    fixed_ttft_ms: float | None = Field(
+        None, ge=0, description="no step model: every request's first token this long after it arrived"
+    )
+    fixed_itl_ms: float | None = Field(
+        None, ge=0, description="no step model: then one token every this many ms (0: as fast as possible)"
+    )
+    fixed_step_ms: float | None = Field(
+        None, gt=0, description="no step model: every engine step takes this long (lockstep streams)"
+    )
+    # ---- replies ----
+    tokens_per_chunk: int = Field(
+        1, ge=1, description="tokens per streamed chunk after the first (vLLM's --stream-interval)"
+    )
+    natural_output_len: int | None = Field(
+        None, ge=1, description="replies end with EOS after this many tokens unless ignore_eos (None: never)"
+    )
+    api_key: str | None = Field(None, description="require `Authorization: Bearer KEY` on /v1 (vLLM's --api-key)")
+    lora_modules: list[str] = Field(default_factory=list, description="extra model names served (LoRA adapters)")
+    record_bodies: bool = Field(False, description="keep every generation request's body (GET /simulate/stats)")
+    usage_chunk: Literal["requested", "never", "always"] = Field(
+        "requested", description="stream the usage chunk when stream_options.include_usage asks (vLLM), never, always"
+    )
+    token_ids: Literal["requested", "always"] = Field(
+        "requested", description="token_ids in each choice when return_token_ids asks (vLLM), or always"
+    )
+    tokenize_endpoints: bool = Field(True, description="serve /tokenize and /detokenize (off: 404, as some servers)")
+    profiler_endpoints: bool = Field(False, description="answer /start_profile and /stop_profile (vLLM's profiler)")
+    # ---- faults ----
+    error_fraction: float = Field(0.0, ge=0, le=1, description="fraction of generation requests answered with an error")
+    error_status: int = Field(500, ge=400, le=599, description="HTTP status of those errors")
+    cut_fraction: float = Field(0.0, ge=0, le=1, description="fraction of streams cut short after --cut-after-tokens")
+    cut_after_tokens: int = Field(1, ge=0, description="tokens a cut stream delivers before it is cut")
+    cut_mode: CutMode = Field("close", description="how a stream is cut: close, error_event, malformed_event")
+    hang_fraction: float = Field(0.0, ge=0, le=1, description="fraction of requests never answered (no byte)")
+    unhealthy_after_s: float | None = Field(None, ge=0, description="/health answers 503 from this long after start")
+    unhealthy_after_requests: int | None = Field(
+        None, ge=0, description="/health answers 503 once this many generation requests arrived"
+    )
+    health_delay_s: float = Field(0.0, ge=0, description="answer /health this late (an overloaded replica)")
+    metrics_delay_s: float = Field(0.0, ge=0, description="answer /metrics this late")
+    # ---- process ----
+    startup_delay_s: float = Field(0.0, ge=0, description="wait this long before listening (an engine loading)")
+    fail_startup: str | None = Field(None, description="print this and exit 1 instead of serving (a failed start)")
+    ignore_sigterm: bool = Field(False, description="ignore SIGTERM (an engine that must be killed)")
+    max_seconds: float | None = Field(None, gt=0, description="exit after this long, whatever happens (CI safety)")
+
+    @model_validator(mode="after")
+    def _one_timing_mode(self) -> SimulateConfig:
+        fixed_latency = self.fixed_ttft_ms is not None or self.fixed_itl_ms is not None
+        if fixed_latency and self.fixed_step_ms is not None:
+            raise ValueError(
+                "--fixed-step-ms (lockstep engine steps) and --fixed-ttft-ms/--fixed-itl-ms (each stream on its own "
+                "schedule) are two different engines: give one or the other"
+            )
+        return self
+
+    @property
+    def fixed_latency(self) -> bool:
+        return self.fixed_ttft_ms is not None or self.fixed_itl_ms is not None

@@ -1,0 +1,245 @@
+"""The simulated engine on a clock: requests in, tokens out to each request's sink at their simulated times.
+
+Two engines behind one interface:
+- `SteppedEngine`: the engine core (continuous batching, KV cache, pipeline) stepping on the clock. Steps follow
+  each other on an ideal timeline (a step starts when the one before ended, not when its timer callback happened
+  to run), so the event loop's timer resolution does not add up over thousands of steps, and a loop delayed by a
+  busy machine catches up. If it falls behind by more than MAX_LAG_WALL_S, the timeline restarts at the present
+  and the simulated time lost is counted.
+- `FixedLatencyEngine`: every request on its own, first token TTFT after arrival, then one every ITL, whatever else
+  runs (what the fakes of OpenAI servers did: no batching, no cache, staggered streams).
+
+Everything runs in clock callbacks, never in tasks: no wake-ups beyond one timer for the next event.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+from deepserve.simulate.clock import Clock, Timer
+from deepserve.simulate.core import EngineCore
+from deepserve.simulate.metrics import CounterReading, EngineMetrics, GaugeReading
+from deepserve.simulate.scheduler import SimRequest, Status, StepOutput, stop_reason
+
+MAX_LAG_WALL_S = 0.5  # how far (wall seconds) the loop may run behind the ideal timeline before it stops catching up
+_EPS_S = 1e-9
+FIXED_BURST_TOKENS = 64  # with no inter-token delay, tokens sent per callback before other streams get a turn
+
+
+class Engine(Protocol):
+    """What the server needs of an engine."""
+
+    max_model_len: int
+    metrics: EngineMetrics
+
+    def submit(self, request: SimRequest) -> None: ...
+
+    def abort(self, request: SimRequest) -> None: ...
+
+    def now(self) -> float: ...
+
+    def gauges(self) -> GaugeReading: ...
+
+    def counters(self) -> CounterReading: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class SteppedEngine:
+    def __init__(self, core: EngineCore, clock: Clock) -> None:
+        self.core = core
+        self.clock = clock
+        self.max_model_len = core.max_model_len
+        self.metrics = core.metrics
+        self.max_lag_s = MAX_LAG_WALL_S / clock.wall_s(1.0)  # in simulated seconds
+        self.lag_s = 0.0  # simulated time lost to an event loop that fell behind
+        self.lag_events = 0
+        self._ready_s = 0.0  # earliest start of the next step: the last arrival or step end that allowed one
+        self._blocked = False  # nothing schedulable until an arrival, an abort or a step's end
+        self._timer: Timer | None = None
+        self._timer_s = math.inf
+        self._kick_pending = False
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    def submit(self, request: SimRequest) -> None:
+        request.arrival_s = self.clock.now()
+        self.core.add(request)
+        self._unblock(request.arrival_s)
+
+    def abort(self, request: SimRequest) -> None:
+        if self.core.abort(request, self.clock.now()):
+            self._unblock(self.clock.now())  # its blocks are free: a waiting request may fit now
+
+    def gauges(self) -> GaugeReading:
+        return self.core.gauges()
+
+    def counters(self) -> CounterReading:
+        return self.core.counters()
+
+    def stats(self) -> dict[str, Any]:
+        scheduler = self.core.scheduler
+        return {
+            "mode": "stepped",
+            "steps": scheduler.counters.steps,
+            "busy_s": round(self.core.busy_s, 6),
+            "lag_s": round(self.lag_s, 6),
+            "lag_events": self.lag_events,
+            "kv_blocks": scheduler.kv.pool.num_blocks,
+            "kv_blocks_free": scheduler.kv.pool.num_free,
+        }
+
+    # ---- the event loop ---------------------------------------------------------------------------------------
+
+    def _unblock(self, now_s: float) -> None:
+        self._blocked = False
+        self._ready_s = max(self._ready_s, now_s)
+        if self.core.has_room and not self._kick_pending:
+            self._kick_pending = True
+            self.clock.call_soon(self._kick)
+
+    def _kick(self) -> None:
+        self._kick_pending = False
+        self._advance()
+
+    def _on_timer(self) -> None:
+        self._timer, self._timer_s = None, math.inf
+        self._advance()
+
+    def _advance(self) -> None:
+        """Handle, in time order, every step end and step start due by now; then wait for the next one."""
+        now = self.clock.now()
+        core = self.core
+        while True:
+            finish_s, start_s = core.next_finish_s, self._next_start_s(now)
+            if min(finish_s, start_s) > now + _EPS_S:
+                break
+            if finish_s <= start_s:
+                step, outputs = core.finish_step()
+                self._blocked = False
+                self._ready_s = max(self._ready_s, step.finish_s)
+                _deliver(outputs, step.finish_s)
+            elif core.start_step(start_s) is None:
+                self._blocked = True
+        self._arm(min(core.next_finish_s, self._next_start_s(now)))
+
+    def _next_start_s(self, now: float) -> float:
+        core = self.core
+        if self._blocked or not core.has_room or not core.has_unfinished:
+            return math.inf
+        start_s = max(self._ready_s, core.entry_free_s)
+        if now - start_s > self.max_lag_s:
+            self.lag_s += now - start_s
+            self.lag_events += 1
+            self._ready_s = start_s = now
+        return start_s
+
+    def _arm(self, when_s: float) -> None:
+        if when_s == self._timer_s:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_s = None, math.inf
+        if when_s < math.inf:
+            self._timer, self._timer_s = self.clock.call_at(when_s, self._on_timer), when_s
+
+
+def _deliver(outputs: list[StepOutput], now_s: float) -> None:
+    for output in outputs:
+        request = output.request
+        if request.sink is not None:
+            request.sink.on_tokens(request, [output.token_id], output.finish_reason, now_s)
+
+
+class FixedLatencyEngine:
+    """Each request alone: its first token TTFT_S after it arrived, then one every ITL_S (0: as fast as the
+    event loop runs, FIXED_BURST_TOKENS per turn)."""
+
+    def __init__(self, clock: Clock, ttft_s: float, itl_s: float, max_model_len: int) -> None:
+        if ttft_s < 0 or itl_s < 0:
+            raise ValueError("fixed timings must not be negative")
+        self.clock = clock
+        self.ttft_s = ttft_s
+        self.itl_s = itl_s
+        self.max_model_len = max_model_len
+        self.metrics = EngineMetrics(max_model_len)
+        self.active: dict[int, SimRequest] = {}
+        self._timers: dict[int, Timer] = {}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    def submit(self, request: SimRequest) -> None:
+        now = self.clock.now()
+        request.arrival_s = request.first_scheduled_s = now
+        request.status = Status.RUNNING
+        self.active[id(request)] = request
+        self._timers[id(request)] = self.clock.call_at(now + self.ttft_s, lambda: self._emit(request))
+
+    def abort(self, request: SimRequest) -> None:
+        if self.active.pop(id(request), None) is None:
+            return
+        timer = self._timers.pop(id(request), None)
+        if timer is not None:
+            timer.cancel()
+        request.status, request.finish_reason = Status.FINISHED, "abort"
+        self._observe_finished(request, self.clock.now())
+
+    def _emit(self, request: SimRequest) -> None:
+        if request.finished:
+            return
+        now = self.clock.now()
+        tokens: list[int] = []
+        reason = None
+        burst = FIXED_BURST_TOKENS if self.itl_s == 0 else 1
+        while reason is None and len(tokens) < burst:
+            token = request.next_token()
+            request.append_output(token)
+            tokens.append(token)
+            reason = stop_reason(request, token, self.max_model_len)
+        self._observe_tokens(request, len(tokens), now)
+        if reason is not None:
+            request.status, request.finish_reason = Status.FINISHED, reason
+            self.active.pop(id(request), None)
+            self._timers.pop(id(request), None)
+            self._observe_finished(request, now)
+        else:
+            self._timers[id(request)] = self.clock.call_at(now + self.itl_s, lambda: self._emit(request))
+        if request.sink is not None:
+            request.sink.on_tokens(request, tokens, reason, now)
+
+    def _observe_tokens(self, request: SimRequest, count: int, now: float) -> None:
+        if request.first_token_s is None:
+            request.first_token_s = now
+            self._prompt_tokens += request.num_prompt_tokens
+            self.metrics.ttft.observe(now - request.arrival_s)
+        else:
+            self.metrics.itl.observe(now - (request.last_token_s or now))
+        if count > 1:
+            self.metrics.itl.observe_many(0.0, count - 1)  # the tokens of one burst come at the same instant
+        request.last_token_s = now
+        self._generation_tokens += count
+
+    def _observe_finished(self, request: SimRequest, now: float) -> None:
+        self.metrics.observe_finished(
+            request.finish_reason or "abort",
+            request.arrival_s,
+            request.first_scheduled_s,
+            request.first_token_s,
+            now,
+            request.num_prompt_tokens,
+            len(request.output_token_ids),
+        )
+
+    def gauges(self) -> GaugeReading:
+        return GaugeReading(running=len(self.active), waiting=0, kv_cache_usage=0.0)
+
+    def counters(self) -> CounterReading:
+        return CounterReading(self._prompt_tokens, self._generation_tokens, 0, 0, 0)
+
+    def stats(self) -> dict[str, Any]:
+        return {"mode": "fixed-latency", "ttft_s": self.ttft_s, "itl_s": self.itl_s, "active": len(self.active)}

@@ -1,0 +1,650 @@
+"""The simulator's HTTP server: vLLM's OpenAI-compatible API over the simulated engine.
+
+Routes (as vLLM serves them): POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
+/health, /version, /metrics. The simulator's own: GET /simulate/stats (what it saw: requests, completions,
+aborts, injected faults, bodies with record_bodies), POST /simulate/control (change faults, health, metric values).
+
+A raw asyncio protocol with httptools' parser (llhttp, in C): one benchmark client drives hundreds of streams, and
+the engine writes each token straight to its connection from the step callback, without a task per stream.
+Responses stream with chunked transfer encoding, one SSE event per chunk, as uvicorn frames vLLM's. A client that
+goes away aborts its request in the engine (vLLM does the same), which frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, cast
+
+import httptools
+import orjson
+
+from deepserve import __version__
+from deepserve.simulate.clock import Clock, LoopClock
+from deepserve.simulate.config import SimulateConfig
+from deepserve.simulate.engine import Engine
+from deepserve.simulate.faults import Controls
+from deepserve.simulate.metrics import render
+from deepserve.simulate.openai_api import DONE_EVENT, ApiError, Generation, ReplyFormat, error_body, parse_generation
+from deepserve.simulate.scheduler import SimRequest
+from deepserve.simulate.setup import SimulatedDeployment, build_engine
+from deepserve.simulate.tokenizer import ByteTokenizer, ChatFormatError
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+RECORDED_BODIES = 10_000  # record_bodies keeps at most this many (the oldest go first)
+_REASONS = {
+    200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 405: b"Method Not Allowed",
+    413: b"Payload Too Large", 429: b"Too Many Requests", 500: b"Internal Server Error", 502: b"Bad Gateway",
+    503: b"Service Unavailable", 504: b"Gateway Timeout",
+}  # fmt: skip
+_JSON = b"content-type: application/json\r\n"
+_TEXT = b"content-type: text/plain; version=0.0.4; charset=utf-8\r\n"
+_SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n"
+_CHUNKED_END = b"0\r\n\r\n"
+MALFORMED_EVENT = b"data: {not json\n\n"
+
+
+@dataclass
+class ServerStats:
+    """What the simulator saw, for tests (GET /simulate/stats)."""
+
+    requests: int = 0  # generation requests received
+    completed: int = 0  # answered in full
+    aborted: int = 0  # the client went away first
+    failed: int = 0  # answered with an injected error
+    cut: int = 0  # streams cut by an injected fault
+    hung: int = 0  # never answered (injected)
+    refused: int = 0  # answered 4xx (bad request, unknown model, too long)
+    active: int = 0  # streaming now
+    metrics_scrapes: int = 0
+    health_checks: int = 0
+    profile_calls: list[str] = field(default_factory=list)  # /start_profile, /stop_profile, in order
+    request_ids: deque[str | None] = field(default_factory=lambda: deque(maxlen=RECORDED_BODIES))
+    bodies: deque[Any] = field(default_factory=lambda: deque(maxlen=RECORDED_BODIES))
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["request_ids"] = list(self.request_ids)
+        data["bodies"] = list(self.bodies)
+        return data
+
+
+@dataclass
+class _Request:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    keep_alive: bool
+
+
+class SimulatorApp:
+    """Routes requests to the engine and the simulator's state; one per server."""
+
+    def __init__(self, deployment: SimulatedDeployment, config: SimulateConfig, engine: Engine, clock: Clock) -> None:
+        self.deployment = deployment
+        self.config = config
+        self.engine = engine
+        self.clock = clock
+        self.tokenizer = ByteTokenizer()
+        self.controls = Controls.from_config(config)
+        self.stats = ServerStats()
+        self.models = (deployment.served_model_name, *config.lora_modules)
+        self.created = int(time.time())
+        self._started = time.monotonic()
+        self._ids = 0
+        self._routes: dict[tuple[str, str], Callable[[_Connection, _Request], None]] = {
+            ("GET", "/health"): self._health,
+            ("GET", "/version"): self._version,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/metrics"): self._metrics,
+            ("POST", "/tokenize"): self._tokenize,
+            ("POST", "/detokenize"): self._detokenize,
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("GET", "/simulate/stats"): self._stats,
+            ("POST", "/simulate/control"): self._control,
+        }
+        if not config.tokenize_endpoints:
+            del self._routes[("POST", "/tokenize")], self._routes[("POST", "/detokenize")]
+        if config.profiler_endpoints:
+            self._routes[("POST", "/start_profile")] = self._routes[("POST", "/stop_profile")] = self._profile
+
+    def wants_usage(self, generation: Generation) -> bool:
+        """Whether a stream ends with the usage chunk: as the request asks (vLLM), or as usage_chunk forces."""
+        policy = self.config.usage_chunk
+        return generation.include_usage if policy == "requested" else policy == "always"
+
+    def handle(self, conn: _Connection, request: _Request) -> None:
+        key = self.config.api_key
+        guarded = request.path.startswith("/v1") or request.path == "/simulate/control"  # vLLM guards /v1 only
+        if key and guarded and request.headers.get("authorization") != f"Bearer {key}":
+            conn.send(401, _JSON, b'{"error":"Unauthorized"}')
+            return
+        route = self._routes.get((request.method, request.path))
+        if route is not None:
+            route(conn, request)
+        elif any(path == request.path for _, path in self._routes):
+            conn.send(405, _JSON, b'{"detail":"Method Not Allowed"}')
+        else:
+            conn.send(404, _JSON, b'{"detail":"Not Found"}')
+
+    # ---- the simple routes -------------------------------------------------------------------------------------
+
+    def _health(self, conn: _Connection, request: _Request) -> None:
+        self.stats.health_checks += 1
+        status = 200 if self.controls.is_healthy(time.monotonic() - self._started, self.stats.requests) else 503
+        conn.send_later(self.controls.health_delay_s, status, _JSON, b"" if status == 200 else b'{"error":"unhealthy"}')
+
+    def _version(self, conn: _Connection, request: _Request) -> None:
+        text = f"deepserve-simulate {__version__} (vLLM's V1 scheduler, simulated: {self.deployment.timing})"
+        conn.send(200, _JSON, orjson.dumps({"version": text}))
+
+    def _models(self, conn: _Connection, request: _Request) -> None:
+        base = self.deployment.served_model_name
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "deepserve-simulate",
+                "root": base,
+                "parent": None if name == base else base,
+                "max_model_len": self.deployment.max_model_len,
+            }
+            for name in self.models
+        ]
+        conn.send(200, _JSON, orjson.dumps({"object": "list", "data": cards}))
+
+    def _metrics(self, conn: _Connection, request: _Request) -> None:
+        self.stats.metrics_scrapes += 1
+        controls = self.controls
+        if controls.metrics_text is not None:
+            text = controls.metrics_text
+        else:
+            engine = self.engine
+            info = self.deployment.cache_info()
+            text = render(
+                self.deployment.served_model_name, engine.metrics, engine.gauges(), engine.counters(), info,
+                controls.metric_overrides,
+            )  # fmt: skip
+        conn.send_later(controls.metrics_delay_s, 200, _TEXT, text.encode("utf-8", "surrogateescape"))
+
+    def _tokenize(self, conn: _Connection, request: _Request) -> None:
+        try:
+            body = _json_object(request.body)
+            self._check_model(body)
+            tokens = self._tokens_of(body)
+        except ChatFormatError as exc:
+            self._refuse(conn, ApiError(400, str(exc), param="messages"))
+            return
+        except ApiError as exc:
+            self._refuse(conn, exc)
+            return
+        max_len = self.deployment.max_model_len
+        answer: dict[str, Any] = {"count": len(tokens), "max_model_len": max_len, "tokens": tokens}
+        answer["token_strs"] = [self.tokenizer.decode([t]) for t in tokens] if body.get("return_token_strs") else None
+        conn.send(200, _JSON, orjson.dumps(answer))
+
+    def _tokens_of(self, body: dict[str, Any]) -> list[int]:
+        """vLLM's /tokenize: chat messages through the chat template, or a prompt (with BOS unless
+        add_special_tokens is false)."""
+        if "messages" in body:
+            if not isinstance(body["messages"], list):
+                raise ApiError(400, "messages must be a list", param="messages")
+            return self.tokenizer.chat_ids(body["messages"], body.get("add_generation_prompt", True) is not False)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string", param="prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens", True) is not False)
+
+    def _detokenize(self, conn: _Connection, request: _Request) -> None:
+        try:
+            body = _json_object(request.body)
+            self._check_model(body)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise ApiError(400, "tokens must be a list of token ids", param="tokens")
+        except ApiError as exc:
+            self._refuse(conn, exc)
+            return
+        conn.send(200, _JSON, orjson.dumps({"prompt": self.tokenizer.decode(tokens)}))
+
+    def _profile(self, conn: _Connection, request: _Request) -> None:
+        self.stats.profile_calls.append(request.path)
+        conn.send(200, _JSON, b"{}")
+
+    def _stats(self, conn: _Connection, request: _Request) -> None:
+        gauges = self.engine.gauges()
+        data = {
+            **self.stats.to_json(),
+            "engine": {**self.engine.stats(), **asdict(gauges), **asdict(self.engine.counters())},
+            "deployment": self.deployment.describe(),
+            "controls": self.controls.to_json(),
+            "healthy": self.controls.is_healthy(time.monotonic() - self._started, self.stats.requests),
+        }
+        conn.send(200, _JSON, orjson.dumps(data))
+
+    def _control(self, conn: _Connection, request: _Request) -> None:
+        try:
+            self.controls.apply(orjson.loads(request.body or b"{}"))
+        except (ValueError, TypeError) as exc:
+            self._refuse(conn, ApiError(400, str(exc)))
+            return
+        conn.send(200, _JSON, orjson.dumps(self.controls.to_json()))
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model not in self.models:
+            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    def _refuse(self, conn: _Connection, error: ApiError) -> None:
+        conn.send(error.status, _JSON, orjson.dumps(error.body()))
+
+    # ---- generation ---------------------------------------------------------------------------------------------
+
+    def _completions(self, conn: _Connection, request: _Request) -> None:
+        self._generate(conn, request, chat=False)
+
+    def _chat(self, conn: _Connection, request: _Request) -> None:
+        self._generate(conn, request, chat=True)
+
+    def _generate(self, conn: _Connection, request: _Request, chat: bool) -> None:
+        stats = self.stats
+        index = stats.requests
+        stats.requests += 1
+        stats.request_ids.append(request.headers.get("x-request-id"))
+        try:
+            body = _json_object(request.body)
+        except ApiError as exc:
+            stats.refused += 1
+            self._refuse(conn, exc)
+            return
+        if self.config.record_bodies:
+            stats.bodies.append(body)
+        fault = self.controls.faults.decide(index)
+        if fault == "hang":
+            stats.hung += 1
+            return  # the connection stays busy: no byte until the client gives up
+        if fault == "error":
+            stats.failed += 1
+            status = self.controls.faults.error_status
+            conn.send(status, _JSON, error_body(status, "injected failure (deepserve simulate)", "InternalServerError"))
+            return
+        try:
+            generation = parse_generation(body, chat, self.tokenizer, self.deployment.max_model_len, self.models)
+        except ApiError as exc:
+            stats.refused += 1
+            self._refuse(conn, exc)
+            return
+        if self.config.token_ids == "always" and not generation.return_token_ids:
+            generation = dataclasses.replace(generation, return_token_ids=True)
+        self._ids += 1
+        request_id = request.headers.get("x-request-id") or f"{self._ids:08x}"
+        reply = _Reply(self, conn, generation, ReplyFormat(generation, request_id, int(time.time())))
+        if fault == "cut":
+            reply.cut_after = self.controls.faults.cut_after_tokens
+        sim = SimRequest(
+            str(self._ids),
+            generation.prompt_ids,
+            generation.max_tokens,
+            min_tokens=generation.min_tokens,
+            ignore_eos=generation.ignore_eos,
+            eos_after=self.config.natural_output_len,
+            sink=reply,
+        )
+        reply.request = sim
+        conn.reply = reply
+        if generation.stream:
+            stats.active += 1
+            conn.write(_SSE_HEAD + conn.close_header() + b"\r\n")
+        self.engine.submit(sim)
+
+
+class _Reply:
+    """The answer to one generation request: the engine's TokenSink for it."""
+
+    __slots__ = ("app", "conn", "cut_after", "done", "format", "generation", "pending", "request", "sent")
+
+    def __init__(self, app: SimulatorApp, conn: _Connection, generation: Generation, fmt: ReplyFormat) -> None:
+        self.app = app
+        self.conn = conn
+        self.generation = generation
+        self.format = fmt
+        self.request: SimRequest | None = None
+        self.cut_after: int | None = None  # an injected cut after this many tokens
+        self.pending: list[int] = []  # tokens not sent yet (several per chunk, or the whole reply)
+        self.sent = 0
+        self.done = False
+
+    def on_tokens(self, request: SimRequest, token_ids: list[int], finish_reason: str | None, now_s: float) -> None:
+        if self.done:
+            return
+        self.pending.extend(token_ids)
+        if not self.generation.stream:
+            if finish_reason is not None:
+                body = self.format.full_response(self.pending, finish_reason)
+                self._finish("completed", self.conn.response(200, _JSON, body))
+            return
+        if self.cut_after is not None and self.sent + len(self.pending) >= self.cut_after:
+            self._cut()
+            return
+        if finish_reason is None and self.sent and len(self.pending) == 1 == self.app.config.tokens_per_chunk:
+            event = self.format.token_event(self.sent, self.pending, None, self._usage(1))  # one token, as usual
+            self.sent += 1
+            self.pending.clear()
+            self.conn.write(b"%x\r\n%s\r\n" % (len(event), event))
+            return
+        events = self._token_events(finish_reason)
+        if finish_reason is not None:
+            if self.app.wants_usage(self.generation):
+                events.append(self.format.usage_event(self.sent))
+            events.append(DONE_EVENT)
+            self._finish("completed", _frames(events) + _CHUNKED_END)
+        elif events:
+            self.conn.write(_frames(events))
+
+    def _token_events(self, finish_reason: str | None) -> list[bytes]:
+        """Events for the pending tokens, as vLLM's --stream-interval K groups them: the first token at once,
+        then K per chunk, and whatever is left when the request finishes (which the last chunk says)."""
+        events: list[bytes] = []
+        per_chunk = self.app.config.tokens_per_chunk
+        while self.pending:
+            size = 1 if self.sent == 0 else per_chunk
+            last = len(self.pending) <= size
+            if last and finish_reason is None and len(self.pending) < size:
+                break
+            events += self._token_event(self.pending[:size], finish_reason if last else None)
+        return events
+
+    def _usage(self, new_tokens: int) -> bytes:
+        """The usage of every chunk (continuous_usage_stats), else nothing."""
+        generation = self.generation
+        if generation.continuous_usage and generation.include_usage:
+            return b',"usage":' + self.format.usage(self.sent + new_tokens)
+        return b""
+
+    def _token_event(self, tokens: list[int], finish_reason: str | None) -> list[bytes]:
+        events = [self.format.role_event()] if self.sent == 0 and self.generation.chat else []
+        events.append(self.format.token_event(self.sent, tokens, finish_reason, self._usage(len(tokens))))
+        self.sent += len(tokens)
+        del self.pending[: len(tokens)]
+        return events
+
+    def _cut(self) -> None:
+        assert self.cut_after is not None
+        keep = self.pending[: max(self.cut_after - self.sent, 0)]
+        events = self._token_event(keep, None) if keep else []
+        mode = self.app.controls.faults.cut_mode
+        self.app.stats.cut += 1
+        self._stop_engine()
+        if mode == "close":  # the connection drops mid-stream: no terminator, no [DONE]
+            self.conn.write(_frames(events))
+            self._settle(None)
+            self.conn.abort()
+            return
+        if mode == "error_event":
+            error = error_body(500, "injected stream failure (deepserve simulate)", "InternalServerError")
+            events += [b"data: " + error + b"\n\n", DONE_EVENT]
+        else:
+            events.append(MALFORMED_EVENT)
+        self._finish(None, _frames(events) + _CHUNKED_END)
+
+    def _stop_engine(self) -> None:
+        if self.request is not None and not self.request.finished:
+            self.app.engine.abort(self.request)
+
+    def client_gone(self) -> None:
+        """The connection closed before the answer was complete."""
+        if self.done:
+            return
+        self.done = True
+        stats = self.app.stats
+        stats.aborted += 1
+        if self.generation.stream:
+            stats.active -= 1
+        self._stop_engine()
+
+    def _finish(self, outcome: str | None, data: bytes) -> None:
+        self._settle(outcome)
+        self.conn.write(data)
+        self.conn.request_done()
+
+    def _settle(self, outcome: str | None) -> None:
+        self.done = True
+        stats = self.app.stats
+        if outcome == "completed":
+            stats.completed += 1
+        if self.generation.stream:
+            stats.active -= 1
+        self.conn.reply = None
+
+
+def _frames(events: list[bytes]) -> bytes:
+    """Each SSE event as one HTTP chunk (chunked transfer encoding), as uvicorn sends vLLM's."""
+    return b"".join(b"%x\r\n%s\r\n" % (len(event), event) for event in events)
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return cast(dict[str, Any], value)
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests (httptools), answers them one at a time, in order."""
+
+    def __init__(self, app: SimulatorApp) -> None:
+        self.app = app
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.reply: _Reply | None = None
+        self._queue: deque[_Request] = deque()
+        self._current: _Request | None = None
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+        self._dispatching = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.send(400, _JSON, b'{"detail":"Invalid HTTP request"}')
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        reply, self.reply = self.reply, None
+        if reply is not None:
+            reply.client_gone()
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self._url, self._headers, self._body, self._body_bytes = b"", {}, [], 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes <= MAX_BODY_BYTES:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        path = self._url.split(b"?", 1)[0].decode("latin-1")
+        method = self.parser.get_method().decode()
+        request = _Request(method, path, self._headers, b"".join(self._body), self.parser.should_keep_alive())
+        if self._body_bytes > MAX_BODY_BYTES:
+            request.path = "/<too large>"
+        self._queue.append(request)
+        if self._current is None:
+            self._next()
+
+    # answering
+    def _next(self) -> None:
+        if self._dispatching:  # a handler answered at once: the loop below picks up the next request
+            return
+        self._dispatching = True
+        try:
+            while self._current is None and self._queue and self.transport is not None:
+                self._current = request = self._queue.popleft()
+                if request.path == "/<too large>":
+                    self.send(413, _JSON, b'{"detail":"request body too large"}')
+                    continue
+                self.app.handle(self, request)
+        finally:
+            self._dispatching = False
+
+    def close_header(self) -> bytes:
+        current = self._current
+        return b"" if current is None or current.keep_alive else b"connection: close\r\n"
+
+    def response(self, status: int, headers: bytes, body: bytes) -> bytes:
+        reason = _REASONS.get(status, b"Error")
+        head = b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%s\r\n" % (
+            status, reason, headers, len(body), self.close_header(),
+        )  # fmt: skip
+        return head + body
+
+    def send(self, status: int, headers: bytes, body: bytes) -> None:
+        """Answer the current request in full."""
+        self.write(self.response(status, headers, body))
+        self.request_done()
+
+    def send_later(self, delay_s: float, status: int, headers: bytes, body: bytes) -> None:
+        if delay_s <= 0:
+            self.send(status, headers, body)
+            return
+        asyncio.get_running_loop().call_later(delay_s, self.send, status, headers, body)
+
+    def write(self, data: bytes) -> None:
+        if data and self.transport is not None:
+            self.transport.write(data)
+
+    def request_done(self) -> None:
+        current, self._current = self._current, None
+        if current is not None and not current.keep_alive:
+            if self.transport is not None:
+                self.transport.close()
+            return
+        self._next()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class SimulatorServer:
+    """The simulator listening on HOST:PORT in the running event loop (PORT 0: any free port)."""
+
+    def __init__(self, deployment: SimulatedDeployment, config: SimulateConfig) -> None:
+        self.deployment = deployment
+        self.config = config
+        self.app: SimulatorApp | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self.host = "127.0.0.1"
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, clock: Clock | None = None) -> SimulatorApp:
+        clock = clock or LoopClock(self.config.time_scale)
+        engine = build_engine(self.deployment, self.config, clock)
+        app = SimulatorApp(self.deployment, self.config, engine, clock)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(app), host, port, backlog=4096)
+        self.host = host
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        self.app = app
+        return app
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL (…/v1), as `deepserve serve` prints it."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    @property
+    def root_url(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            self._server = None
+
+
+@contextlib.asynccontextmanager
+async def running_simulator(
+    deployment: SimulatedDeployment, config: SimulateConfig, host: str = "127.0.0.1", port: int = 0
+) -> AsyncIterator[SimulatorServer]:
+    """The simulator serving in this event loop until the block ends."""
+    server = SimulatorServer(deployment, config)
+    await server.start(host, port)
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+class SimulatorThread:
+    """The simulator on its own event loop in a background thread, for tests and tools that call sync code."""
+
+    def __init__(self, deployment: SimulatedDeployment, config: SimulateConfig, host: str = "127.0.0.1", port: int = 0):
+        self.server = SimulatorServer(deployment, config)
+        self._host, self._port = host, port
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="deepserve-simulate")
+
+    @property
+    def app(self) -> SimulatorApp:
+        assert self.server.app is not None, "the simulator has not started"
+        return self.server.app
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
+
+    def call(self, function: Callable[[], Any]) -> Any:
+        """Run FUNCTION on the simulator's loop (its state is not thread-safe) and return its result."""
+
+        async def run() -> Any:
+            return function()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)
+
+    def __enter__(self) -> SimulatorThread:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(self._host, self._port), self._loop).result(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+@contextlib.contextmanager
+def simulator_thread(deployment: SimulatedDeployment, config: SimulateConfig) -> Iterator[SimulatorThread]:
+    with SimulatorThread(deployment, config) as thread:
+        yield thread

@@ -1,0 +1,40 @@
+"""How long one engine step takes: the planner's step model for a deployment, or a fixed time (tests).
+
+The planner's `PerformanceModel.step(decode_tokens, prefill_tokens, context_len).total_s` is the time of one step
+of the first pipeline stage; the simulator asks it once per step with what the scheduler actually put in that step.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from deepserve.plan.perf import PerformanceModel
+from deepserve.simulate.scheduler import ScheduledBatch
+
+
+class StepTimer(Protocol):
+    def step_s(self, batch: ScheduledBatch) -> float:
+        """Seconds one pipeline stage spends on BATCH."""
+        ...
+
+
+class PlannerStepTimer:
+    """The planner's step model: the batch's bytes and FLOPs at the kernel table's rates, plus engine overheads."""
+
+    def __init__(self, model: PerformanceModel) -> None:
+        self.model = model
+
+    def step_s(self, batch: ScheduledBatch) -> float:
+        return float(self.model.step(batch.decode_tokens, batch.prefill_tokens, batch.context_len).total_s)
+
+
+class FixedStepTimer:
+    """Every step takes STEP_S, whatever it holds: every running stream gets its token at once (lockstep)."""
+
+    def __init__(self, step_s: float) -> None:
+        if step_s <= 0:
+            raise ValueError("a fixed step time must be positive")
+        self.fixed_s = step_s
+
+    def step_s(self, batch: ScheduledBatch) -> float:
+        return self.fixed_s

@@ -1,0 +1,370 @@
+"""Limits shared through a real Redis (`--redis-url`): several gateways enforce one rpm/tpm/concurrency limit, slots
+of a dead gateway expire, a revocation on one host is honoured by the others, and an unreachable Redis fails closed
+(or open, when asked). Gateways run in this process with a shared injected clock, so that no test waits for a bucket
+to refill; the process-level tests use Redis's own clock and bound what they assert by the time they took."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deepserve.cli.main import main
+from deepserve.gateway import shared_limits
+from deepserve.gateway.app import GatewayApp
+from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour, running_fake_upstream
+from deepserve.gateway.keys import KeyRing, KeyStore
+from deepserve.gateway.ledger import UsageLedger
+from deepserve.gateway.limits import KeyLimits
+from deepserve.gateway.server import running_gateway
+from deepserve.gateway.shared_limits import RedisLimiter
+from deepserve.net import free_port
+
+from .conftest import Child, RedisServer, gateway_config, start_gateway, start_redis_server, stop_redis_server
+
+CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def limiter_for(config: GatewayConfig, clock: Clock | None) -> RedisLimiter:
+    assert config.redis_url is not None
+    return RedisLimiter(
+        config.redis_url,
+        max_concurrency=config.max_concurrency,
+        max_queue=config.max_queue,
+        queue_timeout_s=config.queue_timeout_s,
+        lease_s=config.redis_lease_s,
+        fail_open=config.redis_fail_open,
+        clock=clock,
+    )
+
+
+@contextlib.asynccontextmanager
+async def shared_gateway(
+    upstream: str, redis_url: str, clock: Clock | None, home: Path | None = None, **fields: object
+) -> AsyncIterator[tuple[GatewayApp, httpx.AsyncClient]]:
+    """A gateway in this process whose limits live in REDIS_URL (keys from HOME's database, if given)."""
+    config = gateway_config(upstream, redis_url=redis_url, **fields)
+    keyring = KeyRing(KeyStore(home / "keys.sqlite")) if home else None
+    ledger = UsageLedger(home / "usage.sqlite") if home else None
+    app = GatewayApp(config, keyring=keyring, ledger=ledger, limiter=limiter_for(config, clock))
+    try:
+        async with running_gateway(config, app) as (_, url), httpx.AsyncClient(base_url=url, timeout=30) as client:
+            yield app, client
+    finally:
+        if ledger is not None:
+            ledger.close()
+        if keyring is not None:
+            keyring.store.close()
+
+
+def copy_key_database(source: Path, target: Path) -> None:
+    with sqlite3.connect(source) as original, sqlite3.connect(target) as copy:
+        original.backup(copy)
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+async def test_two_gateways_on_one_rpm_5_key_let_5_requests_through_together(redis_server: RedisServer) -> None:
+    _, secret = KeyStore().create("shared", KeyLimits(rpm=5))
+    clock = Clock()
+    async with (
+        running_fake_upstream() as (fake, upstream),
+        shared_gateway(upstream, redis_server.url, clock) as (_, first),
+        shared_gateway(upstream, redis_server.url, clock) as (_, second),
+    ):
+        statuses = [
+            (await client.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code
+            for _ in range(10)
+            for client in (first, second)
+        ]
+        assert statuses.count(200) == 5 and statuses.count(429) == 15
+        assert fake.stats.requests == 5
+        refused = await second.post("/chat/completions", json=CHAT, headers=bearer(secret))
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert refused.headers["retry-after"] == "12"  # one request every 60/5 s
+        clock.now += 12  # one more token in the shared bucket: one more request, through either gateway
+        assert (await first.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 200
+        assert (await second.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 429
+
+
+async def test_tokens_per_minute_are_shared_and_corrected_with_the_real_usage(redis_server: RedisServer) -> None:
+    _, secret = KeyStore().create("tokens", KeyLimits(tpm=1000))
+    clock = Clock()
+    big = {**CHAT, "max_tokens": 700}  # charged 700 + the prompt's estimate on admission
+    async with (
+        running_fake_upstream() as (_, upstream),
+        shared_gateway(upstream, redis_server.url, clock) as (_, first),
+        shared_gateway(upstream, redis_server.url, clock) as (_, second),
+    ):
+        admitted = await first.post("/chat/completions", json={**big, "stream": True}, headers=bearer(secret))
+        assert admitted.status_code == 200  # the fake used all 700 tokens, and reported them
+        refused = await second.post("/chat/completions", json=big, headers=bearer(secret))
+        assert refused.status_code == 429 and "tokens per minute" in refused.json()["error"]["message"]
+        small = {**CHAT, "max_tokens": 5}
+        assert (await second.post("/chat/completions", json=small, headers=bearer(secret))).status_code == 200
+
+
+async def test_a_keys_concurrency_is_counted_across_gateways(redis_server: RedisServer) -> None:
+    _, secret = KeyStore().create("one-at-a-time", KeyLimits(max_concurrency=1))
+    async with (
+        running_fake_upstream(FakeBehaviour(itl_ms=20)) as (_, upstream),
+        shared_gateway(upstream, redis_server.url, Clock()) as (_, first),
+        shared_gateway(upstream, redis_server.url, Clock()) as (_, second),
+    ):
+        request = {**CHAT, "max_tokens": 50, "stream": True}
+        async with first.stream("POST", "/chat/completions", json=request, headers=bearer(secret)) as streaming:
+            assert streaming.status_code == 200
+            busy = await second.post("/chat/completions", json=CHAT, headers=bearer(secret))
+            assert busy.status_code == 429 and "in flight" in busy.json()["error"]["message"]
+            await streaming.aread()
+        assert (await second.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 200
+
+
+async def test_global_concurrency_is_one_limit_and_a_freed_slot_wakes_the_other_gateway(
+    redis_server: RedisServer,
+) -> None:
+    async with (
+        running_fake_upstream(FakeBehaviour(itl_ms=20)) as (fake, upstream),
+        shared_gateway(upstream, redis_server.url, None, max_concurrency=1) as (_, first),
+        shared_gateway(upstream, redis_server.url, None, max_concurrency=1) as (second_app, second),
+    ):
+        request = {**CHAT, "max_tokens": 20, "stream": True}
+        async with first.stream("POST", "/chat/completions", json=request) as streaming:
+            assert streaming.status_code == 200
+            queued = asyncio.create_task(second.post("/chat/completions", json=CHAT))
+            for _ in range(200):
+                if second_app.limiter.waiting == 1:
+                    break
+                await asyncio.sleep(0.005)
+            assert second_app.limiter.waiting == 1 and fake.stats.requests == 1  # it waits: the one slot is taken
+            await streaming.aread()
+        response = await queued
+        assert response.status_code == 200 and fake.stats.requests == 2
+        assert second_app.limiter.in_flight == 0 and second_app.limiter.waiting == 0
+
+
+async def test_a_dead_gateways_slots_expire_and_a_live_ones_are_renewed(redis_server: RedisServer) -> None:
+    clock = Clock()
+    limits = KeyLimits(max_concurrency=1)
+    alive = RedisLimiter(redis_server.url, max_concurrency=8, max_queue=8, queue_timeout_s=5, lease_s=10, clock=clock)
+    dying = RedisLimiter(redis_server.url, max_concurrency=8, max_queue=8, queue_timeout_s=5, lease_s=10, clock=clock)
+    await alive.start()
+    await dying.start()
+    try:
+        held = await dying.admit("k", limits, 1)
+        await dying.acquire_slot(held)
+        await dying.close()  # the process dies: nothing released, nothing renewed
+        with pytest.raises(Exception, match="in flight"):
+            await alive.admit("k", limits, 1)
+        clock.now += 10.5  # past the lease
+        mine = await alive.admit("k", limits, 1)
+        for _ in range(5):  # 25 s: far past one lease, but renewed every 5 s
+            clock.now += 5
+            await alive.renew_leases()
+        with pytest.raises(Exception, match="in flight"):
+            await alive.admit("k", limits, 1)
+        alive.release(mine, None)
+        await asyncio.sleep(0.05)  # the release is sent in the background
+        assert (await alive.admit("k", limits, 1)).lease is not None
+    finally:
+        await alive.close()
+
+
+async def test_hundreds_of_concurrent_requests_go_through_a_few_connections(redis_server: RedisServer) -> None:
+    """Each script call on its own pooled connection ran out of redis-py's 100 connections at about 64 concurrent
+    requests (MaxConnectionsError: every request a 503); calls made together go out in one pipeline instead."""
+    import redis
+
+    limiter = RedisLimiter(redis_server.url, max_concurrency=10_000, max_queue=10, queue_timeout_s=5)
+    await limiter.start()
+    limits = KeyLimits(rpm=10**6, tpm=10**9, max_concurrency=10**4)
+    try:
+
+        async def one() -> bool:
+            admission = await limiter.admit("busy", limits, 10)
+            await limiter.acquire_slot(admission)
+            await asyncio.sleep(0)
+            limiter.release(admission, 5)
+            return admission.has_slot is False and not admission.local
+
+        assert all(await asyncio.gather(*(one() for _ in range(500))))
+        assert limiter.errors == 0 and limiter.up
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            assert len(client.client_list()) <= 4  # the pipeline's, the subscriber's, and this one
+        finally:
+            client.close()
+    finally:
+        await limiter.close()
+
+
+async def test_scripts_lost_by_a_restarted_redis_are_loaded_again(redis_server: RedisServer) -> None:
+    import redis
+
+    limiter = RedisLimiter(redis_server.url, max_concurrency=100, max_queue=10, queue_timeout_s=5)
+    await limiter.start()
+    try:
+        for together in (1, 20):  # one call alone, and calls sent together in a pipeline
+            client = redis.Redis.from_url(redis_server.url)
+            client.script_flush()  # what a Redis restart does to the script cache
+            client.close()
+            admissions = await asyncio.gather(*(limiter.admit("k", KeyLimits(rpm=1000), 1) for _ in range(together)))
+            assert all(admission.has_slot and not admission.local for admission in admissions)
+            for admission in admissions:
+                limiter.release(admission, 1)
+        assert limiter.errors == 0
+    finally:
+        await limiter.close()
+
+
+async def test_a_revocation_on_one_host_is_honoured_by_another_within_a_second(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    host_a, host_b = tmp_path / "a", tmp_path / "b"
+    host_a.mkdir()
+    host_b.mkdir()
+    store = KeyStore(host_a / "keys.sqlite")
+    _, secret = store.create("team")
+    _, other = store.create("other")
+    store.close()
+    copy_key_database(host_a / "keys.sqlite", host_b / "keys.sqlite")  # host B has a copy, as a deployment would
+    async with (
+        running_fake_upstream() as (_, upstream),
+        shared_gateway(upstream, redis_server.url, None, home=host_a, require_keys=True) as (app_a, first),
+        shared_gateway(upstream, redis_server.url, None, home=host_b, require_keys=True) as (_, second),
+    ):
+        assert (await second.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 200
+        KeyStore(host_a / "keys.sqlite").revoke("team")  # `deepserve keys revoke team` on host A
+        await app_a.refresh_keys()  # what gateway A's once-a-second poll does
+        assert (await first.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 401
+        deadline = time.monotonic() + 1.0
+        status = 200
+        while status != 401 and time.monotonic() < deadline:
+            status = (await second.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code
+        assert status == 401  # host B's database still lists the key as active
+        assert (await second.post("/chat/completions", json=CHAT, headers=bearer(other))).status_code == 200
+
+
+async def test_keys_revoke_with_redis_url_tells_the_gateways_at_once(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other_host = tmp_path / "other-host"
+    other_host.mkdir()
+    _, secret = KeyStore().create("team")
+    copy_key_database(KeyStore().path, other_host / "keys.sqlite")
+    async with (
+        running_fake_upstream() as (_, upstream),
+        shared_gateway(upstream, redis_server.url, None, home=other_host, require_keys=True) as (app, client),
+    ):
+        assert (await client.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 200
+        assert main(["keys", "revoke", "team", "--redis-url", redis_server.url]) == 0
+        assert "published the revocation" in capsys.readouterr().out
+        deadline = time.monotonic() + 1.0
+        while not app.limiter.revoked_ids and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            await asyncio.sleep(0.01)
+        assert (await client.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 401
+
+
+def test_a_late_answer_fails_its_own_calls_and_only_three_in_a_row_take_redis_out() -> None:
+    """On a busy host one answer later than --redis-timeout-s must not refuse every request for a second; a refused
+    connection, or three late answers in a row, do."""
+    import redis
+
+    limiter = RedisLimiter("redis://127.0.0.1:1/0", max_concurrency=1, max_queue=1, queue_timeout_s=1)
+    for _ in range(2):
+        limiter._mark_down(redis.exceptions.TimeoutError("Timeout reading from socket"))
+    assert limiter.up and limiter._reachable() and limiter.errors == 2
+    limiter._mark_up()  # an answer in time resets the count
+    for _ in range(2):
+        limiter._mark_down(redis.exceptions.TimeoutError("Timeout reading from socket"))
+    assert limiter.up
+    limiter._mark_down(redis.exceptions.TimeoutError("Timeout reading from socket"))
+    assert not limiter.up and not limiter._reachable()
+    refused = RedisLimiter("redis://127.0.0.1:1/0", max_concurrency=1, max_queue=1, queue_timeout_s=1)
+    refused._mark_down(redis.exceptions.ConnectionError("Connection refused"))
+    assert not refused.up and not refused._reachable()
+
+
+async def test_unreachable_redis_fails_closed_with_a_clear_503() -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    async with (
+        running_fake_upstream() as (fake, upstream),
+        shared_gateway(upstream, dead, None) as (app, client),
+    ):
+        response = await client.post("/chat/completions", json=CHAT)
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        error = response.json()["error"]
+        assert error["code"] == "limiter_unavailable"
+        assert "Redis at 127.0.0.1" in error["message"] and "--redis-fail-open" in error["message"]
+        assert fake.stats.requests == 0
+        metrics = app.metrics.render().decode()
+        assert "deepserve_gateway_redis_up 0.0" in metrics
+        assert 'deepserve_gateway_rejections_total{reason="limiter_unavailable"}' in metrics
+
+
+async def test_fail_open_uses_local_limits_with_a_warning_and_a_metric_and_recovers(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(shared_limits, "RETRY_S", 0.0)  # try Redis again on every request
+    port = free_port()
+    _, secret = KeyStore().create("limited", KeyLimits(rpm=2))
+    async with (
+        running_fake_upstream() as (fake, upstream),
+        shared_gateway(upstream, f"redis://127.0.0.1:{port}/0", None, redis_fail_open=True) as (app, client),
+    ):
+        statuses = [
+            (await client.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code for _ in range(3)
+        ]
+        assert statuses == [200, 200, 429]  # the key's limits still hold, in this process
+        assert "this gateway's own limits apply" in caplog.text
+        metrics = app.metrics.render().decode()
+        assert "deepserve_gateway_limiter_fallbacks_total 2.0" in metrics
+        assert "deepserve_gateway_redis_errors_total" in metrics
+        server = start_redis_server(port)  # Redis comes back
+        try:
+            response = await client.post("/chat/completions", json=CHAT)
+            assert response.status_code == 200 and app.limiter.up  # type: ignore[attr-defined]
+            assert "answers again" in caplog.text
+        finally:
+            stop_redis_server(server)
+        assert fake.stats.requests == 3
+
+
+def test_two_gateway_processes_share_one_rpm_limit(redis_server: RedisServer, children: list[Child]) -> None:
+    """Real processes on Redis's clock: 5 admitted at once, and at most one more per 12 s the test took."""
+    from deepserve.gateway.fake_upstream import FAKE_MODEL as MODEL
+
+    from .conftest import start_fake
+
+    _, secret = KeyStore().create("processes", KeyLimits(rpm=5))
+    fake = start_fake()
+    children.append(fake)
+    gateways = [start_gateway(gateway_config(fake.url, redis_url=redis_server.url)) for _ in range(2)]
+    children.extend(gateways)
+    started = time.monotonic()
+    statuses = []
+    with httpx.Client(timeout=30) as client:
+        for index in range(16):
+            url = gateways[index % 2].url + "/chat/completions"
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            statuses.append(client.post(url, json=body, headers=bearer(secret)).status_code)
+    refills = int((time.monotonic() - started) / 12)
+    assert 5 <= statuses.count(200) <= 5 + refills
+    assert statuses.count(200) + statuses.count(429) == 16

@@ -1,0 +1,93 @@
+"""Every metric the rendered alerts and dashboard use is one that exists: the gateway's (read from its own registry)
+or vLLM's (read from the installed vLLM's metric definitions). The alerts cover what the issue asks for."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from deepserve.deploy.monitoring import PANELS, alerts, dashboard, queries, rule_groups
+from deepserve.gateway.balancing import make_policy
+from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.limits import AdmissionQueue
+from deepserve.gateway.metrics import GatewayMetrics
+from deepserve.gateway.upstreams import UpstreamPool
+
+SAMPLE_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+_VLLM_DEFINITION = re.compile(r'self\._(counter|gauge|histogram)_cls\(\s*name="(vllm:[a-z0-9_]+)"')
+
+
+def samples(kind: str, name: str) -> set[str]:
+    return {name + suffix for suffix in SAMPLE_SUFFIXES[kind]}
+
+
+def gateway_samples() -> set[str]:
+    pool = UpstreamPool(["http://127.0.0.1:9/v1"], make_policy("least_outstanding"))
+    metrics = GatewayMetrics(pool, AdmissionQueue(4, 4, 1.0))
+    names: set[str] = set()
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        if family.type in SAMPLE_SUFFIXES:
+            names |= samples(family.type, family.name)
+    return names
+
+
+def vllm_samples() -> set[str]:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed here: its metric names cannot be read")
+    source = Path(next(iter(spec.submodule_search_locations))) / "v1" / "metrics" / "loggers.py"
+    names: set[str] = set()
+    for kind, name in _VLLM_DEFINITION.findall(source.read_text()):
+        names |= samples(kind, name)
+    assert len(names) > 20, f"found too few vLLM metrics in {source}: the pattern no longer matches"
+    return names
+
+
+def used_metrics() -> set[str]:
+    used: set[str] = set()
+    for expr in queries():
+        used |= set(re.findall(r"(?:vllm:|deepserve_)[a-zA-Z0-9_:]+", expr))
+    return used
+
+
+def test_every_metric_the_alerts_and_dashboard_use_is_exported() -> None:
+    exported = gateway_samples() | vllm_samples()
+    used = used_metrics()
+    assert used - exported == set()
+    assert {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "deepserve_gateway_requests_total"} <= used
+
+
+def test_the_check_catches_a_name_nobody_exports() -> None:
+    exported = gateway_samples() | vllm_samples()
+    assert "vllm:gpu_cache_usage_perc" not in exported  # vLLM's old name, gone from V1
+    assert "deepserve_gateway_requests" not in exported  # a counter's samples end in _total
+
+
+def test_alerts_cover_engine_down_queue_kv_cache_and_errors() -> None:
+    by_name = {alert.name: alert for alert in alerts(GatewayConfig())}
+    assert "up{" in by_name["DeepserveEngineDown"].expr
+    assert "vllm:num_requests_waiting" in by_name["DeepserveQueueGrowing"].expr
+    assert "vllm:kv_cache_usage_perc" in by_name["DeepserveKVCacheNearlyFull"].expr
+    assert 'status=~"5.."' in by_name["DeepserveHighErrorRate"].expr
+    for alert in by_name.values():
+        assert alert.severity in ("warning", "critical") and alert.summary and alert.description
+
+
+def test_rule_file_shape_is_prometheus_s() -> None:
+    groups = rule_groups(GatewayConfig())["groups"]
+    assert [rule["alert"] for rule in groups[0]["rules"]] == [alert.name for alert in alerts(GatewayConfig())]
+    assert all(set(rule) == {"alert", "expr", "for", "labels", "annotations"} for rule in groups[0]["rules"])
+
+
+def test_dashboard_has_a_panel_per_entry_laid_out_without_overlap() -> None:
+    board = dashboard("x")
+    panels = board["panels"]
+    assert len(panels) == len(PANELS)
+    cells = {(panel["gridPos"]["x"], panel["gridPos"]["y"]) for panel in panels}
+    assert len(cells) == len(panels)
+    assert all(target["expr"] for panel in panels for target in panel["targets"])
+    assert board["templating"]["list"][0]["type"] == "datasource"

@@ -1,0 +1,110 @@
+"""What every target renders from: the engine config loaded like serve's (no --master-addr needed for several
+nodes), a plan's layout (--gpu/--gpus), the model as the nodes load it, the checkpoint's size, and command lines with
+node 0's address as a shell variable."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from deepserve.config import EngineConfig
+from deepserve.deploy.source import (
+    MASTER_PLACEHOLDER,
+    checkpoint_bytes,
+    deploy_spec,
+    load_engine_config,
+    planned_config,
+    render_model,
+    shell_line,
+)
+from deepserve.errors import ConfigError
+from deepserve.gateway.config import GatewayConfig
+from deepserve.models.presets import preset_spec
+from deepserve.plan.formats import checkpoint_format
+
+V3 = "deepseek-ai/DeepSeek-V3"
+
+
+def test_several_nodes_need_no_master_address_to_render(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = load_engine_config(None, {"model": V3, "nnodes": 2, "pipeline_parallel_size": 2})
+    assert config.master_addr == MASTER_PLACEHOLDER
+    assert load_engine_config(None, {"model": V3}).master_addr is None
+    given = load_engine_config(None, {"model": V3, "nnodes": 2, "master_addr": "10.0.0.1"})
+    assert given.master_addr == "10.0.0.1"
+    file = tmp_path / "deepserve.yaml"
+    file.write_text("engine:\n  max_model_len: 8000\n  master_addr: 10.0.0.2\n  nnodes: 2\n")
+    monkeypatch.setenv("DEEPSERVE_ENGINE__MAX_NUM_SEQS", "64")
+    loaded = load_engine_config(file, {"model": V3})
+    assert (loaded.max_model_len, loaded.max_num_seqs, loaded.master_addr) == (8000, 64, "10.0.0.2")
+
+
+def test_a_plan_lays_16_h100s_out_as_two_nodes_of_tp8_pp2() -> None:
+    config, plan = planned_config(EngineConfig(model=V3), "h100", 16)
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.nnodes) == (8, 2, 2)
+    assert config.master_addr == MASTER_PLACEHOLDER
+    assert plan.fits and plan.deployment.nodes == 2
+    assert config.max_model_len == plan.deployment.memory.max_model_len
+    spec = deploy_spec(config, GatewayConfig(), "x", plan=plan)
+    assert spec.notes[-1].startswith("planned on 16 x h100-sxm (fp8 weights): the KV cache holds ")
+
+
+def test_flags_given_with_a_plan_win_over_it() -> None:
+    given = EngineConfig.model_validate({"model": V3, "max_model_len": 16384, "max_num_seqs": 64})
+    config, plan = planned_config(given, "h200", 8)
+    assert (config.max_model_len, config.max_num_seqs, config.nnodes) == (16384, 64, 1)
+    assert plan.deployment.memory.max_model_len == 16384  # and the plan was made for them
+
+
+def test_a_plan_that_does_not_fit_is_refused_with_its_numbers() -> None:
+    with pytest.raises(ConfigError, match=r"does not fit on 8 x h100-sxm.*fits on 16 x h100"):
+        planned_config(EngineConfig(model=V3), "h100", 8)
+
+
+def test_the_model_as_the_nodes_load_it(tmp_path: Path) -> None:
+    assert render_model(EngineConfig(model="v3")).source == V3  # a preset's alias, resolved
+    assert render_model(EngineConfig(model="/models/dsv3/", served_model_name="v3")).served_name == "v3"
+    assert render_model(EngineConfig(model="/models/dsv3/")).source == "/models/dsv3"  # not looked up here
+    with pytest.raises(ConfigError, match="tiny model"):
+        render_model(EngineConfig(model="tiny"))
+    with pytest.raises(ConfigError, match="--model"):
+        render_model(EngineConfig())
+
+
+def test_deploy_spec_refuses_what_a_gpu_cluster_cannot_run() -> None:
+    gateway = GatewayConfig()
+    with pytest.raises(ConfigError, match="--device cpu"):
+        deploy_spec(EngineConfig(model=V3, device="cpu"), gateway, "x")
+    with pytest.raises(ConfigError, match="Ray"):
+        deploy_spec(EngineConfig(model=V3, distributed_executor_backend="ray"), gateway, "x")
+    with pytest.raises(ConfigError, match="DNS label"):
+        deploy_spec(EngineConfig(model=V3), gateway, "x", name="Deep_Serve")
+    with pytest.raises(ConfigError, match="needs 16 GPUs per node"):
+        deploy_spec(EngineConfig(model=V3, tensor_parallel_size=16, gpus_per_node=8), gateway, "x")
+    spec = deploy_spec(EngineConfig(model=V3, tensor_parallel_size=4, gpus_per_node=8), gateway, "x")
+    assert spec.notes == ("the layout uses 4 of the 8 GPUs on each node",)
+
+
+def test_checkpoint_size_matches_the_published_one() -> None:
+    """DeepSeek-V3's FP8 release: 671B main + 14B MTP parameters, "around 685GB" (seed 001)."""
+    spec = preset_spec(V3)
+    size = checkpoint_bytes(spec, checkpoint_format(spec))
+    assert 670e9 < size < 700e9
+
+
+def test_shell_line_puts_a_variable_where_the_placeholder_was(tmp_path: Path) -> None:
+    argv = ["run", "--dist-init-addr", f"{MASTER_PLACEHOLDER}:5000", "--json", '{"a": "$HOME"}', "it's"]
+    line = shell_line(argv, {MASTER_PLACEHOLDER: "LEADER"}, env={"X": "1 2"})
+    assert '"${LEADER}":5000' in line
+    printer = tmp_path / "run"
+    printer.write_text('#!/bin/sh\nprintf "%s|" "$X" "$@"\n')
+    printer.chmod(0o755)
+    out = subprocess.run(
+        ["sh", "-c", line.replace("run", str(printer), 1)],
+        env={"LEADER": "10.0.0.1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out == '1 2|--dist-init-addr|10.0.0.1:5000|--json|{"a": "$HOME"}|it\'s|'
