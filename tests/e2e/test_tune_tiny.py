@@ -52,6 +52,7 @@ def test_tune_over_max_num_seqs_picks_16(tmp_path: Path, isolated_home: Path, ca
         result = json.loads((out / point["result_file"]).read_text())
         assert result["completed"] == 48 and result["failed"] == 0
         assert result["tune"]["startup_s"] > 0 and Path(result["tune"]["engine_log"]).is_file()
+        assert result["tune"]["predicted"]["output_tok_s"] > 0  # the planner's forecast for this host, beside it
         server = result["server_metrics"]
         if server.get("peak_running") is not None:  # vLLM's own count of the running batch
             assert server["peak_running"] <= int(point["params"]["variant"].split("=")[1])
@@ -61,5 +62,6 @@ def test_tune_over_max_num_seqs_picks_16(tmp_path: Path, isolated_home: Path, ca
     assert main(["serve", "--config", str(out / "best.yaml"), "--dry-run"]) == 0
     assert "--max-num-seqs 16" in capsys.readouterr().out
     assert len(ResultsStore().list_runs(suite="tune")) == 2
-    assert (out / "report" / "report.html").is_file()
+    html = (out / "report" / "report.html").read_text()
+    assert "Tuned points: predicted against measured" in html
     assert "Best: max_num_seqs=16" in err

@@ -18,7 +18,7 @@ from typing import Any
 from deepserve.bench.config import BenchConfig
 from deepserve.config import EngineConfig
 from deepserve.errors import DeepserveError
-from deepserve.hardware.catalog import match_device_name
+from deepserve.hardware.catalog import HOST_NAMES, match_device_name
 from deepserve.hardware.detect import local_gpus
 from deepserve.plan.planner import Plan, PlanConfig, make_plan
 from deepserve.report.slo import Slo
@@ -119,9 +119,10 @@ def load_shape(bench: BenchConfig) -> tuple[LoadShape | None, str]:
 
 
 def default_planner_gpu(on_cpu: bool) -> tuple[str | None, str]:
-    """The catalog entry the planner models this machine with, or None and why there is none."""
+    """The catalog entry the planner models this machine with, or None and why there is none. On CPU that is
+    `host`: this machine as deepserve measures it (the first use measures it, a few seconds; then it is cached)."""
     if on_cpu:
-        return None, "the planner has no profile for this machine's CPU (--planner-gpu NAME picks a catalog entry)"
+        return HOST_NAMES[0], ""
     gpus = local_gpus()
     accelerator = match_device_name(gpus[0].name) if gpus else None
     if accelerator is None:

@@ -10,7 +10,15 @@ from deepserve.bench.config import BenchConfig
 from deepserve.config import EngineConfig
 from deepserve.report.slo import parse_slo
 from deepserve.tune.grid import expand, parse_axis
-from deepserve.tune.predict import Forecast, LoadShape, forecast, load_shape, plan_config_for, prune_reason
+from deepserve.tune.predict import (
+    Forecast,
+    LoadShape,
+    default_planner_gpu,
+    forecast,
+    load_shape,
+    plan_config_for,
+    prune_reason,
+)
 from deepserve.tune.spec import plan_order
 
 SHAPE = LoadShape(input_len=1024, output_len=256, num_prompts=200, max_concurrency=64, request_rate=math.inf)
@@ -103,3 +111,7 @@ def test_skipped_points_go_last_with_their_reason():
     planned = plan_order(points, forecasts, [ITL_50], margin=2.0, refused={})
     assert planned[0].point.config.max_num_seqs == 2 and planned[0].skip_reason is None
     assert planned[1].skip_reason is not None and "500 ms" in planned[1].skip_reason
+
+
+def test_on_a_cpu_machine_the_planner_models_this_host():
+    assert default_planner_gpu(on_cpu=True) == ("host", "")
