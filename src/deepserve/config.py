@@ -144,14 +144,20 @@ class EngineConfig(Section):
 T = TypeVar("T", bound=BaseModel)
 
 
+def changed_fields(section: BaseModel, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """SECTION's fields whose values differ from their defaults (what a command line or config file must carry)."""
+    return {
+        name: getattr(section, name)
+        for name, field in type(section).model_fields.items()
+        if name not in skip and getattr(section, name) != field.get_default(call_default_factory=True)
+    }
+
+
 def changed_flags(section: BaseModel, skip: tuple[str, ...] = ()) -> list[str]:
     """The command-line flags that reproduce SECTION's non-default fields (the inverse of the flags derived from
     the fields in `deepserve.cli.flags`): `--field-name VALUE`, `--flag`/`--no-flag` for booleans."""
     argv: list[str] = []
-    for name, field in type(section).model_fields.items():
-        value = getattr(section, name)
-        if name in skip or value == field.get_default(call_default_factory=True):
-            continue
+    for name, value in changed_fields(section, skip).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
@@ -170,6 +176,12 @@ def load_section(model: type[T], section: str, file: Path | None = None, overrid
     values.update(_file_values(file).get(section, {}))
     values.update(_env_values(section, model))
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return validate_section(model, section, values)
+
+
+def validate_section(model: type[T], section: str, values: dict[str, Any]) -> T:
+    """MODEL from VALUES, or a ConfigError naming each field of SECTION that is wrong (for sections built in code
+    from the user's flags, as well as loaded ones)."""
     try:
         return model.model_validate(values)
     except ValidationError as exc:
@@ -224,6 +236,17 @@ def _describe_validation_error(section: str, exc: ValidationError) -> str:
         # else a check across fields: its input is the whole section, and its message names the flags involved
         problems.append(f"{where}: {message}")
     return "invalid configuration: " + "; ".join(problems)
+
+
+def parse_key_values(flag: str, pairs: list[str], example: str) -> dict[str, str]:
+    """Repeated `FLAG KEY=VALUE` arguments as a dict; one without `=` or a key is refused with EXAMPLE."""
+    parsed = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{flag} {pair!r} must look like KEY=VALUE, e.g. {flag} {example}")
+        parsed[key.strip()] = value
+    return parsed
 
 
 class ServeConfig(Section):

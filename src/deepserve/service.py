@@ -31,8 +31,6 @@ from deepserve.models.resolve import resolve_model
 from deepserve.net import ensure_port_free, free_port
 from deepserve.plan.admission import FitCheck, accelerator_for, check_cpu_fit, check_gpu_fit
 
-_GPU_ONLY_QUANTIZATIONS = {"fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "compressed-tensors"}
-
 
 @dataclass(frozen=True)
 class ServicePlan:
@@ -346,20 +344,10 @@ def _uses_cpu(config: EngineConfig, on_this_machine: bool = True) -> bool:
 
 
 def _reject_gpu_only_flags(config: EngineConfig) -> None:
-    given = []  # tensor and pipeline parallel run on CPU too (one worker process per rank), across nodes as well
-    if config.data_parallel_size > 1:  # measured: its CPU communicator raises NotImplementedError in all_gatherv
-        given.append(
-            f"--data-parallel-size {config.data_parallel_size} (vLLM's CPU build cannot run MoE data parallel)"
-        )
-    if config.enable_expert_parallel:
-        given.append("--enable-expert-parallel")
-    if config.gpu_memory_utilization is not None:
-        given.append(f"--gpu-memory-utilization {config.gpu_memory_utilization} (on CPU use --kv-cache-memory-gib)")
-    if config.quantization and config.quantization.lower() in _GPU_ONLY_QUANTIZATIONS:
-        given.append(f"--quantization {config.quantization}")
-    if given:
+    refused = get_engine(config.engine).cpu_refusals(config)
+    if refused:
         raise ConfigError(
             "these flags need a GPU, and this machine has none (nvidia-smi lists no device): "
-            + ", ".join(given)
+            + ", ".join(refused)
             + ". Remove them to serve on CPU, or run on a GPU machine."
         )

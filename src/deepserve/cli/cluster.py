@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     role = start.add_mutually_exclusive_group(required=True)
     role.add_argument("--head", action="store_true", help="start the cluster on this node")
     role.add_argument("--address", help="join the cluster whose head is at HOST:PORT")
-    start.add_argument("--port", type=int, default=DEFAULT_RAY_PORT, help="the head's port (default: %(default)s)")
+    start.add_argument("--port", type=int, help=f"with --head: the head's port (default: {DEFAULT_RAY_PORT})")
     start.add_argument("--node-ip-address", help="this node's IP on the network the nodes share (default: routed)")
     start.add_argument("--num-gpus", type=int, help="GPUs this node offers (default: what nvidia-smi lists)")
     start.add_argument("--num-cpus", type=int, help="CPUs this node offers (default: Ray counts them)")

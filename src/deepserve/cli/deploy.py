@@ -11,13 +11,12 @@ from pathlib import Path
 
 from rich.table import Table
 
-from deepserve.cli.flags import add_section_flags, section_overrides
+from deepserve.cli.flags import add_gateway_switches, add_section_flags, engine_overrides, gateway_switches
 from deepserve.cli.output import console
 from deepserve.config import EngineConfig, load_section
 from deepserve.deploy.check import Expected, Verdict, failed, gather_facts, run_checks
 from deepserve.deploy.render import TARGETS, render
-from deepserve.deploy.source import deploy_spec, load_engine_config, planned_config
-from deepserve.errors import ConfigError
+from deepserve.deploy.source import deploy_spec, deployment_config
 from deepserve.gateway.config import GatewayConfig
 
 _VERDICT_STYLE = {Verdict.OK: "green", Verdict.WARN: "yellow", Verdict.FAIL: "bold red", Verdict.NA: "dim"}
@@ -47,9 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     draw.add_argument("--gpu", help="plan the layout for this GPU type (catalog name, e.g. h100, h200, b200)")
     draw.add_argument("--gpus", type=int, help="with --gpu: total GPUs to plan the layout over (whole nodes)")
     draw.add_argument("--weights", help="with --gpu: the plan's weight format (bf16, fp8, fp8-dynamic, awq-int4)")
-    for name in ("require_keys", "insecure_open"):  # the gateway's safety switches, as on the serve line
-        field = GatewayConfig.model_fields[name]
-        draw.add_argument("--" + name.replace("_", "-"), action="store_true", default=None, help=field.description)
+    add_gateway_switches(draw)
     draw.add_argument("--replicas", type=int, default=1, help="engine replicas behind the gateway (default: 1)")
     draw.add_argument("--name", default="deepserve", help="name of the deployment's objects (default: deepserve)")
     draw.add_argument("--engine-image", help="engine container image (default: the engine's official one)")
@@ -79,24 +76,9 @@ def _add_deployment_flags(parser: argparse.ArgumentParser) -> None:
     add_section_flags(parser, EngineConfig, skip=("extra_args",))
 
 
-def _engine_overrides(args: argparse.Namespace) -> dict[str, object]:
-    overrides = section_overrides(args, EngineConfig)
-    if args.passthrough:
-        overrides["extra_args"] = args.passthrough
-    return overrides
-
-
 def _render(args: argparse.Namespace) -> int:
-    config = load_engine_config(args.config, _engine_overrides(args))
-    plan = None
-    if args.gpus is not None or args.gpu is not None:
-        if args.gpus is None or args.gpu is None:
-            raise ConfigError("--gpu and --gpus go together: the GPU type and the total GPU count to plan for")
-        config, plan = planned_config(config, args.gpu, args.gpus, args.weights)
-    elif args.weights is not None:
-        raise ConfigError("--weights chooses the plan's weight format: give it with --gpu and --gpus")
-    gateway_flags = {"require_keys": args.require_keys, "insecure_open": args.insecure_open}
-    gateway = load_section(GatewayConfig, "gateway", args.config, gateway_flags)
+    config, plan = deployment_config(args.config, engine_overrides(args), args.gpu, args.gpus, args.weights)
+    gateway = load_section(GatewayConfig, "gateway", args.config, gateway_switches(args))
     spec = deploy_spec(
         config,
         gateway,
@@ -121,7 +103,7 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    config = load_section(EngineConfig, "engine", args.config, _engine_overrides(args))
+    config = load_section(EngineConfig, "engine", args.config, engine_overrides(args))
     checks = run_checks(Expected(config), gather_facts())
     if args.json:
         print(json.dumps([{**asdict(c), "verdict": c.verdict.value} for c in checks], indent=2))

@@ -9,6 +9,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from deepserve.config import EngineConfig
+from deepserve.gateway.config import GatewayConfig
+
+# The gateway's safety switches, on the command lines that start or render a gateway (serve, deploy render).
+GATEWAY_SWITCHES = ("require_keys", "insecure_open")
+
 
 def add_section_flags(parser: argparse.ArgumentParser, section: type[BaseModel], skip: tuple[str, ...] = ()) -> None:
     """One `--field-name` flag per field. Defaults are None ("not given") so that the config file and the
@@ -30,6 +36,24 @@ def add_section_flags(parser: argparse.ArgumentParser, section: type[BaseModel],
 def section_overrides(args: argparse.Namespace, section: type[BaseModel]) -> dict[str, Any]:
     """The flags of SECTION that the user gave (as a plain dict for `config.load_section`)."""
     return {name: getattr(args, name) for name in section.model_fields if getattr(args, name, None) is not None}
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags the user gave, with the words after `--` as the engine's extra arguments."""
+    overrides = section_overrides(args, EngineConfig)
+    if args.passthrough:
+        overrides["extra_args"] = args.passthrough
+    return overrides
+
+
+def add_gateway_switches(parser: argparse.ArgumentParser) -> None:
+    for name in GATEWAY_SWITCHES:
+        field = GatewayConfig.model_fields[name]
+        parser.add_argument("--" + name.replace("_", "-"), action="store_true", default=None, help=field.description)
+
+
+def gateway_switches(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in GATEWAY_SWITCHES}
 
 
 def _scalar_type(annotation: Any) -> tuple[Any, list[str] | None]:

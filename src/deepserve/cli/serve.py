@@ -8,7 +8,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from deepserve.cli.flags import add_section_flags, section_overrides
+from deepserve.cli.flags import (
+    add_gateway_switches,
+    add_section_flags,
+    engine_overrides,
+    gateway_switches,
+    section_overrides,
+)
 from deepserve.config import EngineConfig, ServeConfig, load_section
 from deepserve.engines.supervisor import SupervisedProcess
 from deepserve.gateway.config import GatewayConfig
@@ -32,20 +38,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the command lines and environment, exit")
     add_section_flags(parser, EngineConfig, skip=("extra_args",))
     add_section_flags(parser, ServeConfig)
-    for name in ("require_keys", "insecure_open"):  # the gateway's safety switches belong on the serve line too
-        field = GatewayConfig.model_fields[name]
-        parser.add_argument("--" + name.replace("_", "-"), action="store_true", default=None, help=field.description)
+    add_gateway_switches(parser)
     parser.set_defaults(handler=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    overrides = section_overrides(args, EngineConfig)
-    if args.passthrough:
-        overrides["extra_args"] = args.passthrough
-    config = load_section(EngineConfig, "engine", args.config, overrides)
+    config = load_section(EngineConfig, "engine", args.config, engine_overrides(args))
     serve = load_section(ServeConfig, "serve", args.config, section_overrides(args, ServeConfig))
-    gateway_flags = {"require_keys": args.require_keys, "insecure_open": args.insecure_open}
-    gateway = load_section(GatewayConfig, "gateway", args.config, gateway_flags) if serve.gateway else None
+    gateway = load_section(GatewayConfig, "gateway", args.config, gateway_switches(args)) if serve.gateway else None
     plan = plan_service(config, serve, gateway, on_this_machine=not args.dry_run)
     if args.dry_run:
         print(dry_run_text(plan, serve, gateway))

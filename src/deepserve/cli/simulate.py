@@ -9,16 +9,9 @@ from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import EngineConfig, load_section
 from deepserve.errors import ConfigError
 from deepserve.net import ensure_port_free
-from deepserve.simulate.config import SimulateConfig
+from deepserve.simulate.config import ENGINE_FIELDS_NOT_SIMULATED, SimulateConfig, parse_metric_overrides
 from deepserve.simulate.run import serve_simulator
 from deepserve.simulate.setup import resolve
-
-# Engine flags that mean nothing to a simulated engine (one process stands for every node).
-_NOT_SIMULATED = (
-    "device", "dtype", "trust_remote_code", "extra_args", "startup_timeout_s", "node_rank", "master_addr",
-    "master_port", "join_port", "join_timeout_s", "gpus_per_node", "data_parallel_size_local", "nnodes", "gpu_type",
-    "data_parallel_address", "data_parallel_rpc_port", "distributed_executor_backend",
-)  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME=VALUE",
         help="serve VALUE for the series NAME in /metrics (e.g. vllm:num_requests_waiting=12), for routing tests",
     )
-    add_section_flags(parser, EngineConfig, skip=_NOT_SIMULATED)
+    add_section_flags(parser, EngineConfig, skip=ENGINE_FIELDS_NOT_SIMULATED)
     add_section_flags(parser, SimulateConfig)
     parser.set_defaults(handler=_simulate)
 
@@ -54,23 +47,10 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ConfigError(f"deepserve simulate passes nothing to an engine; remove `-- {' '.join(args.passthrough)}`")
     engine = load_section(EngineConfig, "engine", args.config, section_overrides(args, EngineConfig))
     sim = load_section(SimulateConfig, "simulate", args.config, section_overrides(args, SimulateConfig))
-    overrides = _metric_overrides(args.metric)
+    overrides = parse_metric_overrides(args.metric)
     deployment = resolve(engine, sim)
     if args.dry_run:
         print(deployment.describe())
         return 0
     ensure_port_free(engine.host, engine.port)
     return serve_simulator(deployment, sim, engine.host, engine.port, overrides)
-
-
-def _metric_overrides(pairs: list[str]) -> dict[str, float]:
-    overrides = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        try:
-            overrides[name.strip()] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep or not name.strip():
-            raise ConfigError(f"--metric {pair!r}: write NAME=VALUE, e.g. --metric vllm:num_requests_waiting=12")
-    return overrides

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -24,10 +23,10 @@ from deepserve.deploy.netif import (
     route_source,
 )
 from deepserve.deploy.source import checkpoint_bytes
-from deepserve.engines.topology import check_master_address
+from deepserve.engines.topology import MasterAddressError, check_master_address
 from deepserve.errors import ConfigError, ModelError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, match_device_name
-from deepserve.hardware.detect import LocalGpu, local_gpus
+from deepserve.hardware.detect import LocalGpu, local_gpus, nvidia_driver_version
 from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name
 from deepserve.models.resolve import load_spec
 from deepserve.plan.admission import check_gpu_fit
@@ -85,30 +84,13 @@ class HostFacts:
 def gather_facts() -> HostFacts:
     return HostFacts(
         gpus=local_gpus(),
-        driver_version=_driver_version(),
+        driver_version=nvidia_driver_version(),
         shm_bytes=_shm_bytes(),
         interfaces=local_interfaces(),
         environ=dict(os.environ),
         free_bytes=_free_bytes,
         connect=_connect,
     )
-
-
-def _driver_version() -> str | None:
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.strip().splitlines()[0].strip() if out.strip() else None
 
 
 def _shm_bytes() -> int | None:
@@ -338,9 +320,8 @@ def check_master(expected: Expected, facts: HostFacts) -> Check:
     ports = {"master port": config.master_port, "join port": config.effective_join_port}
     try:
         check_master_address(config)
-    except ConfigError as exc:
-        problem, _, fix = str(exc).partition(": ")
-        return Check(name, Verdict.FAIL, problem, fix or problem)
+    except MasterAddressError as exc:
+        return Check(name, Verdict.FAIL, exc.problem, exc.fix)
     if config.is_head:
         busy = [f"{what} {port}" for what, port in ports.items() if facts.connect(host, port) == "open"]
         if busy:

@@ -129,6 +129,12 @@ def _engine_name(replica: int) -> str:
 def single_host(spec: DeploySpec) -> dict[str, Any]:
     network = network_of(spec)
     per_replica = spec.gpus_per_node
+    if spec.node_gpus is not None and spec.replicas * per_replica > spec.node_gpus:
+        raise ConfigError(
+            f"compose runs every replica on one host: {spec.replicas} replicas x {per_replica} GPUs need "
+            f"{spec.replicas * per_replica}, and the host has {spec.node_gpus}; lower --replicas, or use --target "
+            "kubernetes to spread replicas over nodes"
+        )
     services: dict[str, Any] = {}
     for replica in range(spec.replicas):
         gpus = [str(gpu) for gpu in range(replica * per_replica, (replica + 1) * per_replica)]

@@ -42,12 +42,13 @@ def names(spec: DeploySpec) -> dict[str, str]:
     }
 
 
+def instance_labels(spec: DeploySpec) -> dict[str, str]:
+    """What every object of this deployment carries (and the monitoring objects select by)."""
+    return {"app.kubernetes.io/name": "deepserve", "app.kubernetes.io/instance": spec.name}
+
+
 def labels(spec: DeploySpec, component: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "deepserve",
-        "app.kubernetes.io/instance": spec.name,
-        "app.kubernetes.io/component": component,
-    }
+    return {**instance_labels(spec), "app.kubernetes.io/component": component}
 
 
 def render(spec: DeploySpec) -> dict[str, list[dict[str, Any]]]:
@@ -315,7 +316,7 @@ def pod_monitor(spec: DeploySpec) -> dict[str, Any]:
         "targetLabel": "component",
         "action": "replace",
     }
-    instance = {"app.kubernetes.io/name": "deepserve", "app.kubernetes.io/instance": spec.name}
+    instance = instance_labels(spec)
     return {
         "apiVersion": MONITORING_API,
         "kind": "PodMonitor",
@@ -333,10 +334,7 @@ def prometheus_rule(spec: DeploySpec) -> dict[str, Any]:
     return {
         "apiVersion": MONITORING_API,
         "kind": "PrometheusRule",
-        "metadata": {
-            "name": spec.name,
-            "labels": {"app.kubernetes.io/name": "deepserve", "app.kubernetes.io/instance": spec.name},
-        },
+        "metadata": {"name": spec.name, "labels": instance_labels(spec)},
         "spec": rule_groups(spec.gateway),
     }
 
@@ -348,11 +346,7 @@ def dashboard_config_map(spec: DeploySpec) -> dict[str, Any]:
         "kind": "ConfigMap",
         "metadata": {
             "name": names(spec)["dashboard"],
-            "labels": {
-                "app.kubernetes.io/name": "deepserve",
-                "app.kubernetes.io/instance": spec.name,
-                "grafana_dashboard": "1",
-            },
+            "labels": {**instance_labels(spec), "grafana_dashboard": "1"},
         },
         "data": {"deepserve.json": json.dumps(dashboard(f"deepserve: {spec.name}"), indent=2)},
     }

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from deepserve.config import EngineConfig
-from deepserve.deploy.ray_cluster import ClusterError, ClusterStatus, cluster_address, cluster_status
+from deepserve.deploy.ray_cluster import ClusterError, ClusterStatus, cluster_address, cluster_status, where
 from deepserve.errors import ConfigError, EngineError
 
 POLL_INTERVAL_S = 5.0
@@ -74,7 +74,7 @@ def wait_for_ray_gpus(
         )
         if elapsed > config.join_timeout_s:
             raise EngineError(_timeout_message(config, address, status, problem))
-        on_progress(f"waiting for the Ray cluster at {address}: {have}", elapsed)
+        on_progress(f"waiting for the Ray cluster {where(address)}: {have}", elapsed)
         sleep(POLL_INTERVAL_S)
 
 
@@ -85,13 +85,13 @@ def _timeout_message(config: EngineConfig, address: str, status: ClusterStatus |
     )
     if status is None:
         return (
-            f"the Ray cluster at {address} was not reachable within {config.join_timeout_s:.0f} s ({problem}); start "
-            "it with `deepserve cluster start --head` on this node"
+            f"the Ray cluster {where(address)} was not reachable within {config.join_timeout_s:.0f} s ({problem}); "
+            "start it with `deepserve cluster start --head` on this node"
         )
     join = "HEAD_IP:PORT" if address == "auto" else address
     nodes = ", ".join(f"{node.address} ({node.gpus:g} GPUs)" for node in status.alive) or "none"
     return (
-        f"the Ray cluster at {address} has {status.gpus} GPUs after {config.join_timeout_s:.0f} s (nodes: {nodes}); "
-        f"the layout {layout} needs {config.world_size}. Start the missing nodes with `deepserve cluster start "
-        f"--address {join}` on each, or raise --join-timeout-s for slow starts"
+        f"the Ray cluster {where(address)} has {status.gpus} GPUs after {config.join_timeout_s:.0f} s (nodes: "
+        f"{nodes}); the layout {layout} needs {config.world_size}. Start the missing nodes with `deepserve cluster "
+        f"start --address {join}` on each, or raise --join-timeout-s for slow starts"
     )

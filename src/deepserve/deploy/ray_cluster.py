@@ -78,7 +78,7 @@ class RayNodeSettings:
 def ray_node_settings(
     head: bool,
     address: str | None = None,
-    port: int = DEFAULT_RAY_PORT,
+    port: int | None = None,
     node_ip: str | None = None,
     num_gpus: int | None = None,
     num_cpus: int | None = None,
@@ -91,8 +91,9 @@ def ray_node_settings(
     already set are kept."""
     if head == (address is not None):
         raise ConfigError("give either --head (this node starts the cluster) or --address HOST:PORT (join one)")
+    _check_counts(head, port, num_gpus, num_cpus)
     environ = dict(os.environ) if environ is None else environ
-    head_host, port = (None, port) if address is None else _split_address(address)
+    head_host, port = (None, port or DEFAULT_RAY_PORT) if address is None else _split_address(address)
     node_ip = node_ip or _default_node_ip(head_host)
     interfaces = local_interfaces() if interfaces is None else interfaces
     interface = interface_holding(node_ip, interfaces)
@@ -108,6 +109,16 @@ def ray_node_settings(
     environment = {key: environ.get(key) or value for key, value in wanted.items()}
     head_address = f"{node_ip}:{port}" if head else str(address)
     return RayNodeSettings(head, port, head_address, node_ip, interface.name, num_gpus, num_cpus, temp_dir, environment)
+
+
+def _check_counts(head: bool, port: int | None, num_gpus: int | None, num_cpus: int | None) -> None:
+    if port is not None and not head:
+        raise ConfigError("--port is the head's own port; a worker joins the port given in --address HOST:PORT")
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(f"--port {port} is not a TCP port: give one from 1 to 65535 (Ray's default: 6379)")
+    for flag, count in (("--num-gpus", num_gpus), ("--num-cpus", num_cpus)):
+        if count is not None and count < 0:
+            raise ConfigError(f"{flag} {count} cannot be negative: give 0 or more (or leave it out for the default)")
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -153,14 +164,25 @@ def record_path() -> Path:
 
 def read_record() -> RayNodeRecord | None:
     """The node this DEEPSERVE_HOME started, if its process still runs (a stale record is removed)."""
+    record = _load_record()
+    if record is not None and _process_of(record) is None:
+        record_path().unlink(missing_ok=True)
+        return None
+    return record
+
+
+def _load_record() -> RayNodeRecord | None:
+    """The record as written, or None when there is none; one that does not parse (a crash mid-write, an older
+    deepserve) is reported with the file to remove, not as a traceback."""
     path = record_path()
     if not path.is_file():
         return None
-    record = RayNodeRecord(**json.loads(path.read_text()))
-    if _process_of(record) is None:
-        path.unlink(missing_ok=True)
-        return None
-    return record
+    try:
+        return RayNodeRecord(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as exc:
+        raise ClusterError(
+            f"cannot read {path} ({exc}); if no Ray node of yours runs here, remove that file and try again"
+        ) from None
 
 
 def _process_of(record: RayNodeRecord) -> psutil.Process | None:
@@ -268,10 +290,9 @@ def run_node_in_foreground(settings: RayNodeSettings) -> int:
 def stop_node(grace_s: float = STOP_GRACE_S) -> RayNodeRecord | None:
     """Stop the node this DEEPSERVE_HOME started: SIGTERM (Ray drains and stops the node's processes), then, past the
     grace period, SIGKILL to its whole session. Returns the stopped node, None when none ran."""
-    path = record_path()
-    if not path.is_file():
+    record = _load_record()
+    if record is None:
         return None
-    record = RayNodeRecord(**json.loads(path.read_text()))
     process = _process_of(record)
     if process is not None:
         members = _session_members(record.pid)
@@ -281,7 +302,8 @@ def stop_node(grace_s: float = STOP_GRACE_S) -> RayNodeRecord | None:
             with contextlib.suppress(psutil.NoSuchProcess):
                 survivor.kill()
         psutil.wait_procs(alive, timeout=5)
-    path.unlink(missing_ok=True)
+    _forget_ray_address(record)
+    record_path().unlink(missing_ok=True)
     return record
 
 
@@ -340,6 +362,11 @@ def cluster_address(explicit: str | None = None) -> str:
     return record.head_address if record else "auto"
 
 
+def where(address: str) -> str:
+    """ "at HOST:PORT" in messages; for Ray's own discovery (`auto`), where that looks."""
+    return "started on this machine (no --address or RAY_ADDRESS given)" if address == "auto" else f"at {address}"
+
+
 def cluster_status(address: str | None = None, timeout_s: float = PROBE_TIMEOUT_S) -> ClusterStatus:
     """The nodes and resources of the cluster at ADDRESS, from Ray's own API (`ray.nodes()`), asked in a child
     process so that this one never becomes a Ray driver."""
@@ -349,33 +376,66 @@ def cluster_status(address: str | None = None, timeout_s: float = PROBE_TIMEOUT_
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-        raise ClusterError(f"the Ray cluster at {address} did not answer within {timeout_s:.0f} s") from None
+        raise ClusterError(f"the Ray cluster {where(address)} did not answer within {timeout_s:.0f} s") from None
     try:
         answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        raise ClusterError(f"could not read the Ray cluster at {address}: {done.stderr.strip()[-800:]}") from None
+        raise ClusterError(f"could not read the Ray cluster {where(address)}: {done.stderr.strip()[-800:]}") from None
     if "error" in answer:
         reason = str(answer["error"]).rstrip(".")
         raise ClusterError(
-            f"could not reach the Ray cluster at {address}: {reason}. Start it with `deepserve cluster start --head` "
-            "(and `--address HEAD:PORT` on the other nodes), or give --address / RAY_ADDRESS"
+            f"could not reach the Ray cluster {where(address)}: {reason}. Start it with `deepserve cluster start "
+            "--head` (and `--address HEAD:PORT` on the other nodes), or give --address / RAY_ADDRESS"
         )
     return ClusterStatus(address, tuple(node_from_ray(node) for node in answer["nodes"]))
 
 
 def _require_listener(address: str) -> None:
-    """Fail at once when nothing listens at ADDRESS: Ray's client retries a dead address for minutes."""
-    if address == "auto" or "://" in address:
+    """Fail at once when nothing listens at ADDRESS: Ray's client retries a dead address for minutes. For `auto`,
+    the address is the one Ray recorded for the cluster on this machine (none recorded: Ray itself fails fast)."""
+    if "://" in address:
         return
-    host, port = _split_address(address)
+    recorded = address
+    if address == "auto":
+        recorded = _recorded_ray_address(None) or ""
+        if not recorded:
+            return
+    host, port = _split_address(recorded)
     try:
         with socket.create_connection((host, port), timeout=5):
             return
     except OSError as exc:
+        stale = f" (recorded in {ray_address_file(None)}: that cluster is gone)" if address == "auto" else ""
         raise ClusterError(
-            f"nothing answers at {address} ({exc.strerror or type(exc).__name__}): start the head with `deepserve "
-            "cluster start --head`, or give the head's address with --address / RAY_ADDRESS"
+            f"nothing answers at {recorded}{stale} ({exc.strerror or type(exc).__name__}): start the head with "
+            "`deepserve cluster start --head`, or give the head's address with --address / RAY_ADDRESS"
         ) from None
+
+
+def ray_address_file(temp_dir: str | None) -> Path:
+    """Where Ray records the address of the cluster a node on this machine belongs to (`ray stop` removes it; a
+    node stopped by signal leaves it behind). Ray's own rule: TEMP_DIR, else RAY_TMPDIR or TMPDIR or /tmp, + ray."""
+    if temp_dir:
+        return Path(temp_dir) / "ray_current_cluster"
+    system = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    return Path(system) / "ray" / "ray_current_cluster"
+
+
+def _recorded_ray_address(temp_dir: str | None) -> str | None:
+    try:
+        return ray_address_file(temp_dir).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _forget_ray_address(record: RayNodeRecord) -> None:
+    """What `ray stop` does after stopping a node: drop Ray's record of the cluster, if it is this node's (the same
+    head port: Ray may record the head by another of its addresses than the one the node was given)."""
+    argv = record.argv
+    temp_dir = argv[argv.index("--temp-dir") + 1] if "--temp-dir" in argv[:-1] else None
+    recorded = _recorded_ray_address(temp_dir)
+    if recorded is not None and recorded.rpartition(":")[2] == record.head_address.rpartition(":")[2]:
+        ray_address_file(temp_dir).unlink(missing_ok=True)
 
 
 def node_from_ray(node: dict[str, Any]) -> RayNode:

@@ -160,9 +160,12 @@ def render(spec: DeploySpec, target: str, out: Path, out_as_typed: str | None = 
     written = []
     for rendered in files:
         path = out / rendered.path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(rendered.text)
-        if path.suffix == ".sbatch":
-            path.chmod(0o755)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(rendered.text)
+            if path.suffix == ".sbatch":
+                path.chmod(0o755)
+        except OSError as exc:
+            raise ConfigError(f"cannot write {path} ({exc.strerror}); choose a writable directory with --out") from None
         written.append(path)
     return written

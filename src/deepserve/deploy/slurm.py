@@ -9,7 +9,7 @@ import shlex
 
 import yaml
 
-from deepserve.config import EngineConfig, serve_command
+from deepserve.config import EngineConfig, changed_fields, serve_command
 from deepserve.deploy.source import MASTER_PLACEHOLDER, DeploySpec, shell_line
 from deepserve.errors import ConfigError
 from deepserve.gateway.config import GatewayConfig, is_loopback
@@ -52,12 +52,7 @@ def node_lines(spec: DeploySpec) -> list[str]:
 
 def gateway_file(gateway: GatewayConfig) -> str | None:
     """The gateway's settings that differ from the defaults, as a config file's `gateway` section (None: none)."""
-    changed = {
-        name: value
-        for name, value in gateway.model_dump().items()
-        if name not in ("upstream", "host", "port")
-        and value != GatewayConfig.model_fields[name].get_default(call_default_factory=True)
-    }
+    changed = changed_fields(gateway, skip=("upstream", "host", "port"))
     return yaml.safe_dump({"gateway": changed}, sort_keys=False) if changed else None
 
 

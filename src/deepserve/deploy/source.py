@@ -15,13 +15,13 @@ from typing import Any
 from pydantic import Field
 
 from deepserve import __version__
-from deepserve.config import EngineConfig, load_section
+from deepserve.config import EngineConfig, load_section, parse_key_values, validate_section
 from deepserve.engines.base import Engine, LaunchSpec, ResolvedModel
 from deepserve.engines.registry import get_engine
 from deepserve.engines.topology import check_layout_fits_nodes
 from deepserve.errors import ConfigError, ModelError
 from deepserve.gateway.config import GatewayConfig
-from deepserve.hardware.catalog import get_accelerator
+from deepserve.hardware.catalog import Accelerator, get_accelerator
 from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name
 from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
@@ -29,6 +29,7 @@ from deepserve.plan.commands import engine_config as planned_engine_config
 from deepserve.plan.formats import WeightFormat, checkpoint_format
 from deepserve.plan.planner import Plan, PlanConfig, make_plan
 
+GIB = 1024**3
 ENGINE_PORT = 8000  # inside the engine's container or pod
 GATEWAY_PORT = 8000  # inside the gateway's container or pod
 GATEWAY_IMAGE = f"deepserve:{__version__}"  # built from the repository's Dockerfile
@@ -66,6 +67,7 @@ class DeploySpec:
     engine_image: str = ""
     gateway_image: str = GATEWAY_IMAGE
     checkpoint_bytes: int | None = None  # what the weights take on disk (volume sizes); None when unknown
+    node_gpus: int | None = None  # GPUs each node has (--gpus-per-node, or --gpu-type's node); None when unknown
     plan: Plan | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
     runtime_class: str | None = None  # Kubernetes: e.g. nvidia, where GPUs need the NVIDIA container runtime
@@ -127,8 +129,10 @@ def deploy_spec(
             "rendered deployments use vLLM's own multi-node runtime (--nnodes), which needs no Ray cluster; drop "
             "--distributed-executor-backend ray (`deepserve cluster` sets up Ray by hand)"
         )
-    per_node = config.gpus_per_node or max(config.world_size // config.nnodes, 1)
-    notes = tuple(check_layout_fits_nodes(config, per_node)) + ((_plan_note(plan),) if plan else ())
+    node_gpus = _node_gpus(config)
+    per_node = node_gpus or max(config.world_size // config.nnodes, 1)
+    notes = tuple(check_layout_fits_nodes(config, per_node, on_this_machine=False))
+    notes += (_plan_note(plan),) if plan else ()
     model = render_model(config)
     engine = get_engine(config.engine)
     return DeploySpec(
@@ -141,21 +145,19 @@ def deploy_spec(
         engine_image=engine_image or engine.image,
         gateway_image=gateway_image or GATEWAY_IMAGE,
         checkpoint_bytes=_checkpoint_bytes_of(config.model or ""),
+        node_gpus=node_gpus,
         plan=plan,
         notes=notes,
         runtime_class=runtime_class,
-        node_selector=_labels(node_selector or []),
+        node_selector=parse_key_values("--node-selector", node_selector or [], "nvidia.com/gpu.product=H100"),
     )
 
 
-def _labels(pairs: list[str]) -> dict[str, str]:
-    labels = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--node-selector {pair!r} must look like KEY=VALUE, e.g. nvidia.com/gpu.product=H100")
-        labels[key] = value
-    return labels
+def _node_gpus(config: EngineConfig) -> int | None:
+    """GPUs on each node: as given, else a node of the GPU type the deployment is for (8 x H100), else unknown."""
+    if config.gpus_per_node is not None:
+        return config.gpus_per_node
+    return get_accelerator(config.gpu_type).devices_per_node if config.gpu_type else None
 
 
 def _plan_note(plan: Plan) -> str:
@@ -197,17 +199,62 @@ def _checkpoint_bytes_of(model: str) -> int | None:
         return None  # a hub id that is no preset: its size is not known offline
 
 
+def deployment_config(
+    file: Path | None, overrides: dict[str, Any], gpu: str | None, gpus: int | None, weights: str | None
+) -> tuple[EngineConfig, Plan | None]:
+    """The engine config to render: loaded as `serve` loads it, then, with GPU and GPUS (`--gpu h100 --gpus 16`),
+    laid out by the planner."""
+    config = load_engine_config(file, overrides)
+    if gpu is None and gpus is None:
+        if weights is not None:
+            raise ConfigError("--weights chooses the plan's weight format: give it with --gpu and --gpus")
+        return config, None
+    if gpu is None or gpus is None:
+        raise ConfigError("--gpu and --gpus go together: the GPU type and the total GPU count to plan for")
+    return planned_config(config, gpu, gpus, weights)
+
+
 def planned_config(config: EngineConfig, gpu: str, gpus: int, weights: str | None = None) -> tuple[EngineConfig, Plan]:
     """CONFIG's model laid out by the planner on GPUS GPUs of type GPU (whole nodes: TP inside a node, PP across),
     refused with the plan's numbers when it does not fit. Fields set in CONFIG (flags, file, environment) win over
     the plan's."""
     if not config.model:
         raise ConfigError("--gpu/--gpus plan a model: name it with --model (presets: `deepserve model list`)")
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: give the total number of GPUs to plan for, 1 or more")
     accelerator = get_accelerator(gpu)
     given = config.model_fields_set
-    nodes = max(math.ceil(gpus / accelerator.devices_per_node), 1)
-    request: dict[str, object] = {"model": config.model, "gpu": gpu, "gpus": gpus, "nodes": nodes}
-    request["engine"] = config.engine
+    if "gpu_type" in given and config.gpu_type and get_accelerator(config.gpu_type).name != accelerator.name:
+        raise ConfigError(
+            f"--gpu-type {config.gpu_type} and --gpu {gpu} disagree: the plan is made for --gpu, and every node's "
+            "serve checks the fit for it; drop --gpu-type"
+        )
+    plan_config = validate_section(PlanConfig, "plan", _plan_request(config, accelerator, gpus, weights))
+    plan = make_plan(plan_config)
+    if not plan.fits:
+        raise ConfigError(_does_not_fit(plan, config.model, gpus, accelerator))
+    planned = planned_engine_config(plan.deployment, plan_config, config.engine).model_dump()
+    planned["gpu_type"] = plan.deployment.accelerator.name  # serve on the nodes checks the fit for this type
+    planned.update({name: getattr(config, name) for name in given})
+    if planned["nnodes"] > 1 and "master_addr" not in given:
+        planned["master_addr"] = MASTER_PLACEHOLDER
+    return EngineConfig.model_validate(planned), plan
+
+
+def _plan_request(config: EngineConfig, accelerator: Accelerator, gpus: int, weights: str | None) -> dict[str, object]:
+    """What the planner is asked: CONFIG's model and engine, the fields the user set that the planner also takes,
+    and the nodes (--nnodes when given, else as few as hold the GPUs)."""
+    given = config.model_fields_set
+    nodes = config.nnodes if "nnodes" in given else max(math.ceil(gpus / accelerator.devices_per_node), 1)
+    if gpus % nodes:
+        raise ConfigError(f"--gpus {gpus} does not split evenly over --nnodes {nodes}: give a multiple of {nodes}")
+    request: dict[str, object] = {
+        "model": config.model,
+        "gpu": accelerator.name,
+        "gpus": gpus,
+        "nodes": nodes,
+        "engine": config.engine,
+    }
     if weights:
         request["weights"] = weights
     for name in _PLAN_FIELDS - {"model", "engine"}:
@@ -219,23 +266,18 @@ def planned_config(config: EngineConfig, gpu: str, gpus: int, weights: str | Non
             request[plan_name] = getattr(config, field_name)
     if "enable_expert_parallel" in given:
         request["ep"] = config.enable_expert_parallel
-    plan_config = PlanConfig.model_validate(request)
-    plan = make_plan(plan_config)
-    if not plan.fits:
-        memory = plan.deployment.memory
-        fits = f"; it fits on {plan.smallest_fitting_gpus} x {gpu}" if plan.smallest_fitting_gpus else ""
-        raise ConfigError(
-            f"{config.model} does not fit on {gpus} x {accelerator.name} ({plan.deployment.layout.describe()}): "
-            f"{memory.weights_bytes_per_gpu / 2**30:.1f} GiB of weights and {memory.reserve_bytes_per_gpu / 2**30:.1f}"
-            f" GiB reserve per GPU leave {memory.kv_cache_bytes_per_gpu / 2**30:.1f} GiB for the KV cache{fits} "
-            "(`deepserve plan` shows the details)"
-        )
-    planned = planned_engine_config(plan.deployment, plan_config, config.engine).model_dump()
-    planned["gpu_type"] = plan.deployment.accelerator.name  # serve on the nodes checks the fit for this type
-    planned.update({name: getattr(config, name) for name in given})
-    if nodes > 1 and "master_addr" not in given:
-        planned["master_addr"] = MASTER_PLACEHOLDER
-    return EngineConfig.model_validate(planned), plan
+    return request
+
+
+def _does_not_fit(plan: Plan, model: str, gpus: int, accelerator: Accelerator) -> str:
+    memory = plan.deployment.memory
+    fits = f"; it fits on {plan.smallest_fitting_gpus} x {accelerator.name}" if plan.smallest_fitting_gpus else ""
+    return (
+        f"{model} does not fit on {gpus} x {accelerator.name} ({plan.deployment.layout.describe()}): "
+        f"{memory.weights_bytes_per_gpu / GIB:.1f} GiB of weights and {memory.reserve_bytes_per_gpu / GIB:.1f} GiB "
+        f"reserve per GPU leave {memory.kv_cache_bytes_per_gpu / GIB:.1f} GiB for the KV cache{fits} "
+        "(`deepserve plan` shows the details)"
+    )
 
 
 # ---- command lines with variables -------------------------------------------------------------------------------

@@ -60,6 +60,25 @@ class Engine(Protocol):
         """The start-up phase a log line announces, if any (shown as progress while the engine starts)."""
         ...
 
+    def cpu_refusals(self, config: EngineConfig) -> list[str]:
+        """The flags of CONFIG this engine cannot run without a GPU, each with why; empty when it can run it."""
+        ...
+
+
+GPU_ONLY_QUANTIZATIONS = {"fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "compressed-tensors"}
+
+
+def gpu_only_flags(config: EngineConfig) -> list[str]:
+    """Flags that need a GPU whatever the engine: expert parallelism, GPU memory, quantization kernels."""
+    given = []
+    if config.enable_expert_parallel:
+        given.append("--enable-expert-parallel")
+    if config.gpu_memory_utilization is not None:
+        given.append(f"--gpu-memory-utilization {config.gpu_memory_utilization} (on CPU use --kv-cache-memory-gib)")
+    if config.quantization and config.quantization.lower() in GPU_ONLY_QUANTIZATIONS:
+        given.append(f"--quantization {config.quantization}")
+    return given
+
 
 def flag_args(pairs: list[tuple[str, object]]) -> list[str]:
     """Turn (flag, value) pairs into argv: None is omitted, True is a bare flag, False is `--no-flag`."""

@@ -31,6 +31,7 @@ from deepserve.errors import ConfigError, EngineError
 PING_INTERVAL_S = 2.0
 PEER_SILENCE_S = 15.0
 CONNECT_RETRY_S = 1.0
+CONNECT_TIMEOUT_S = 5.0
 # The fields every node must agree on; node-specific ones (rank, host, ports of this node's API) are left out.
 SHARED_FIELDS = (
     "engine",
@@ -96,7 +97,6 @@ class _Member:
     rank: int
     host: str
     conn: socket.socket
-    joined_at: float
 
 
 @dataclass
@@ -106,7 +106,6 @@ class RollCall:
 
     config: EngineConfig
     bind_host: str
-    clock: Callable[[], float] = time.monotonic
     members: dict[int, _Member] = field(default_factory=dict)
     left: list[tuple[int, str]] = field(default_factory=list)  # (rank, why) of nodes gone after joining
     _server: socket.socket | None = None
@@ -200,32 +199,41 @@ class RollCall:
             self.left.append((member.rank, f"{member.host} closed its connection or went silent"))
 
     def _admit(self, conn: socket.socket, line: bytes | None) -> _Member | None:
+        """Answer a JOIN. The rank is checked and taken under one lock, so two nodes claiming the same rank at once
+        cannot both get in; a node whose connection fails before it hears OK is not kept as a member."""
         if line is None:
             return None
         verb, payload = _parse(line)
         rank = payload.get("rank")
-        reason = self._refusal(verb, rank, payload.get("deployment") or {})
-        with contextlib.suppress(OSError):
-            if reason:
+        member = None
+        with self._lock:
+            reason = self._refusal(verb, rank, payload.get("deployment") or {})
+            if reason is None and isinstance(rank, int):
+                member = _Member(rank, str(payload.get("host") or "?"), conn)
+                self.members[rank] = member
+        try:
+            if member is None:
                 _send(conn, "REFUSED", {"reason": reason})
                 return None
             _send(conn, "OK", {"nnodes": self.config.nnodes})
             if self._ready_payload is not None:
                 _send(conn, "READY", self._ready_payload)
-        assert isinstance(rank, int)
-        member = _Member(rank, str(payload.get("host") or "?"), conn, self.clock())
-        with self._lock:
-            self.members[rank] = member
+        except OSError:
+            if member is not None:
+                with self._lock:
+                    if self.members.get(member.rank) is member:
+                        del self.members[member.rank]
+            return None
         return member
 
     def _refusal(self, verb: str, rank: Any, deployment: dict[str, Any]) -> str | None:
+        """Why a JOIN is refused, or None; called with the lock held."""
         if verb != "JOIN" or not isinstance(rank, int):
             return "not a deepserve node (expected JOIN with a rank)"
         if not 1 <= rank < self.config.nnodes:
             return f"node rank {rank} is out of range: node 0 expects ranks 1 to {self.config.nnodes - 1}"
-        with self._lock:
-            if rank in self.members:
-                return f"node rank {rank} has already joined (from {self.members[rank].host}); ranks must be unique"
+        if rank in self.members:
+            return f"node rank {rank} has already joined (from {self.members[rank].host}); ranks must be unique"
         mismatch = differences(deployment_of(self.config), deployment)
         if mismatch:
             return "this node was started with a different deployment than node 0: " + "; ".join(mismatch)
@@ -264,12 +272,10 @@ class CheckIn:
         """Connect to node 0 (retrying until --join-timeout-s) and be admitted, or raise with the reason."""
         started = self.clock()
         conn = self._connect(started, on_progress)
-        _send(
-            conn,
-            "JOIN",
-            {"rank": self.config.node_rank, "host": self.host_name, "deployment": deployment_of(self.config)},
-        )
         lines = _Lines(conn, PEER_SILENCE_S)
+        join = {"rank": self.config.node_rank, "host": self.host_name, "deployment": deployment_of(self.config)}
+        with contextlib.suppress(OSError):  # node 0 dropped the connection: the missing answer below says so
+            _send(conn, "JOIN", join)
         verb, payload = _parse(lines.next() or b"")
         if verb != "OK":
             conn.close()
@@ -298,7 +304,7 @@ class CheckIn:
         host, port = self.config.master_addr or "", self.config.effective_join_port
         while True:
             try:
-                return socket.create_connection((host, port), timeout=5)
+                return socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
             except OSError as exc:
                 waited = self.clock() - started
                 if waited > self.config.join_timeout_s:

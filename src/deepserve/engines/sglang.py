@@ -4,7 +4,15 @@ nodes every node runs the same command with its --node-rank and node 0's --dist-
 from __future__ import annotations
 
 from deepserve.config import EngineConfig
-from deepserve.engines.base import LaunchSpec, LoadMetricNames, ResolvedModel, flag_args, unless_one, url_host
+from deepserve.engines.base import (
+    LaunchSpec,
+    LoadMetricNames,
+    ResolvedModel,
+    flag_args,
+    gpu_only_flags,
+    unless_one,
+    url_host,
+)
 
 _PHASES = (
     ("Load weight begin", "loading weights"),
@@ -72,6 +80,9 @@ class SglangEngine:
 
     def phase_of(self, log_line: str) -> str | None:
         return next((phase for marker, phase in _PHASES if marker in log_line), None)
+
+    def cpu_refusals(self, config: EngineConfig) -> list[str]:
+        return gpu_only_flags(config)
 
 
 def _dp_attention(config: EngineConfig) -> bool:

@@ -11,9 +11,10 @@ from deepserve.config import EngineConfig
 from deepserve.errors import ConfigError
 
 
-def check_layout_fits_nodes(config: EngineConfig, gpus_per_node: int | None) -> list[str]:
+def check_layout_fits_nodes(config: EngineConfig, gpus_per_node: int | None, on_this_machine: bool = True) -> list[str]:
     """Raise for a layout the nodes cannot hold; return notes for one that leaves devices idle. GPUS_PER_NODE is
-    None on CPU, where vLLM runs one worker process per rank whatever the cores."""
+    None on CPU, where vLLM runs one worker process per rank whatever the cores. ON_THIS_MACHINE False: the nodes are
+    elsewhere (a rendered deployment), which the message says."""
     world, nodes = config.world_size, config.nnodes
     layout = (
         f"TP {config.tensor_parallel_size} x PP {config.pipeline_parallel_size} x DP {config.data_parallel_size} "
@@ -28,7 +29,7 @@ def check_layout_fits_nodes(config: EngineConfig, gpus_per_node: int | None) -> 
         return []  # on Ray the ranks go to the cluster's GPUs: serve waits until the cluster has them
     per_node = world // nodes
     if per_node > gpus_per_node:
-        where = "this machine has" if nodes == 1 else "each node has"
+        where = "this machine has" if nodes == 1 and on_this_machine else "each node has"
         raise ConfigError(
             f"the layout {layout} needs {per_node} GPUs per node over {nodes} node(s), but {where} {gpus_per_node}: "
             f"lower --tensor-parallel-size, or add nodes (--nnodes {world // gpus_per_node} with "
@@ -39,6 +40,15 @@ def check_layout_fits_nodes(config: EngineConfig, gpus_per_node: int | None) -> 
     return []
 
 
+class MasterAddressError(ConfigError):
+    """A master address this node cannot use: what is wrong, and the fix (apart, for checks that show both)."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"{problem}; {fix}")
+        self.problem = problem
+        self.fix = fix
+
+
 def check_master_address(config: EngineConfig) -> None:
     """Node 0 must own the master address (it listens there); other nodes must have a route to it."""
     if not config.is_multi_node:
@@ -47,9 +57,9 @@ def check_master_address(config: EngineConfig) -> None:
     try:
         infos = socket.getaddrinfo(host, config.master_port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise ConfigError(
-            f"--master-addr {host!r} does not resolve ({exc.strerror}); give node 0's IP address or a host name "
-            "every node can resolve"
+        raise MasterAddressError(
+            f"--master-addr {host!r} does not resolve ({exc.strerror})",
+            "give node 0's IP address or a host name every node can resolve",
         ) from None
     family, _, _, _, address = infos[0]
     if config.is_head:
@@ -63,9 +73,9 @@ def _require_own_address(host: str, family: int, address: tuple[object, ...]) ->
         try:
             probe.bind((address[0], 0))
         except OSError:
-            raise ConfigError(
-                f"--master-addr {host} is not an address of this machine, and node 0 (--node-rank 0) listens there: "
-                "run node 0 on that machine, or give this machine's own address on the network the nodes share"
+            raise MasterAddressError(
+                f"--master-addr {host} is not an address of this machine, and node 0 (--node-rank 0) listens there",
+                "run node 0 on that machine, or give this machine's own address on the network the nodes share",
             ) from None
 
 
@@ -75,9 +85,9 @@ def _require_route(host: str, family: int, address: tuple[object, ...]) -> None:
         try:
             probe.connect(address)
         except OSError as exc:
-            raise ConfigError(
-                f"--master-addr {host} is unreachable from this node ({exc.strerror}): check the network between "
-                "the nodes, or give node 0's address on a network both reach"
+            raise MasterAddressError(
+                f"--master-addr {host} is unreachable from this node ({exc.strerror})",
+                "check the network between the nodes, or give node 0's address on a network both reach",
             ) from None
 
 

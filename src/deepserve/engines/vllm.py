@@ -8,12 +8,28 @@ import os
 from pathlib import Path
 
 from deepserve.config import EngineConfig
-from deepserve.engines.base import LaunchSpec, LoadMetricNames, ResolvedModel, flag_args, unless_one, url_host
+from deepserve.engines.base import (
+    LaunchSpec,
+    LoadMetricNames,
+    ResolvedModel,
+    flag_args,
+    gpu_only_flags,
+    unless_one,
+    url_host,
+)
 from deepserve.engines.topology import nodes_share_this_host
 
 GIB = 1024**3
 CPU_DEFAULT_KV_CACHE_GIB = 1.0  # the tiny model needs 4.6 KB/token: 1 GiB holds about 230K tokens
 CPU_DEFAULT_MAX_MODEL_LEN = 32768
+# vLLM's own defaults for what a config leaves out (vllm/engine/arg_utils.py, the OpenAI server's usage context), for
+# the memory plan serve checks and the simulator, which must assume what vLLM will do.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+LARGE_GPU_GIB = 70  # from this much memory per GPU (the A100 excepted) vLLM batches more by default
+LARGE_GPU_BATCH_LIMITS = (1024, 8192)  # (max_num_seqs, max_num_batched_tokens)
+SMALL_GPU_BATCH_LIMITS = (256, 2048)
+MLA_BLOCK_SIZE = 64  # vLLM's MLA backends on Hopper (FlashMLA) need 64-token blocks
+DEFAULT_BLOCK_SIZE = 16
 # On CPU, vLLM checks --gpu-memory-utilization x RAM against free memory at start on every node; nodes sharing one
 # host (a loopback test) must split it.
 CPU_SHARED_HOST_MEMORY_FRACTION = 0.8
@@ -66,6 +82,26 @@ class VllmEngine:
 
     def phase_of(self, log_line: str) -> str | None:
         return next((phase for marker, phase in _PHASES if marker in log_line), None)
+
+    def cpu_refusals(self, config: EngineConfig) -> list[str]:
+        """Tensor and pipeline parallelism run on the CPU build (one worker process per rank, across nodes too);
+        data parallelism does not (measured: its CPU communicator raises NotImplementedError in all_gatherv)."""
+        refused = []
+        if config.data_parallel_size > 1:
+            refused.append(
+                f"--data-parallel-size {config.data_parallel_size} (vLLM's CPU build cannot run MoE data parallel)"
+            )
+        return refused + gpu_only_flags(config)
+
+
+def default_batch_limits(gpu_memory_gib: float, gpu_name: str) -> tuple[int, int]:
+    """vLLM's default (max_num_seqs, max_num_batched_tokens) on a GPU of GPU_MEMORY_GIB named GPU_NAME."""
+    large = gpu_memory_gib >= LARGE_GPU_GIB and "a100" not in gpu_name.lower()
+    return LARGE_GPU_BATCH_LIMITS if large else SMALL_GPU_BATCH_LIMITS
+
+
+def default_block_size(is_mla: bool) -> int:
+    return MLA_BLOCK_SIZE if is_mla else DEFAULT_BLOCK_SIZE
 
 
 def _program(model: ResolvedModel, python: str | None) -> list[str]:

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
-from deepserve.config import Section, deepserve_home
+from deepserve.config import Section, changed_flags, deepserve_home
 from deepserve.engines.base import url_host
 from deepserve.errors import ConfigError, unknown_name
 from deepserve.gateway.balancing import DEFAULT_SCORE_WEIGHTS, POLICIES
@@ -183,21 +183,7 @@ def gateway_home() -> Path:
 
 def gateway_argv(config: GatewayConfig, python: str = sys.executable) -> list[str]:
     """`python -m deepserve.cli.main gateway …` with every field that differs from its default."""
-    argv = [python, "-m", "deepserve.cli.main", "gateway"]
-    defaults = GatewayConfig.model_validate({})
-    for name in GatewayConfig.model_fields:
-        value = getattr(config, name)
-        if value == getattr(defaults, name):
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list):
-            for item in value:
-                argv += [flag, str(item)]
-        else:
-            argv += [flag, str(value)]
-    return argv
+    return [python, "-m", "deepserve.cli.main", "gateway", *changed_flags(config)]
 
 
 def base_url(config: GatewayConfig, port: int | None = None) -> str:

@@ -18,20 +18,33 @@ class LocalGpu:
 @lru_cache(maxsize=1)
 def local_gpus() -> tuple[LocalGpu, ...]:
     """NVIDIA GPUs that nvidia-smi reports; empty when there is none (or no driver)."""
+    lines = _query_nvidia_smi("index,name,memory.total")
+    return tuple(_parse_smi_line(line) for line in lines)
+
+
+def nvidia_driver_version() -> str | None:
+    """The NVIDIA driver's version as nvidia-smi reports it (e.g. 570.124.06); None without a driver."""
+    lines = _query_nvidia_smi("driver_version")
+    return lines[0].strip() if lines else None
+
+
+def _query_nvidia_smi(fields: str) -> list[str]:
+    """One line per GPU of `nvidia-smi --query-gpu=FIELDS` (CSV, no header, no units); empty without nvidia-smi or
+    when it fails."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return ()
+        return []
     try:
         out = subprocess.run(
-            [smi, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+            [smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=20,
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return ()
-    return tuple(_parse_smi_line(line) for line in out.splitlines() if line.strip())
+        return []
+    return [line for line in out.splitlines() if line.strip()]
 
 
 def _parse_smi_line(line: str) -> LocalGpu:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepserve.config import EngineConfig
+from deepserve.engines.vllm import CPU_DEFAULT_KV_CACHE_GIB, DEFAULT_GPU_MEMORY_UTILIZATION, default_batch_limits
 from deepserve.errors import ConfigError, ModelError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, match_device_name
 from deepserve.models.resolve import load_spec
@@ -24,9 +25,6 @@ from deepserve.plan.planner import PlanConfig, build_deployment, smallest_fittin
 
 GB = 1e9
 GIB = 1024**3
-VLLM_DEFAULT_MEMORY_UTILIZATION = 0.9
-VLLM_DEFAULT_BATCHED_TOKENS = 8192
-CPU_DEFAULT_KV_CACHE_GIB = 1.0
 CPU_PROCESS_OVERHEAD_BYTES = 2 * GIB  # Python, torch and vLLM's own buffers in each engine process (measured ~1.8)
 
 
@@ -55,9 +53,9 @@ def check_gpu_fit(config: EngineConfig, model_source: str, accelerator: Accelera
         weights=fmt.name if fmt.name in FORMATS else None,
         layout=layout,
         kv_dtype=config.kv_cache_dtype or "auto",
-        gpu_memory_utilization=config.gpu_memory_utilization or VLLM_DEFAULT_MEMORY_UTILIZATION,
+        gpu_memory_utilization=config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         max_model_len=context,
-        max_num_batched_tokens=config.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS,
+        max_num_batched_tokens=config.max_num_batched_tokens or _default_batched_tokens(accelerator),
     )
     memory = deployment.memory
     where = f"{spec.name} ({fmt.name}) on {layout.gpus} x {accelerator.name}, {layout.describe()}"
@@ -120,7 +118,7 @@ def _nearest_fit(
         weights=fmt.name if fmt.name in FORMATS else None,
         kv_dtype=config.kv_cache_dtype or "auto",
         max_model_len=context,
-        gpu_memory_utilization=config.gpu_memory_utilization or VLLM_DEFAULT_MEMORY_UTILIZATION,
+        gpu_memory_utilization=config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
     )
     try:
         gpus = smallest_fitting_gpus(plan)
@@ -133,6 +131,11 @@ def _nearest_fit(
     if nodes > 1:
         layout += f" --pipeline-parallel-size {nodes} --nnodes {nodes} --master-addr NODE0_ADDRESS"
     return f"it fits on {gpus} x {accelerator.name} ({nodes} node(s)): {layout} (or pass --force to try anyway)"
+
+
+def _default_batched_tokens(accelerator: Accelerator) -> int:
+    """vLLM's token budget per step when none is given (it sizes the activation reserve)."""
+    return default_batch_limits(accelerator.memory_gib, accelerator.name)[1]
 
 
 def _layout(config: EngineConfig) -> Layout:

@@ -10,9 +10,17 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from deepserve.config import Section
+from deepserve.config import Section, parse_key_values
+from deepserve.errors import ConfigError
 
 CutMode = Literal["close", "error_event", "malformed_event"]
+# EngineConfig fields that mean nothing to a simulated engine: one process stands for every node, and nothing is
+# launched (the hardware is SimulateConfig's --gpu/--gpus/--nodes).
+ENGINE_FIELDS_NOT_SIMULATED = (
+    "device", "dtype", "trust_remote_code", "extra_args", "startup_timeout_s", "node_rank", "master_addr",
+    "master_port", "join_port", "join_timeout_s", "gpus_per_node", "data_parallel_size_local", "nnodes", "gpu_type",
+    "data_parallel_address", "data_parallel_rpc_port", "distributed_executor_backend",
+)  # fmt: skip
 
 
 class SimulateConfig(Section):
@@ -87,3 +95,15 @@ class SimulateConfig(Section):
     @property
     def fixed_latency(self) -> bool:
         return self.fixed_ttft_ms is not None or self.fixed_itl_ms is not None
+
+
+def parse_metric_overrides(pairs: list[str]) -> dict[str, float]:
+    """`--metric NAME=VALUE` arguments: the value each named series reports in /metrics."""
+    example = "vllm:num_requests_waiting=12"
+    overrides = {}
+    for name, value in parse_key_values("--metric", pairs, example).items():
+        try:
+            overrides[name] = float(value)
+        except ValueError:
+            raise ConfigError(f"--metric {name}={value}: the value must be a number, e.g. --metric {example}") from None
+    return overrides

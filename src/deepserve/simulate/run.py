@@ -82,7 +82,7 @@ async def _serve(
         if config.max_seconds is None:
             await stop.wait()
         else:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):  # on 3.10 not the builtin TimeoutError
                 await asyncio.wait_for(stop.wait(), config.max_seconds)
     finally:
         await server.close()

@@ -18,7 +18,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -269,13 +269,7 @@ class SimulatorApp:
         if self.config.record_bodies:
             stats.bodies.append(body)
         fault = self.controls.faults.decide(index)
-        if fault == "hang":
-            stats.hung += 1
-            return  # the connection stays busy: no byte until the client gives up
-        if fault == "error":
-            stats.failed += 1
-            status = self.controls.faults.error_status
-            conn.send(status, _JSON, error_body(status, "injected failure (deepserve simulate)", "InternalServerError"))
+        if self._answered_by_fault(conn, fault):
             return
         try:
             generation = parse_generation(body, chat, self.tokenizer, self.deployment.max_model_len, self.models)
@@ -285,10 +279,26 @@ class SimulatorApp:
             return
         if self.config.token_ids == "always" and not generation.return_token_ids:
             generation = dataclasses.replace(generation, return_token_ids=True)
+        self._submit(conn, request, generation, cut=fault == "cut")
+
+    def _answered_by_fault(self, conn: _Connection, fault: str | None) -> bool:
+        """An injected hang (no answer at all) or error (before any byte); a cut is the reply's to make."""
+        if fault == "hang":
+            self.stats.hung += 1
+            return True  # the connection stays busy: no byte until the client gives up
+        if fault == "error":
+            self.stats.failed += 1
+            status = self.controls.faults.error_status
+            conn.send(status, _JSON, error_body(status, "injected failure (deepserve simulate)", "InternalServerError"))
+            return True
+        return False
+
+    def _submit(self, conn: _Connection, request: _Request, generation: Generation, cut: bool) -> None:
+        """Hand the request to the engine, with the reply that streams (or collects) its tokens."""
         self._ids += 1
         request_id = request.headers.get("x-request-id") or f"{self._ids:08x}"
         reply = _Reply(self, conn, generation, ReplyFormat(generation, request_id, int(time.time())))
-        if fault == "cut":
+        if cut:
             reply.cut_after = self.controls.faults.cut_after_tokens
         sim = SimRequest(
             str(self._ids),
@@ -302,7 +312,7 @@ class SimulatorApp:
         reply.request = sim
         conn.reply = reply
         if generation.stream:
-            stats.active += 1
+            self.stats.active += 1
             conn.write(_SSE_HEAD + conn.close_header() + b"\r\n")
         self.engine.submit(sim)
 
@@ -634,17 +644,20 @@ class SimulatorThread:
 
     def __enter__(self) -> SimulatorThread:
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(self._host, self._port), self._loop).result(30)
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.start(self._host, self._port), self._loop).result(30)
+        except BaseException:
+            self._stop_loop()  # a port in use must not leave the thread and its loop running
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.close(), self._loop).result(10)
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.close(), self._loop).result(10)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
-
-
-@contextlib.contextmanager
-def simulator_thread(deployment: SimulatedDeployment, config: SimulateConfig) -> Iterator[SimulatorThread]:
-    with SimulatorThread(deployment, config) as thread:
-        yield thread

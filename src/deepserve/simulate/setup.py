@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from deepserve.config import EngineConfig
+from deepserve.config import EngineConfig, validate_section
+from deepserve.engines.vllm import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    default_batch_limits,
+    default_block_size,
+)
 from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import Accelerator, get_accelerator
 from deepserve.models.presets import canonical_preset_name
@@ -30,16 +36,10 @@ from deepserve.simulate.timing import FixedStepTimer, PlannerStepTimer, StepTime
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V3"
 FIXED_MAX_MODEL_LEN = 32768  # a fixed-timing simulator of an unknown model: the planner's default context
-# vLLM's defaults for the OpenAI server (vllm/engine/arg_utils.py): larger batches on GPUs of 70 GiB and more
-# (except the A100), chunked prefill and prefix caching on (V1).
-LARGE_GPU_GIB = 70
-DEFAULT_BATCHED_TOKENS = {True: 8192, False: 2048}
-DEFAULT_MAX_NUM_SEQS = {True: 1024, False: 256}
-FLASHMLA_BLOCK_SIZE = 64  # vLLM's MLA backends on Hopper (FlashMLA) need 64-token blocks; others default to 16
-DEFAULT_BLOCK_SIZE = 16
 # vLLM's --quantization values that change the weight format of a checkpoint that does not already have it
 QUANTIZATION_FORMATS = {"fp8": "fp8-dynamic"}
 CHECKPOINT_QUANTIZATIONS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
+CHECKPOINT_EXAMPLES = {"awq": "cognitivecomputations/DeepSeek-V3-0324-AWQ"}  # presets stored that way
 
 
 @dataclass(frozen=True)
@@ -109,14 +109,13 @@ def _on(flag: bool) -> str:
 def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
     sim = _hardware_from_engine(engine, sim)
     accelerator = get_accelerator(sim.gpu)
-    large = accelerator.memory_gib >= LARGE_GPU_GIB and "a100" not in accelerator.name.lower()
+    default_seqs, default_tokens = default_batch_limits(accelerator.memory_gib, accelerator.name)
     model = engine.model or DEFAULT_MODEL
-    chunked = engine.enable_chunked_prefill is not False
-    default_tokens = DEFAULT_BATCHED_TOKENS[large]
+    chunked = engine.enable_chunked_prefill is not False  # vLLM's V1 default: on (prefix caching too)
     served = engine.served_model_name or canonical_preset_name(model) or model.rstrip("/")
     common: dict[str, Any] = {
         "served_model_name": served,
-        "max_num_seqs": engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS[large],
+        "max_num_seqs": engine.max_num_seqs or default_seqs,
         "chunked_prefill": chunked,
         "prefix_caching": engine.enable_prefix_caching is not False,
         "gpu": accelerator.name,
@@ -127,7 +126,7 @@ def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
     max_model_len = engine.max_model_len or min(FIXED_MAX_MODEL_LEN, spec.max_position_embeddings)
     batched = engine.max_num_batched_tokens or (default_tokens if chunked else max(max_model_len, default_tokens))
     plan = make_plan(_plan_config(engine, sim, model, spec, max_model_len, batched, common["max_num_seqs"]))
-    block_size = engine.block_size or (FLASHMLA_BLOCK_SIZE if spec.is_mla else DEFAULT_BLOCK_SIZE)
+    block_size = engine.block_size or default_block_size(spec.is_mla)
     num_blocks = _kv_blocks(plan, engine, block_size, accelerator)
     if num_blocks * block_size < max_model_len:
         raise ConfigError(
@@ -220,13 +219,13 @@ def _plan_config(
         "dp": engine.data_parallel_size,
         "ep": engine.enable_expert_parallel,
         "network": sim.network,
-        "gpu_memory_utilization": engine.gpu_memory_utilization or 0.9,
+        "gpu_memory_utilization": engine.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": batched,
         "calibration": sim.calibration,
     }
     # Fields left unset take the planner's defaults: fewer names tie this module to PlanConfig's.
-    return PlanConfig.model_validate({key: value for key, value in values.items() if value is not None})
+    return validate_section(PlanConfig, "plan", {key: value for key, value in values.items() if value is not None})
 
 
 def _weights_from_quantization(quantization: str | None, spec: ModelSpec) -> str | None:
@@ -243,10 +242,10 @@ def _weights_from_quantization(quantization: str | None, spec: ModelSpec) -> str
         valid = ", ".join([*QUANTIZATION_FORMATS, *CHECKPOINT_QUANTIZATIONS])
         raise ConfigError(f"--quantization {quantization} is not simulated; valid: {valid} (or give --weights)")
     if family not in stored:
+        example = CHECKPOINT_EXAMPLES.get(family, "a local checkpoint directory")
         raise ConfigError(
             f"--quantization {quantization} needs a checkpoint stored as {family.upper()}, but {spec.name} is "
-            f"stored as {stored}; pick a {family.upper()} preset (e.g. cognitivecomputations/DeepSeek-V3-0324-AWQ) "
-            "or give --weights"
+            f"stored as {stored}; name one stored so with --model (e.g. {example}), or give --weights"
         )
     return None
 

@@ -115,8 +115,11 @@ def test_two_node_cluster_status_wait_and_stop(two_nodes: tuple[Node, Node, int]
     sessions = {record["pid"] for record in (head.record(), worker.record()) if record}
     assert len(sessions) == 2
     assert ray_processes(sessions, [head.temp_dir, worker.temp_dir])
+    assert (head.temp_dir / "ray_current_cluster").read_text().strip().endswith(f":{port}")
     for node in (worker, head):
         stopped = node.cli("cluster", "stop")
         assert stopped.returncode == 0 and "stopped the Ray" in stopped.stdout, stopped.stderr
         assert node.record() is None
+        # as after `ray stop`: Ray's own discovery (`auto`) no longer finds a cluster that is gone
+        assert not (node.temp_dir / "ray_current_cluster").exists()
     assert ray_processes(sessions, [head.temp_dir, worker.temp_dir]) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -9,7 +10,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from deepserve.config import EngineConfig
-from deepserve.engines.nodes import CheckIn, HeadStopped, RollCall
+from deepserve.engines.nodes import CheckIn, HeadStopped, RollCall, deployment_of
 from deepserve.errors import ConfigError, EngineError
 from deepserve.net import free_port
 
@@ -70,6 +71,17 @@ def test_a_rank_taken_twice_is_refused(head: RollCall) -> None:
     join(head, 1)
     with pytest.raises(ConfigError, match="node rank 1 has already joined"):
         join(head, 1)
+
+
+@pytest.mark.parametrize("same_deployment", [True, False], ids=["would-be-admitted", "refused"])
+def test_a_node_whose_connection_fails_before_the_answer_is_not_kept(head: RollCall, same_deployment: bool) -> None:
+    ours, theirs = socket.socketpair()
+    ours.close()  # the answer cannot be sent: the node is gone before it hears it
+    deployment = deployment_of(head.config) | ({} if same_deployment else {"max_model_len": 4096})
+    join_line = "JOIN " + json.dumps({"rank": 1, "host": "gone", "deployment": deployment})
+    assert head._admit(ours, join_line.encode()) is None
+    assert head.missing() == [1, 2]
+    theirs.close()
 
 
 def test_a_worker_that_leaves_is_reported_by_node_zero(head: RollCall) -> None:

@@ -44,6 +44,13 @@ def test_a_failed_start_exits_1_with_the_message() -> None:
     assert process.returncode == 1 and "CUDA out of memory" in err
 
 
+def test_max_seconds_ends_a_simulator_nobody_stops() -> None:
+    process, _ = simulate("--model", "fake", "--fixed-itl-ms", "1", "--max-seconds", "0.5")
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert out.startswith("READY")
+
+
 def test_an_engine_that_ignores_sigterm_needs_a_kill() -> None:
     process, _ = simulate("--model", "fake", "--fixed-itl-ms", "1", "--ignore-sigterm", "--max-seconds", "30")
     try:

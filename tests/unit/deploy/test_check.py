@@ -196,6 +196,10 @@ def test_node_zero_owns_the_address_and_its_ports_are_free(tmp_path: Path) -> No
     assert busy.verdict is Verdict.FAIL and "already listens" in busy.detail
     elsewhere = check_master(two_nodes(0, master="203.0.113.9"), facts(tmp_path))  # TEST-NET-3: never ours
     assert elsewhere.verdict is Verdict.FAIL and "not an address of this machine" in elsewhere.detail
+    assert elsewhere.fix.startswith("run node 0 on that machine") and elsewhere.fix not in elsewhere.detail
+    nowhere = check_master(two_nodes(1, master="no-such-host.invalid"), facts(tmp_path))
+    assert nowhere.verdict is Verdict.FAIL and "does not resolve" in nowhere.detail
+    assert nowhere.fix.startswith("give node 0's IP address") and "does not resolve" not in nowhere.fix
 
 
 def test_several_interfaces_without_the_socket_variables_warn_with_the_fix(tmp_path: Path) -> None:

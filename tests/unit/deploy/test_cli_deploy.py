@@ -45,6 +45,9 @@ def test_render_takes_the_gateway_section_of_the_config_file(tmp_path: Path) -> 
         (["--model", "v3", "--gpu", "h100", "--gpus", "8"], "does not fit"),
         (["--model", "v3", "--replicas", "0"], "--replicas 0"),
         (["--model", "v3", "--weights", "fp8"], "--weights chooses the plan's weight format"),
+        (["--model", "v3", "--gpu", "h100", "--gpus", "0"], "--gpus 0: give the total number of GPUs"),
+        (["--model", "v3", "--gpu", "h100", "--gpus", "16", "--gpu-type", "h200"], "--gpu h100 disagree"),
+        (["--model", "v3", "--gpu", "h100", "--gpus", "16", "--nnodes", "3"], "does not split evenly over --nnodes"),
     ],
 )
 def test_render_errors_are_one_line_with_the_fix(
@@ -53,6 +56,13 @@ def test_render_errors_are_one_line_with_the_fix(
     assert main(["deploy", "render", "--target", "slurm", "--out", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_render_into_a_directory_it_cannot_write_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    assert main(["deploy", "render", "--target", "slurm", "--out", str(not_a_directory / "x"), "--model", "v3"]) == 2
+    assert "choose a writable directory with --out" in capsys.readouterr().err
 
 
 def test_unknown_target_lists_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:

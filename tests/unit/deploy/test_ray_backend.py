@@ -5,6 +5,7 @@ in tests/integration/deploy/test_ray_cluster.py."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,11 +18,20 @@ from deepserve.deploy.ray_cluster import (
     ClusterError,
     ClusterStatus,
     RayNode,
+    RayNodeRecord,
+    _forget_ray_address,
     cluster_address,
+    cluster_status,
     node_from_ray,
+    ray_address_file,
     ray_node_settings,
+    read_record,
+    record_path,
+    stop_node,
+    where,
 )
 from deepserve.errors import ConfigError, EngineError
+from deepserve.net import free_port
 from deepserve.service import plan_service
 
 RAY = {"model": "deepseek-ai/DeepSeek-V3", "tensor_parallel_size": 8, "pipeline_parallel_size": 2}
@@ -171,11 +181,52 @@ def test_worker_settings_join_the_head() -> None:
         ({"head": False}, "either --head"),
         ({"head": False, "address": "10.0.0.1"}, "HOST:PORT"),
         ({"head": True, "node_ip": "10.9.9.9"}, "not an address of this machine"),
+        ({"head": True, "port": 0}, "--port 0 is not a TCP port"),
+        ({"head": False, "address": "10.0.0.1:6379", "port": 7000}, "a worker joins the port given in --address"),
+        ({"head": True, "num_gpus": -1}, "--num-gpus -1 cannot be negative"),
+        ({"head": True, "num_cpus": -2}, "--num-cpus -2 cannot be negative"),
     ],
 )
 def test_node_settings_refuse_what_cannot_work(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        ray_node_settings(interfaces=INTERFACES, num_gpus=1, **kwargs)
+        ray_node_settings(interfaces=INTERFACES, **{"num_gpus": 1, **kwargs})
+
+
+def test_a_record_that_does_not_parse_names_the_file_to_remove(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEEPSERVE_HOME", str(tmp_path))
+    record_path().parent.mkdir(parents=True)
+    record_path().write_text('{"pid": 12')  # cut short
+    with pytest.raises(ClusterError, match="remove that file"):
+        read_record()
+    with pytest.raises(ClusterError, match="remove that file"):
+        stop_node()
+
+
+def test_auto_fails_fast_on_the_address_ray_recorded_for_a_cluster_that_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("DEEPSERVE_HOME", str(tmp_path / "home"))
+    ray_address_file(None).parent.mkdir()
+    ray_address_file(None).write_text(f"127.0.0.1:{free_port()}")
+    with pytest.raises(ClusterError, match=r"recorded in .*ray_current_cluster: that cluster is gone"):
+        cluster_status()
+
+
+def test_stopping_a_node_forgets_rays_record_of_its_cluster_only(tmp_path: Path) -> None:
+    record = RayNodeRecord(1, 0.0, "head", "10.0.0.5:6379", "10.0.0.5", "log", ["ray", "--temp-dir", str(tmp_path)], {})
+    ray_address_file(str(tmp_path)).write_text("10.0.0.9:6400\n")  # another cluster: kept
+    _forget_ray_address(record)
+    assert ray_address_file(str(tmp_path)).exists()
+    ray_address_file(str(tmp_path)).write_text("192.168.1.5:6379\n")  # Ray may record another of the head's IPs
+    _forget_ray_address(record)
+    assert not ray_address_file(str(tmp_path)).exists()
+
+
+def test_messages_say_where_rays_own_discovery_looks() -> None:
+    assert where("10.0.0.1:6379") == "at 10.0.0.1:6379"
+    assert "on this machine" in where("auto")
 
 
 def test_cluster_address_prefers_the_flag_then_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -75,6 +75,13 @@ def test_replicas_on_one_host_get_gpus_of_their_own(make: Any) -> None:
     assert targets[0]["targets"] == ["engine:8000", "engine-1:8000"]
 
 
+def test_more_replicas_than_the_host_holds_are_refused(make: Any) -> None:
+    with pytest.raises(ConfigError, match="2 replicas x 8 GPUs need 16, and the host has 8"):
+        compose.compose_files(make("one-node", fields={"gpu_type": "h200"}, replicas=2))
+    fits = make("one-node", fields={"tensor_parallel_size": 4, "gpus_per_node": 8}, replicas=2)
+    assert "engine-1" in compose.compose_files(fits)["docker-compose.yaml"]["services"]
+
+
 @pytest.mark.parametrize("name", ["two-nodes-pp", "two-nodes-dp"])
 def test_two_hosts_get_one_file_each_with_their_ranks_command(name: str, make: Any) -> None:
     spec: DeploySpec = make(name)

@@ -57,6 +57,12 @@ def test_flags_given_with_a_plan_win_over_it() -> None:
     assert plan.deployment.memory.max_model_len == 16384  # and the plan was made for them
 
 
+def test_nnodes_given_with_a_plan_is_the_plan_s_node_count() -> None:
+    config, plan = planned_config(EngineConfig(model=V3, nnodes=4, master_addr="10.0.0.1"), "h100", 16)
+    assert plan.deployment.nodes == 4
+    assert (config.nnodes, config.world_size // config.nnodes) == (4, 4)  # each node's share is on that node
+
+
 def test_a_plan_that_does_not_fit_is_refused_with_its_numbers() -> None:
     with pytest.raises(ConfigError, match=r"does not fit on 8 x h100-sxm.*fits on 16 x h100"):
         planned_config(EngineConfig(model=V3), "h100", 8)
@@ -82,8 +88,14 @@ def test_deploy_spec_refuses_what_a_gpu_cluster_cannot_run() -> None:
         deploy_spec(EngineConfig(model=V3), gateway, "x", name="Deep_Serve")
     with pytest.raises(ConfigError, match="needs 16 GPUs per node"):
         deploy_spec(EngineConfig(model=V3, tensor_parallel_size=16, gpus_per_node=8), gateway, "x")
+    with pytest.raises(ConfigError, match="needs 16 GPUs per node over 1 node.*but each node has 8"):
+        deploy_spec(EngineConfig(model=V3, tensor_parallel_size=16, gpu_type="h100"), gateway, "x")  # an 8-GPU node
     spec = deploy_spec(EngineConfig(model=V3, tensor_parallel_size=4, gpus_per_node=8), gateway, "x")
     assert spec.notes == ("the layout uses 4 of the 8 GPUs on each node",)
+    with pytest.raises(ConfigError, match="--node-selector 'gpu' must look like KEY=VALUE"):
+        deploy_spec(EngineConfig(model=V3), gateway, "x", node_selector=["gpu"])
+    labelled = deploy_spec(EngineConfig(model=V3), gateway, "x", node_selector=["pool=h100", "zone=a=b"])
+    assert labelled.node_selector == {"pool": "h100", "zone": "a=b"}
 
 
 def test_checkpoint_size_matches_the_published_one() -> None:

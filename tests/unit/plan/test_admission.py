@@ -60,3 +60,13 @@ def test_cpu_fit_counts_weights_kv_and_processes_against_free_ram() -> None:
     two_here = check_cpu_fit(loopback, "deepseek-ai/DeepSeek-V2-Lite", 10**15, 2)
     one_here = check_cpu_fit(loopback, "deepseek-ai/DeepSeek-V2-Lite", 10**15, 1)
     assert "2 engine process(es)" in two_here.summary and "1 engine process(es)" in one_here.summary
+
+
+def test_the_activation_reserve_assumes_vllms_own_token_budget_for_the_gpu() -> None:
+    """vLLM batches 8192 tokens per step by default on GPUs of 70 GiB or more (not the A100), 2048 elsewhere."""
+    model = "deepseek-ai/DeepSeek-V2-Lite"
+    for gpu, budget in (("h100", 8192), ("l40s", 2048), ("a100", 2048)):
+        accelerator = get_accelerator(gpu)
+        default = check_gpu_fit(EngineConfig(tensor_parallel_size=8), model, accelerator)
+        given = check_gpu_fit(EngineConfig(tensor_parallel_size=8, max_num_batched_tokens=budget), model, accelerator)
+        assert default.summary == given.summary, gpu

@@ -8,6 +8,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepserve.bench.server_metrics import parse_metrics
+from deepserve.errors import ConfigError
+from deepserve.simulate.config import parse_metric_overrides
 from deepserve.simulate.faults import Controls, Faults
 from deepserve.simulate.metrics import CounterReading, EngineMetrics, GaugeReading, one_two_five_buckets, render
 
@@ -94,3 +96,13 @@ def test_controls_change_at_runtime_and_refuse_what_they_cannot_use() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             controls.apply(bad)
+
+
+def test_metric_flags_parse_to_numbers_and_refuse_what_is_not_name_equals_number() -> None:
+    assert parse_metric_overrides(["vllm:num_requests_waiting=12", " vllm:kv_cache_usage_perc =0.5"]) == {
+        "vllm:num_requests_waiting": 12.0,
+        "vllm:kv_cache_usage_perc": 0.5,
+    }
+    for bad, message in (("foo", "KEY=VALUE"), ("=3", "KEY=VALUE"), ("vllm:x=high", "must be a number")):
+        with pytest.raises(ConfigError, match=message):
+            parse_metric_overrides([bad])

@@ -44,8 +44,11 @@ def test_engine_flags_change_what_is_simulated() -> None:
 def test_quantization_flags_map_to_the_planners_formats() -> None:
     fp8 = resolve(EngineConfig(model="deepseek-ai/DeepSeek-V3", quantization="fp8"), SimulateConfig())
     assert fp8.plan is not None and fp8.plan.deployment.fmt.name == "fp8"  # the checkpoint already is FP8
-    with pytest.raises(ConfigError, match="needs a checkpoint stored as AWQ"):
+    with pytest.raises(ConfigError, match="needs a checkpoint stored as AWQ.*e.g. cognitivecomputations/"):
         resolve(EngineConfig(model="deepseek-ai/DeepSeek-V3", quantization="awq"), SimulateConfig())
+    with pytest.raises(ConfigError, match="stored as GPTQ.*e.g. a local checkpoint directory") as refused:
+        resolve(EngineConfig(model="deepseek-ai/DeepSeek-V3", quantization="gptq"), SimulateConfig())
+    assert "AWQ" not in str(refused.value)  # no AWQ preset offered for GPTQ
     with pytest.raises(ConfigError, match="not simulated"):
         resolve(EngineConfig(model=AWQ, quantization="bitsandbytes"), SimulateConfig())
 
@@ -75,7 +78,7 @@ def test_the_cli_prints_the_deployment_and_refuses_bad_flags(capsys: pytest.Capt
     out = capsys.readouterr().out
     assert "as if on 8 x h100-sxm" in out and "max_num_seqs 64" in out
     assert main(["simulate", "--dry-run", "--metric", "vllm:x"]) == 2
-    assert "NAME=VALUE" in capsys.readouterr().err
+    assert "must look like KEY=VALUE" in capsys.readouterr().err
     assert main(["simulate", "--dry-run", "--", "--enforce-eager"]) == 2
     assert "passes nothing" in capsys.readouterr().err
 
