@@ -17,6 +17,7 @@ from typing import Any
 
 from deepserve.bench.config import BenchConfig
 from deepserve.config import EngineConfig
+from deepserve.engines.vllm import DEFAULT_GPU_MEMORY_UTILIZATION
 from deepserve.errors import DeepserveError
 from deepserve.hardware.catalog import HOST_NAMES, match_device_name
 from deepserve.hardware.detect import local_gpus
@@ -26,7 +27,6 @@ from deepserve.tune.goodput import split_metric
 
 GIB = 1024**3
 FIXED_LENGTH_DATASETS = ("random",)
-PLANNER_DEFAULT_MEMORY_UTILIZATION = 0.9  # what the engines use when --gpu-memory-utilization is not given
 PLANNER_DEFAULT_BATCHED_TOKENS: int = PlanConfig.model_fields["max_num_batched_tokens"].default
 
 
@@ -149,7 +149,7 @@ def plan_config_for(config: EngineConfig, model: str, gpu: str, shape: LoadShape
         pp=config.pipeline_parallel_size,
         dp=config.data_parallel_size,
         ep=config.enable_expert_parallel,
-        gpu_memory_utilization=config.gpu_memory_utilization or PLANNER_DEFAULT_MEMORY_UTILIZATION,
+        gpu_memory_utilization=config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens or PLANNER_DEFAULT_BATCHED_TOKENS,
     )

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepserve.config import EngineConfig
+from deepserve.engines.vllm import DEFAULT_GPU_MEMORY_UTILIZATION
 from deepserve.report.slo import Slo
 from deepserve.tune.goodput import SloCheck, check_slos, output_goodput_tok_s
 from deepserve.tune.search import SearchOutcome
 
-ENGINE_DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's and SGLang's share of GPU memory when none is given
 JUDGED_AT_LOAD = "the benchmark's load"
 
 
@@ -85,7 +85,7 @@ def resources(config: EngineConfig) -> tuple[float, ...]:
     gpus = config.tensor_parallel_size * config.pipeline_parallel_size * config.data_parallel_size
     return (
         float(gpus),
-        config.gpu_memory_utilization or ENGINE_DEFAULT_MEMORY_UTILIZATION,
+        config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         config.kv_cache_memory_gib or math.inf,
         float(config.max_num_seqs or math.inf),
         float(config.max_num_batched_tokens or math.inf),
