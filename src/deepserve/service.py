@@ -194,7 +194,7 @@ def run_service(plan: ServicePlan, on_progress: ProgressCallback, on_ready: Read
     (SIGINT/SIGTERM). Returns 0 after a requested stop; raises ProcessDied if a child exits on its own. Children
     stop in reverse order: the gateway before the engine. Over several nodes, node 0 also keeps the roll call of
     the others (and stops when one leaves); a worker node stops when node 0 goes."""
-    with _stop_on_sigterm():
+    with stop_on_sigterm():
         try:
             if plan.role == "worker":
                 _run_worker(plan, on_progress, on_ready)
@@ -203,6 +203,22 @@ def run_service(plan: ServicePlan, on_progress: ProgressCallback, on_ready: Read
         except KeyboardInterrupt:
             return 0
     return 0
+
+
+@contextmanager
+def started_service(
+    plan: ServicePlan, on_progress: ProgressCallback | None = None, engine_log: Path | None = None
+) -> Iterator[list[SupervisedProcess]]:
+    """The service of PLAN, started and ready, for the length of a `with` block (`deepserve tune` runs one per
+    point); leaving the block, by any way, stops every child (gateway first). ENGINE_LOG replaces the engine's
+    log file under DEEPSERVE_HOME/logs."""
+    with ExitStack() as children:
+        running = [children.enter_context(_engine_process(plan, engine_log))]
+        running[0].wait_ready(plan.config.startup_timeout_s, on_progress)
+        if plan.gateway is not None and plan.gateway_config is not None:
+            running.append(children.enter_context(_gateway_process(plan.gateway, plan.gateway_config)))
+            running[-1].wait_ready(GATEWAY_STARTUP_TIMEOUT_S, on_progress)
+        yield running
 
 
 def _run_head(plan: ServicePlan, on_progress: ProgressCallback, on_ready: ReadyCallback) -> None:
@@ -282,8 +298,9 @@ def _run_worker(plan: ServicePlan, on_progress: ProgressCallback, on_ready: Read
         check_in.close()
 
 
-def _engine_process(plan: ServicePlan) -> SupervisedProcess:
-    return SupervisedProcess("engine", plan.launch, plan.engine.phase_of, log_path("engine", plan.config.port))
+def _engine_process(plan: ServicePlan, log_file: Path | None = None) -> SupervisedProcess:
+    log_file = log_file or log_path("engine", plan.config.port)
+    return SupervisedProcess("engine", plan.launch, plan.engine.phase_of, log_file)
 
 
 def _gateway_process(launch: LaunchSpec, config: GatewayConfig) -> SupervisedProcess:
@@ -305,7 +322,7 @@ def _wait_until_one_exits(running: list[SupervisedProcess], check: Callable[[], 
 
 
 @contextmanager
-def _stop_on_sigterm() -> Iterator[None]:
+def stop_on_sigterm() -> Iterator[None]:
     """Treat SIGTERM like Ctrl-C, so both unwind through the same clean stop."""
 
     def interrupt(signum: int, frame: FrameType | None) -> None:

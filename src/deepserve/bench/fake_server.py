@@ -62,6 +62,7 @@ class FakeScript:
     tokenize: bool = True  # serve /tokenize and /detokenize (byte-level); off: 404, as a server without them
     extra_models: tuple[str, ...] = ()  # also served (e.g. LoRA adapters, listed by /v1/models as vLLM does)
     profiler: bool = False  # answer /start_profile and /stop_profile (vLLM started with a profiler config); off: 404
+    max_running: int | None = None  # most requests generating at once (vLLM's max_num_seqs); the rest wait their turn
 
 
 @dataclass
@@ -83,6 +84,7 @@ class FakeState:
         self.profile_calls: list[str] = []  # /start_profile, /stop_profile, in order
         self.probes: list[dict[str, Any]] = []  # requests whose x-request-id ends in "probe" (not counted above)
         self.profile_call_requests: list[int] = []  # generation requests received before each profiler call
+        self.slots = asyncio.Semaphore(script.max_running) if script.max_running else None  # made on the server's loop
 
 
 class _Handler(asyncio.Protocol):
@@ -168,7 +170,12 @@ class _Handler(asyncio.Protocol):
         elif path == "/fake/log":
             self._json(200, {rid: entry.__dict__ for rid, entry in self.state.log.items()})
         elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
-            await self._stream(json.loads(body), path.endswith("chat/completions"), headers)
+            if self.state.slots is None:
+                await self._stream(json.loads(body), path.endswith("chat/completions"), headers)
+                return
+            async with self.state.slots:  # a full batch: wait, as a request in vLLM's waiting queue does
+                self.read_s = max(self.read_s, time.perf_counter())
+                await self._stream(json.loads(body), path.endswith("chat/completions"), headers)
         else:
             self._json(404, {"error": {"message": f"no route {method} {path}", "type": "not_found", "code": 404}})
 
@@ -538,6 +545,7 @@ def main() -> None:
     parser.add_argument("--log-sends", action="store_true")
     parser.add_argument("--no-tokenize", action="store_true", help="answer 404 to /tokenize and /detokenize")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="exit after this long, whatever happens")
+    parser.add_argument("--max-running", type=int, default=None, help="most requests generating at once")
     args = parser.parse_args()
     script = FakeScript(
         model=args.model,
@@ -550,6 +558,7 @@ def main() -> None:
         return_token_ids=args.return_token_ids,
         log_sends=args.log_sends,
         tokenize=not args.no_tokenize,
+        max_running=args.max_running,
     )
     with contextlib.suppress(ImportError):
         import uvloop

@@ -12,8 +12,8 @@ from deepserve.errors import DeepserveError
 
 # Module name under deepserve.cli → registers one or more sub-commands. Kept in the order `--help` shows them.
 COMMANDS = (
-    "serve", "model", "gateway", "keys", "usage", "bench", "sweep", "report", "runs", "plan", "simulate", "deploy",
-    "cluster",
+    "serve", "model", "gateway", "keys", "usage", "bench", "sweep", "tune", "report", "runs", "plan", "simulate",
+    "deploy", "cluster",
 )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from deepserve.report.deployment import DeploymentOptions, SetDeployment, resolv
 from deepserve.report.derived import annotate
 from deepserve.report.html import render_html
 from deepserve.report.slo import Slo
+from deepserve.report.tune import predicted_vs_measured_chart, tune_section_html
 from deepserve.results.points import ResultSet
 from deepserve.results.sweepdir import load_result_set
 
@@ -74,12 +75,16 @@ def build_report(
     for result_set, resolved in zip(sets, deployments, strict=True):
         annotate(result_set.points, resolved)
     charts = [_with_deployment_notes(chart, sets, deployments) for chart in draw_charts(sets, slos, out_dir)]
+    tuned = predicted_vs_measured_chart(sets, slos, out_dir)  # a `deepserve tune` directory's forecast and goodput
+    charts += [tuned] if tuned is not None else []
     slo = slo_answers(sets, slos)
     saturation = saturation_answers(sets)
     efficiency = efficiency_answers(sets, deployments)
     html_path = out_dir / "report.html"
     answers = (slo, saturation, efficiency)
-    html_path.write_text(render_html(sets, deployments, charts, answers, slos, title or "deepserve benchmark report"))
+    sections = [tune_section_html(sets, slos)]
+    title = title or "deepserve benchmark report"
+    html_path.write_text(render_html(sets, deployments, charts, answers, slos, title, sections))
     return Report(html_path, charts, slo, saturation, efficiency, deployments)
 
 

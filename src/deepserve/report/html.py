@@ -70,7 +70,9 @@ def render_html(
     answers: Answers,
     slos: Sequence[Slo],
     title: str = "deepserve benchmark report",
+    sections: Sequence[str] = (),
 ) -> str:
+    """SECTIONS: more HTML blocks (e.g. a tune's predicted-against-measured table), shown before every point."""
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     parts = [
         "<!DOCTYPE html>",
@@ -84,6 +86,7 @@ def render_html(
         f"{_e(', '.join(s.label for s in sets))}. SLOs: {_e(', '.join(slo.words for slo in slos) or 'none')}.</p>",
         _answers_html(answers),
         _charts_html(charts),
+        *(section for section in sections if section),
         _points_html(sets),
         _metadata_html(sets, deployments),
         "</body></html>",

@@ -13,15 +13,6 @@ from deepserve.sweep.grid import SweepPoint, SweepSpec
 def prepare_index(directory: Path, spec: SweepSpec) -> SweepIndex:
     """The index to run: the existing one when it records the same sweep (resume), else a new one. A directory
     that holds a different sweep's finished points is refused rather than mixed."""
-    index = read_index(directory)
-    if index is not None:
-        if index.signature == spec.signature:
-            return index
-        if any(entry.status == "done" for entry in index.points):
-            raise ConfigError(
-                f"{directory} already holds a different sweep ({index.suite or 'grid'} '{index.label}'); "
-                "pick another --result-dir, or delete that directory to start over"
-            )
     index = SweepIndex(
         label=spec.label,
         suite=spec.suite,
@@ -31,8 +22,23 @@ def prepare_index(directory: Path, spec: SweepSpec) -> SweepIndex:
     )
     for point in spec.points:
         index.points.append(PointEntry(point_id=point.point_id, params=point.params, overrides=point.overrides))
-    write_index(directory, index)
-    return index
+    return resume_or_start(directory, index)
+
+
+def resume_or_start(directory: Path, fresh: SweepIndex) -> SweepIndex:
+    """DIRECTORY's index when it has FRESH's signature (a resume), else FRESH, written there. A directory whose
+    index holds another signature's finished points is refused rather than mixed (`deepserve tune` shares this)."""
+    index = read_index(directory)
+    if index is not None:
+        if index.signature == fresh.signature:
+            return index
+        if any(entry.status == "done" for entry in index.points):
+            raise ConfigError(
+                f"{directory} already holds a different sweep ({index.suite or 'grid'} '{index.label}'); "
+                "pick another directory, or delete that one to start over"
+            )
+    write_index(directory, fresh)
+    return fresh
 
 
 def stored_points(index: SweepIndex) -> list[SweepPoint]:
