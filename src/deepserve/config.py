@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from deepserve.errors import ConfigError, unknown_name
+from deepserve.errors import ConfigError
 
 ENV_PREFIX = "DEEPSERVE_"
 
@@ -98,11 +98,9 @@ class EngineConfig(Section):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, name: str) -> str:
-        from deepserve.engines.registry import ENGINES  # the registry imports this module: look it up late
+        from deepserve.engines.registry import check_engine_name  # the registry imports this module: look up late
 
-        if name not in ENGINES:
-            raise ValueError(unknown_name("engine", name, sorted(ENGINES)))
-        return name
+        return check_engine_name(name)
 
     @model_validator(mode="after")
     def _check_nodes(self) -> EngineConfig:

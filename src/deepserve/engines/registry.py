@@ -15,3 +15,10 @@ def get_engine(name: str) -> Engine:
         return ENGINES[name]
     except KeyError:
         raise ConfigError(unknown_name("engine", name, list(ENGINES))) from None
+
+
+def check_engine_name(name: str, also: tuple[str, ...] = ()) -> str:
+    """NAME when it is a registered engine (or one of ALSO), else a ConfigError listing the valid names."""
+    if name not in ENGINES and name not in also:
+        raise ConfigError(unknown_name("engine", name, sorted(ENGINES)))
+    return name

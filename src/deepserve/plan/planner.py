@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, field_validator
 
 from deepserve.config import Section
+from deepserve.engines.registry import check_engine_name
 from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import Accelerator, Network, get_accelerator, get_network
 from deepserve.models.resolve import load_spec
@@ -23,6 +24,8 @@ from deepserve.plan.memory import MemoryPlan, plan_memory
 from deepserve.plan.perf import PerformanceModel, Prediction, Workload
 from deepserve.plan.profiles import SelectedFactors, select_profile
 
+# Engines that published figures name but deepserve cannot launch: the planner reads their rows, nothing else.
+PUBLISHED_ONLY_ENGINES = ("trtllm",)
 DEFAULT_CONCURRENCY = (1, 8, 16, 32, 64, 128, 256)
 
 
@@ -45,7 +48,7 @@ class PlanConfig(Section):
     concurrency: list[int] = Field(default_factory=lambda: list(DEFAULT_CONCURRENCY), description="levels")
     slo_itl_ms: float | None = Field(50.0, gt=0, description="inter-token latency objective (mean, ms)")
     gpu_hour_usd: float | None = Field(None, gt=0, description="price of one GPU-hour, for cost per 1M tokens")
-    engine: Literal["vllm", "sglang"] = Field("vllm", description="engine whose overhead profile to use")
+    engine: str = Field("vllm", description="engine whose overhead profile to use (a name in the engines registry)")
     engine_version: str | None = Field(
         None, description="engine version (e.g. 0.7.3) for its version facts; None = the profile's current version"
     )
@@ -60,6 +63,11 @@ class PlanConfig(Section):
     calibration: Path | None = Field(
         None, description="JSON from benchmarks/calibrate_gpu.py: measured kernel efficiencies replace the table's"
     )
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        return check_engine_name(name)
 
     @field_validator("concurrency")
     @classmethod
@@ -152,8 +160,7 @@ def build_deployment(
 ) -> Deployment:
     """GPU names the catalog entry; ACCELERATOR, when given, is used instead (a measured host, for instance)."""
     accelerator = accelerator or get_accelerator(gpu)
-    if engine not in ("vllm", "sglang", "trtllm"):
-        raise ConfigError(f"unknown engine {engine!r}; valid: sglang, vllm")
+    check_engine_name(engine, also=PUBLISHED_ONLY_ENGINES)
     fmt = get_format(weights) if weights else checkpoint_format(spec)
     layout = layout or default_layout(gpus, nodes)
     check_layout(layout, spec, gpus)
