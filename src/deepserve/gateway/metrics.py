@@ -3,14 +3,16 @@ live state (queue depth, in-flight, replica health) are read only when /metrics 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from deepserve.gateway.connections import REFUSAL_REASONS, ConnectionGuard
+from deepserve.gateway.ledger import UsageLedger
 from deepserve.gateway.limits import AdmissionQueue
 from deepserve.gateway.upstreams import UpstreamPool
 
@@ -21,7 +23,13 @@ _ITL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.
 
 
 class GatewayMetrics:
-    def __init__(self, pool: UpstreamPool, queue: AdmissionQueue) -> None:
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        queue: AdmissionQueue,
+        connections: ConnectionGuard | None = None,
+        ledger: Callable[[], UsageLedger | None] = lambda: None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -55,6 +63,9 @@ class GatewayMetrics:
         )  # fmt: skip
         self.retries = Counter("deepserve_gateway_retries", "Requests retried on another replica", registry=r)
         r.register(_LiveState(pool, queue))
+        if connections is not None:
+            r.register(_ConnectionState(connections))
+        r.register(_LedgerState(ledger))
         # Labelled children, looked up once: prometheus_client's labels() validates and locks on every call.
         self._requests: dict[tuple[str, str, int], Any] = {}
         self._tokens: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -113,3 +124,39 @@ class _LiveState(Collector):
             outstanding.add_metric([replica.url], replica.outstanding)
         yield healthy
         yield outstanding
+
+
+class _ConnectionState(Collector):
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self.guard = guard
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("deepserve_gateway_connections", "Client connections open", len(self.guard.open))
+        refused = CounterMetricFamily(
+            "deepserve_gateway_connections_refused",
+            "Client connections answered and closed by the server's limits, by reason",
+            labels=["reason"],
+        )
+        for reason in REFUSAL_REASONS:
+            refused.add_metric([reason], self.guard.refused[reason])
+        yield refused
+
+
+class _LedgerState(Collector):
+    def __init__(self, ledger: Callable[[], UsageLedger | None]) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[Metric]:
+        ledger = self.ledger()
+        if ledger is None:
+            return
+        stats = ledger.stats
+        for name, help_text, value in (
+            ("rows_written", "Usage ledger rows committed", stats.written),
+            ("write_failures", "Failed usage ledger writes (each retried, the row kept)", stats.write_failures),
+            ("rows_repaired", "Usage ledger rows stored only after unstorable text was replaced or left out",
+             stats.rows_repaired),
+            ("rows_lost", "Usage ledger rows given up (the database stayed unwritable)", stats.rows_lost),
+        ):  # fmt: skip
+            yield CounterMetricFamily(f"deepserve_gateway_ledger_{name}", help_text, value)
+        yield GaugeMetricFamily("deepserve_gateway_ledger_pending_rows", "Usage rows not yet written", ledger.pending)

@@ -2,7 +2,13 @@
 
 `GATEWAY READY <base URL>` is printed on stdout once the socket accepts connections and the first round of upstream
 health checks is done; `config.gateway_argv` is the command line that runs the gateway as its own process (what
-`deepserve serve` supervises next to the engine)."""
+`deepserve serve` supervises next to the engine).
+
+Client connections are served by `connections.GuardedHttpProtocol` (uvicorn's httptools protocol with header and
+body deadlines, a header size limit and a connection limit). SIGTERM drains: the listening socket closes, requests
+in flight get `shutdown_grace_s` to finish, then the app cuts what is left (`GatewayApp.cut_in_flight`: streams end
+with an error event and their terminator), the usage ledger is flushed, and the exit code says whether every usage
+row was written."""
 
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ import asyncio
 import contextlib
 import gc
 import logging
+import logging.handlers
+import queue
 import signal
 import sys
 import threading
@@ -18,19 +26,31 @@ from typing import Any
 
 import uvicorn
 
-from deepserve.gateway.app import GatewayApp
+from deepserve.gateway.app import GatewayApp, access_log
 from deepserve.gateway.config import GatewayConfig, base_url
 from deepserve.gateway.keys import KeyStore
 
 READY_PREFIX = "GATEWAY READY"
-_SHUTDOWN_GRACE_S = 5
+# After the app cut what was left at the end of the grace period, uvicorn waits this much longer for the cut
+# requests to write their last bytes before it cancels whatever still runs.
+_CUT_MARGIN_S = 2.0
+# The exit code when usage rows were lost (the ledger could not be written).
+EXIT_LEDGER_ROWS_LOST = 3
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, with a hook once the listening sockets are open."""
+    """uvicorn's server, with a hook once the listening sockets are open, and a drain that ends what is still in
+    flight when the grace period is over (uvicorn would only cancel it, cutting streams mid-chunk)."""
 
-    def __init__(self, config: uvicorn.Config, on_listening: Callable[[int], None], own_signals: bool = True) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        app: GatewayApp,
+        on_listening: Callable[[int], None],
+        own_signals: bool = True,
+    ) -> None:
         super().__init__(config)
+        self._app = app
         self._on_listening = on_listening
         self._own_signals = own_signals
 
@@ -54,6 +74,15 @@ class _Server(uvicorn.Server):
             port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
             self._on_listening(int(port))
 
+    async def shutdown(self, sockets: Any = None) -> None:
+        grace_s = self._app.config.shutdown_grace_s
+        reason = f"its {grace_s:g} s shutdown grace period ended first"
+        cut = asyncio.get_running_loop().call_later(grace_s, self._app.cut_in_flight, reason)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
+
 
 def _uvicorn_config(app: GatewayApp, config: GatewayConfig) -> uvicorn.Config:
     return uvicorn.Config(
@@ -61,21 +90,21 @@ def _uvicorn_config(app: GatewayApp, config: GatewayConfig) -> uvicorn.Config:
         host=config.host,
         port=config.port,
         loop="none",  # we run the loop (uvloop) ourselves
-        http="httptools",
+        http=app.connections.protocol_class(),  # httptools, with the gateway's deadlines and limits
         lifespan="off",  # the app is started before the server, so READY means upstreams were checked
-        access_log=config.access_log,
+        access_log=False,  # the app writes its own access log (with key, model, upstream and tokens)
         log_level="warning",
         server_header=False,
         date_header=False,
         proxy_headers=False,  # the gateway is the edge: X-Forwarded-* from clients are not trusted
         timeout_keep_alive=30,
-        timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
+        timeout_graceful_shutdown=config.shutdown_grace_s + _CUT_MARGIN_S,  # type: ignore[arg-type]
         backlog=4096,
     )
 
 
-async def serve(config: GatewayConfig, on_ready: Callable[[str], None]) -> None:
-    """Serve until SIGINT/SIGTERM."""
+async def serve(config: GatewayConfig, on_ready: Callable[[str], None]) -> int:
+    """Serve until SIGINT/SIGTERM; return the number of usage rows that could not be written (0 normally)."""
     app = GatewayApp(config)
     await app.start()
 
@@ -84,10 +113,11 @@ async def serve(config: GatewayConfig, on_ready: Callable[[str], None]) -> None:
         on_ready(base_url(config, port))
 
     try:
-        server = _Server(_uvicorn_config(app, config), listening)
+        server = _Server(_uvicorn_config(app, config), app, listening)
         await server.serve()
     finally:
         await app.close()
+    return app.lost_ledger_rows
 
 
 def freeze_startup_heap() -> None:
@@ -111,7 +141,7 @@ async def running_gateway(
     app = app or GatewayApp(config)
     await app.start()
     bound: list[int] = []
-    server = _Server(_uvicorn_config(app, config), bound.append, own_signals=False)
+    server = _Server(_uvicorn_config(app, config), app, bound.append, own_signals=False)
     task = asyncio.create_task(server.serve())
     try:
         while not bound:
@@ -127,7 +157,7 @@ async def running_gateway(
 
 
 def run_gateway(config: GatewayConfig) -> int:
-    """Blocking entry point for the CLI."""
+    """Blocking entry point for the CLI: 0 after a clean stop, EXIT_LEDGER_ROWS_LOST when usage rows were lost."""
     config.check_startable()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s gateway %(levelname)s %(message)s")
     if config.keys_required():
@@ -136,8 +166,39 @@ def run_gateway(config: GatewayConfig) -> int:
     def announce(url: str) -> None:
         print(f"{READY_PREFIX} {url}", flush=True)
 
-    _run(serve(config, announce))
+    with _access_log_to_stderr(config.access_log):
+        lost = _run(serve(config, announce))
+    if lost:
+        print(
+            f"deepserve gateway: {lost} usage rows could not be written to the ledger (see the errors above)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_LEDGER_ROWS_LOST
     return 0
+
+
+@contextlib.contextmanager
+def _access_log_to_stderr(enabled: bool) -> Iterator[None]:
+    """When ENABLED, access-log lines go to stderr from a thread of their own: the event loop only puts a record on
+    a queue, and a slow terminal or pipe never stalls requests."""
+    if not enabled:
+        yield
+        return
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    to_stderr = logging.StreamHandler(sys.stderr)
+    to_stderr.setFormatter(logging.Formatter("%(asctime)s access %(message)s"))
+    listener = logging.handlers.QueueListener(records, to_stderr)
+    handler = logging.handlers.QueueHandler(records)
+    access_log.addHandler(handler)
+    access_log.setLevel(logging.INFO)
+    access_log.propagate = False
+    listener.start()
+    try:
+        yield
+    finally:
+        listener.stop()  # writes what is queued
+        access_log.removeHandler(handler)
 
 
 def _warn_if_no_keys() -> None:
@@ -155,10 +216,9 @@ def _warn_if_no_keys() -> None:
         )
 
 
-def _run(main: Any) -> None:
+def _run(main: Any) -> Any:
     try:
         import uvloop
     except ImportError:  # uvloop is Linux/macOS only; asyncio's loop works, only slower
-        asyncio.run(main)
-        return
-    uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
