@@ -90,6 +90,7 @@ class _Exchange:
         "finished",
         "key",
         "logged_body",
+        "method",
         "parsed",
         "request_body",
         "response_started",
@@ -101,9 +102,10 @@ class _Exchange:
         "usage",
     )
 
-    def __init__(self, endpoint: Endpoint, client: Any = None) -> None:
+    def __init__(self, endpoint: Endpoint, client: Any = None, method: str = "POST") -> None:
         self.endpoint = endpoint
-        self.client = client  # (host, port) of the client, for the access log
+        self.client = client  # (host, port) of the client, and the method: for the access log
+        self.method = method
         self.started_s = time.perf_counter()
         self.arrival_ts = time.time()
         self.key: ApiKey | None = None
@@ -139,9 +141,10 @@ class _Exchange:
             return None, self.tap.delivered_tokens()
         return None, None
 
-    def used_tokens(self) -> int | None:
-        """What the request cost its key's token bucket: the usage, or the prompt estimate plus tokens delivered."""
-        prompt, completion = self.token_counts()
+    def used_tokens(self, tokens: tuple[int | None, int | None]) -> int | None:
+        """What the request cost its key's token bucket, from its TOKENS (`token_counts`): the usage, or the prompt
+        estimate plus the tokens delivered."""
+        prompt, completion = tokens
         if prompt is None and completion is None:
             return None
         if prompt is None:
@@ -389,7 +392,7 @@ class GatewayApp:
         await self._proxy(COMPLETIONS, scope, receive, send)
 
     async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
-        exchange = _Exchange(endpoint, scope.get("client"))
+        exchange = _Exchange(endpoint, scope.get("client"), scope["method"])
         watcher: asyncio.Task[None] | None = None
         task = asyncio.current_task()
         if task is not None:
@@ -587,29 +590,29 @@ class GatewayApp:
         """Metrics, the key's token correction, the ledger row and the access-log line; never raises into the
         request."""
         try:
-            used = exchange.used_tokens()
+            tokens = exchange.token_counts()
             if exchange.admitted_limiter is not None and exchange.parsed is not None:
-                exchange.admitted_limiter.release(exchange.parsed.charged_tokens, used)
-            self._observe(exchange)
+                exchange.admitted_limiter.release(exchange.parsed.charged_tokens, exchange.used_tokens(tokens))
+            self._observe(exchange, tokens)
             if self.ledger is not None:
-                self.ledger.record(self._usage_row(exchange))
+                self.ledger.record(self._usage_row(exchange, tokens))
             if self._access_log is not None:
-                self._log_access(exchange)
+                self._log_access(exchange, tokens)
         except Exception:
             log.exception("accounting for a request failed")
 
-    def _log_access(self, exchange: _Exchange) -> None:
+    def _log_access(self, exchange: _Exchange, tokens: tuple[int | None, int | None]) -> None:
         assert self._access_log is not None
-        prompt, completion = exchange.token_counts()
+        prompt, completion = tokens
         ttft = f"{exchange.ttft_s * 1000:.1f}ms" if exchange.ttft_s is not None else "-"
         self._access_log.info(
-            '%s "POST %s" %d %.1fms key=%s model=%s upstream=%s ttft=%s tokens=%s+%s',
-            _client_text(exchange.client), exchange.endpoint.path, exchange.status,
+            '%s "%s %s" %d %.1fms key=%s model=%s upstream=%s ttft=%s tokens=%s+%s',
+            _client_text(exchange.client), exchange.method, exchange.endpoint.path, exchange.status,
             (time.perf_counter() - exchange.started_s) * 1000, exchange.key_name, exchange.model,
             exchange.upstream or "-", ttft, _or_dash(prompt), _or_dash(completion),
         )  # fmt: skip
 
-    def _observe(self, exchange: _Exchange) -> None:
+    def _observe(self, exchange: _Exchange, tokens: tuple[int | None, int | None]) -> None:
         model, key = exchange.model, exchange.key_name
         metrics = self.metrics
         metrics.request_counter(key, model, exchange.status).inc()
@@ -619,14 +622,14 @@ class GatewayApp:
         per_model.e2e_s.observe(time.perf_counter() - exchange.started_s)
         if exchange.ttft_s is not None:
             per_model.ttft_s.observe(exchange.ttft_s)
-        prompt, completion = exchange.token_counts()
+        prompt, completion = tokens
         if prompt or completion:
             prompt_tokens, completion_tokens = metrics.token_counters(key, model)
             prompt_tokens.inc(prompt or 0)
             completion_tokens.inc(completion or 0)
 
-    def _usage_row(self, exchange: _Exchange) -> UsageRow:
-        prompt, completion = exchange.token_counts()
+    def _usage_row(self, exchange: _Exchange, tokens: tuple[int | None, int | None]) -> UsageRow:
+        prompt, completion = tokens
         request_body = response_body = None
         if self.config.log_bodies and exchange.parsed is not None:
             request_body = (exchange.request_body or b"").decode(errors="replace")  # as the client sent it

@@ -37,6 +37,7 @@ LINGER_S = 2.0
 LINGER_MAX_BYTES = 1 << 20
 SWEEP_INTERVAL_S = 0.5
 REFUSAL_REASONS = ("header_timeout", "body_timeout", "header_too_large", "connection_limit")
+_PROTOCOL = HttpToolsProtocol  # called directly rather than through super(): these run on every request
 
 
 class ConnectionGuard:
@@ -98,6 +99,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._clock = self.guard.clock
         self._in_head = True  # between requests or inside a request line and headers
         self._head_bytes = 0  # of the current request line and headers
         self._head_started_s: float | None = None  # first byte of the current head (None: idle between requests)
@@ -115,23 +117,30 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._refuse(503, f"the gateway has its limit of {guard.max_connections} connections open; retry later")
             return
         guard.open.add(self)
-        super().connection_made(transport)
-        self._head_started_s = guard.clock()
+        _PROTOCOL.connection_made(self, transport)
+        self._head_started_s = self._clock()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.guard.open.discard(self)
         self.guard.lingering.discard(self)
         if self.flow is None:  # refused before uvicorn knew of it
             return
-        super().connection_lost(exc)
+        _PROTOCOL.connection_lost(self, exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self._in_head:  # body bytes: the common case, nothing to count
-            super().data_received(data)
-        elif self._linger_until_s is not None:
-            self._discard(data)
+        if self._in_head and self._linger_until_s is None:
+            # Within a head (or before one): count it. The fast path is a head that fits in what is left.
+            if self._head_started_s is None:
+                self._head_started_s = self._clock()
+            if len(data) <= self.guard.max_header_bytes - self._head_bytes:
+                self._head_bytes += len(data)
+                _PROTOCOL.data_received(self, data)
+            else:
+                self._receive_oversized(data)
+        elif self._linger_until_s is None:  # body bytes: nothing to count
+            _PROTOCOL.data_received(self, data)
         else:
-            self._receive_head(data)
+            self._discard(data)
 
     # ---- httptools callbacks ------------------------------------------------------------------------------------
 
@@ -139,27 +148,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._in_head = False
         self._head_bytes = 0
         self._head_started_s = None
-        self._body_started_s = self.guard.clock()
-        super().on_headers_complete()
+        self._body_started_s = self._clock()
+        _PROTOCOL.on_headers_complete(self)
 
     def on_message_complete(self) -> None:
         self._in_head = True
         self._body_started_s = None
-        super().on_message_complete()
+        _PROTOCOL.on_message_complete(self)
 
     # ---- the guard's checks -------------------------------------------------------------------------------------
 
-    def _receive_head(self, data: bytes) -> None:
-        """Feed DATA while a head is being read, counting it: at most max_header_bytes of a head are parsed."""
-        if self._head_started_s is None:
-            self._head_started_s = self.guard.clock()
+    def _receive_oversized(self, data: bytes) -> None:
+        """DATA runs past the header limit: parse up to the limit; if the head has not ended there, refuse it."""
         room = self.guard.max_header_bytes - self._head_bytes
-        if len(data) <= room:
-            self._head_bytes += len(data)
-            super().data_received(data)
-            return
         self._head_bytes += room
-        super().data_received(data[:room])
+        _PROTOCOL.data_received(self, data[:room])
         if self.transport.is_closing() or self._linger_until_s is not None:
             return
         if self._in_head:
@@ -167,7 +170,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             limit = self.guard.max_header_bytes
             self._refuse(431, f"the request line and headers are over the gateway's limit of {limit} bytes")
             return
-        self.data_received(data[room:])  # the head ended within the limit: the rest is its body
+        self.data_received(data[room:])  # the head ended within the limit: the rest is its body (or more)
 
     def check_deadlines(self, now_s: float) -> None:
         guard = self.guard
@@ -214,7 +217,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         self.transport.write_eof()
         guard.lingering.add(self)
-        self._linger_until_s = guard.clock() + LINGER_S
+        self._linger_until_s = self._clock() + LINGER_S
 
     def _discard(self, data: bytes) -> None:
         self._discarded_bytes += len(data)

@@ -22,7 +22,7 @@ import threading
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from deepserve.gateway.config import gateway_home, make_private_dir
+from deepserve.gateway.config import gateway_home
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +100,17 @@ def default_ledger_path() -> Path:
 
 
 def _connect(path: Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite3.Connection:
-    """The ledger database, created readable by its owner only (0600 in a 0700 directory): even without bodies it
-    says who used what, when. SQLite gives its -wal and -shm files the database file's mode."""
-    make_private_dir(path.parent)
+    """The ledger database, readable by its owner only (0600, in a directory created 0700): even without bodies it
+    says who used what, when. SQLite gives the -wal and -shm files it creates the database file's mode; a ledger
+    left world-readable by an older version is made private too."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if not path.exists():
         os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            info = file.stat()
+            if info.st_mode & 0o077 and info.st_uid == os.getuid():
+                file.chmod(0o600)
     db = sqlite3.connect(path, check_same_thread=False, timeout=busy_timeout_s)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes, fast commits

@@ -85,12 +85,16 @@ def test_the_ledger_file_and_its_directory_are_private(tmp_path: Path) -> None:
         assert stat.S_IMODE(sidecar.stat().st_mode) & 0o077 == 0
 
 
-def test_the_default_ledger_directory_is_made_private_even_if_it_existed(isolated_home: Path) -> None:
-    (isolated_home / "gateway").mkdir(parents=True, mode=0o755)
-    (isolated_home / "gateway").chmod(0o755)
+def test_an_existing_open_gateway_directory_and_ledger_are_made_private(isolated_home: Path) -> None:
+    """What an older version left behind: a directory and a ledger that anyone could read."""
+    directory = isolated_home / "gateway"
+    directory.mkdir(parents=True)
+    directory.chmod(0o755)
+    sqlite3.connect(directory / "usage.sqlite").close()
+    (directory / "usage.sqlite").chmod(0o644)
     UsageLedger(start_writer=False).close()
-    assert stat.S_IMODE((isolated_home / "gateway").stat().st_mode) == 0o700
-    assert stat.S_IMODE((isolated_home / "gateway" / "usage.sqlite").stat().st_mode) == 0o600
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((directory / "usage.sqlite").stat().st_mode) == 0o600
 
 
 def test_a_row_that_cannot_be_encoded_is_kept_and_the_others_are_written(tmp_path: Path) -> None:
