@@ -135,8 +135,9 @@ class _Exchange:
     def token_counts(self) -> tuple[int | None, int | None]:
         """(prompt, completion) tokens: the upstream's usage when it sent one; for a stream that ended without it
         (the client went away, the gateway cut it), the tokens it delivered, counted from the events relayed."""
-        if self.usage is not None:
-            return _token_count(self.usage.get("prompt_tokens")), _token_count(self.usage.get("completion_tokens"))
+        usage = self.usage if self.usage is not None or self.tap is None else self.tap.usage
+        if usage is not None:
+            return _token_count(usage.get("prompt_tokens")), _token_count(usage.get("completion_tokens"))
         if self.tap is not None and self.response_started:
             return None, self.tap.delivered_tokens()
         return None, None

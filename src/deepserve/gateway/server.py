@@ -192,13 +192,15 @@ def _access_log_to_stderr(enabled: bool) -> Iterator[None]:
     handler = logging.handlers.QueueHandler(records)
     access_log.addHandler(handler)
     access_log.setLevel(logging.INFO)
-    access_log.propagate = False
+    access_log.propagate = False  # not also through the root logger's format
     listener.start()
     try:
         yield
     finally:
         listener.stop()  # writes what is queued
         access_log.removeHandler(handler)
+        access_log.propagate = True
+        access_log.setLevel(logging.NOTSET)
 
 
 def _warn_if_no_keys() -> None:
