@@ -156,7 +156,8 @@ async def test_keys_limits_models_and_revocation() -> None:
             assert denied.status_code == 403
             _, late = store.create("late")
             store.revoke("limited")
-            assert app.keyring is not None and app.keyring.refresh()  # what the gateway does every second
+            assert app.keyring is not None
+            app.keyring.refresh()  # what the gateway does every second
             assert (await client.post("/chat/completions", json=CHAT, headers=auth)).status_code == 401
             late_auth = {"Authorization": f"Bearer {late}"}
             assert (await client.post("/chat/completions", json=CHAT, headers=late_auth)).status_code == 200

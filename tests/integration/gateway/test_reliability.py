@@ -13,7 +13,7 @@ import pytest
 
 from deepserve.gateway.app import GatewayApp
 from deepserve.gateway.balancing import rendezvous
-from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour, running_fake_upstream
+from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour, FakeUpstream, running_fake_upstream
 from deepserve.gateway.server import running_gateway
 
 from .conftest import Child, FakeClock, fake_and_gateway, gateway_config, ledger_rows, start_fake, start_gateway, until
@@ -245,26 +245,27 @@ async def test_soak_10000_requests_without_growth(children: list[Child]) -> None
 
 
 async def test_an_unhealthy_replica_leaves_and_returns() -> None:
-    config = gateway_config(balancing="round_robin", health_check_interval_s=3600)  # checks called by the test
-    async with (
-        running_fake_upstream() as (flaky, flaky_url),
-        running_fake_upstream() as (_, steady_url),
-        running_gateway(config.model_copy(update={"upstream": [flaky_url, steady_url]})) as (app, url),
-        httpx.AsyncClient(base_url=url) as client,
-    ):
-        flaky.behaviour.healthy = False
-        await app.pool.check_all()  # what the health loop does every interval
-        assert not app.pool.replicas[0].healthy
-        before = flaky.stats.requests
-        for _ in range(6):
-            assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
-        assert flaky.stats.requests == before  # out of rotation
-        flaky.behaviour.healthy = True
-        await app.pool.check_all()
-        assert app.pool.replicas[0].healthy
-        for _ in range(6):
-            assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
-        assert flaky.stats.requests == before + 3  # back in rotation
+    async with running_fake_upstream() as (flaky, flaky_url), running_fake_upstream() as (_, steady_url):
+        config = gateway_config(flaky_url, steady_url, balancing="round_robin", health_check_interval_s=3600)
+        async with running_gateway(config) as (app, url), httpx.AsyncClient(base_url=url) as client:
+            await _leave_and_return(app, flaky, client)
+
+
+async def _leave_and_return(app: GatewayApp, flaky: FakeUpstream, client: httpx.AsyncClient) -> None:
+    """The health checks are called by the test (the loop's interval is an hour)."""
+    flaky.behaviour.healthy = False
+    await app.pool.check_all()  # what the health loop does every interval
+    assert not app.pool.replicas[0].healthy
+    before = flaky.stats.requests
+    for _ in range(6):
+        assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
+    assert flaky.stats.requests == before  # out of rotation
+    flaky.behaviour.healthy = True
+    await app.pool.check_all()
+    assert app.pool.replicas[0].healthy
+    for _ in range(6):
+        assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
+    assert flaky.stats.requests == before + 3  # back in rotation
 
 
 async def test_prefix_affinity_keeps_a_prompt_on_one_replica() -> None:
