@@ -69,8 +69,9 @@ def oversized_head_answer(url: str, max_header_bytes: int) -> bytes:
     return answer
 
 
-def refused_for_header_size(metrics: str) -> float:
-    found = re.search(r'deepserve_gateway_connections_refused_total\{reason="header_too_large"\} ([0-9.]+)', metrics)
+def sample(metrics: str, series: str) -> float:
+    """The value of SERIES (its name and labels, as exposed) in METRICS; 0 when absent."""
+    found = re.search(re.escape(series) + r" ([0-9.e+]+)\n", metrics)
     return float(found.group(1)) if found else 0.0
 
 
@@ -110,7 +111,11 @@ async def test_workers_share_the_port_the_limits_the_metrics_and_the_ledger(
         # headers over the limit all get 431, and /metrics adds up both workers' refusals once each published them.
         answers = [oversized_head_answer(gateway.url, config.max_header_bytes) for _ in range(12)]
         assert all(answer.startswith(b"HTTP/1.1 431") for answer in answers), answers
-        await until(lambda: refused_for_header_size(client.get(root + "/metrics").text) == 12, PROCESS_BOUND_S, 0.2)
+        refused = 'deepserve_gateway_connections_refused_total{reason="header_too_large"}'
+        await until(lambda: sample(client.get(root + "/metrics").text, refused) == 12, PROCESS_BOUND_S, 0.2)
+        # The ledger's counts too: every worker's rows (212 requests in all) once written and published.
+        written = "deepserve_gateway_ledger_rows_written_total"
+        await until(lambda: sample(client.get(root + "/metrics").text, written) == 212, PROCESS_BOUND_S, 0.2)
 
     assert gateway.stop() == 0
     assert not any(worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE for worker in workers)

@@ -150,7 +150,7 @@ def test_closing_with_rows_that_cannot_be_written_reports_them_lost(tmp_path: Pa
 
 def test_ledger_counters_are_exported_as_metrics(tmp_path: Path) -> None:
     from deepserve.gateway.balancing import make_policy
-    from deepserve.gateway.limits import AdmissionQueue
+    from deepserve.gateway.limits import LocalLimiter
     from deepserve.gateway.metrics import GatewayMetrics
     from deepserve.gateway.upstreams import UpstreamPool
 
@@ -158,7 +158,7 @@ def test_ledger_counters_are_exported_as_metrics(tmp_path: Path) -> None:
     ledger.record(_row(error="\ud800"))
     ledger.flush()
     pool = UpstreamPool([], make_policy("round_robin"))
-    metrics = GatewayMetrics(pool, AdmissionQueue(1, 1, 1.0), None, lambda: ledger)
+    metrics = GatewayMetrics(pool, LocalLimiter(1, 1, 1.0), None, lambda: ledger)
     text = metrics.render().decode()
     assert "deepserve_gateway_ledger_rows_written_total 1.0" in text
     assert "deepserve_gateway_ledger_rows_repaired_total 1.0" in text
