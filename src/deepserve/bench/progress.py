@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import time
-from collections.abc import MutableSequence
+from collections.abc import Callable, MutableSequence
 from types import TracebackType
 
 from rich.console import Console
@@ -47,7 +47,8 @@ class LiveCounters:
 
 
 class ProgressDisplay:
-    """A rich progress bar on stderr while the run lasts (only on a terminal, and only when enabled)."""
+    """A rich progress bar on stderr while the run lasts (only on a terminal, and only when enabled). It is redrawn
+    every REFRESH_S by `tick`, which measures the rate with CLOCK (tests call `tick` after moving a fake clock)."""
 
     def __init__(
         self,
@@ -56,8 +57,12 @@ class ProgressDisplay:
         duration_s: float | None,
         enabled: bool,
         console: Console | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.counters = counters
+        self._clock = clock
+        self._last_chunks = 0
+        self._last_s = clock()
         self.total = total
         self.duration_s = duration_s
         console = console or Console(stderr=True)
@@ -94,13 +99,16 @@ class ProgressDisplay:
             self.progress.stop()
 
     async def _tick(self) -> None:
-        last_chunks, last_s = 0, time.perf_counter()
         while True:
             await asyncio.sleep(REFRESH_S)
-            now_s = time.perf_counter()
-            chunks = self.counters.totals()[2]
-            self._update((chunks - last_chunks) / max(now_s - last_s, 1e-9))
-            last_chunks, last_s = chunks, now_s
+            self.tick()
+
+    def tick(self) -> None:
+        """Redraw with the rate of chunks since the last tick."""
+        now_s = self._clock()
+        chunks = self.counters.totals()[2]
+        self._update((chunks - self._last_chunks) / max(now_s - self._last_s, 1e-9))
+        self._last_chunks, self._last_s = chunks, now_s
 
     def _update(self, chunks_per_s: float) -> None:
         if self._task_id is None:

@@ -3,7 +3,9 @@
 No web framework: routing is one dict lookup, and the body the client sent is forwarded as the same bytes object
 unless a model alias or the stream usage option must be written into it. Streamed chunks are sent on as they arrive.
 A watcher task per request waits for the client to go away and then cancels the request, which closes the upstream
-connection (the engine sees the disconnect and frees the sequence's KV cache)."""
+connection (the engine sees the disconnect and frees the sequence's KV cache). At shutdown, `cut_in_flight` cancels
+what is still in flight the same way, and each request ends with an error in OpenAI's shape (a stream with an error
+event and its terminator)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 
 from deepserve.gateway.balancing import PolicySettings, RoutingHints, make_policy, prompt_text_for_routing
 from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.connections import BODY_TIMEOUT_SCOPE_KEY, ConnectionGuard
 from deepserve.gateway.engine_load import EngineLoadScraper
 from deepserve.gateway.engine_metrics import ENGINE_METRICS_PATH, EngineMetricsCache
 from deepserve.gateway.errors import (
@@ -24,6 +27,7 @@ from deepserve.gateway.errors import (
     BodyTooLarge,
     ClientGone,
     GatewayError,
+    GatewayShuttingDown,
     InternalError,
     MethodNotAllowed,
     NoHealthyUpstream,
@@ -31,8 +35,10 @@ from deepserve.gateway.errors import (
     Overloaded,
     PermissionDenied,
     RateLimited,
+    RequestTimeout,
     UpstreamBadStatus,
     UpstreamError,
+    UpstreamTimeout,
     UpstreamUnavailable,
 )
 from deepserve.gateway.keys import ApiKey, KeyRing, KeyStore
@@ -53,6 +59,8 @@ from deepserve.gateway.validation import (
 )
 
 log = logging.getLogger(__name__)
+# One line per request when --access-log is on (server.run_gateway sends it to stderr).
+access_log = logging.getLogger("deepserve.gateway.access")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -69,6 +77,8 @@ _KEY_REFRESH_INTERVAL_S = 1.0
 DEFAULT_CHARGE_CAP_TOKENS = 131072
 # Keep at most this much of a streamed response when log_bodies is on.
 _MAX_LOGGED_BODY_BYTES = 1 << 20
+# Token counts from an upstream's usage block are believed only in this range (SQLite's INTEGER holds them).
+_MAX_TOKEN_COUNT = 2**53
 
 
 class _Exchange:
@@ -77,23 +87,30 @@ class _Exchange:
     __slots__ = (
         "admission",
         "arrival_ts",
+        "client",
         "client_gone",
+        "cut",
         "endpoint",
         "error",
         "finished",
         "key",
         "logged_body",
+        "method",
         "parsed",
+        "request_body",
         "response_started",
         "started_s",
         "status",
+        "tap",
         "ttft_s",
         "upstream",
         "usage",
     )
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, client: Any = None, method: str = "POST") -> None:
         self.endpoint = endpoint
+        self.client = client  # (host, port) of the client, and the method: for the access log
+        self.method = method
         self.started_s = time.perf_counter()
         self.arrival_ts = time.time()
         self.key: ApiKey | None = None
@@ -107,7 +124,10 @@ class _Exchange:
         self.response_started = False
         self.finished = False
         self.client_gone = False
+        self.cut: str | None = None  # why the gateway ended the request (shutdown), when it did
         self.logged_body: list[bytes] | None = None
+        self.request_body: bytes | None = None  # as received, kept only with log_bodies
+        self.tap: StreamTap | None = None  # a stream's relay state: usage, events delivered
 
     @property
     def key_name(self) -> str:
@@ -117,10 +137,32 @@ class _Exchange:
     def model(self) -> str:
         return self.parsed.client_model if self.parsed else "-"
 
-    def used_tokens(self) -> int | None:
-        if not self.usage:
+    def token_counts(self) -> tuple[int | None, int | None]:
+        """(prompt, completion) tokens: the upstream's usage when it sent one; for a stream that ended without it
+        (the client went away, the gateway cut it), the tokens it delivered, counted from the events relayed."""
+        usage = self.usage if self.usage is not None or self.tap is None else self.tap.usage
+        if usage is not None:
+            return _token_count(usage.get("prompt_tokens")), _token_count(usage.get("completion_tokens"))
+        if self.tap is not None and self.response_started:
+            return None, self.tap.delivered_tokens()
+        return None, None
+
+    def used_tokens(self, tokens: tuple[int | None, int | None]) -> int | None:
+        """What the request cost its key's token bucket, from its TOKENS (`token_counts`): the usage, or the prompt
+        estimate plus the tokens delivered."""
+        prompt, completion = tokens
+        if prompt is None and completion is None:
             return None
-        return int(self.usage.get("prompt_tokens") or 0) + int(self.usage.get("completion_tokens") or 0)
+        if prompt is None:
+            prompt = self.parsed.prompt_tokens_estimate if self.parsed else 0
+        return prompt + (completion or 0)
+
+
+def _token_count(value: Any) -> int | None:
+    """VALUE when it is a plausible token count (an upstream may send anything)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_TOKEN_COUNT:
+        return value
+    return None
 
 
 class GatewayApp:
@@ -131,11 +173,17 @@ class GatewayApp:
         keyring: KeyRing | None = None,
         ledger: UsageLedger | None = None,
         limiter: Limiter | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """CLOCK times every deadline of the gateway (client connections, upstream requests, the slot queue, the
+        engine-metrics cache, the age of the engines' load); tests pass a fake one and call the checks directly.
+        LIMITER defaults to the one the config asks for (`make_limiter`)."""
         self.config = config
         self.aliases = config.aliases()
         self.keys_required = config.keys_required()
-        policy = make_policy(config.balancing, PolicySettings(config.score_weights(), config.engine_metrics_interval_s))
+        policy = make_policy(
+            config.balancing, PolicySettings(config.score_weights(), config.engine_metrics_interval_s, clock)
+        )
         self.pool = UpstreamPool(
             config.upstream,
             policy,
@@ -143,20 +191,31 @@ class GatewayApp:
             read_timeout_s=config.upstream_timeout_s,
             health_check_interval_s=config.health_check_interval_s,
             max_model_len=config.max_model_len,
+            clock=clock,
         )
-        self.limiter = limiter or make_limiter(config)
-        self.metrics = GatewayMetrics(self.pool, self.limiter)
+        self.limiter = limiter or make_limiter(config, clock)
+        self.connections = ConnectionGuard(
+            header_timeout_s=config.header_timeout_s,
+            body_timeout_s=config.body_timeout_s,
+            max_header_bytes=config.max_header_bytes,
+            max_connections=config.max_connections,
+            clock=clock,
+        )
+        self.metrics = GatewayMetrics(self.pool, self.limiter, self.connections, lambda: self.ledger)
         self.keyring = keyring
         self.ledger = ledger
+        self.lost_ledger_rows = 0  # set by close(): rows the ledger could not write
         self._owns_state = keyring is None and ledger is None
-        self._engine_metrics = EngineMetricsCache(self.pool)
+        self._engine_metrics = EngineMetricsCache(self.pool, clock=clock)
         self._engine_load = (
-            EngineLoadScraper(self.pool, policy.engine_load, config.engine_metrics_interval_s)
+            EngineLoadScraper(self.pool, policy.engine_load, config.engine_metrics_interval_s, clock)
             if policy.engine_load is not None
             else None
         )
         self._prompt_for_routing = policy.wants_prompt
         self._key_task: asyncio.Task[None] | None = None
+        self._in_flight: dict[_Exchange, asyncio.Task[Any]] = {}  # proxied requests, for cut_in_flight
+        self._access_log = access_log if config.access_log else None
         self._routes: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             CHAT_COMPLETIONS.path: self._chat_completions,
             COMPLETIONS.path: self._completions,
@@ -168,6 +227,7 @@ class GatewayApp:
             "/metrics": self._metrics,
             ENGINE_METRICS_PATH: self._replica_metrics,
         }
+        self._proxied = (self._routes[CHAT_COMPLETIONS.path], self._routes[COMPLETIONS.path])  # log themselves
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -184,6 +244,7 @@ class GatewayApp:
         if self._engine_load is not None:
             await self._engine_load.scrape_once()
             self._engine_load.start()
+        self.connections.start()
         self._key_task = asyncio.create_task(self._refresh_keys(), name="key-refresh")
 
     async def close(self) -> None:
@@ -194,11 +255,25 @@ class GatewayApp:
         if self._engine_load is not None:
             await self._engine_load.close()
         await self.limiter.close()
+        await self.connections.close()
         await self.pool.close()
         if self._owns_state and self.ledger:
-            self.ledger.close()
+            self.lost_ledger_rows = self.ledger.close()
         if self._owns_state and self.keyring:
             self.keyring.store.close()
+        self.metrics.publish_live_state()  # with several workers: this one's last counts outlive it
+
+    def cut_in_flight(self, reason: str) -> int:
+        """End every proxied request still in flight (the shutdown grace period is over): a stream gets an error
+        event and its terminator, a request not yet answered gets 503; the ledger records them with REASON and the
+        tokens delivered. Returns how many were cut."""
+        cut = 0
+        for exchange, task in list(self._in_flight.items()):
+            if not exchange.finished and exchange.cut is None:
+                exchange.cut = reason
+                task.cancel()
+                cut += 1
+        return cut
 
     async def _refresh_keys(self) -> None:
         while True:
@@ -231,13 +306,41 @@ class GatewayApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             handler = self._routes.get(scope["path"])
-            if handler is None:
-                routes = ", ".join(self._routes)
-                await _send_error(send, NotFound(f"no route {scope['path']}; the gateway serves {routes}"))
+            if self._access_log is not None and handler not in self._proxied:
+                await self._access_logged(handler or self._not_found, scope, receive, send)
+            elif handler is None:
+                await self._not_found(scope, receive, send)
             else:
                 await handler(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _not_found(self, scope: Scope, receive: Receive, send: Send) -> None:
+        routes = ", ".join(self._routes)
+        await _send_error(send, NotFound(f"no route {scope['path'][:200]}; the gateway serves {routes}"))
+
+    async def _access_logged(
+        self, handler: Callable[[Scope, Receive, Send], Awaitable[None]], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """HANDLER, then one access-log line (the proxied endpoints write their own, with key, model and tokens)."""
+        started_s = time.perf_counter()
+        status = 0
+
+        async def noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await handler(scope, receive, noting_status)
+        finally:
+            if self._access_log is not None:
+                elapsed_ms = (time.perf_counter() - started_s) * 1000
+                self._access_log.info(
+                    '%s "%s %s" %d %.1fms', _client_text(scope.get("client")), scope["method"], scope["path"][:200],
+                    status, elapsed_ms,
+                )  # fmt: skip
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -264,6 +367,15 @@ class GatewayApp:
         await _send_prometheus(send, self.metrics.render())
 
     async def _replica_metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The engines' own series, labelled by replica URL: when the gateway requires keys, only for a caller with
+        a valid key (the URLs say where the engines live); on an open gateway, for anyone."""
+        if self.keys_required:
+            try:
+                self._authenticate(_header(scope, b"authorization"))
+            except GatewayError as exc:
+                self.metrics.rejections.labels(exc.code or exc.error_type).inc()
+                await _send_error(send, exc)
+                return
         await _send_prometheus(send, await self._engine_metrics.body())
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -294,7 +406,7 @@ class GatewayApp:
                 raise MethodNotAllowed(f"{scope['path']} takes POST")
             headers = _request_headers(scope, self.config.session_header.encode())
             key = self._authenticate(headers.authorization)
-            raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes)
+            raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes, scope)
             request = load_json_object(raw)
             client_model = str(request.get("model") or next(iter(self.pool.models), ""))
             model = resolve_model(client_model, self.pool.models, self.aliases)
@@ -325,14 +437,19 @@ class GatewayApp:
         await self._proxy(COMPLETIONS, scope, receive, send)
 
     async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
-        exchange = _Exchange(endpoint)
+        exchange = _Exchange(endpoint, scope.get("client"), scope["method"])
         watcher: asyncio.Task[None] | None = None
+        task = asyncio.current_task()
+        if task is not None:
+            self._in_flight[exchange] = task
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{endpoint.path} takes POST")
             headers = _request_headers(scope, self.config.session_header.encode())
             exchange.key = self._authenticate(headers.authorization)
-            raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes)
+            raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes, scope)
+            if self.config.log_bodies:
+                exchange.request_body = raw
             parsed = parse_request(endpoint, raw, self.pool.models, self.aliases)
             exchange.parsed = parsed
             self._authorize(exchange.key, parsed.client_model, parsed.model)
@@ -340,7 +457,7 @@ class GatewayApp:
             exchange.admission = await self.limiter.admit(
                 key.id if key else None, key.limits if key else None, self._charge(parsed)
             )
-            watcher = asyncio.create_task(_watch_disconnect(receive, exchange, asyncio.current_task()))
+            watcher = asyncio.create_task(_watch_disconnect(receive, exchange, task))
             await self.limiter.acquire_slot(exchange.admission)
             prompt = prompt_text_for_routing(parsed.request, endpoint.prompt_field) if self._prompt_for_routing else ""
             await self._forward(exchange, parsed, RoutingHints(parsed.affinity_text, headers.session, prompt), send)
@@ -350,11 +467,17 @@ class GatewayApp:
             log.exception("unexpected error while proxying %s", endpoint.path)
             await self._fail(exchange, InternalError(f"internal gateway error ({type(exc).__name__})"), send)
         except asyncio.CancelledError:
-            if not exchange.client_gone:
+            if exchange.client_gone:
+                _uncancel()
+                exchange.status, exchange.error = ClientGone.status, "client disconnected"
+            elif exchange.cut is not None:
+                _uncancel()
+                message = f"the gateway is shutting down ({exchange.cut}); retry the request"
+                await self._fail(exchange, GatewayShuttingDown(message, ledger_message=f"cut: {exchange.cut}"), send)
+            else:
                 raise
-            _uncancel()
-            exchange.status, exchange.error = ClientGone.status, "client disconnected"
         finally:
+            self._in_flight.pop(exchange, None)
             if watcher is not None:
                 watcher.cancel()
             self._account(exchange)
@@ -407,8 +530,10 @@ class GatewayApp:
                 return
             except UpstreamError as exc:
                 self.metrics.upstream_failures.labels(replica.url, exc.code or "").inc()
-                if isinstance(exc, UpstreamUnavailable) and exc.refused:
-                    self.pool.mark_down(replica, exc.message)  # nothing listens: no new request should wait for it
+                if (isinstance(exc, UpstreamUnavailable) and exc.refused) or isinstance(exc, UpstreamTimeout):
+                    # Nothing listens, or it is silent: no new request should wait for it until a health check
+                    # passes again (and requests already waiting for it move to another replica).
+                    self.pool.mark_down(replica, exc.message)
                 if exchange.response_started or not exc.retryable or len(tried) > self.config.max_retries:
                     raise
                 failure = exc
@@ -417,7 +542,12 @@ class GatewayApp:
                 replica.outstanding -= 1
 
     async def _attempt(self, exchange: _Exchange, parsed: ParsedRequest, replica: UpstreamReplica, send: Send) -> None:
-        response = await self.pool.post(replica, exchange.endpoint.path, parsed.body)
+        # A stream's head comes at once from a live engine (its tokens follow): a replica silent for longer hangs.
+        # A non-streamed answer's head comes with the whole answer, so only the read timeout applies to it.
+        first_byte_timeout_s = self.config.first_byte_timeout_s if parsed.stream else None
+        response = await self.pool.post(
+            replica, exchange.endpoint.path, parsed.body, first_byte_timeout_s=first_byte_timeout_s
+        )
         complete = False
         try:
             if response.status >= 500:
@@ -437,9 +567,10 @@ class GatewayApp:
 
     async def _send_whole(self, exchange: _Exchange, status: int, body: bytes, send: Send) -> None:
         exchange.status = status
-        if status == 200:
-            with contextlib.suppress(ValueError, AttributeError):
-                exchange.usage = json.loads(body).get("usage")
+        if status == 200 and b'"usage"' in body:
+            with contextlib.suppress(ValueError, AttributeError, RecursionError):  # an answer we cannot read is
+                usage = json.loads(body).get("usage")  # forwarded all the same, only not accounted
+                exchange.usage = usage if isinstance(usage, dict) else None
         if self.config.log_bodies:
             exchange.logged_body = [body]
         exchange.finished = True
@@ -449,9 +580,10 @@ class GatewayApp:
         await send({"type": "http.response.body", "body": body})
 
     async def _relay_stream(self, exchange: _Exchange, parsed: ParsedRequest, chunks: Any, send: Send) -> None:
-        tap = StreamTap(parsed.strip_usage_chunk)
+        tap = exchange.tap = StreamTap(parsed.strip_usage_chunk)
         itl = self.metrics.for_model(parsed.client_model).itl_s
         logged = exchange.logged_body = [] if self.config.log_bodies else None
+        logged_bytes = 0
         last_s = 0.0
         async for chunk in chunks:
             events = tap.feed(chunk)
@@ -467,8 +599,9 @@ class GatewayApp:
                 exchange.ttft_s = now_s - exchange.started_s
             last_s = now_s
             await send({"type": "http.response.body", "body": events, "more_body": True})
-            if logged is not None and sum(map(len, logged)) < _MAX_LOGGED_BODY_BYTES:
+            if logged is not None and logged_bytes < _MAX_LOGGED_BODY_BYTES:
                 logged.append(events)
+                logged_bytes += len(events)
         rest = tap.finish()
         exchange.usage = tap.usage
         exchange.finished = True
@@ -478,7 +611,7 @@ class GatewayApp:
         await send({"type": "http.response.body", "body": rest, "more_body": False})
 
     async def _fail(self, exchange: _Exchange, exc: GatewayError, send: Send) -> None:
-        exchange.error = exc.message
+        exchange.error = exc.ledger_text()
         if isinstance(exc, (RateLimited, Overloaded)):
             self.metrics.rejections.labels(exc.reason).inc()
         elif isinstance(exc, (AuthenticationFailed, PermissionDenied, BodyTooLarge)):
@@ -497,17 +630,32 @@ class GatewayApp:
             await _send_error(send, exc)
 
     def _account(self, exchange: _Exchange) -> None:
-        """Metrics, the key's token correction and the ledger row; never raises into the request."""
+        """Metrics, the key's token correction, the ledger row and the access-log line; never raises into the
+        request."""
         try:
+            tokens = exchange.token_counts()
             if exchange.admission is not None:
-                self.limiter.release(exchange.admission, _billable_tokens(exchange))
-            self._observe(exchange)
+                self.limiter.release(exchange.admission, _billable_tokens(exchange, tokens))
+            self._observe(exchange, tokens)
             if self.ledger is not None:
-                self.ledger.record(self._usage_row(exchange))
+                self.ledger.record(self._usage_row(exchange, tokens))
+            if self._access_log is not None:
+                self._log_access(exchange, tokens)
         except Exception:
             log.exception("accounting for a request failed")
 
-    def _observe(self, exchange: _Exchange) -> None:
+    def _log_access(self, exchange: _Exchange, tokens: tuple[int | None, int | None]) -> None:
+        assert self._access_log is not None
+        prompt, completion = tokens
+        ttft = f"{exchange.ttft_s * 1000:.1f}ms" if exchange.ttft_s is not None else "-"
+        self._access_log.info(
+            '%s "%s %s" %d %.1fms key=%s model=%s upstream=%s ttft=%s tokens=%s+%s',
+            _client_text(exchange.client), exchange.method, exchange.endpoint.path, exchange.status,
+            (time.perf_counter() - exchange.started_s) * 1000, exchange.key_name, exchange.model,
+            exchange.upstream or "-", ttft, _or_dash(prompt), _or_dash(completion),
+        )  # fmt: skip
+
+    def _observe(self, exchange: _Exchange, tokens: tuple[int | None, int | None]) -> None:
         model, key = exchange.model, exchange.key_name
         metrics = self.metrics
         metrics.request_counter(key, model, exchange.status).inc()
@@ -517,16 +665,17 @@ class GatewayApp:
         per_model.e2e_s.observe(time.perf_counter() - exchange.started_s)
         if exchange.ttft_s is not None:
             per_model.ttft_s.observe(exchange.ttft_s)
-        if exchange.usage:
+        prompt, completion = tokens
+        if prompt or completion:
             prompt_tokens, completion_tokens = metrics.token_counters(key, model)
-            prompt_tokens.inc(exchange.usage.get("prompt_tokens") or 0)
-            completion_tokens.inc(exchange.usage.get("completion_tokens") or 0)
+            prompt_tokens.inc(prompt or 0)
+            completion_tokens.inc(completion or 0)
 
-    def _usage_row(self, exchange: _Exchange) -> UsageRow:
-        usage = exchange.usage or {}
+    def _usage_row(self, exchange: _Exchange, tokens: tuple[int | None, int | None]) -> UsageRow:
+        prompt, completion = tokens
         request_body = response_body = None
         if self.config.log_bodies and exchange.parsed is not None:
-            request_body = json.dumps(exchange.parsed.request, ensure_ascii=False)
+            request_body = (exchange.request_body or b"").decode(errors="replace")  # as the client sent it
             response_body = b"".join(exchange.logged_body or []).decode(errors="replace")
         return UsageRow(
             ts=exchange.arrival_ts,
@@ -535,8 +684,8 @@ class GatewayApp:
             endpoint=exchange.endpoint.path,
             stream=bool(exchange.parsed and exchange.parsed.stream),
             status=exchange.status,
-            prompt_tokens=usage.get("prompt_tokens"),
-            completion_tokens=usage.get("completion_tokens"),
+            prompt_tokens=prompt,
+            completion_tokens=completion,
             latency_ms=(time.perf_counter() - exchange.started_s) * 1000,
             ttft_ms=exchange.ttft_s * 1000 if exchange.ttft_s is not None else None,
             upstream=exchange.upstream,
@@ -546,10 +695,11 @@ class GatewayApp:
         )
 
 
-def make_limiter(config: GatewayConfig) -> Limiter:
-    """Limits in this process's memory, or shared through Redis with --redis-url."""
+def make_limiter(config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> Limiter:
+    """Limits in this process's memory, or shared through Redis with --redis-url. CLOCK times this process's own
+    waits (the slot queue, the local limits); shared buckets run on Redis's clock."""
     if not config.redis_url:
-        return LocalLimiter(config.max_concurrency, config.max_queue, config.queue_timeout_s)
+        return LocalLimiter(config.max_concurrency, config.max_queue, config.queue_timeout_s, clock)
     from deepserve.gateway.shared_limits import RedisLimiter  # the redis client: only when limits are shared
 
     return RedisLimiter(
@@ -561,14 +711,17 @@ def make_limiter(config: GatewayConfig) -> Limiter:
         timeout_s=config.redis_timeout_s,
         fail_open=config.redis_fail_open,
         prefix=config.redis_prefix,
+        local_clock=clock,
     )
 
 
-def _billable_tokens(exchange: _Exchange) -> int | None:
-    """The tokens to charge the key for in the end: the upstream's usage; none when the request failed without
-    reaching an engine that generated anything (refused upstream, no replica, queue timeout); unknown (the estimate
-    stays charged) otherwise, e.g. a client that left mid-request."""
-    used = exchange.used_tokens()
+def _billable_tokens(exchange: _Exchange, tokens: tuple[int | None, int | None]) -> int | None:
+    """The tokens to charge the key for in the end, from its TOKENS (`_Exchange.token_counts`): the upstream's
+    usage, or for a stream that ended early (client gone, cut at shutdown, upstream failure) the prompt estimate
+    plus the tokens it delivered; none when the request failed before any engine answered it (refused upstream, no
+    replica, queue timeout, cut while waiting); unknown (the estimate stays charged) when the client left before an
+    answer, since the engine may have worked for it."""
+    used = exchange.used_tokens(tokens)
     if used is None and exchange.ttft_s is None and exchange.status >= 400 and exchange.status != ClientGone.status:
         return 0
     return used
@@ -606,14 +759,14 @@ def _header(scope: Scope, wanted: bytes) -> bytes | None:
     return None
 
 
-async def _read_body(receive: Receive, content_length: int | None, limit: int) -> bytes:
+async def _read_body(receive: Receive, content_length: int | None, limit: int, scope: Scope) -> bytes:
     if content_length is not None and content_length > limit:
         raise BodyTooLarge(f"the request body is {content_length} bytes; the limit is {limit}")
     message = await receive()
     body = message.get("body", b"")
     if not message.get("more_body"):
         if message["type"] == "http.disconnect":
-            raise ClientGone("the client went away before sending its request")
+            raise _gone_while_reading(scope)
         if len(body) > limit:
             raise BodyTooLarge(f"the request body is over the limit of {limit} bytes")
         return bytes(body)
@@ -622,12 +775,30 @@ async def _read_body(receive: Receive, content_length: int | None, limit: int) -
     while message.get("more_body"):
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise ClientGone("the client went away while sending its request")
+            raise _gone_while_reading(scope)
         parts.append(message.get("body", b""))
         size += len(parts[-1])
         if size > limit:
             raise BodyTooLarge(f"the request body is over the limit of {limit} bytes")
     return b"".join(parts)
+
+
+def _gone_while_reading(scope: Scope) -> GatewayError:
+    """The server's body timeout (connections.py marks the scope) or the client's own disconnect."""
+    timeout_s = scope.get(BODY_TIMEOUT_SCOPE_KEY)
+    if timeout_s is not None:
+        return RequestTimeout(f"the request body did not arrive within {timeout_s:g} s")
+    return ClientGone("the client went away before its request was complete")
+
+
+def _or_dash(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _client_text(client: Any) -> str:
+    if isinstance(client, (tuple, list)) and len(client) == 2:
+        return f"{client[0]}:{client[1]}"
+    return "-"
 
 
 async def _watch_disconnect(receive: Receive, exchange: _Exchange, task: asyncio.Task[Any] | None) -> None:

@@ -47,7 +47,7 @@ class EngineLoad:
     waiting: float
     running: float
     kv_cache_usage: float  # 0..1
-    scraped_at_s: float  # time.monotonic() of the scrape
+    scraped_at_s: float  # when it was scraped, by the gateway's clock (time.monotonic by default)
 
 
 class BalancingPolicy(Protocol):
@@ -309,6 +309,7 @@ class PolicySettings:
 
     score_weights: Mapping[str, float] = field(default_factory=dict)
     engine_metrics_interval_s: float = 0.2
+    clock: Callable[[], float] = time.monotonic  # what the engines' load is timed by (the gateway's clock)
 
 
 POLICIES: dict[str, Callable[[PolicySettings], BalancingPolicy]] = {
@@ -317,7 +318,9 @@ POLICIES: dict[str, Callable[[PolicySettings], BalancingPolicy]] = {
     PrefixAffinity.name: lambda settings: PrefixAffinity(),
     SessionAffinity.name: lambda settings: SessionAffinity(),
     EngineAware.name: lambda settings: EngineAware(
-        settings.score_weights, stale_after_s=max(1.0, 5 * settings.engine_metrics_interval_s)
+        settings.score_weights,
+        stale_after_s=max(1.0, 5 * settings.engine_metrics_interval_s),
+        clock=settings.clock,
     ),
 }
 

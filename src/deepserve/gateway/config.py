@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -38,6 +39,30 @@ class GatewayConfig(Section):
     health_check_interval_s: float = Field(1.0, gt=0, description="seconds between upstream health checks")
     connect_timeout_s: float = Field(3.0, gt=0, description="upstream connect timeout")
     upstream_timeout_s: float = Field(600.0, gt=0, description="longest silence from an upstream mid-request")
+    first_byte_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="longest wait for a replica's response head on a streamed request; then the replica leaves "
+        "rotation and the request is retried on another",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a client must send its request line and headers within this (else 408, closed)"
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="a client must send its whole body within this after its headers (else 408, closed)"
+    )
+    max_header_bytes: int = Field(
+        65536, ge=4096, description="largest request line plus headers accepted (431 and closed beyond)"
+    )
+    max_connections: int = Field(
+        8192,
+        ge=1,
+        description="most client connections open at once (per worker with --workers); beyond it a new one gets "
+        "503 and is closed",
+    )
+    shutdown_grace_s: float = Field(
+        5.0, ge=0, description="on SIGTERM, time in-flight requests get to finish before streams are cut"
+    )
     model_alias: list[str] = Field(
         default_factory=list, description="ALIAS=MODEL: clients may call MODEL by ALIAS; repeat for several"
     )
@@ -45,7 +70,7 @@ class GatewayConfig(Section):
         None, ge=1, description="context length for max_tokens validation (default: from the upstream /v1/models)"
     )
     log_bodies: bool = Field(False, description="store prompt and completion text in the usage ledger (opt-in)")
-    access_log: bool = Field(False, description="log one line per request to stderr")
+    access_log: bool = Field(False, description="print one line per request to stderr")
     redis_url: str | None = Field(
         None,
         description="share rpm/tpm, concurrency and revocations with every gateway using this Redis "
@@ -175,10 +200,18 @@ def is_loopback(host: str) -> bool:
 
 
 def gateway_home() -> Path:
-    """Keys and the usage ledger live here (created 0700: it holds key hashes)."""
+    """Keys and the usage ledger live here (0700: it holds key hashes and who used what)."""
     path = deepserve_home() / "gateway"
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_private_dir(path)
     return path
+
+
+def make_private_dir(path: Path) -> None:
+    """Create PATH (and its parents) if needed, and leave PATH itself accessible to its owner only (0700)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = path.stat()
+    if info.st_mode & 0o077 and info.st_uid == os.getuid():  # an existing directory of ours, too open
+        path.chmod(0o700)
 
 
 def gateway_argv(config: GatewayConfig, python: str = sys.executable) -> list[str]:

@@ -23,6 +23,8 @@ from deepserve.gateway.upstreams import UpstreamPool, UpstreamReplica
 
 log = logging.getLogger(__name__)
 
+Clock = Callable[[], float]
+
 # A scrape that takes longer than this many intervals is abandoned (the replica's load is then unknown).
 SCRAPE_TIMEOUT_INTERVALS = 5
 
@@ -74,10 +76,13 @@ def _sample_values(text: str, name: str) -> list[float]:
 class EngineLoadScraper:
     """Keeps LOADS ({replica URL: EngineLoad}) current for POOL's healthy replicas."""
 
-    def __init__(self, pool: UpstreamPool, loads: dict[str, EngineLoad], interval_s: float) -> None:
+    def __init__(
+        self, pool: UpstreamPool, loads: dict[str, EngineLoad], interval_s: float, clock: Clock = time.monotonic
+    ) -> None:
         self.pool = pool
         self.loads = loads
         self.interval_s = interval_s
+        self._clock = clock  # stamps each load; the policy judges its age by the same clock
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -113,4 +118,4 @@ class EngineLoadScraper:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             self.loads.pop(replica.url, None)
             return
-        self.loads[replica.url] = parse_engine_load(text, time.monotonic())
+        self.loads[replica.url] = parse_engine_load(text, self._clock())

@@ -2,21 +2,23 @@
 replica, so that a client of the gateway (`deepserve bench` among them) sees the engines' own series (running and
 waiting requests, KV-cache usage, prefix-cache hits, preemptions) through the gateway's port alone. The `replica`
 label is the upstream URL as configured (the config has no other name for a replica), so the answer does show the
-internal URLs; docs/GATEWAY.md says so.
+internal URLs: when the gateway requires keys, the app answers only callers with a valid key (docs/GATEWAY.md).
 
-The endpoint needs no key, so its callers must not be able to drive the engines' /metrics: concurrent requests
-share one scrape, and its result is answered for CACHE_S after it (at most 1/CACHE_S scrapes per second per
-replica, however many callers).
+Its callers must not be able to drive the engines' /metrics (on an open gateway anyone may call it): concurrent
+requests share one scrape, and its result is answered for CACHE_S after it (at most 1/CACHE_S scrapes per second
+per replica, however many callers).
 
 Samples are regrouped by metric family across replicas (one HELP/TYPE header per family), because Prometheus text
 format requires a family's samples to be contiguous. A replica that does not answer is named in a comment line and
-left out; the endpoint itself always answers 200 (an empty body when no replica is healthy). Like the gateway's own
-/metrics it needs no key: engines put model names and counts in their series, never secrets (docs/GATEWAY.md).
+left out; the endpoint itself always answers 200 (an empty body when no replica is healthy). Engines put model
+names and counts in their series, never secrets.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -107,16 +109,16 @@ async def _scrape(pool: UpstreamPool, replica: UpstreamReplica) -> tuple[str | N
 class EngineMetricsCache:
     """The merged exposition of POOL's replicas: one scrape for all concurrent callers, reused for CACHE_S."""
 
-    def __init__(self, pool: UpstreamPool, cache_s: float = CACHE_S) -> None:
+    def __init__(self, pool: UpstreamPool, cache_s: float = CACHE_S, clock: Callable[[], float] = time.monotonic):
         self.pool = pool
         self.cache_s = cache_s
+        self._clock = clock
         self._body = b""
         self._scraped_at_s = float("-inf")
         self._scrape: asyncio.Task[bytes] | None = None
 
     async def body(self) -> bytes:
-        loop = asyncio.get_running_loop()
-        if loop.time() - self._scraped_at_s < self.cache_s:
+        if self._clock() - self._scraped_at_s < self.cache_s:
             return self._body
         if self._scrape is None:
             self._scrape = asyncio.create_task(self._refresh(), name="engine-metrics-scrape")
@@ -127,7 +129,7 @@ class EngineMetricsCache:
         try:
             texts, errors = await scrape_replicas(self.pool)
             self._body = merge_exposition(texts, errors).encode()
-            self._scraped_at_s = asyncio.get_running_loop().time()
+            self._scraped_at_s = self._clock()
             return self._body
         finally:
             self._scrape = None

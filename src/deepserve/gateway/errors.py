@@ -7,18 +7,33 @@ from __future__ import annotations
 
 import json
 
+# The longest error text the usage ledger keeps for one request (an upstream's message is cut to this).
+MAX_LEDGER_ERROR_CHARS = 300
+
 
 class GatewayError(Exception):
+    """MESSAGE is what the client reads. LEDGER_MESSAGE, when given, is what the usage ledger keeps instead: the
+    same error without the client's own text (a model name, a parameter's value), which the ledger only stores with
+    --log-bodies."""
+
     status = 500
     error_type = "server_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, ledger_message: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
+        self.ledger_message = ledger_message
+
+    def ledger_text(self) -> str:
+        """What the usage ledger records: bounded, and free of request text when the error names it."""
+        text = self.ledger_message if self.ledger_message is not None else self.message
+        return bound_text(text)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return []
@@ -42,6 +57,14 @@ class InvalidRequest(GatewayError):
     status = 400
     error_type = "invalid_request_error"
     code = "invalid_request"
+
+
+class RequestTimeout(GatewayError):
+    """The client did not finish sending its request in time (the server's body read timeout)."""
+
+    status = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class AuthenticationFailed(GatewayError):
@@ -158,9 +181,27 @@ class NoHealthyUpstream(UpstreamError):
     retryable = False
 
 
+class GatewayShuttingDown(GatewayError):
+    """The gateway stopped (SIGTERM) and its grace period ended before this request did."""
+
+    status = 503
+    error_type = "server_error"
+    code = "gateway_shutdown"
+
+
 class ClientGone(GatewayError):
     """The client closed the connection; nothing can be sent (nginx's 499, for the ledger and metrics)."""
 
     status = 499
     error_type = "client_closed_request"
     code = "client_closed_request"
+
+
+def bound_text(text: str, limit: int = MAX_LEDGER_ERROR_CHARS) -> str:
+    """TEXT cut to LIMIT characters (marked with an ellipsis) and made encodable as UTF-8 (a lone surrogate becomes
+    '?'), so that it can always be stored."""
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    if not text.isascii():
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    return text

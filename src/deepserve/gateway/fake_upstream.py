@@ -65,6 +65,8 @@ class FakeBehaviour:
     metrics_text: bytes | None = None  # its /metrics verbatim instead of the load above
     metrics_delay_s: float = 0.0  # answer /metrics this late
     lockstep: bool = False  # all streams get their tokens in one engine step every itl_ms
+    silent: bool = False  # accept every request and answer none while set (a hung engine: alive, but silent)
+    token_gate: asyncio.Semaphore | None = None  # when given, each streamed token waits for one release (tests)
 
 
 class FakeUpstream:
@@ -77,6 +79,8 @@ class FakeUpstream:
         if scope["type"] != "http":
             return
         path = scope["path"]
+        while self.behaviour.silent and path != "/stats":
+            await asyncio.sleep(0.01)
         if path == "/health":
             if self.behaviour.health_delay_s:
                 await asyncio.sleep(self.behaviour.health_delay_s)
@@ -124,6 +128,8 @@ class FakeUpstream:
 
     async def _generate(self, path: str, receive: Receive, send: Send) -> None:
         body = await _read(receive)
+        if not body:  # the client went away (while we were silent)
+            return
         request = json.loads(body)
         self.stats.requests += 1
         self.stats.bodies = [*self.stats.bodies[-9:], request]
@@ -159,6 +165,8 @@ class FakeUpstream:
             delay_s = self.behaviour.ttft_ms / 1000
             lockstep_s = self.behaviour.itl_ms / 1000 if self.behaviour.lockstep else 0.0
             for index in range(tokens):
+                if self.behaviour.token_gate is not None:
+                    await self.behaviour.token_gate.acquire()
                 if delay_s:
                     await asyncio.sleep(delay_s)
                 if lockstep_s:
@@ -293,7 +301,9 @@ async def running_fake_upstream(
 ) -> AsyncIterator[tuple[FakeUpstream, str]]:
     """A fake upstream serving in this event loop until the block ends; yields it and its base URL."""
     app = FakeUpstream(behaviour)
-    server = _QuietServer(uvicorn_config(app, port))
+    config = uvicorn_config(app, port)
+    config.timeout_graceful_shutdown = 2  # a test that failed may leave a request waiting (token_gate) forever
+    server = _QuietServer(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -303,6 +313,7 @@ async def running_fake_upstream(
     try:
         yield app, f"http://127.0.0.1:{bound}/v1"
     finally:
+        app.behaviour.silent = False  # requests it held would keep the server from stopping
         server.should_exit = True
         await task
 

@@ -4,9 +4,14 @@ keep-alive connections per origin.
 It does only what the gateway needs from an engine (POST a JSON body or GET, read a response whole or as it
 arrives) and does it with little work per event: the body chunk the parser hands over is queued as is, a read
 wakes one future, and the read timeout is one timer per response that is moved only when it fires (an idle check),
-not re-armed on every chunk, and paused while we stop reading for a slow reader. Host names are resolved once per
-DNS_TTL_S, not per connection. Upstream failures are OSErrors (ConnectFailed, IncompleteResponse, TimeoutError);
-the upstream pool maps them to the gateway's, and lets anything else (our bugs) through."""
+not re-armed on every chunk, and paused while we stop reading for a slow reader. A request may also set a deadline
+for the response head (the first-byte timeout), checked by the same timer. Host names are resolved once per
+DNS_TTL_S, not per connection. Upstream failures are OSErrors (ConnectFailed, IncompleteResponse, TimeoutError,
+FirstByteTimeout, Abandoned); the upstream pool maps them to the gateway's, and lets anything else (our bugs)
+through.
+
+Every deadline is computed from an injected clock (`clock`, time.monotonic by default); the event loop's timers
+only decide when to look. Tests move a fake clock and call `check_timeouts` or `sweep_idle` instead of sleeping."""
 
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ DNS_TTL_S = 60.0
 
 # (host, port) -> the IP addresses to try, in order.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
+Clock = Callable[[], float]
 
 
 async def system_resolve(host: str, port: int) -> list[str]:
@@ -45,6 +51,14 @@ class IncompleteResponse(ConnectionError):
 
 class ConnectFailed(ConnectionError):
     """No connection could be opened (refused, unreachable, unknown host): nothing was sent."""
+
+
+class FirstByteTimeout(TimeoutError):
+    """The upstream accepted the request but sent no response head within the request's first-byte timeout."""
+
+
+class Abandoned(ConnectionError):
+    """The request was given up while it waited for the response head (`HttpClient.abort_waiting`)."""
 
 
 class HttpResponse:
@@ -88,8 +102,11 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, pool: HttpClient, origin: tuple[str, int, bool], read_timeout_s: float) -> None:
         self._pool = pool
+        self._clock = pool.clock
         self.origin = origin
         self._read_timeout_s = read_timeout_s
+        self._head_deadline_s: float | None = None  # when the response head must have arrived (first-byte timeout)
+        self.awaiting_head = False  # a request was sent and its response head has not arrived
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._chunks: collections.deque[bytes] = collections.deque()
@@ -111,7 +128,7 @@ class _Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
-        self._last_data_s = time.monotonic()
+        self._last_data_s = self._clock()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -164,8 +181,8 @@ class _Connection(asyncio.Protocol):
     def reusable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
 
-    async def exchange(self, head: bytes, body: bytes) -> HttpResponse:
-        """Send a request; return once the response's head arrived."""
+    async def exchange(self, head: bytes, body: bytes, head_timeout_s: float | None = None) -> HttpResponse:
+        """Send a request; return once the response's head arrived (within HEAD_TIMEOUT_S, when given)."""
         if self._transport is None:  # the upstream closed it between connect (or the pool) and now
             raise IncompleteResponse("the upstream closed the connection before the request was sent")
         self._parser = httptools.HttpResponseParser(self)
@@ -176,10 +193,16 @@ class _Connection(asyncio.Protocol):
         self._transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self._transport.write(body)
-        self._last_data_s = time.monotonic()
-        self._arm_timer()
-        while not self._head_done:
-            await self._wait()
+        now_s = self._last_data_s = self._clock()
+        self._head_deadline_s = None if head_timeout_s is None else now_s + head_timeout_s
+        self.awaiting_head = True
+        self.check_deadlines()  # arms the timer for the nearer of the two deadlines
+        try:
+            while not self._head_done:
+                await self._wait()
+        finally:
+            self.awaiting_head = False
+            self._head_deadline_s = None
         status = self._parser.get_status_code()
         return HttpResponse(self, status)
 
@@ -219,29 +242,41 @@ class _Connection(asyncio.Protocol):
 
     def _resume(self) -> None:
         self._paused = False
-        self._last_data_s = time.monotonic()
+        self._last_data_s = self._clock()
         if self._transport is not None:
             self._transport.resume_reading()
 
-    def _arm_timer(self) -> None:
-        if self._timer is None:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_at(loop.time() + self._read_timeout_s, self._check_idle)
-
-    def _check_idle(self) -> None:
-        """The read timeout: fires at most once per timeout, and moves on while data keeps arriving."""
-        self._timer = None
+    def check_deadlines(self) -> None:
+        """Fail the exchange when its response head is overdue or the upstream was silent for the read timeout;
+        otherwise arm the timer for the nearer deadline. One timer per response, moved only when it fires (not on
+        every chunk)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._complete or self._transport is None:
             return
+        now_s = self._clock()
         if self._paused:  # no data because we do not read: the upstream's clock starts again when we do
-            self._last_data_s = time.monotonic()
-        idle_s = time.monotonic() - self._last_data_s
+            self._last_data_s = now_s
+        if self._head_deadline_s is not None and not self._head_done and now_s >= self._head_deadline_s:
+            waited_s = now_s - self._last_data_s
+            self._fail(FirstByteTimeout(f"no response head from the upstream within {waited_s:.1f} s"))
+            self.close()
+            return
+        idle_s = now_s - self._last_data_s
         if idle_s >= self._read_timeout_s:
             self._fail(TimeoutError(f"no data from the upstream for {idle_s:.1f} s"))
             self.close()
             return
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_at(loop.time() + self._read_timeout_s - idle_s, self._check_idle)
+        due_in_s = self._read_timeout_s - idle_s
+        if self._head_deadline_s is not None and not self._head_done:
+            due_in_s = min(due_in_s, self._head_deadline_s - now_s)
+        self._timer = asyncio.get_running_loop().call_later(due_in_s, self.check_deadlines)
+
+    def abandon(self, reason: str) -> None:
+        """Give up the request waiting on this connection: its reader gets Abandoned(REASON)."""
+        self._fail(Abandoned(reason))
+        self.close()
 
     def release(self) -> None:
         if self._timer is not None:
@@ -252,7 +287,7 @@ class _Connection(asyncio.Protocol):
         if self._complete and not self._chunks and self._keep_alive and self.reusable:
             if self._paused:
                 self._resume()
-            self.idle_since_s = time.monotonic()
+            self.idle_since_s = self._clock()
             self._pool.put_back(self)
         else:
             self.close()
@@ -301,7 +336,9 @@ class HttpClient:
         idle_s: float,
         dns_ttl_s: float = DNS_TTL_S,
         resolve: Resolver = system_resolve,
+        clock: Clock = time.monotonic,
     ) -> None:
+        self.clock = clock
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.idle_s = idle_s
@@ -313,24 +350,27 @@ class HttpClient:
         self._all: set[_Connection] = set()
         self._ssl: ssl.SSLContext | None = None
 
-    async def request(self, method: str, origin: Origin, target: str, body: bytes = b"") -> HttpResponse:
+    async def request(
+        self, method: str, origin: Origin, target: str, body: bytes = b"", *, head_timeout_s: float | None = None
+    ) -> HttpResponse:
         """METHOD TARGET with a JSON BODY; the response once its head arrived. Raises ConnectFailed (nothing was
-        sent), ConnectionError (the connection dropped), TimeoutError (connect or read). Anything else is a bug of
-        ours (e.g. a TARGET that is not latin-1) and is raised before a connection is taken."""
+        sent), ConnectionError (the connection dropped; Abandoned when `abort_waiting` gave it up), TimeoutError
+        (connect or read; FirstByteTimeout when no head came within HEAD_TIMEOUT_S). Anything else is a bug of ours
+        (e.g. a TARGET that is not latin-1) and is raised before a connection is taken."""
         head = (
             f"{method} {target} HTTP/1.1\r\nHost: {origin.host_header}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
         connection = self._take_idle(origin.key) or await self._connect(origin)
         try:
-            return await connection.exchange(head, body)
+            return await connection.exchange(head, body, head_timeout_s)
         except BaseException:
             connection.close()
             raise
 
     def _take_idle(self, origin: tuple[str, int, bool]) -> _Connection | None:
         idle = self._idle.get(origin)
-        now_s = time.monotonic()
+        now_s = self.clock()
         while idle:
             connection = idle.pop()
             if connection.reusable and now_s - connection.idle_since_s < self.idle_s:
@@ -361,7 +401,7 @@ class HttpClient:
     ) -> _Connection:
         where = (origin.host, origin.port)
         cached = self._addresses.get(where)
-        if cached is not None and time.monotonic() < cached[0]:
+        if cached is not None and self.clock() < cached[0]:
             try:
                 return await self._open(loop, origin, cached[1], tls)
             except OSError:
@@ -369,7 +409,7 @@ class HttpClient:
         addresses = await self._resolve(origin.host, origin.port)
         if not addresses:
             raise OSError(f"{origin.host} resolved to no address")
-        self._addresses[where] = (time.monotonic() + self.dns_ttl_s, addresses)
+        self._addresses[where] = (self.clock() + self.dns_ttl_s, addresses)
         return await self._open(loop, origin, addresses, tls)
 
     async def _open(
@@ -408,13 +448,29 @@ class HttpClient:
             idle.remove(connection)
 
     async def _sweep(self) -> None:
-        """Close connections idle for longer than IDLE_S (before the server closes them under a request)."""
         while True:
             await asyncio.sleep(self.idle_s / 2)
-            now_s = time.monotonic()
-            for idle in self._idle.values():
-                for connection in [c for c in idle if now_s - c.idle_since_s >= self.idle_s]:
-                    connection.close()
+            self.sweep_idle()
+
+    def sweep_idle(self) -> None:
+        """Close connections idle for longer than IDLE_S (before the server closes them under a request)."""
+        now_s = self.clock()
+        for idle in self._idle.values():
+            for connection in [c for c in idle if now_s - c.idle_since_s >= self.idle_s]:
+                connection.close()
+
+    def check_timeouts(self) -> None:
+        """Check every open connection's deadlines now (what their timers do when they fire)."""
+        for connection in list(self._all):
+            connection.check_deadlines()
+
+    def abort_waiting(self, origin: Origin, reason: str) -> int:
+        """Give up every request to ORIGIN that still waits for its response head (the caller may send it
+        elsewhere); responses already under way are left alone. Returns how many were given up."""
+        waiting = [c for c in self._all if c.origin == origin.key and c.awaiting_head]
+        for connection in waiting:
+            connection.abandon(reason)
+        return len(waiting)
 
     async def close(self) -> None:
         if self._sweeper is not None:

@@ -130,15 +130,17 @@ class _QueueTimeout(Exception):
 
 class AdmissionQueue:
     """At most MAX_CONCURRENCY requests forwarded at once; up to MAX_QUEUE more wait (FIFO) up to TIMEOUT_S.
-    A freed slot is handed directly to the oldest waiter, so no newcomer can overtake the queue."""
+    A freed slot is handed directly to the oldest waiter, so no newcomer can overtake the queue. Waits are timed by
+    CLOCK; a timer per waiter looks when one is due, and `expire_overdue` looks at once (for tests)."""
 
-    def __init__(self, max_concurrency: int, max_queue: int, timeout_s: float) -> None:
+    def __init__(self, max_concurrency: int, max_queue: int, timeout_s: float, clock: Clock = time.monotonic) -> None:
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
         self.timeout_s = timeout_s
         self.in_flight = 0
         self.waiting = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._clock = clock
+        self._waiters: collections.deque[tuple[float, asyncio.Future[None]]] = collections.deque()  # (deadline, slot)
 
     async def acquire(self) -> None:
         if self.in_flight < self.max_concurrency and not self.waiting:
@@ -154,8 +156,9 @@ class AdmissionQueue:
     async def _wait_for_slot(self) -> None:
         loop = asyncio.get_running_loop()
         slot: asyncio.Future[None] = loop.create_future()
-        timer = loop.call_later(self.timeout_s, _expire, slot)
-        self._waiters.append(slot)
+        deadline_s = self._clock() + self.timeout_s
+        timer = loop.call_later(self.timeout_s, self._expire_when_due, deadline_s, slot)
+        self._waiters.append((deadline_s, slot))
         self.waiting += 1
         try:
             await slot
@@ -173,11 +176,26 @@ class AdmissionQueue:
 
     def release(self) -> None:
         while self._waiters:
-            slot = self._waiters.popleft()
+            _, slot = self._waiters.popleft()
             if not slot.done():
                 slot.set_result(None)  # the slot moves to the waiter: in_flight stays the same
                 return
         self.in_flight -= 1
+
+    def expire_overdue(self) -> None:
+        """Time out every wait that is past its deadline by the clock."""
+        now_s = self._clock()
+        while self._waiters and self._waiters[0][0] <= now_s:
+            _expire(self._waiters.popleft()[1])
+
+    def _expire_when_due(self, deadline_s: float, slot: asyncio.Future[None]) -> None:
+        if slot.done():
+            return
+        remaining_s = deadline_s - self._clock()
+        if remaining_s > 0:  # the loop's timer ran ahead of the clock: look again then
+            asyncio.get_running_loop().call_later(remaining_s, self._expire_when_due, deadline_s, slot)
+            return
+        _expire(slot)
 
 
 def _expire(slot: asyncio.Future[None]) -> None:
@@ -234,7 +252,7 @@ class LocalLimiter:
     for a slot in the queue, so the request path pays no more than it did before the Limiter interface."""
 
     def __init__(self, max_concurrency: int, max_queue: int, queue_timeout_s: float, clock: Clock = time.monotonic):
-        self.queue = AdmissionQueue(max_concurrency, max_queue, queue_timeout_s)
+        self.queue = AdmissionQueue(max_concurrency, max_queue, queue_timeout_s, clock)
         self._clock = clock
         self._keys: dict[str, KeyLimiter] = {}
 
@@ -251,6 +269,10 @@ class LocalLimiter:
 
     async def close(self) -> None:
         pass
+
+    def expire_overdue(self) -> None:
+        """Time out every wait for a slot that is past its deadline by the clock (what the waiters' timers do)."""
+        self.queue.expire_overdue()
 
     async def admit(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> Admission:
         return self.admit_now(key_id, limits, charged_tokens)

@@ -4,20 +4,24 @@ live state (queue depth, in-flight, replica health) are read only when /metrics 
 With several worker processes (`--workers N`) every worker writes its counters and histograms to files in
 PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode; the supervisor sets it) and /metrics, answered by
 whichever worker gets the scrape, adds up all workers' files: the series are the same as with one process. The live
-gauges are then copied into such files once a second by every worker (`publish_live_state`): queue depth and in-flight
-counts are summed over the live workers, a replica counts as healthy only if every worker has it in rotation."""
+state (queue, in-flight, replicas, client connections, the ledger's counts) is then copied into such files once a
+second and at each scrape by every worker (`publish_live_state`): queue depth, in-flight and connection counts are
+summed over the live workers, a replica (or Redis) counts as up only if every worker has it; the counts of refused
+connections and of ledger rows are counters, so a worker's counts outlive it."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from deepserve.gateway.connections import REFUSAL_REASONS, ConnectionGuard
+from deepserve.gateway.ledger import UsageLedger
 from deepserve.gateway.limits import Limiter
 from deepserve.gateway.upstreams import UpstreamPool
 
@@ -30,7 +34,13 @@ _ITL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.
 
 
 class GatewayMetrics:
-    def __init__(self, pool: UpstreamPool, limiter: Limiter) -> None:
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        limiter: Limiter,
+        connections: ConnectionGuard | None = None,
+        ledger: Callable[[], UsageLedger | None] = lambda: None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_ENV) or None
         r = self.registry
@@ -71,10 +81,13 @@ class GatewayMetrics:
         self.redis_errors = Counter(
             "deepserve_gateway_redis_errors", "Failed calls to the shared limits' Redis", registry=r
         )
-        self._live = _LiveState(pool, limiter)
-        self._live_gauges = _MultiprocessGauges() if self.multiprocess_dir else None
-        if self._live_gauges is None:
-            r.register(self._live)
+        self._live: list[Collector] = [_LiveState(pool, limiter), _LedgerState(ledger)]
+        if connections is not None:
+            self._live.append(_ConnectionState(connections))
+        self._live_files = _MultiprocessLiveState() if self.multiprocess_dir else None
+        if self._live_files is None:
+            for collector in self._live:
+                r.register(collector)
         # Labelled children, looked up once: prometheus_client's labels() validates and locks on every call.
         self._requests: dict[tuple[str, str, int], Any] = {}
         self._tokens: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -110,9 +123,9 @@ class GatewayMetrics:
             limiter.on_error = self.redis_errors.inc
 
     def publish_live_state(self) -> None:
-        """Several workers: copy this worker's live gauges where the others' /metrics can add them up."""
-        if self._live_gauges is not None:
-            self._live_gauges.copy(self._live)
+        """Several workers: copy this worker's live state where the others' /metrics can add it up."""
+        if self._live_files is not None:
+            self._live_files.copy(self._live)
 
     def render(self) -> bytes:
         if self.multiprocess_dir is None:
@@ -158,35 +171,85 @@ class _LiveState(Collector):
         yield outstanding
 
 
-class _MultiprocessGauges:
-    """The live gauges as prometheus_client multiprocess gauges (one file per worker, combined at scrape time)."""
+class _ConnectionState(Collector):
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self.guard = guard
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("deepserve_gateway_connections", "Client connections open", len(self.guard.open))
+        refused = CounterMetricFamily(
+            "deepserve_gateway_connections_refused",
+            "Client connections answered and closed by the server's limits, by reason",
+            labels=["reason"],
+        )
+        for reason in REFUSAL_REASONS:
+            refused.add_metric([reason], self.guard.refused[reason])
+        yield refused
+
+
+class _LedgerState(Collector):
+    def __init__(self, ledger: Callable[[], UsageLedger | None]) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[Metric]:
+        ledger = self.ledger()
+        if ledger is None:
+            return
+        stats = ledger.stats
+        for name, help_text, value in (
+            ("rows_written", "Usage ledger rows committed", stats.written),
+            ("write_failures", "Failed usage ledger writes (each retried, the row kept)", stats.write_failures),
+            ("rows_repaired", "Usage ledger rows stored only after unstorable text was replaced or left out",
+             stats.rows_repaired),
+            ("rows_lost", "Usage ledger rows given up (the database stayed unwritable)", stats.rows_lost),
+        ):  # fmt: skip
+            yield CounterMetricFamily(f"deepserve_gateway_ledger_{name}", help_text, value)
+        yield GaugeMetricFamily("deepserve_gateway_ledger_pending_rows", "Usage rows not yet written", ledger.pending)
+
+
+# Live gauges combined over the workers by their minimum (1 only if every worker says 1); the others are summed.
+_MINIMUM_OVER_WORKERS = frozenset({"deepserve_gateway_redis_up", "deepserve_gateway_upstream_healthy"})
+
+
+class _MultiprocessLiveState:
+    """The live collectors' series as prometheus_client multiprocess metrics (one file per worker, combined at
+    scrape time): a gauge is set to the value read (summed over the live workers, or their minimum), a counter is
+    advanced by what it grew since the last copy (so a worker's counts outlive it, as the request counters do)."""
 
     def __init__(self) -> None:
-        self.queue_depth = Gauge(
-            "deepserve_gateway_queue_depth", "Requests waiting for a slot", multiprocess_mode="livesum", registry=None
-        )
-        self.in_flight = Gauge(
-            "deepserve_gateway_in_flight", "Requests being forwarded", multiprocess_mode="livesum", registry=None
-        )
-        self.redis_up = Gauge(
-            "deepserve_gateway_redis_up", "1 while the shared limits' Redis answers (to every worker)",
-            multiprocess_mode="livemin", registry=None,
-        )  # fmt: skip
-        self.healthy = Gauge(
-            "deepserve_gateway_upstream_healthy", "1 if the replica is in rotation (in every worker)", ["replica"],
-            multiprocess_mode="livemin", registry=None,
-        )  # fmt: skip
-        self.outstanding = Gauge(
-            "deepserve_gateway_upstream_in_flight", "Requests in flight on the replica", ["replica"],
-            multiprocess_mode="livesum", registry=None,
-        )  # fmt: skip
+        self._gauges: dict[str, Gauge] = {}
+        self._counters: dict[str, Counter] = {}
+        self._copied: dict[tuple[str, tuple[str, ...]], float] = {}
 
-    def copy(self, live: _LiveState) -> None:
-        self.queue_depth.set(live.limiter.waiting)
-        self.in_flight.set(live.limiter.in_flight)
-        redis_up = getattr(live.limiter, "up", None)
-        if redis_up is not None:
-            self.redis_up.set(1.0 if redis_up else 0.0)
-        for replica in live.pool.replicas:
-            self.healthy.labels(replica.url).set(1.0 if replica.healthy else 0.0)
-            self.outstanding.labels(replica.url).set(replica.outstanding)
+    def copy(self, collectors: list[Collector]) -> None:
+        for collector in collectors:
+            for family in collector.collect():
+                for sample in family.samples:
+                    values = tuple(sample.labels.values())
+                    if family.type == "counter":
+                        if sample.name.endswith("_total"):
+                            self._advance(family, sample.labels, values, sample.value)
+                        continue
+                    gauge = self._gauge(family, sample.labels)
+                    (gauge.labels(*values) if values else gauge).set(sample.value)
+
+    def _gauge(self, family: Metric, labels: dict[str, str]) -> Gauge:
+        gauge = self._gauges.get(family.name)
+        if gauge is None:
+            minimum = family.name in _MINIMUM_OVER_WORKERS
+            gauge = self._gauges[family.name] = Gauge(
+                family.name, family.documentation + (" (in every worker)" if minimum else ""), list(labels),
+                multiprocess_mode="livemin" if minimum else "livesum", registry=None,
+            )  # fmt: skip
+        return gauge
+
+    def _advance(self, family: Metric, labels: dict[str, str], values: tuple[str, ...], total: float) -> None:
+        counter = self._counters.get(family.name)
+        if counter is None:
+            counter = self._counters[family.name] = Counter(
+                family.name, family.documentation, list(labels), registry=None
+            )
+        grown = total - self._copied.get((family.name, values), 0.0)
+        if grown > 0:
+            (counter.labels(*values) if values else counter).inc(grown)
+            self._copied[(family.name, values)] = total

@@ -1,8 +1,15 @@
-"""Run the gateway: uvicorn (httptools parser) on a uvloop event loop, one process.
+"""Run the gateway: uvicorn (httptools parser) on a uvloop event loop, in one process or, with `--workers N`, in N
+processes sharing the port (workers.py; each worker is what one process is here).
 
 `GATEWAY READY <base URL>` is printed on stdout once the socket accepts connections and the first round of upstream
 health checks is done; `config.gateway_argv` is the command line that runs the gateway as its own process (what
-`deepserve serve` supervises next to the engine)."""
+`deepserve serve` supervises next to the engine).
+
+Client connections are served by `connections.GuardedHttpProtocol` (uvicorn's httptools protocol with header and
+body deadlines, a header size limit and a connection limit). SIGTERM drains: the listening socket closes, requests
+in flight get `shutdown_grace_s` to finish, then the app cuts what is left (`GatewayApp.cut_in_flight`: streams end
+with an error event and their terminator), the usage ledger is flushed, and the exit code says whether every usage
+row was written."""
 
 from __future__ import annotations
 
@@ -10,6 +17,8 @@ import asyncio
 import contextlib
 import gc
 import logging
+import logging.handlers
+import queue
 import signal
 import socket
 import sys
@@ -19,19 +28,31 @@ from typing import Any
 
 import uvicorn
 
-from deepserve.gateway.app import GatewayApp
+from deepserve.gateway.app import GatewayApp, access_log
 from deepserve.gateway.config import GatewayConfig, base_url
 from deepserve.gateway.keys import KeyStore
 
 READY_PREFIX = "GATEWAY READY"
-_SHUTDOWN_GRACE_S = 5
+# After the app cut what was left at the end of the grace period, uvicorn waits this much longer for the cut
+# requests to write their last bytes before it cancels whatever still runs.
+_CUT_MARGIN_S = 2.0
+# The exit code when usage rows were lost (the ledger could not be written).
+EXIT_LEDGER_ROWS_LOST = 3
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, with a hook once the listening sockets are open."""
+    """uvicorn's server, with a hook once the listening sockets are open, and a drain that ends what is still in
+    flight when the grace period is over (uvicorn would only cancel it, cutting streams mid-chunk)."""
 
-    def __init__(self, config: uvicorn.Config, on_listening: Callable[[int], None], own_signals: bool = True) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        app: GatewayApp,
+        on_listening: Callable[[int], None],
+        own_signals: bool = True,
+    ) -> None:
         super().__init__(config)
+        self._app = app
         self._on_listening = on_listening
         self._own_signals = own_signals
 
@@ -55,6 +76,15 @@ class _Server(uvicorn.Server):
             port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
             self._on_listening(int(port))
 
+    async def shutdown(self, sockets: Any = None) -> None:
+        grace_s = self._app.config.shutdown_grace_s
+        reason = f"its {grace_s:g} s shutdown grace period ended first"
+        cut = asyncio.get_running_loop().call_later(grace_s, self._app.cut_in_flight, reason)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
+
 
 def _uvicorn_config(app: GatewayApp, config: GatewayConfig) -> uvicorn.Config:
     return uvicorn.Config(
@@ -62,23 +92,24 @@ def _uvicorn_config(app: GatewayApp, config: GatewayConfig) -> uvicorn.Config:
         host=config.host,
         port=config.port,
         loop="none",  # we run the loop (uvloop) ourselves
-        http="httptools",
+        http=app.connections.protocol_class(),  # httptools, with the gateway's deadlines and limits
         lifespan="off",  # the app is started before the server, so READY means upstreams were checked
-        access_log=config.access_log,
+        access_log=False,  # the app writes its own access log (with key, model, upstream and tokens)
         log_level="warning",
         server_header=False,
         date_header=False,
         proxy_headers=False,  # the gateway is the edge: X-Forwarded-* from clients are not trusted
         timeout_keep_alive=30,
-        timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
+        timeout_graceful_shutdown=config.shutdown_grace_s + _CUT_MARGIN_S,  # type: ignore[arg-type]
         backlog=4096,
     )
 
 
 async def serve(
     config: GatewayConfig, on_ready: Callable[[str], None], sockets: list[socket.socket] | None = None
-) -> None:
-    """Serve until SIGINT/SIGTERM (on SOCKETS when given: a worker of `--workers N`, see workers.py)."""
+) -> int:
+    """Serve until SIGINT/SIGTERM (on SOCKETS when given: a worker of `--workers N`, see workers.py); return the
+    number of usage rows that could not be written (0 normally)."""
     app = GatewayApp(config)
     await app.start()
 
@@ -87,10 +118,11 @@ async def serve(
         on_ready(base_url(config, port))
 
     try:
-        server = _Server(_uvicorn_config(app, config), listening)
+        server = _Server(_uvicorn_config(app, config), app, listening)
         await server.serve(sockets=sockets)
     finally:
         await app.close()
+    return app.lost_ledger_rows
 
 
 def freeze_startup_heap() -> None:
@@ -114,7 +146,7 @@ async def running_gateway(
     app = app or GatewayApp(config)
     await app.start()
     bound: list[int] = []
-    server = _Server(_uvicorn_config(app, config), bound.append, own_signals=False)
+    server = _Server(_uvicorn_config(app, config), app, bound.append, own_signals=False)
     task = asyncio.create_task(server.serve())
     try:
         while not bound:
@@ -130,7 +162,7 @@ async def running_gateway(
 
 
 def run_gateway(config: GatewayConfig) -> int:
-    """Blocking entry point for the CLI."""
+    """Blocking entry point for the CLI: 0 after a clean stop, EXIT_LEDGER_ROWS_LOST when usage rows were lost."""
     config.check_startable()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s gateway %(levelname)s %(message)s")
     if config.keys_required():
@@ -143,8 +175,49 @@ def run_gateway(config: GatewayConfig) -> int:
         from deepserve.gateway.workers import run_workers
 
         return run_workers(config, announce)
-    _run(serve(config, announce))
+    return serve_process(config, announce)
+
+
+def serve_process(
+    config: GatewayConfig, on_ready: Callable[[str], None], sockets: list[socket.socket] | None = None
+) -> int:
+    """One gateway process until SIGINT/SIGTERM (the whole gateway, or one of `--workers N`), with its access log,
+    on uvloop; its exit code: 0 after a clean stop, EXIT_LEDGER_ROWS_LOST when usage rows were lost."""
+    with _access_log_to_stderr(config.access_log):
+        lost = _run(serve(config, on_ready, sockets))
+    if lost:
+        print(
+            f"deepserve gateway: {lost} usage rows could not be written to the ledger (see the errors above)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_LEDGER_ROWS_LOST
     return 0
+
+
+@contextlib.contextmanager
+def _access_log_to_stderr(enabled: bool) -> Iterator[None]:
+    """When ENABLED, access-log lines go to stderr from a thread of their own: the event loop only puts a record on
+    a queue, and a slow terminal or pipe never stalls requests."""
+    if not enabled:
+        yield
+        return
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    to_stderr = logging.StreamHandler(sys.stderr)
+    to_stderr.setFormatter(logging.Formatter("%(asctime)s access %(message)s"))
+    listener = logging.handlers.QueueListener(records, to_stderr)
+    handler = logging.handlers.QueueHandler(records)
+    access_log.addHandler(handler)
+    access_log.setLevel(logging.INFO)
+    access_log.propagate = False  # not also through the root logger's format
+    listener.start()
+    try:
+        yield
+    finally:
+        listener.stop()  # writes what is queued
+        access_log.removeHandler(handler)
+        access_log.propagate = True
+        access_log.setLevel(logging.NOTSET)
 
 
 def _warn_if_no_keys() -> None:
@@ -162,15 +235,9 @@ def _warn_if_no_keys() -> None:
         )
 
 
-def run_event_loop(main: Any) -> None:
-    """Run the coroutine MAIN on uvloop (asyncio's loop where uvloop is missing)."""
-    _run(main)
-
-
-def _run(main: Any) -> None:
+def _run(main: Any) -> Any:
     try:
         import uvloop
     except ImportError:  # uvloop is Linux/macOS only; asyncio's loop works, only slower
-        asyncio.run(main)
-        return
-    uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)

@@ -12,7 +12,13 @@ Concurrency slots are leases: a sorted-set member whose score is its expiry. The
 lease/3 seconds; a gateway that dies stops renewing, and its slots expire after at most `--redis-lease-s`, so they
 never leak. Every script drops expired members before it counts.
 
-Time comes from Redis (`TIME`) so that gateways whose clocks differ agree, unless a clock is injected (tests).
+Time comes from Redis (`TIME`) so that gateways whose clocks differ agree, unless a clock is injected (tests). This
+gateway's own waits (a queued request's timeout, the pause after Redis failed, the fallback limits) are timed by
+`local_clock`, the gateway's injected clock.
+
+At shutdown (`close`) the releases still on their way to Redis (requests that ended during the drain, streams cut
+at its end) get up to `timeout_s` to arrive before the connection closes, so that a stopping gateway's slots and
+token refunds are not left to expire.
 
 When Redis cannot be reached the gateway fails closed: 503 `limiter_unavailable`, since admitting without the shared
 state would break the limits it promises. With `fail_open` it falls back to this process's own limits
@@ -297,6 +303,7 @@ class RedisLimiter:
         fail_open: bool = False,
         prefix: str = "deepserve:gateway:",
         clock: Clock | None = None,
+        local_clock: Clock = time.monotonic,
     ) -> None:
         self.url = url
         self.where = redis_where(url)
@@ -307,7 +314,7 @@ class RedisLimiter:
         self.timeout_s = timeout_s
         self.fail_open = fail_open
         self.names = RedisNames(prefix)
-        self.local = LocalLimiter(max_concurrency, max_queue, queue_timeout_s)
+        self.local = LocalLimiter(max_concurrency, max_queue, queue_timeout_s, local_clock)
         self.revoked_ids: set[str] = set()
         self.up = True
         self.fallbacks = 0  # requests admitted by the local limits because Redis was unreachable
@@ -315,6 +322,7 @@ class RedisLimiter:
         self.on_fallback: Callable[[], None] = lambda: None  # the app counts these in its metrics
         self.on_error: Callable[[], None] = lambda: None
         self._clock = clock
+        self._local_clock = local_clock
         self._failures = _redis_failures()
         self._down_until = 0.0
         self._timeouts_in_a_row = 0
@@ -324,6 +332,7 @@ class RedisLimiter:
         self._held: dict[str, Admission] = {}  # lease → admission, for renewal
         self._waiters: collections.deque[asyncio.Event] = collections.deque()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._releases: set[asyncio.Task[Any]] = set()  # of _tasks: releases not yet answered by Redis
         self._client: Any = None
         self._scripts: ScriptBatcher | None = None
         self._closing = False
@@ -349,6 +358,7 @@ class RedisLimiter:
 
     async def close(self) -> None:
         self._closing = True  # the listener checks it: redis-py's get_message can swallow a cancellation
+        await self.settle(self.timeout_s)  # requests that ended during the drain: their slots and tokens go back
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -357,10 +367,16 @@ class RedisLimiter:
         if self._client is not None:
             await self._client.aclose()
 
-    def _spawn(self, coroutine: Any, name: str) -> None:
+    async def settle(self, timeout_s: float | None = None) -> None:
+        """Wait until Redis has answered (or failed) every release sent so far, for at most TIMEOUT_S."""
+        if self._releases:
+            await asyncio.wait(set(self._releases), timeout=timeout_s)
+
+    def _spawn(self, coroutine: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coroutine, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # ---- the Limiter interface ----------------------------------------------------------------------------------
 
@@ -438,15 +454,14 @@ class RedisLimiter:
     async def _wait_for_slot(self, admission: Admission) -> None:
         """FIFO among this gateway's waiters: only the oldest asks Redis, when woken (a slot was freed here or
         announced by another gateway) or every SLOT_POLL_S; the others wait to become the oldest."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.queue_timeout_s
+        deadline = self._local_clock() + self.queue_timeout_s
         woken = asyncio.Event()
         self._waiters.append(woken)
         try:
             while True:
                 if self._waiters[0] is woken and await self._take_slot(admission):
                     return
-                remaining_s = deadline - loop.time()
+                remaining_s = deadline - self._local_clock()
                 if remaining_s <= 0:
                     raise Overloaded(
                         f"no capacity freed within {self.queue_timeout_s:g} s of queueing; retry later",
@@ -491,6 +506,13 @@ class RedisLimiter:
         self._held.pop(admission.lease, None)
         return True
 
+    def expire_overdue(self) -> None:
+        """Make every waiting request look at its deadline now (tests that move the clock call it); the waits on
+        local slots (Redis unreachable, fail_open) are timed out the same way."""
+        for woken in self._waiters:
+            woken.set()
+        self.local.expire_overdue()
+
     def _wake_oldest(self) -> None:
         if self._waiters:
             self._waiters[0].set()
@@ -512,7 +534,9 @@ class RedisLimiter:
             self._now(), admission.lease, tpm or 0, delta, 1 if had_slot else 0, self.max_concurrency,
             self.names.slots,
         ]  # fmt: skip
-        self._spawn(self._release(keys, args, had_slot), "redis-release")
+        task = self._spawn(self._release(keys, args, had_slot), "redis-release")
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _release(self, keys: list[str], args: list[Any], had_slot: bool) -> None:
         try:
@@ -586,7 +610,7 @@ class RedisLimiter:
     # ---- Redis unreachable --------------------------------------------------------------------------------------
 
     def _reachable(self) -> bool:
-        return self.up or time.monotonic() >= self._down_until
+        return self.up or self._local_clock() >= self._down_until
 
     def _mark_down(self, exc: BaseException) -> None:
         self.errors += 1
@@ -597,7 +621,7 @@ class RedisLimiter:
             if self._timeouts_in_a_row < TIMEOUTS_TO_DOWN:
                 log.warning("the shared limits' Redis at %s answered too late (%s)", self.where, self._last_error)
                 return
-        self._down_until = time.monotonic() + RETRY_S
+        self._down_until = self._local_clock() + RETRY_S
         if self.up:
             self.up = False
             then = "this gateway's own limits apply meanwhile" if self.fail_open else "requests get 503 meanwhile"

@@ -5,15 +5,19 @@ Requests go through `http_client.HttpClient` (a raw asyncio protocol with httpto
 third of aiohttp's CPU per request (benchmarks/upstream_client.py; figures in docs/PERFORMANCE.md). Health checks
 (once a second) and other side calls keep using aiohttp's session.
 
-A replica leaves rotation at once when a request to it fails to connect or drops mid-response (passive check),
-and comes back when its /health answers again (active check every `health_check_interval_s`)."""
+A replica leaves rotation at once when a request to it fails to connect or times out (passive check), or when its
+health check fails (active check every `health_check_interval_s`), and comes back when its /health answers again.
+When a replica leaves while another is healthy, the requests still waiting for its response head are given up
+(`HttpClient.abort_waiting`) so that the caller retries them on another replica instead of waiting for a silent
+one."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -26,7 +30,7 @@ from deepserve.gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from deepserve.gateway.http_client import ConnectFailed, HttpClient, HttpResponse, Origin
+from deepserve.gateway.http_client import ConnectFailed, FirstByteTimeout, HttpClient, HttpResponse, Origin
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,7 @@ class UpstreamPool:
         read_timeout_s: float = 600.0,
         health_check_interval_s: float = 1.0,
         max_model_len: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.replicas = [UpstreamReplica(url) for url in urls]
         self.policy = policy
@@ -86,10 +91,11 @@ class UpstreamPool:
         self.max_model_len_override = max_model_len
         self.models: dict[str, int | None] = {}  # the union over healthy replicas (read on every request)
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
-        self._health_timeout = aiohttp.ClientTimeout(total=max(0.5, min(2.0, health_check_interval_s * 2)))
+        # A check answered later than this counts as timed out (CHECK_TIMEOUTS_TO_FAIL in a row take a replica out).
+        self.health_timeout_s = max(0.5, min(2.0, health_check_interval_s * 2))
         self._session: aiohttp.ClientSession | None = None
-        self._client = HttpClient(
-            connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, idle_s=IDLE_CONNECTION_S
+        self.client = HttpClient(
+            connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, idle_s=IDLE_CONNECTION_S, clock=clock
         )
         self._health_task: asyncio.Task[None] | None = None
 
@@ -116,7 +122,7 @@ class UpstreamPool:
                 await self._health_task
         if self._session:
             await self._session.close()
-        await self._client.close()
+        await self.client.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -144,18 +150,29 @@ class UpstreamPool:
         return chosen
 
     def mark_down(self, replica: UpstreamReplica, reason: str) -> None:
+        """Take REPLICA out of rotation until a health check passes. While another replica is healthy, the
+        requests that wait for REPLICA's response head are given up, to be retried there; with no other replica
+        they keep waiting (an overloaded only replica is slow, and failing its requests would not help)."""
         if replica.healthy:
             log.warning("upstream %s taken out of rotation: %s", replica.url, reason)
         replica.healthy = False
         replica.last_error = reason
         self._update_models()
+        if any(other.healthy for other in self.replicas):
+            self.client.abort_waiting(
+                replica.origin, f"upstream {replica.url} left rotation ({reason}) before it answered"
+            )
 
     # ---- forwarding ---------------------------------------------------------------------------------------------
 
-    async def post(self, replica: UpstreamReplica, path: str, body: bytes) -> HttpResponse:
-        """Send BODY; return the response once its headers arrived. The caller must release or close it."""
+    async def post(
+        self, replica: UpstreamReplica, path: str, body: bytes, *, first_byte_timeout_s: float | None = None
+    ) -> HttpResponse:
+        """Send BODY; return the response once its headers arrived (within FIRST_BYTE_TIMEOUT_S, when given). The
+        caller must release or close it."""
+        target = replica.path_prefix + path
         try:
-            return await self._client.request("POST", replica.origin, replica.path_prefix + path, body)
+            return await self.client.request("POST", replica.origin, target, body, head_timeout_s=first_byte_timeout_s)
         except CLIENT_FAILURES as exc:
             raise upstream_error(exc, replica) from exc
 
@@ -178,7 +195,8 @@ class UpstreamPool:
         answers an error; down after CHECK_TIMEOUTS_TO_FAIL timeouts in a row, since under heavy load a live replica
         can be slow to answer while it streams to everyone else."""
         try:
-            async with self.session.get(replica.root + HEALTH_PATH, timeout=self._health_timeout) as response:
+            timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
+            async with self.session.get(replica.root + HEALTH_PATH, timeout=timeout) as response:
                 if response.status != 200:
                     raise UpstreamUnavailable(f"/health answered {response.status}")
             if not replica.healthy or not replica.models or replica.checks_since_models >= MODELS_REFRESH_EVERY:
@@ -199,13 +217,11 @@ class UpstreamPool:
             replica.last_error = None
 
     def _fail_check(self, replica: UpstreamReplica, reason: str) -> None:
-        if replica.healthy:
-            log.warning("upstream %s failed its health check: %s", replica.url, reason)
-        replica.healthy = False
-        replica.last_error = reason
+        self.mark_down(replica, f"health check failed: {reason}")
 
     async def _fetch_models(self, replica: UpstreamReplica) -> dict[str, int | None]:
-        async with self.session.get(replica.root + MODELS_PATH, timeout=self._health_timeout) as response:
+        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
+        async with self.session.get(replica.root + MODELS_PATH, timeout=timeout) as response:
             if response.status != 200:
                 raise UpstreamUnavailable(f"{MODELS_PATH} answered {response.status}")
             listing = await response.json()
@@ -223,6 +239,8 @@ class UpstreamPool:
 def upstream_error(exc: OSError, replica: UpstreamReplica) -> UpstreamError:
     """The gateway's error for one of CLIENT_FAILURES (the caller raises it `from` EXC)."""
     where = f"upstream {replica.url}"
+    if isinstance(exc, FirstByteTimeout):
+        return UpstreamTimeout(f"{where} sent no response in time ({exc})")
     if isinstance(exc, TimeoutError):
         return UpstreamTimeout(f"{where} did not answer in time")
     if isinstance(exc, ConnectFailed):

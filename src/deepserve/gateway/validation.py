@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from deepserve.gateway.errors import InvalidRequest, ModelNotFound, NoHealthyUpstream
+from deepserve.gateway.errors import InvalidRequest, ModelNotFound, NoHealthyUpstream, bound_text
 
 # Output tokens charged to the tokens-per-minute bucket when a request gives no max_tokens (corrected afterwards).
 DEFAULT_CHARGED_OUTPUT_TOKENS = 512
@@ -21,6 +21,11 @@ CHARS_PER_TOKEN_ESTIMATE = 4
 # For chat it is the start of the first message (the system prompt, or a conversation's first turn), so that
 # requests sharing a system prompt, and all turns of one conversation, land where that prefix is cached.
 AFFINITY_PREFIX_CHARS = 256
+# The deepest nesting of arrays and objects a body may have. Far beyond any real request (tool schemas nest a few
+# levels), far below where Python's JSON encoder and decoder run out of stack.
+MAX_JSON_DEPTH = 100
+# How much of a client's value an error message quotes back.
+_QUOTED_CHARS = 80
 
 Check = Callable[[Any], bool]
 
@@ -218,7 +223,11 @@ def resolve_model(client_model: str, models: Mapping[str, int | None], aliases: 
     if not models:
         raise NoHealthyUpstream("no healthy upstream; the engine may still be starting")
     valid = ", ".join(sorted({*models, *aliases}))
-    raise ModelNotFound(f"the model {client_model!r} does not exist; available: {valid}", param="model")
+    raise ModelNotFound(
+        f"the model {_quote(client_model)} does not exist; available: {valid}",
+        param="model",
+        ledger_message="the requested model does not exist",
+    )
 
 
 def parse_request(
@@ -232,10 +241,12 @@ def parse_request(
     _check_fields(endpoint, request)
     client_model = request["model"]
     model = resolve_model(client_model, models, aliases)
-    max_tokens = request.get("max_completion_tokens", request.get("max_tokens"))
+    max_tokens = request.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = request.get("max_tokens")
     _check_context(max_tokens, models[model])
     stream = request.get("stream") is True
-    if not stream and "stream_options" in request:
+    if not stream and request.get("stream_options") is not None:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     prompt_text = _prompt_text(request[endpoint.prompt_field])
     strip_usage = stream and not (request.get("stream_options") or {}).get("include_usage")
@@ -256,29 +267,102 @@ def parse_request(
 
 
 def load_json_object(raw: bytes) -> dict[str, Any]:
+    """RAW as a JSON object, or InvalidRequest: the body must be UTF-8 JSON (RFC 8259: no NaN or Infinity), an
+    object, nested at most MAX_JSON_DEPTH deep, and its strings valid Unicode (no lone UTF-16 surrogate such as
+    "\\ud800", which no engine can encode). Whatever passes can be re-encoded and forwarded without error."""
     try:
-        request = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(
+            f"the request body is not UTF-8 text (byte {exc.start}); send JSON encoded as UTF-8"
+        ) from None
+    if text.startswith("\ufeff"):
+        text = text[1:]  # a byte order mark: harmless, and json.loads would refuse it
+    try:
+        request = _DECODER.decode(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # NaN, a number of over 4,300 digits, nesting beyond the stack
+        what = "nested too deeply" if isinstance(exc, RecursionError) else bound_text(str(exc), 160)
+        raise InvalidRequest(f"the request body is not valid JSON: {what}") from None
     if not isinstance(request, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    # Both checks are rare-path: a body with fewer brackets cannot be that deep, and one without a \u escape of a
+    # surrogate cannot hold a lone one (the strict UTF-8 decode above refused encoded surrogates).
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth(request) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} deep")
+    if ("\\ud" in text or "\\uD" in text) and _has_lone_surrogate(request):
+        raise InvalidRequest(
+            'the request body has a lone UTF-16 surrogate escape (e.g. "\\ud800" without its pair), which is not '
+            "valid Unicode; send the character itself or a complete surrogate pair"
+        )
     return request
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value (RFC 8259); send a number or null")
+
+
+# Built once: json.loads with any keyword argument builds a decoder per call (several µs on every request).
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
+def _depth(value: Any) -> int:
+    """How deep arrays and objects nest in VALUE (1 for a flat object), without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > MAX_JSON_DEPTH:
+            break
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _quote(value: Any) -> str:
+    """VALUE as an error message quotes it: its repr, cut to _QUOTED_CHARS."""
+    text = repr(value)
+    return text if len(text) <= _QUOTED_CHARS else text[: _QUOTED_CHARS - 1] + "…"
+
+
 def _check_fields(endpoint: Endpoint, request: dict[str, Any]) -> None:
+    """Each field known for ENDPOINT and of its type (null is allowed for optional fields). The ledger's copy of
+    an error names the field only when it is a known one, and never quotes the value."""
     for required in ("model", endpoint.prompt_field):
-        if required not in request:
-            raise InvalidRequest(f"missing required parameter '{required}'", param=required, code="missing_required")
+        if request.get(required) is None:
+            what = "missing" if required not in request else "null for"
+            hint = _FIELD_HINTS[required]
+            raise InvalidRequest(
+                f"{what} required parameter '{required}'; give {hint}", param=required, code="missing_required"
+            )
     fields = endpoint.fields
     for name, value in request.items():
         check = fields.get(name)
         if check is None:
+            shown = name if len(name) <= _QUOTED_CHARS else name[: _QUOTED_CHARS - 1] + "…"
             raise InvalidRequest(
-                f"unsupported parameter '{name}' for {endpoint.path}", param=name, code="unsupported_parameter"
+                f"unsupported parameter {shown!r} for {endpoint.path}",
+                param=shown,
+                code="unsupported_parameter",
+                ledger_message=f"an unsupported parameter for {endpoint.path}",
             )
         if value is not None and not check(value):
             hint = _FIELD_HINTS.get(name, "a value of the documented type")
-            raise InvalidRequest(f"invalid value for '{name}': {value!r}; expected {hint}", param=name)
+            raise InvalidRequest(
+                f"invalid value for '{name}': {_quote(value)}; expected {hint}",
+                param=name,
+                ledger_message=f"invalid value for '{name}'; expected {hint}",
+            )
 
 
 def _check_context(max_tokens: int | None, max_model_len: int | None) -> None:

@@ -5,12 +5,17 @@ bound to the same address with SO_REUSEPORT, so that the kernel spreads incoming
 hash of the connection's addresses) instead of waking them all for each one. The supervisor (this process) holds a
 bound, non-listening socket of the same group, which keeps the port reserved (and picks it for `--port 0`), starts the
 workers, prints `GATEWAY READY` once every worker listens, restarts a worker that dies, and on SIGTERM/SIGINT stops
-them all gracefully.
+them all gracefully: each drains as one gateway process does (server.py: `--shutdown-grace-s`, then cut streams end
+with an error event), and the supervisor exits 3 (server.EXIT_LEDGER_ROWS_LOST) when any worker lost usage rows.
+
+Each worker applies the client connection limits and deadlines itself (connections.py): `--max-connections` is per
+worker, the header and body deadlines are the same in every one.
 
 What the workers share: the limits, through Redis (`--workers` above 1 requires `--redis-url`, GatewayConfig
-.check_startable); the key database and the usage ledger, SQLite files in WAL mode that each worker opens itself
-(writers wait for each other's locks: ledger.py); Prometheus metrics, through prometheus_client's multiprocess mode
-(metrics.py), in a directory the supervisor creates and removes."""
+.check_startable); the key database and the usage ledger, SQLite files in WAL mode that each worker opens itself (a
+writer that finds the file locked waits up to a second, then keeps its rows for its next pass: ledger.py); Prometheus
+metrics, through prometheus_client's multiprocess mode (metrics.py), in a directory the supervisor creates and
+removes."""
 
 from __future__ import annotations
 
@@ -33,10 +38,12 @@ from typing import Any
 from deepserve.errors import ConfigError
 from deepserve.gateway.config import GatewayConfig, base_url
 from deepserve.gateway.metrics import MULTIPROCESS_DIR_ENV
+from deepserve.gateway.server import EXIT_LEDGER_ROWS_LOST
 
 log = logging.getLogger(__name__)
 
-# How long the supervisor waits for every worker to listen, and for workers to stop after SIGTERM.
+# How long the supervisor waits for every worker to listen, and for workers to stop after SIGTERM beyond their
+# shutdown grace period (the cut requests' last bytes, the ledger's last rows, the releases to Redis).
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 # A worker that dies is restarted, but not more often than this (a worker that cannot start must not spin).
@@ -65,13 +72,13 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 
 def _worker_main(config_json: str, port: int, index: int, ready: Any, supervisor_pid: int) -> None:
     """One worker process: a whole gateway on its own SO_REUSEPORT socket; tells the supervisor when it listens."""
-    from deepserve.gateway.server import run_event_loop, serve
+    from deepserve.gateway.server import serve_process
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s gateway[{index}] %(levelname)s %(message)s")
     config = GatewayConfig.model_validate_json(config_json)
     sock = reuseport_socket(config.host, port)
     _stop_when_orphaned(supervisor_pid)
-    run_event_loop(serve(config, lambda url: ready.put(index), sockets=[sock]))
+    sys.exit(serve_process(config, lambda url: ready.put(index), sockets=[sock]))
 
 
 def _stop_when_orphaned(supervisor_pid: int) -> None:
@@ -95,6 +102,7 @@ class _Supervisor:
         self.workers: dict[int, BaseProcess] = {}
         self.started_at: dict[int, float] = {}
         self.stopping = False
+        self.rows_lost = False  # a worker exited saying it lost usage rows
 
     def start(self, index: int) -> None:
         worker = self.context.Process(
@@ -129,6 +137,7 @@ class _Supervisor:
                 if worker.is_alive() or self.stopping:
                     continue
                 _forget_metrics_of(worker.pid)
+                self.rows_lost = self.rows_lost or worker.exitcode == EXIT_LEDGER_ROWS_LOST
                 log.warning("gateway worker %d (pid %s) exited with %s; starting another", index, worker.pid,
                             worker.exitcode)  # fmt: skip
                 time.sleep(max(0.0, self.started_at[index] + RESTART_MIN_INTERVAL_S - time.monotonic()))
@@ -137,21 +146,23 @@ class _Supervisor:
                 self.ready.get()
 
     def stop(self) -> int:
-        """SIGTERM every worker (each drains gracefully), then wait; 0 when all stopped cleanly."""
+        """SIGTERM every worker (each drains gracefully), then wait; 0 when all stopped cleanly, EXIT_LEDGER_ROWS_LOST
+        when any worker (this time or an earlier one that died) lost usage rows, else the first other failure."""
         self.stopping = True
         for worker in self.workers.values():
             if worker.is_alive() and worker.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(worker.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        deadline = time.monotonic() + self.config.shutdown_grace_s + STOP_TIMEOUT_S
         code = 0
         for worker in self.workers.values():
             worker.join(max(0.1, deadline - time.monotonic()))
             if worker.is_alive():
                 worker.kill()
                 worker.join()
+            self.rows_lost = self.rows_lost or worker.exitcode == EXIT_LEDGER_ROWS_LOST
             code = code or (worker.exitcode or 0)
-        return code
+        return EXIT_LEDGER_ROWS_LOST if self.rows_lost else code
 
 
 def _forget_metrics_of(pid: int | None) -> None:

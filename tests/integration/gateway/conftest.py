@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
 import uvloop
 
+from deepserve._compat import timeout
 from deepserve.gateway.app import GatewayApp
 from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.fake_upstream import FakeBehaviour, FakeUpstream, running_fake_upstream
+from deepserve.gateway.ledger import default_ledger_path
 from deepserve.gateway.server import running_gateway
+from deepserve.gateway.validation import CHAT_COMPLETIONS, parse_request
 from deepserve.net import free_port
 
 # Test modules whose tests run on both event loops: the upstream client's protocol code meets uvloop's transports
@@ -37,6 +43,36 @@ def pytest_asyncio_loop_factories(
     return {"asyncio": asyncio.new_event_loop}  # one factory: test ids are unchanged
 
 
+class FakeClock:
+    """A clock that moves only when the test moves it (`now_s += …`)."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.005) -> None:
+    """Wait for CONDITION, something the network, another task or another process brings about (looking every
+    INTERVAL_S); fail after TIMEOUT_S, a bound for a machine under heavy load, not a measurement."""
+    async with timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(interval_s)
+
+
+def prompt_estimate(body: dict[str, Any]) -> int:
+    """The tokens the gateway estimates for BODY's prompt (what it charges besides max_tokens) on a chat request."""
+    models = {str(body["model"]): None}
+    return parse_request(CHAT_COMPLETIONS, json.dumps(body).encode(), models, {}).prompt_tokens_estimate
+
+
+def ledger_rows(columns: str = "*") -> list[tuple[Any, ...]]:
+    """The rows of the default usage ledger, oldest first (flush the gateway's ledger first)."""
+    with contextlib.closing(sqlite3.connect(default_ledger_path())) as db:
+        return db.execute(f"SELECT {columns} FROM usage ORDER BY rowid").fetchall()
+
+
 def gateway_config(*upstreams: str, **fields: object) -> GatewayConfig:
     values = {"upstream": list(upstreams), "port": 0, "health_check_interval_s": 0.2, **fields}
     return GatewayConfig.model_validate(values)
@@ -49,6 +85,7 @@ class Child:
     process: subprocess.Popen[str]
     url: str = ""
     output: list[str] = field(default_factory=list)
+    pump: threading.Thread | None = None  # reads the process's output into `output`
 
     @property
     def pid(self) -> int:
@@ -62,11 +99,19 @@ class Child:
     def stop(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+        return self.wait()
+
+    def wait(self) -> int:
+        """The exit code, once the process ended and all of its output is in `output` (killed after 90 s: a bound
+        for a loaded machine, where a drain and the ledger's last writes take seconds instead of milliseconds)."""
         try:
-            return self.process.wait(timeout=15)
+            code = self.process.wait(timeout=90)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            return self.process.wait(timeout=5)
+            code = self.process.wait(timeout=5)
+        if self.pump is not None:
+            self.pump.join(timeout=10)
+        return code
 
 
 def start_child(argv: list[str], ready_prefix: str, timeout_s: float = 30) -> Child:
@@ -85,7 +130,8 @@ def start_child(argv: list[str], ready_prefix: str, timeout_s: float = 30) -> Ch
                 ready.set()
         ready.set()
 
-    threading.Thread(target=pump, daemon=True).start()
+    child.pump = threading.Thread(target=pump, daemon=True)
+    child.pump.start()
     if not ready.wait(timeout_s) or not child.url:
         child.kill()
         raise AssertionError(f"{argv} did not become ready:\n" + "\n".join(child.output[-30:]))
@@ -110,26 +156,20 @@ def children() -> Iterator[list[Child]]:
         child.kill()
 
 
-def wait_until(condition: object, timeout_s: float, interval_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
-            return True
-        time.sleep(interval_s)
-    return False
-
-
 @contextlib.asynccontextmanager
 async def fake_and_gateway(
-    behaviour: FakeBehaviour | None = None, **fields: object
+    behaviour: FakeBehaviour | None = None, clock: Callable[[], float] | None = None, **fields: object
 ) -> AsyncIterator[tuple[FakeUpstream, GatewayApp, httpx.AsyncClient]]:
-    """An in-process fake upstream, a gateway in front of it, and a client of the gateway (base URL …/v1)."""
-    async with (
-        running_fake_upstream(behaviour) as (fake, upstream),
-        running_gateway(gateway_config(upstream, **fields)) as (app, url),
-        httpx.AsyncClient(base_url=url, timeout=30) as client,
-    ):
-        yield fake, app, client
+    """An in-process fake upstream, a gateway in front of it (timed by CLOCK when given), and a client of the
+    gateway (base URL …/v1)."""
+    async with running_fake_upstream(behaviour) as (fake, upstream):
+        config = gateway_config(upstream, **fields)
+        app = GatewayApp(config, clock=clock) if clock is not None else None
+        async with (
+            running_gateway(config, app) as (app, url),
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+            yield fake, app, client
 
 
 # ---- a real Redis for the shared limits ----------------------------------------------------------------------------
@@ -170,7 +210,7 @@ def start_redis_server(port: int | None = None) -> RedisServer:
     server = RedisServer(process, port)
     import redis
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # a bound for a loaded machine: it answers in milliseconds when idle
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise AssertionError(f"redis-server exited: {process.stderr.read().decode() if process.stderr else ''}")
@@ -183,7 +223,7 @@ def start_redis_server(port: int | None = None) -> RedisServer:
         finally:
             client.close()
     process.kill()
-    raise AssertionError("redis-server did not answer PING within 10 s")
+    raise AssertionError("redis-server did not answer PING within 30 s")
 
 
 def stop_redis_server(server: RedisServer) -> None:

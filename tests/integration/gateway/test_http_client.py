@@ -1,5 +1,8 @@
 """The upstream HTTP client against small raw servers on loopback: keep-alive reuse, idle closing, timeouts, and the
-errors that decide whether the gateway retries."""
+errors that decide whether the gateway retries.
+
+Deadlines are tested with a fake clock: the test moves it and calls the client's checks (`check_timeouts`,
+`sweep_idle`) that its timers would call, instead of sleeping through them."""
 
 from __future__ import annotations
 
@@ -12,10 +15,18 @@ import httpx
 import pytest
 
 from deepserve.gateway.fake_upstream import FAKE_MODEL
-from deepserve.gateway.http_client import ConnectFailed, HttpClient, IncompleteResponse, Origin, system_resolve
+from deepserve.gateway.http_client import (
+    Abandoned,
+    ConnectFailed,
+    FirstByteTimeout,
+    HttpClient,
+    IncompleteResponse,
+    Origin,
+    system_resolve,
+)
 from deepserve.gateway.server import running_gateway
 
-from .conftest import free_port, gateway_config
+from .conftest import FakeClock, free_port, gateway_config, until
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -64,9 +75,9 @@ async def _chunked_answers(reader: asyncio.StreamReader, writer: asyncio.StreamW
         await writer.drain()
 
 
-def _client(**overrides: float) -> HttpClient:
+def _client(clock: FakeClock | None = None, **overrides: float) -> HttpClient:
     settings = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "idle_s": 4.0, **overrides}
-    return HttpClient(**settings)
+    return HttpClient(**settings, clock=clock or FakeClock())
 
 
 async def test_responses_are_read_whole_or_in_chunks_over_one_kept_alive_connection() -> None:
@@ -84,16 +95,21 @@ async def test_responses_are_read_whole_or_in_chunks_over_one_kept_alive_connect
 
 
 async def test_idle_connections_are_closed_before_the_server_would() -> None:
-    client = _client(idle_s=0.2)
+    clock = FakeClock()
+    client = _client(clock, idle_s=4.0)
     async with raw_server(_chunked_answers) as (origin, connections):
-        response = await client.request("POST", origin, "/", b"{}")
-        await response.read()
-        response.release()
-        await asyncio.sleep(0.5)
+        for idle_s in (3.9, 4.0):  # reused just before IDLE_S, not at it
+            response = await client.request("POST", origin, "/", b"{}")
+            await response.read()
+            response.release()
+            clock.now_s += idle_s
         response = await client.request("POST", origin, "/", b"{}")
         await response.read()
         response.release()
         assert len(connections) == 2
+        clock.now_s += 4.0
+        client.sweep_idle()  # what the sweeper task does every IDLE_S / 2
+        assert not client._all  # closed without waiting for a request
     await client.close()
 
 
@@ -132,20 +148,41 @@ async def test_a_connection_dropped_mid_body_is_an_incomplete_response() -> None
     await client.close()
 
 
-async def test_silence_mid_response_times_out_after_the_read_timeout() -> None:
-    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\ndata\r\n")
-        await writer.drain()
-        await asyncio.sleep(5)
+async def _stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer the head and one chunk, then say nothing more."""
+    await _read_request(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\ndata\r\n")
+    await writer.drain()
+    await asyncio.sleep(30)
 
-    client = _client(read_timeout_s=0.3)
-    async with raw_server(stall) as (origin, _):
+
+async def test_silence_mid_response_times_out_after_the_read_timeout() -> None:
+    clock = FakeClock()
+    client = _client(clock, read_timeout_s=5.0)
+    async with raw_server(_stall) as (origin, _):
         response = await client.request("POST", origin, "/", b"{}")
-        started = asyncio.get_running_loop().time()
+        chunks = response.chunks()
+        assert await anext(chunks) == b"data"
+        clock.now_s += 4.9
+        client.check_timeouts()  # not yet
+        reading = asyncio.ensure_future(anext(chunks))
+        await asyncio.sleep(0)
+        assert not reading.done()
+        clock.now_s += 0.1
+        client.check_timeouts()
         with pytest.raises(TimeoutError):
-            await response.read()
-        assert 0.25 < asyncio.get_running_loop().time() - started < 1.5
+            await reading
+        assert not client._all  # the connection was closed
+        response.close()
+    await client.close()
+
+
+async def test_the_read_timeout_fires_by_itself_on_the_loops_timer() -> None:
+    client = HttpClient(connect_timeout_s=2.0, read_timeout_s=0.2, idle_s=4.0)  # the real clock
+    async with raw_server(_stall) as (origin, _):
+        response = await client.request("POST", origin, "/", b"{}")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(response.read(), 20)  # the bound only keeps a broken timer from hanging the run
         response.close()
     await client.close()
 
@@ -166,9 +203,10 @@ async def test_a_reader_that_falls_behind_pauses_the_upstream_and_loses_nothing(
     client = _client()
     async with raw_server(flood) as (origin, _):
         response = await client.request("POST", origin, "/", b"{}")
-        await asyncio.sleep(0.3)  # the reader is busy elsewhere while the upstream floods
         transport = response._connection._transport
-        assert transport is not None and not transport.is_reading()  # TCP pushes back instead of memory growing
+        assert transport is not None
+        await until(lambda: not transport.is_reading())  # the reader is busy elsewhere: TCP pushes back
+        assert len(response._connection._chunks) < 100  # instead of memory growing
         assert await response.read() == b"".join(parts)
         response.release()
     await client.close()
@@ -235,12 +273,16 @@ async def test_our_own_backpressure_is_not_taken_for_upstream_silence() -> None:
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
-    client = _client(read_timeout_s=0.3)
+    clock = FakeClock()
+    client = _client(clock, read_timeout_s=5.0)
     async with raw_server(flood) as (origin, _):
         response = await client.request("POST", origin, "/", b"{}")
-        await asyncio.sleep(1.0)  # a slow client downstream: reading stays paused for over three read timeouts
         transport = response._connection._transport
-        assert transport is not None and not transport.is_reading()
+        assert transport is not None
+        await until(lambda: not transport.is_reading())
+        for _ in range(3):  # a slow client downstream: reading stays paused for three read timeouts
+            clock.now_s += 5.0
+            client.check_timeouts()
         assert await response.read() == b"".join(parts)
         response.release()
     await client.close()
@@ -279,7 +321,9 @@ async def test_a_response_released_unread_does_not_pool_its_connection() -> None
     client = _client(read_timeout_s=1.0)
     async with raw_server(answer_at_once) as (origin, connections):
         unread = await client.request("POST", origin, "/", b"{}")
-        await asyncio.sleep(0.1)  # the whole answer is queued and reading is paused
+        transport = unread._connection._transport
+        assert transport is not None
+        await until(lambda: not transport.is_reading())  # the answer is queued and reading is paused
         unread.release()
         response = await client.request("POST", origin, "/", b"{}")
         assert await response.read() == b"".join(parts)
@@ -306,7 +350,10 @@ async def _serve(host: str, port: int) -> asyncio.Server:
 
 async def test_a_host_name_is_resolved_once_per_ttl_not_per_connection() -> None:
     resolver = CountingResolver()
-    client = HttpClient(connect_timeout_s=2.0, read_timeout_s=5.0, idle_s=4.0, dns_ttl_s=0.3, resolve=resolver)
+    clock = FakeClock()
+    client = HttpClient(
+        connect_timeout_s=2.0, read_timeout_s=5.0, idle_s=4.0, dns_ttl_s=60.0, resolve=resolver, clock=clock
+    )
     server = await _serve("127.0.0.1", 0)
     origin = Origin("localhost", server.sockets[0].getsockname()[1], tls=False)
     try:
@@ -314,7 +361,7 @@ async def test_a_host_name_is_resolved_once_per_ttl_not_per_connection() -> None
             response = await client.request("POST", origin, "/", b"{}")
             response.close()  # a new connection each time
         assert resolver.calls == 1
-        await asyncio.sleep(0.35)  # past the TTL
+        clock.now_s += 60.0  # the TTL is over
         response = await client.request("POST", origin, "/", b"{}")
         assert await response.read() == b"got:{}"
         response.release()
@@ -355,18 +402,81 @@ async def test_the_loop_is_the_one_asked_for(request: pytest.FixtureRequest) -> 
     assert ("uvloop" in loop_module) == request.node.name.endswith("[uvloop]")
 
 
-async def test_silence_before_the_response_head_times_out() -> None:
-    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        await asyncio.sleep(5)
+async def _never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _read_request(reader)
+    await asyncio.sleep(30)
 
-    client = _client(read_timeout_s=0.3)
-    async with raw_server(never_answer) as (origin, _):
-        started = asyncio.get_running_loop().time()
+
+async def _sent(client: HttpClient, request: asyncio.Future[object]) -> None:
+    """Wait until REQUEST's connection has sent it and waits for the head."""
+    await until(lambda: any(connection.awaiting_head for connection in client._all) or request.done())
+
+
+async def test_silence_before_the_response_head_times_out() -> None:
+    clock = FakeClock()
+    client = _client(clock, read_timeout_s=5.0)
+    async with raw_server(_never_answer) as (origin, _):
+        request = asyncio.ensure_future(client.request("POST", origin, "/", b"{}"))
+        await _sent(client, request)
+        clock.now_s += 5.0
+        client.check_timeouts()
         with pytest.raises(TimeoutError):
-            await client.request("POST", origin, "/", b"{}")
-        assert 0.25 < asyncio.get_running_loop().time() - started < 1.5
+            await request
         assert not client._all  # the connection was closed, not pooled
+    await client.close()
+
+
+async def test_a_first_byte_timeout_is_shorter_than_the_read_timeout() -> None:
+    clock = FakeClock()
+    client = _client(clock, read_timeout_s=600.0)
+    async with raw_server(_never_answer) as (origin, _):
+        request = asyncio.ensure_future(client.request("POST", origin, "/", b"{}", head_timeout_s=2.0))
+        await _sent(client, request)
+        clock.now_s += 1.9
+        client.check_timeouts()
+        assert not request.done()
+        clock.now_s += 0.1
+        client.check_timeouts()
+        with pytest.raises(FirstByteTimeout):
+            await request
+        assert not client._all
+    await client.close()
+
+
+async def test_a_first_byte_timeout_does_not_limit_a_response_that_started() -> None:
+    clock = FakeClock()
+    client = _client(clock, read_timeout_s=600.0)
+    async with raw_server(_stall) as (origin, _):
+        response = await client.request("POST", origin, "/", b"{}", head_timeout_s=2.0)
+        chunks = response.chunks()
+        assert await anext(chunks) == b"data"
+        clock.now_s += 100.0  # silent mid-response, well past the first-byte timeout, within the read timeout
+        client.check_timeouts()
+        assert client._all
+        response.close()
+    await client.close()
+
+
+async def test_the_first_byte_timeout_fires_by_itself_on_the_loops_timer() -> None:
+    client = HttpClient(connect_timeout_s=2.0, read_timeout_s=600.0, idle_s=4.0)  # the real clock
+    async with raw_server(_never_answer) as (origin, _):
+        with pytest.raises(FirstByteTimeout):
+            await asyncio.wait_for(client.request("POST", origin, "/", b"{}", head_timeout_s=0.1), 20)
+    await client.close()
+
+
+async def test_requests_waiting_for_a_head_can_be_abandoned_and_answers_under_way_are_kept() -> None:
+    client = _client()
+    async with raw_server(_never_answer) as (silent, _), raw_server(_stall) as (streaming, _):
+        started = await client.request("POST", streaming, "/", b"{}")
+        waiting = asyncio.ensure_future(client.request("POST", silent, "/", b"{}"))
+        await _sent(client, waiting)
+        assert client.abort_waiting(streaming, "replica left") == 0  # its answer is under way
+        assert client.abort_waiting(silent, "replica left") == 1
+        with pytest.raises(Abandoned, match="replica left"):
+            await waiting
+        assert await anext(started.chunks()) == b"data"
+        started.close()
     await client.close()
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
-import time
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ from deepserve.gateway.ledger import default_ledger_path, summarise
 from deepserve.gateway.limits import KeyLimits
 from deepserve.gateway.server import running_gateway
 
-from .conftest import fake_and_gateway, free_port, gateway_config
+from .conftest import fake_and_gateway, free_port, gateway_config, ledger_rows
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
@@ -39,24 +38,24 @@ async def test_non_streamed_pass_through_models_and_ledger() -> None:
 
 
 async def test_stream_chunks_are_forwarded_as_they_arrive_and_usage_is_accounted() -> None:
-    behaviour = FakeBehaviour(itl_ms=150)
-    async with fake_and_gateway(behaviour) as (fake, app, client):
-        started = time.perf_counter()
-        arrivals: list[float] = []
+    gate = asyncio.Semaphore(0)  # the fake produces one token per release
+    async with fake_and_gateway(FakeBehaviour(token_gate=gate)) as (fake, app, client):
         text = b""
+        gate.release()  # the gateway sends the response head with the first token
         async with client.stream("POST", "/chat/completions", json={**CHAT, "stream": True}) as response:
             assert response.headers["content-type"].startswith("text/event-stream")
-            async for chunk in response.aiter_raw():
-                arrivals.append(time.perf_counter() - started)
-                text += chunk
+            chunks = response.aiter_raw()
+            for produced in range(1, 5):
+                while text.count(b"data:") < produced:  # each token reaches the client before the next exists
+                    text += await asyncio.wait_for(anext(chunks), 10)
+                assert text.count(b"data:") == produced
+                gate.release()
+            text += b"".join([chunk async for chunk in chunks])
         events = [event for event in text.split(b"\n\n") if event]
         assert events[-1] == b"data: [DONE]"
         assert len(events) == 5  # 4 tokens + [DONE]: the usage chunk the gateway asked for is not shown
         assert b"usage" not in text
         assert fake.stats.bodies[-1]["stream_options"] == {"include_usage": True}
-        # never buffered: the first token arrived long before the last was produced
-        assert arrivals[0] < 0.2 and arrivals[-1] > 0.4
-        assert len(arrivals) >= 4
         metrics = app.metrics.render().decode()
         assert f'deepserve_gateway_ttft_seconds_count{{model="{FAKE_MODEL}"}} 1.0' in metrics
         assert f'deepserve_gateway_completion_tokens_total{{key="anonymous",model="{FAKE_MODEL}"}} 4.0' in metrics
@@ -79,16 +78,45 @@ async def test_stream_usage_kept_when_the_client_asked() -> None:
         (json.dumps({**CHAT, "frobnicate": 1}).encode(), 400),
         (json.dumps({**CHAT, "model": "gpt-4"}).encode(), 404),
         (json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 70_000}]}).encode(), 413),
+        (json.dumps({**CHAT, "messages": None}).encode(), 400),
+        (b'{"model": "fake-model", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+        (b'{"model": "fake-model", "messages": [{"role": "user", "content": "\\ud800"}], "stream": true}', 400),
+        (json.dumps({**CHAT, "max_tokens": None}).encode()[:-1] + b', "seed": 1' + b"0" * 5000 + b"}", 400),
     ],
 )
 async def test_bad_requests_get_4xx_in_openai_shape_and_are_not_forwarded(body: bytes, status: int) -> None:
     async with running_fake_upstream() as (fake, upstream):
-        config = gateway_config(upstream, max_body_bytes=65_536)
+        config = gateway_config(upstream, max_body_bytes=65_536 if status == 413 else 1 << 22)
         async with running_gateway(config) as (_, url), httpx.AsyncClient(base_url=url) as client:
             response = await client.post("/chat/completions", content=body)
             assert response.status_code == status
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
             assert fake.stats.requests == 0
+
+
+async def test_a_prompt_of_null_is_400_on_completions_too() -> None:
+    async with fake_and_gateway() as (fake, _, client):
+        response = await client.post("/completions", json={"model": FAKE_MODEL, "prompt": None})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+        assert fake.stats.requests == 0
+
+
+async def test_refusals_leave_no_request_text_in_the_ledger() -> None:
+    secret = "the user's private text " * 200
+    async with fake_and_gateway() as (_, app, client):
+        for body in (
+            {**CHAT, "model": secret},  # unknown model: 404
+            {**CHAT, "messages": [{"content": secret}]},  # no role: 400
+            {**CHAT, "temperature": secret},  # wrong type: 400
+            {**CHAT, secret: 1},  # unsupported parameter: 400
+        ):
+            response = await client.post("/chat/completions", json=body)
+            assert response.status_code in (400, 404)
+            assert len(response.text) < 1000  # the answer quotes a bounded part of the value only
+        assert app.ledger is not None and app.ledger.flush()
+    errors = [error for (error,) in ledger_rows("error")]
+    assert len(errors) == 4
+    assert all(error and "private" not in error and len(error) <= 300 for error in errors), errors
 
 
 async def test_model_alias_is_mapped() -> None:
@@ -108,7 +136,7 @@ async def test_keys_limits_models_and_revocation() -> None:
     _, other_model = store.create("other", models=["some-other-model"])
     async with running_fake_upstream() as (_, upstream):
         config = gateway_config(upstream, require_keys=True)
-        async with running_gateway(config) as (_, url), httpx.AsyncClient(base_url=url) as client:
+        async with running_gateway(config) as (app, url), httpx.AsyncClient(base_url=url) as client:
             assert (await client.post("/chat/completions", json=CHAT)).status_code == 401
             wrong = await client.post("/chat/completions", json=CHAT, headers={"Authorization": "Bearer dsk-x-y"})
             assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
@@ -128,7 +156,8 @@ async def test_keys_limits_models_and_revocation() -> None:
             assert denied.status_code == 403
             _, late = store.create("late")
             store.revoke("limited")
-            await asyncio.sleep(1.3)  # the gateway re-reads keys every second
+            assert app.keyring is not None
+            app.keyring.refresh()  # what the gateway does every second
             assert (await client.post("/chat/completions", json=CHAT, headers=auth)).status_code == 401
             late_auth = {"Authorization": f"Bearer {late}"}
             assert (await client.post("/chat/completions", json=CHAT, headers=late_auth)).status_code == 200
@@ -163,6 +192,21 @@ async def test_bodies_are_logged_only_when_opted_in() -> None:
             assert "private" in (texts[0] or "") and "tttt" in (texts[1] or "") and "data:" in (texts[3] or "")
         else:
             assert texts == [None] * 4
+
+
+async def test_with_log_bodies_a_body_that_cannot_be_encoded_does_not_stop_the_ledger() -> None:
+    """The defect: with --log-bodies, a body holding a lone surrogate was forwarded, then killed the ledger's
+    writer thread, and every later row was lost."""
+    bad = b'{"model": "fake-model", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 4}'
+    async with fake_and_gateway(log_bodies=True) as (fake, app, client):
+        assert (await client.post("/chat/completions", content=bad)).status_code == 400
+        for _ in range(3):
+            assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
+        assert app.ledger is not None and app.ledger.flush()
+        assert fake.stats.requests == 3
+    rows = ledger_rows("status, request_body")
+    assert [status for status, _ in rows] == [400, 200, 200, 200]
+    assert rows[0][1] is None and all('"hello"' in body for _, body in rows[1:])
 
 
 async def test_tokenize_is_forwarded_with_aliases_mapped() -> None:

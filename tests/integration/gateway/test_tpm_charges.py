@@ -1,6 +1,10 @@
-"""A key's tokens-per-minute charge: capped by the model's context, and given back when no engine generated."""
+"""A key's tokens-per-minute charge: capped by the model's context, given back when no engine generated, and for a
+stream that ended early (client gone, cut at shutdown) the prompt estimate plus the tokens it delivered. The app's
+clock is a fake one where buckets must not refill while a test runs."""
 
 from __future__ import annotations
+
+import asyncio
 
 import httpx
 
@@ -8,7 +12,7 @@ from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour
 from deepserve.gateway.keys import KeyStore
 from deepserve.gateway.limits import KeyLimits
 
-from .conftest import fake_and_gateway
+from .conftest import FakeClock, fake_and_gateway, prompt_estimate, until
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10}
 
@@ -41,3 +45,58 @@ async def test_a_request_that_reached_no_engine_is_not_charged_but_a_completed_o
         assert done.status_code == 200  # it used its 900 (and the prompt's): the key is nearly spent
         spent = await client.post("/chat/completions", json={**CHAT, "max_tokens": 900}, headers=headers)
         assert spent.status_code == 429 and isinstance(spent, httpx.Response)
+
+
+async def _probe_tokens_left(client: httpx.AsyncClient, headers: dict[str, str], left: int) -> None:
+    """Assert that the key has exactly LEFT tokens in its bucket: one more is refused, exactly LEFT is admitted."""
+    estimate = prompt_estimate(CHAT)
+    over = await client.post("/chat/completions", json={**CHAT, "max_tokens": left - estimate + 1}, headers=headers)
+    assert over.status_code == 429, over.text
+    exact = await client.post("/chat/completions", json={**CHAT, "max_tokens": left - estimate}, headers=headers)
+    assert exact.status_code == 200, exact.text
+
+
+async def test_a_stream_the_client_dropped_is_billed_the_tokens_it_delivered() -> None:
+    """Charged on admission for its prompt estimate and 900 tokens; the client hangs up after 3: the key pays the
+    estimate and those 3, the rest goes back."""
+    _, secret = KeyStore().create("tokens", KeyLimits(tpm=1000))
+    headers = {"Authorization": f"Bearer {secret}"}
+    gate = asyncio.Semaphore(3)  # the fake streams three tokens, then waits
+    async with fake_and_gateway(FakeBehaviour(token_gate=gate), clock=FakeClock()) as (_, app, client):
+        received = b""
+        stream = {**CHAT, "max_tokens": 900, "stream": True}
+        async with client.stream("POST", "/chat/completions", json=stream, headers=headers) as response:
+            async for chunk in response.aiter_raw():
+                received += chunk
+                if received.count(b"data:") == 3:
+                    break  # three tokens, then hang up
+        await until(lambda: not app._in_flight)
+        await _probe_tokens_left(client, headers, 1000 - (prompt_estimate(CHAT) + 3))
+        for _ in range(1000):
+            gate.release()  # the fake finds its client gone
+
+
+async def test_at_shutdown_a_cut_stream_is_billed_what_it_delivered_and_a_cut_wait_nothing() -> None:
+    _, secret = KeyStore().create("tokens", KeyLimits(tpm=1000))
+    headers = {"Authorization": f"Bearer {secret}"}
+    gate = asyncio.Semaphore(2)
+    async with fake_and_gateway(FakeBehaviour(token_gate=gate), clock=FakeClock(), max_concurrency=1) as (
+        _,
+        app,
+        client,
+    ):
+        received = b""
+        stream = {**CHAT, "max_tokens": 900, "stream": True}
+        async with client.stream("POST", "/chat/completions", json=stream, headers=headers) as response:
+            chunks = response.aiter_raw()
+            while received.count(b"data:") < 2:
+                received += await anext(chunks)
+            queued = asyncio.create_task(client.post("/chat/completions", json=CHAT, headers=headers))
+            await until(lambda: app.limiter.waiting == 1)
+            assert app.cut_in_flight("the test ends it") == 2
+            received += b"".join([chunk async for chunk in chunks])
+        assert (await queued).status_code == 503
+        await until(lambda: not app._in_flight)
+        await _probe_tokens_left(client, headers, 1000 - (prompt_estimate(CHAT) + 2))
+        for _ in range(1000):
+            gate.release()

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -14,7 +17,7 @@ from deepserve.gateway.http_client import HttpClient
 from deepserve.gateway.server import running_gateway
 from deepserve.gateway.upstreams import UpstreamReplica
 
-from .conftest import gateway_config
+from .conftest import gateway_config, ledger_rows
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
@@ -67,3 +70,77 @@ async def test_a_target_that_is_not_latin_1_fails_before_a_connection_is_taken()
     finally:
         await client.close()
         server.close()
+
+
+# ---- answers the gateway cannot read are still forwarded, never a 500, and still get their ledger row -----------
+
+MODELS_ANSWER = json.dumps({"object": "list", "data": [{"id": FAKE_MODEL, "max_model_len": 4096}]}).encode()
+DEEP = b'{"choices": [], "usage": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+ODD_ANSWERS = {
+    "lone surrogate, usage of the wrong types": b'{"choices": [{"text": "\\ud800"}], '
+    b'"usage": {"prompt_tokens": "many", "completion_tokens": 100000000000000000000000}}',
+    "nested beyond the decoder's stack": DEEP,
+    "not JSON": b"\xff\xfe not json",
+}
+
+
+@contextlib.asynccontextmanager
+async def scripted_engine(answer: bytes, *, stream: bool) -> AsyncIterator[str]:
+    """An engine on loopback that answers /health and /v1/models, and every POST with ANSWER (as the body of a
+    JSON answer, or as the body of an event stream)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length")), 0)  # fmt: skip
+            await reader.readexactly(length)
+            body = MODELS_ANSWER if b"/v1/models" in head else b"{}" if b"/health" in head else answer
+            kind = b"text/event-stream" if stream and head.startswith(b"POST") else b"application/json"
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (kind, len(body)))
+            writer.write(body)
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("what", list(ODD_ANSWERS))
+async def test_an_answer_the_gateway_cannot_read_is_forwarded_as_is(what: str) -> None:
+    answer = ODD_ANSWERS[what]
+    async with (
+        scripted_engine(answer, stream=False) as upstream,
+        running_gateway(gateway_config(upstream)) as (app, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        response = await client.post("/chat/completions", json=CHAT)
+        assert response.status_code == 200 and response.content == answer
+        assert app.ledger is not None and app.ledger.flush()
+    assert ledger_rows("status, prompt_tokens, completion_tokens") == [(200, None, None)]
+
+
+@pytest.mark.parametrize("log_bodies", [False, True])
+async def test_a_stream_the_gateway_cannot_read_is_forwarded_as_is(log_bodies: bool) -> None:
+    events = (
+        b'data: {"choices": [{"delta": {"content": "\\udc00"}}]}\n\n'
+        b"data: " + DEEP + b"\n\n"
+        b'data: {"choices": [], "usage": {"prompt_tokens": -1, "completion_tokens": "x"}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    async with (
+        scripted_engine(events, stream=True) as upstream,
+        running_gateway(gateway_config(upstream, log_bodies=log_bodies)) as (app, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        response = await client.post("/chat/completions", json=body)
+        assert response.status_code == 200 and response.content == events
+        assert app.ledger is not None and app.ledger.flush()
+    ((status, prompt_tokens, completion_tokens),) = ledger_rows("status, prompt_tokens, completion_tokens")
+    assert (status, prompt_tokens, completion_tokens) == (200, None, None)

@@ -108,11 +108,31 @@ async def test_queue_admits_then_queues_then_rejects_when_full() -> None:
     assert queue.in_flight == 0
 
 
-async def test_queue_times_out() -> None:
-    queue = AdmissionQueue(max_concurrency=1, max_queue=10, timeout_s=0.05)
+async def test_queue_times_out_by_its_clock() -> None:
+    clock = FakeClock()
+    queue = AdmissionQueue(max_concurrency=1, max_queue=10, timeout_s=30.0, clock=clock)
+    await queue.acquire()
+    first = asyncio.create_task(queue.acquire())
+    await asyncio.sleep(0)
+    clock.now += 10
+    second = asyncio.create_task(queue.acquire())
+    await asyncio.sleep(0)
+    clock.now += 20  # the first has waited 30 s, the second 20 s
+    queue.expire_overdue()  # what each waiter's timer does when it fires
+    with pytest.raises(Overloaded) as caught:
+        await first
+    assert caught.value.reason == "queue_timeout"
+    assert not second.done() and queue.waiting == 1
+    queue.release()  # the slot goes to the one still waiting
+    await second
+    assert queue.waiting == 0 and queue.in_flight == 1
+
+
+async def test_queue_timeout_fires_by_itself_on_the_loops_timer() -> None:
+    queue = AdmissionQueue(max_concurrency=1, max_queue=10, timeout_s=0.05)  # the real clock
     await queue.acquire()
     with pytest.raises(Overloaded) as caught:
-        await queue.acquire()
+        await asyncio.wait_for(queue.acquire(), 20)  # the bound only keeps a broken timer from hanging the run
     assert caught.value.reason == "queue_timeout"
     assert queue.waiting == 0
 

@@ -102,3 +102,75 @@ def test_one_resolve_function_maps_aliases_and_names_the_valid_models() -> None:
             resolve_model(unknown, models, aliases)
     with pytest.raises(NoHealthyUpstream):  # nobody is up to say what is served: not the client's mistake
         resolve_model("tiny", {}, aliases)
+
+
+# ---- malformed bodies: always a 4xx in OpenAI's shape, never an exception of another kind ----------------------
+
+
+def deep(depth: int) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()[:-1] + (
+        b', "metadata": ' + b'{"a":' * depth + b"1" + b"}" * depth + b"}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "raw", "param"),
+    [
+        (COMPLETIONS, b'{"model": "m", "prompt": null}', "prompt"),
+        (CHAT_COMPLETIONS, b'{"model": "m", "messages": null}', "messages"),
+        (CHAT_COMPLETIONS, b'{"model": null, "messages": [{"role": "user"}]}', "model"),
+        (CHAT_COMPLETIONS, b'{"model": "m", "messages": "hello"}', "messages"),
+        (COMPLETIONS, b'{"model": "m", "prompt": {"text": "x"}}', "prompt"),
+    ],
+)
+def test_null_or_mistyped_required_fields_are_400(endpoint: object, raw: bytes, param: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(endpoint, raw, MODELS, {})  # type: ignore[arg-type]
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (deep(100_000), "nested too deeply"),  # beyond the decoder's stack
+        (deep(500), "more than 100 deep"),  # decodable, but re-encoding it could exhaust the stack
+        (chat(stream=True)[:-1] + b', "user": "\\ud800"}', "lone UTF-16 surrogate"),  # re-encoded: stream usage
+        (chat()[:-1] + b', "user": "\\uDC00x"}', "lone UTF-16 surrogate"),  # forwarded as is
+        (chat()[:-1] + b', "temperature": NaN}', "NaN is not a JSON value"),
+        (chat()[:-1] + b', "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
+        (chat().replace(b"hello", b"h\xc3\x28llo"), "not UTF-8"),
+        (chat().replace(b"hello", b"\xed\xa0\x80"), "not UTF-8"),  # a surrogate encoded as UTF-8 bytes
+        (json.dumps({"model": "m", "messages": [{"role": "user"}]}).encode("utf-16"), "not UTF-8"),
+    ],
+)
+def test_bodies_that_cannot_be_forwarded_are_400(raw: bytes, says: str) -> None:
+    with pytest.raises(InvalidRequest, match=says) as caught:
+        parse_request(CHAT_COMPLETIONS, raw, MODELS, {})
+    assert caught.value.status == 400
+    json.loads(caught.value.body())  # the answer itself is valid JSON
+
+
+def test_a_complete_surrogate_pair_and_a_byte_order_mark_are_fine() -> None:
+    raw = b"\xef\xbb\xbf" + chat(stream=True)[:-1] + b', "user": "\\ud83d\\ude00"}'
+    parsed = parse_request(CHAT_COMPLETIONS, raw, MODELS, {})
+    assert json.loads(parsed.body)["user"] == "\U0001f600"
+
+
+def test_null_optional_fields_mean_absent() -> None:
+    raw = chat(max_completion_tokens=None, max_tokens=7, stream_options=None)
+    parsed = parse_request(CHAT_COMPLETIONS, raw, MODELS, {})
+    assert parsed.max_tokens == 7
+
+
+def test_errors_quote_a_bounded_value_and_the_ledger_copy_quotes_none() -> None:
+    secret = "my secret prompt " * 1000
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(CHAT_COMPLETIONS, chat(max_tokens=secret), MODELS, {})
+    assert len(caught.value.message) < 300
+    assert "secret" not in caught.value.ledger_text() and "max_tokens" in caught.value.ledger_text()
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(CHAT_COMPLETIONS, chat(**{secret: 1}), MODELS, {})
+    assert len(caught.value.message) < 300 and "secret" not in caught.value.ledger_text()
+    with pytest.raises(ModelNotFound) as not_found:
+        parse_request(CHAT_COMPLETIONS, chat(model=secret), MODELS, {})
+    assert len(not_found.value.message) < 300 and "secret" not in not_found.value.ledger_text()
