@@ -2,10 +2,11 @@
 model on vLLM's CPU build, at several concurrency levels and two prompt lengths.
 
     .venv/bin/python benchmarks/cpu_profile.py [--input-lens 128,512] [--output-len 128] [--concurrency 1,4,16,64]
-                                               [--write-profile]
+                                               [--write-profile] [--from-file F] [--machine median]
 
 1. Measures this machine (copy bandwidth, matmul rate; hardware/host.py) right before each point, so the planner's
-   `host` device describes the machine under the load of that moment (it is shared).
+   `host` device describes the machine under the load of that moment (it is shared). `--machine median` predicts
+   every point from the median of the run's measurements instead (with `--from-file`, from a stored run).
 2. Starts the tiny model with `deepserve serve` on loopback (temporary DEEPSERVE_HOME) and runs `deepserve bench`
    straight at the engine for every (prompt length, concurrency) point, closed loop, fixed lengths.
 3. Fits the CPU engine profile's two overhead parameters (per step, per sequence; data/engine_profiles.json) on two
@@ -25,12 +26,13 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +167,13 @@ def main() -> None:
     parser.add_argument("--calibrate", default="", help="points to fit on, as c:input_len,... (default: see doc)")
     parser.add_argument("--write-profile", action="store_true", help="store the fit in data/engine_profiles.json")
     parser.add_argument("--from-file", type=Path, help="refit and print from an earlier run's JSON (no vLLM)")
+    parser.add_argument(
+        "--machine",
+        choices=("per-point", "median"),
+        default="per-point",
+        help="predict each point from the machine as measured just before it (default), or from the median of all "
+        "the run's measurements (one short measurement on a shared machine can catch a passing spike or lull)",
+    )
     args = parser.parse_args()
     lens = [int(x) for x in args.input_lens.split(",")]
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -180,7 +189,18 @@ def main() -> None:
         command = saved.get("command", command)
     else:
         points = run_points(lens, levels, args)
+    if args.machine == "median":
+        points = with_median_machine(points)
     report(points, calibration, args, command)
+
+
+def with_median_machine(points: list[Point]) -> list[Point]:
+    """POINTS, each with the median of all their machine measurements in place of its own."""
+    typical = dict(points[0].host)
+    for name in ("memory_bandwidth_gb_s", "fp32_gflops", "bf16_gflops"):
+        values = [p.host[name] for p in points if p.host.get(name) is not None]
+        typical[name] = statistics.median(values) if values else None
+    return [replace(point, host=typical) for point in points]
 
 
 def run_points(lens: list[int], levels: list[int], args: argparse.Namespace) -> list[Point]:
@@ -240,11 +260,13 @@ def report(points: list[Point], calibration: list[tuple[int, ...]], args: argpar
     verdict = "meets" if worst <= TARGET_RATIO_ERROR else "MISSES"
     print(f"\nheld-out points: worst TPOT/throughput error {worst:.0%} ({verdict} the {TARGET_RATIO_ERROR:.0%} target)")
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"cpu_profile_{host['host']}.json"
+    suffix = "" if args.machine == "per-point" else f"_{args.machine}_machine"
+    out = RESULTS / f"cpu_profile_{host['host']}{suffix}.json"
     payload = {
         "command": command,
         "output_len": args.output_len,
         "range_ratio": args.range_ratio,
+        "machine": args.machine,
         "calibration": [list(c) for c in calibration],
         "fitted": {n: getattr(fit.parameters, n) for n in fit.fitted},
         "points": [asdict(p) for p in points],

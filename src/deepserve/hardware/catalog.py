@@ -266,8 +266,8 @@ HOST_NAMES = ("host", "this-host", "local-cpu")
 
 def host_accelerator(measurement: HostMeasurement | None = None) -> Accelerator:
     """This machine's CPU as an accelerator, from deepserve's own measurement of it (hardware/host.py, cached
-    per host; or MEASUREMENT, e.g. one stored with a benchmark): copy bandwidth, vLLM's CPU GEMM rate in bf16, the
-    cost of one operator call."""
+    per host; or MEASUREMENT, e.g. one stored with a benchmark): copy bandwidth and the rate vLLM's CPU build computes a
+    bf16 model at."""
     from deepserve.hardware.host import measured_host, physical_memory_gib
 
     m = measurement or measured_host()
@@ -284,7 +284,7 @@ def host_accelerator(measurement: HostMeasurement | None = None) -> Accelerator:
         sources=(
             f"measured by deepserve on {m.host} ({m.cpu_model}, {m.cores} cores) at {m.measured_at}: copy bandwidth "
             f"{m.memory_bandwidth_gb_s} GB/s, {gemm} GFLOP/s for a bf16 model "
-            f"({'bf16 units' if m.native_bf16 else 'no bf16 units: the fp32 rate'}) (hardware/host.py)",
+            f"({'PyTorch bf16 linear' if m.bf16_gflops else 'fp32 BLAS: no torch'}) (hardware/host.py)",
         ),
         aliases=HOST_NAMES[1:],
         notes="this machine, measured; vLLM's CPU build",
