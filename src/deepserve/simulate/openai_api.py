@@ -10,6 +10,7 @@ usage chunk (choices empty) only with `stream_options.include_usage`, and errors
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,8 +164,15 @@ class ReplyFormat:
     """The bytes of one request's answer. Stream events are built from pre-encoded pieces: only the text, the ids
     and the finish reason change from chunk to chunk."""
 
-    def __init__(self, generation: Generation, request_id: str, created: int) -> None:
+    def __init__(
+        self,
+        generation: Generation,
+        request_id: str,
+        created: int,
+        text_of: Callable[[int, int], str] = generated_text,
+    ) -> None:
         self.generation = generation
+        self.text_of = text_of  # (first output position, count) -> the text of those tokens
         chat = generation.chat
         self.response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = created
@@ -189,7 +197,7 @@ class ReplyFormat:
     def token_event(self, first_position: int, token_ids: list[int], finish_reason: str | None, usage: bytes) -> bytes:
         """A chunk with TOKEN_IDS (output positions FIRST_POSITION…); USAGE is b"" or `,"usage":{…}`."""
         generation = self.generation
-        text = orjson.dumps(_text(first_position, token_ids))
+        text = orjson.dumps(self._text(first_position, token_ids))
         parts = [b"data: ", self._open, text]
         if generation.chat:
             parts.append(b"}")
@@ -216,10 +224,15 @@ class ReplyFormat:
             }
         )
 
+    def _text(self, first_position: int, token_ids: list[int]) -> str:
+        """The text of output tokens, without the end-of-sequence token (a special token)."""
+        count = len(token_ids) - (1 if token_ids and token_ids[-1] == EOS_ID else 0)
+        return self.text_of(first_position, count)
+
     def full_response(self, token_ids: list[int], finish_reason: str) -> bytes:
         """The whole answer of a request that did not stream."""
         generation = self.generation
-        text = _text(0, token_ids)
+        text = self._text(0, token_ids)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
         if generation.chat:
             choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
@@ -238,12 +251,6 @@ class ReplyFormat:
         if generation.return_token_ids:
             body["prompt_token_ids"] = generation.prompt_ids
         return orjson.dumps(body)
-
-
-def _text(first_position: int, token_ids: list[int]) -> str:
-    """The text of output tokens: the generated text, without the end-of-sequence token (a special token)."""
-    count = len(token_ids) - (1 if token_ids and token_ids[-1] == EOS_ID else 0)
-    return generated_text(first_position, count)
 
 
 _REASONS = {None: b"null", "length": b'"length"', "stop": b'"stop"', "abort": b'"abort"'}
