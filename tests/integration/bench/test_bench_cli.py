@@ -1,36 +1,31 @@
-"""`deepserve bench` as users run it: vLLM's flags, the fake server in its own process, Ctrl-C mid-run."""
+"""`deepserve bench` as users run it: vLLM's flags, the simulator in its own process, Ctrl-C mid-run."""
 
 from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from deepserve.cli.main import main
+from tests.helpers import start_simulator
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
-def fake_server():
-    """`python -m deepserve.bench.fake_server` (slow stream: 40 ms per token) in its own process."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "deepserve.bench.fake_server", "--port", str(port), "--itl-ms", "40"]
-    process = subprocess.Popen([*command, "--log-sends", "--max-seconds", "170"], stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    assert process.stdout.readline().startswith("READY")
-    yield f"http://127.0.0.1:{port}"
-    process.terminate()
-    process.wait(10)
+def fake_server() -> Iterator[str]:
+    """`deepserve simulate` with fixed timings (slow stream: 40 ms per token, each write logged) in its own process;
+    yields its root URL."""
+    server = start_simulator("--fixed-itl-ms", "40", "--log-sends", "--max-seconds", "170")
+    yield server.root_url
+    server.stop()
 
 
 def vllm_flags(base_url: str, result_dir: Path, num_prompts: int, output_len: int) -> list[str]:
@@ -52,7 +47,7 @@ def test_vllm_command_line_runs_and_saves_vllm_keys(fake_server, tmp_path, capsy
     data = json.loads((tmp_path / "r.json").read_text())
     assert (data["completed"], data["total_output_tokens"]) == (4, 12)
     assert data["p50_ttft_ms"] > 0 and data["workload"]["dataset"] == "random"
-    assert data["tokenizer_source"].startswith("server:")  # the fake's /tokenize
+    assert data["tokenizer_source"].startswith("server:")  # the simulator's /tokenize
     assert data["command_line"][0] == "deepserve"
     assert (tmp_path / "r.records.csv").read_text().count("\n") == 5
 
@@ -71,7 +66,7 @@ def test_ctrl_c_writes_partial_results_marked_incomplete(fake_server, tmp_path):
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:  # wait until the measured run has finished a couple of requests
-            log = httpx.get(fake_server + "/fake/log", timeout=5).json()
+            log = httpx.get(fake_server + "/simulate/sends", timeout=5).json()
             if sum(len(entry["sends_s"]) >= 100 for entry in log.values()) >= 2:
                 break
             time.sleep(0.2)

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.unit.tune.fake_points import FakeEngine
 
 from deepserve.bench.config import BenchConfig
 from deepserve.cli.main import main
@@ -23,6 +22,7 @@ from deepserve.tune.grid import expand, parse_axis
 from deepserve.tune.predict import Forecast
 from deepserve.tune.run import TuneOptions, extra, run_tune
 from deepserve.tune.spec import TuneSpec, plan_order
+from tests.unit.tune.fake_points import FakeEngine
 
 TTFT_400 = (parse_slo("p99_ttft_ms=400"),)
 BENCH = BenchConfig.model_validate(
