@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from deepserve.errors import ConfigError
+from deepserve.errors import ConfigError, unknown_name
 
 ENV_PREFIX = "DEEPSERVE_"
 
@@ -98,9 +98,11 @@ class EngineConfig(Section):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, name: str) -> str:
-        from deepserve.engines.registry import check_engine_name  # the registry imports this module: look up late
+        from deepserve.engines.registry import ENGINES  # the registry imports this module: look it up late
 
-        return check_engine_name(name)
+        if name not in ENGINES:  # a ValueError, so that pydantic reports it with the field like every other
+            raise ValueError(unknown_name("engine", name, sorted(ENGINES)))
+        return name
 
     @model_validator(mode="after")
     def _check_nodes(self) -> EngineConfig:

@@ -67,7 +67,10 @@ class PlanConfig(Section):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, name: str) -> str:
-        return check_engine_name(name)
+        try:
+            return check_engine_name(name)
+        except ConfigError as exc:  # as a ValueError, pydantic reports it with the field like every other
+            raise ValueError(str(exc)) from None
 
     @field_validator("concurrency")
     @classmethod
