@@ -1,7 +1,7 @@
-"""What the gateway adds: the same streaming and non-streaming load sent straight to a fast fake upstream, through
-deepserve's gateway, and through LiteLLM's proxy (the peer), side by side in one run.
+"""What the gateway adds: the same streaming and non-streaming load sent straight to a fast simulated upstream,
+through deepserve's gateway, and through LiteLLM's proxy (the peer), side by side in one run.
 
-Every server is its own process on loopback: the fake upstream (deepserve.gateway.fake_upstream), the gateway
+Every server is its own process on loopback: the upstream (`deepserve simulate` with fixed timings), the gateway
 (`deepserve gateway`, one process), LiteLLM's proxy (one worker, in its own virtualenv, created on demand), and this
 load generator (aiohttp on uvloop). On a small shared machine all of them compete for the same cores, so read the
 *differences and ratios* between the columns of one run, not the absolute numbers.
@@ -9,12 +9,12 @@ load generator (aiohttp on uvloop). On a small shared machine all of them compet
     .venv/bin/python benchmarks/gateway_overhead.py                  # the table in docs/PERFORMANCE.md
     .venv/bin/python benchmarks/gateway_overhead.py --no-litellm     # without the peer
 
-`--lockstep` makes the fake emit tokens the way vLLM does: one engine step every --itl-ms, in which every running
-stream gets its next token (bursts), instead of each stream on its own timer (staggered). `--redis` adds two paths:
-the gateway with its limits in Redis (`--redis-url`, a redis-server this benchmark starts on loopback) and
-`--workers 2` with Redis. Every deepserve path sends a key with (generous) rpm, tpm and concurrency limits, so that
-the whole admission path runs; `--latency-requests N` times N sequential non-streamed requests per path, which shows
-what the Redis round trips add to each request.
+`--lockstep` makes the simulator emit tokens the way vLLM does: one engine step every --itl-ms (its
+`--fixed-step-ms`), in which every running stream gets its next token (bursts), instead of each stream on its own
+timer (staggered). `--redis` adds two paths: the gateway with its limits in Redis (`--redis-url`, a redis-server this
+benchmark starts on loopback) and `--workers 2` with Redis. Every deepserve path sends a key with (generous) rpm, tpm
+and concurrency limits, so that the whole admission path runs; `--latency-requests N` times N sequential non-streamed
+requests per path, which shows what the Redis round trips add to each request.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import aiohttp
 import psutil
 
 from deepserve.gateway.config import GatewayConfig, gateway_argv
-from deepserve.gateway.fake_upstream import FAKE_MODEL
 from deepserve.net import free_port
+from deepserve.simulate.fixed import FAKE_MODEL, simulate_command
 
 REPO = Path(__file__).resolve().parent.parent
 LITELLM_VENV = REPO / ".bench-venvs" / "litellm"
@@ -122,11 +122,16 @@ def _answers(url: str) -> bool:
 
 
 def start_fake(itl_ms: float, ttft_ms: float = 0.0, lockstep: bool = False) -> Server:
+    """The upstream: `deepserve simulate` with fixed timings (each stream on its own timer, or with LOCKSTEP one
+    engine step of ITL_MS for all running streams; vLLM's max_num_seqs raised so that no stream waits)."""
     port = free_port()
-    argv = [sys.executable, "-m", "deepserve.gateway.fake_upstream", "--port", str(port), "--itl-ms", str(itl_ms),
-            "--ttft-ms", str(ttft_ms)] + (["--lockstep"] if lockstep else [])  # fmt: skip
+    if lockstep:
+        timing = ["--fixed-step-ms", str(itl_ms), "--max-num-seqs", "8192", "--max-num-batched-tokens", "1048576"]
+    else:
+        timing = ["--fixed-ttft-ms", str(ttft_ms), "--fixed-itl-ms", str(itl_ms)]
+    argv = simulate_command(port, *timing, "--max-seconds", "7200")
     url = f"http://127.0.0.1:{port}"
-    return start_server("fake upstream", argv, "FAKE READY", url + "/v1", url + "/health", 30)
+    return start_server("simulated upstream", argv, "READY ", url + "/v1", url + "/health", 30)
 
 
 def start_gateway(upstream: str, api_key: str, **fields: object) -> Server:
@@ -387,7 +392,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1000], help="concurrent streams")
     parser.add_argument("--tokens", type=int, default=20, help="tokens per stream")
-    parser.add_argument("--itl-ms", type=float, default=50.0, help="the fake upstream's inter-token latency")
+    parser.add_argument("--itl-ms", type=float, default=50.0, help="the upstream's inter-token latency")
     # 4 repeats of 4 counted rounds: 4,096 counted streams per path at 256, so that p99 is decided by ~40 values
     parser.add_argument("--rounds", type=int, default=5, help="streams per worker (the first is warm-up)")
     parser.add_argument("--repeats", type=int, default=4, help="runs per path and concurrency, in alternating order")
@@ -395,8 +400,8 @@ def main() -> int:
     parser.add_argument("--rate-duration-s", type=float, default=8.0)
     parser.add_argument("--litellm-max-streams", type=int, default=64, help="LiteLLM only up to this concurrency")
     parser.add_argument("--no-litellm", action="store_true")
-    parser.add_argument("--lockstep", action="store_true", help="the fake emits every stream's token in one step")
-    parser.add_argument("--ttft-ms", type=float, default=0.0, help="the fake upstream's time to first token")
+    parser.add_argument("--lockstep", action="store_true", help="the upstream emits every stream's token in one step")
+    parser.add_argument("--ttft-ms", type=float, default=0.0, help="the upstream's time to first token")
     parser.add_argument("--redis", action="store_true", help="add the gateway with Redis limits and --workers 2")
     parser.add_argument("--latency-requests", type=int, default=0, help="sequential requests per path, timed")
     parser.add_argument("--no-rate", action="store_true", help="skip the requests/s measurement")
@@ -519,7 +524,7 @@ PATHS = ("direct", "gateway", "gw+redis", "workers=2", "litellm")
 def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
     print()
     mode = "lockstep (one engine step for all streams)" if args.lockstep else "staggered"
-    print(f"Streams of {args.tokens} tokens, fake upstream TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms, {mode}; "
+    print(f"Streams of {args.tokens} tokens, upstream TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms, {mode}; "
           "added = via − direct, same run")  # fmt: skip
     print("| streams | path | TTFT p50 ms | TTFT p99 ms | ITL mean ms | added TTFT p50 ms | added TTFT p99 ms "
           "| added ITL ms | server CPU ms/stream | failed |")  # fmt: skip

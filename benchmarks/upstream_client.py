@@ -1,6 +1,6 @@
 """CPU per request and per stream of the gateway's upstream client against aiohttp's, side by side in one process.
 
-Both clients send the same requests to the same fake upstream (deepserve.gateway.fake_upstream, its own process on
+Both clients send the same requests to the same upstream (`deepserve simulate` with fixed timings, its own process on
 loopback): non-streamed 1-token chat completions, then 20-token streams (an event every millisecond, so that each
 arrives on its own, as from an engine) read to the end, at a fixed concurrency,
 in alternating rounds (ours, aiohttp, aiohttp, ours, ...). The figure is this process's CPU time (user + system)
@@ -22,20 +22,20 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from deepserve.gateway.fake_upstream import FAKE_MODEL
 from deepserve.gateway.http_client import HttpClient, Origin
+from deepserve.simulate.fixed import FAKE_MODEL, simulate_command
 
 Send = Callable[[bytes], Awaitable[int]]  # sends one request body, returns the bytes of response body read
 
 
 def start_fake(port: int, itl_ms: float) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "deepserve.gateway.fake_upstream", "--port", str(port), "--itl-ms", str(itl_ms)]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = simulate_command(port, "--fixed-itl-ms", str(itl_ms), "--max-seconds", "7200")
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert process.stdout is not None
     for line in process.stdout:
-        if line.startswith("FAKE READY"):
+        if line.startswith("READY "):
             return process
-    raise RuntimeError(f"the fake upstream did not start (exit {process.wait()})")
+    raise RuntimeError(f"the simulated upstream did not start (exit {process.wait()})")
 
 
 def body(tokens: int, stream: bool) -> bytes:

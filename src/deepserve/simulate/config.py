@@ -46,6 +46,12 @@ class SimulateConfig(Section):
     fixed_step_ms: float | None = Field(
         None, gt=0, description="no step model: every engine step takes this long (lockstep streams)"
     )
+    fixed_burst_tokens: int = Field(
+        64,
+        ge=1,
+        description="with --fixed-itl-ms 0: tokens a stream gets per turn of the event loop, written together "
+        "(with --tokens-per-chunk 1: that many chunks per write)",
+    )
     # ---- replies ----
     tokens_per_chunk: int = Field(
         1, ge=1, description="tokens per streamed chunk after the first (vLLM's --stream-interval)"

@@ -22,6 +22,7 @@ from deepserve.simulate.clock import Clock, Timer
 from deepserve.simulate.core import EngineCore
 from deepserve.simulate.metrics import CounterReading, EngineMetrics, GaugeReading
 from deepserve.simulate.scheduler import SimRequest, Status, StepOutput, stop_reason
+from deepserve.simulate.tokenizer import generated_token
 
 MAX_LAG_WALL_S = 0.5  # how far (wall seconds) the loop may run behind the ideal timeline before it stops catching up
 _EPS_S = 1e-9
@@ -168,14 +169,19 @@ def _deliver(outputs: list[StepOutput], now_s: float) -> None:
 
 class FixedLatencyEngine:
     """Each request alone: its first token TTFT_S after it arrived, then one every ITL_S (0: as fast as the
-    event loop runs and the client reads, FIXED_BURST_TOKENS per turn). Tokens are due on an ideal timeline
+    event loop runs and the client reads, BURST_TOKENS per turn, written together). Tokens are due on an ideal timeline
     (arrival + TTFT + i x ITL), so late timer callbacks do not add up; a loop that falls more than MAX_LAG_WALL_S
     behind restarts a stream's timeline at the present."""
 
-    def __init__(self, clock: Clock, ttft_s: float, itl_s: float, max_model_len: int) -> None:
+    def __init__(
+        self, clock: Clock, ttft_s: float, itl_s: float, max_model_len: int, burst_tokens: int = FIXED_BURST_TOKENS
+    ) -> None:
         if ttft_s < 0 or itl_s < 0:
             raise ValueError("fixed timings must not be negative")
+        if burst_tokens < 1:
+            raise ValueError("burst_tokens must be at least 1")
         self.clock = clock
+        self.burst_tokens = burst_tokens
         self.ttft_s = ttft_s
         self.itl_s = itl_s
         self.max_model_len = max_model_len
@@ -242,14 +248,7 @@ class FixedLatencyEngine:
         if request.finished:
             return
         now = self.clock.now()
-        tokens: list[int] = []
-        reason = None
-        burst = FIXED_BURST_TOKENS if self.itl_s == 0 else 1
-        while reason is None and len(tokens) < burst:
-            token = request.next_token()
-            request.append_output(token)
-            tokens.append(token)
-            reason = stop_reason(request, token, self.max_model_len)
+        tokens, reason = self._next_tokens(request, self.burst_tokens if self.itl_s == 0 else 1)
         self._observe_tokens(request, len(tokens), now)
         if reason is not None:
             request.status, request.finish_reason = Status.FINISHED, reason
@@ -261,6 +260,24 @@ class FixedLatencyEngine:
             self._arm(request)
         if request.sink is not None:
             request.sink.on_tokens(request, tokens, reason, now)
+
+    def _next_tokens(self, request: SimRequest, burst: int) -> tuple[list[int], str | None]:
+        """Up to BURST tokens of REQUEST, and why it stops after them (None: it goes on)."""
+        if burst > 1 and (request.eos_after is None or request.ignore_eos):  # only its length can end it: in bulk
+            position = len(request.output_token_ids)
+            room = min(request.max_tokens - position, self.max_model_len - request.num_tokens)
+            tokens = [generated_token(p) for p in range(position, position + max(min(burst, room), 1))]
+            request.output_token_ids.extend(tokens)
+            request.num_tokens += len(tokens)
+            return tokens, stop_reason(request, tokens[-1], self.max_model_len)
+        tokens = []
+        reason = None
+        while reason is None and len(tokens) < burst:
+            token = request.next_token()
+            request.append_output(token)
+            tokens.append(token)
+            reason = stop_reason(request, token, self.max_model_len)
+        return tokens, reason
 
     def _observe_tokens(self, request: SimRequest, count: int, now: float) -> None:
         if request.first_token_s is None:

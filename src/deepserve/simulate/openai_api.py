@@ -185,6 +185,13 @@ class ReplyFormat:
         self._head = orjson.dumps(head)[:-1]  # without the closing brace
         opening = b',"choices":[{"index":0,"delta":{"content":' if chat else b',"choices":[{"index":0,"text":'
         self._open = self._head + opening
+        # chunks of one token that carry nothing else (no ids, no usage, not the last): the streaming hot path
+        self.plain_chunks = not generation.return_token_ids and not (
+            generation.continuous_usage and generation.include_usage
+        )
+        close = (b"}" if chat else b"") + b',"logprobs":null,"finish_reason":null'
+        self._plain_open = b"data: " + self._open
+        self._plain_close = close + (b"" if chat else b',"stop_reason":null') + b"}]}\n\n"
 
     def role_event(self) -> bytes:
         """The chat stream's first chunk: the assistant's role, no text."""
@@ -210,6 +217,12 @@ class ReplyFormat:
             parts.append(b',"stop_reason":null')
         parts += [b"}]", usage, b"}\n\n"]
         return b"".join(parts)
+
+    def plain_token_events(self, first_position: int, count: int) -> list[bytes]:
+        """COUNT chunks of one token each (output positions FIRST_POSITION…), none of them the last: what
+        token_event builds for them when plain_chunks holds, in one pass."""
+        text_of, head, tail = self.text_of, self._plain_open, self._plain_close
+        return [head + orjson.dumps(text_of(first_position + i, 1)) + tail for i in range(count)]
 
     def usage_event(self, completion_tokens: int) -> bytes:
         return b"data: " + self._head + b',"choices":[],"usage":' + self.usage(completion_tokens) + b"}\n\n"

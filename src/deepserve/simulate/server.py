@@ -420,6 +420,13 @@ class _Reply:
         FLUSH, when its stream is cut."""
         events: list[bytes] = []
         per_chunk = self.app.config.tokens_per_chunk
+        if per_chunk == 1 and self.sent and self.format.plain_chunks and len(self.pending) > 1:
+            bulk = len(self.pending) - 1  # a burst of tokens, one per chunk: all but the last in one pass
+            events = self.format.plain_token_events(self.sent, bulk)
+            if self.log is not None:
+                self.logged_chunks.extend([1] * bulk)
+            self.sent += bulk
+            del self.pending[:bulk]
         while self.pending:
             size = 1 if self.sent == 0 else per_chunk
             last = len(self.pending) <= size

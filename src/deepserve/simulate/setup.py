@@ -282,7 +282,7 @@ def build_engine(deployment: SimulatedDeployment, sim: SimulateConfig, clock: Cl
     latency per stream."""
     if sim.fixed_latency:
         ttft_s, itl_s = (sim.fixed_ttft_ms or 0.0) / 1e3, (sim.fixed_itl_ms or 0.0) / 1e3
-        return FixedLatencyEngine(clock, ttft_s, itl_s, deployment.max_model_len)
+        return FixedLatencyEngine(clock, ttft_s, itl_s, deployment.max_model_len, sim.fixed_burst_tokens)
     return SteppedEngine(build_core(deployment, sim), clock)
 
 
