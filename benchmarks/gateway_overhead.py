@@ -11,10 +11,11 @@ load generator (aiohttp on uvloop). On a small shared machine all of them compet
 
 `--lockstep` makes the simulator emit tokens the way vLLM does: one engine step every --itl-ms (its
 `--fixed-step-ms`), in which every running stream gets its next token (bursts), instead of each stream on its own
-timer (staggered). `--redis` adds two paths: the gateway with its limits in Redis (`--redis-url`, a redis-server this
-benchmark starts on loopback) and `--workers 2` with Redis. Every deepserve path sends a key with (generous) rpm, tpm
-and concurrency limits, so that the whole admission path runs; `--latency-requests N` times N sequential non-streamed
-requests per path, which shows what the Redis round trips add to each request.
+timer (staggered); a request's first token comes at the end of its prefill step, and requests/s is not measured.
+`--redis` adds two paths: the gateway with its limits in Redis (`--redis-url`, a redis-server this benchmark starts on
+loopback) and `--workers 2` with Redis. Every deepserve path sends a key with (generous) rpm, tpm and concurrency
+limits, so that the whole admission path runs; `--latency-requests N` times N sequential non-streamed requests per
+path, which shows what the Redis round trips add to each request.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def _answers(url: str) -> bool:
         return False
 
 
-def start_fake(itl_ms: float, ttft_ms: float = 0.0, lockstep: bool = False) -> Server:
+def start_upstream(itl_ms: float, ttft_ms: float = 0.0, lockstep: bool = False) -> Server:
     """The upstream: `deepserve simulate` with fixed timings (each stream on its own timer, or with LOCKSTEP one
     engine step of ITL_MS for all running streams; vLLM's max_num_seqs raised so that no stream waits)."""
     port = free_port()
@@ -249,7 +250,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, head
                 now = time.perf_counter()
                 if b'"error"' in chunk:
                     return StreamResult(0.0, None, "error event: " + chunk[:160].decode(errors="replace"))
-                count = chunk.count(b"data:")
+                count = chunk.count(b"data:") - chunk.count(b'"role"')  # a chat stream's role chunk is no token
                 if not count:
                     continue
                 if not events:
@@ -406,6 +407,12 @@ def main() -> int:
     parser.add_argument("--latency-requests", type=int, default=0, help="sequential requests per path, timed")
     parser.add_argument("--no-rate", action="store_true", help="skip the requests/s measurement")
     args = parser.parse_args()
+    if args.lockstep and args.ttft_ms:
+        parser.error("--ttft-ms does not apply with --lockstep: the first token comes at the end of the prefill step")
+    if args.lockstep and not args.no_rate:
+        # every request takes an engine step or two: requests/s would measure the steps, not the servers
+        print("--lockstep: no requests/s measurement (run it without --lockstep)", file=sys.stderr)
+        args.no_rate = True
     try:
         import uvloop
 
@@ -419,27 +426,27 @@ def main() -> int:
 
 async def _run(args: argparse.Namespace, workdir: Path) -> int:
     print(f"machine: {os.cpu_count()} CPUs (shared); every server is one process on loopback", flush=True)
-    fake = start_fake(args.itl_ms, args.ttft_ms, args.lockstep)
-    servers = [fake]
+    upstream = start_upstream(args.itl_ms, args.ttft_ms, args.lockstep)
+    servers = [upstream]
     try:
-        targets = {"direct": fake}
+        targets = {"direct": upstream}
         key = bench_key()
-        gateway = start_gateway(fake.url, key)
+        gateway = start_gateway(upstream.url, key)
         servers.append(gateway)
         targets["gateway"] = gateway
         if args.redis:
             redis = start_redis()
             servers.append(redis)
-            shared = start_gateway(fake.url, key, redis_url=redis.url)
+            shared = start_gateway(upstream.url, key, redis_url=redis.url)
             servers.append(shared)
             targets["gw+redis"] = shared
-            workers = start_gateway(fake.url, key, redis_url=redis.url, workers=2)
+            workers = start_gateway(upstream.url, key, redis_url=redis.url, workers=2)
             servers.append(workers)
             targets["workers=2"] = workers
         binary = None if args.no_litellm else ensure_litellm()
         if binary is not None:
             try:
-                litellm = start_litellm(binary, fake.url, workdir)
+                litellm = start_litellm(binary, upstream.url, workdir)
                 servers.append(litellm)
                 targets["litellm"] = litellm
             except RuntimeError as exc:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
-def fake_server() -> Iterator[str]:
+def simulator_url() -> Iterator[str]:
     """`deepserve simulate` with fixed timings (slow stream: 40 ms per token, each write logged) in its own process;
     yields its root URL."""
     server = start_simulator("--fixed-itl-ms", "40", "--log-sends", "--max-seconds", "170")
@@ -37,8 +37,8 @@ def vllm_flags(base_url: str, result_dir: Path, num_prompts: int, output_len: in
     ]  # fmt: skip
 
 
-def test_vllm_command_line_runs_and_saves_vllm_keys(fake_server, tmp_path, capsys):
-    flags = vllm_flags(fake_server, tmp_path, num_prompts=4, output_len=3)
+def test_vllm_command_line_runs_and_saves_vllm_keys(simulator_url, tmp_path, capsys):
+    flags = vllm_flags(simulator_url, tmp_path, num_prompts=4, output_len=3)
     code = main(["bench", *flags, "--save-result", "--result-filename", "r.json", "--save-records", "csv"])
     out = capsys.readouterr().out
     assert code == 0
@@ -52,21 +52,21 @@ def test_vllm_command_line_runs_and_saves_vllm_keys(fake_server, tmp_path, capsy
     assert (tmp_path / "r.records.csv").read_text().count("\n") == 5
 
 
-def test_bad_flags_fail_before_the_run(fake_server, tmp_path, capsys):
-    assert main(["bench", "--base-url", fake_server, "--goodput", "latency:5"]) == 2
+def test_bad_flags_fail_before_the_run(simulator_url, tmp_path, capsys):
+    assert main(["bench", "--base-url", simulator_url, "--goodput", "latency:5"]) == 2
     assert "goodput SLO" in capsys.readouterr().err
-    assert main(["bench", "--base-url", fake_server, "--model", "other"]) == 2
+    assert main(["bench", "--base-url", simulator_url, "--model", "other"]) == 2
     assert "unknown model 'other'" in capsys.readouterr().err
 
 
-def test_ctrl_c_writes_partial_results_marked_incomplete(fake_server, tmp_path):
-    flags = vllm_flags(fake_server, tmp_path, num_prompts=20, output_len=100)  # 20 x 4 s at concurrency 2: 40 s
+def test_ctrl_c_writes_partial_results_marked_incomplete(simulator_url, tmp_path):
+    flags = vllm_flags(simulator_url, tmp_path, num_prompts=20, output_len=100)  # 20 x 4 s at concurrency 2: 40 s
     command = [sys.executable, "-m", "deepserve.cli.main", "bench", *flags, "--result-filename", "partial.json"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:  # wait until the measured run has finished a couple of requests
-            log = httpx.get(fake_server + "/simulate/sends", timeout=5).json()
+            log = httpx.get(simulator_url + "/simulate/sends", timeout=5).json()
             if sum(len(entry["sends_s"]) >= 100 for entry in log.values()) >= 2:
                 break
             time.sleep(0.2)
