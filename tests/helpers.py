@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -23,18 +24,22 @@ from typing import Any
 import pytest
 
 from deepserve._compat import timeout
+from deepserve.models.tiny import tiny_config
 from deepserve.net import free_port
 from deepserve.simulate.fixed import FAKE_MODEL, fixed_timing, simulate_command
 from deepserve.simulate.server import SimulatorServer, SimulatorThread, running_simulator
 
 __all__ = [
     "FAKE_MODEL",
+    "SAMPLE_SUFFIXES",
     "Child",
     "FakeClock",
+    "samples",
     "simulator",
     "simulator_thread",
     "start_child",
     "start_simulator",
+    "tiny_config_dir",
     "until",
     "vllm_exported_samples",
     "wait_until",
@@ -174,6 +179,16 @@ def simulator_thread(
     deployment, config = fixed_timing(ttft_ms, itl_ms, **options)
     with SimulatorThread(deployment, config, port=port) as server:
         yield server
+
+
+# ---- the tiny model ----------------------------------------------------------------------------------------------
+
+
+def tiny_config_dir(directory: Path) -> Path:
+    """DIRECTORY holding the tiny model's config.json alone: what the launcher and the planner read (no weights)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(tiny_config()))
+    return directory
 
 
 # ---- what the installed vLLM exports ------------------------------------------------------------------------------

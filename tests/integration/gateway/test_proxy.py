@@ -1,4 +1,4 @@
-"""The gateway in front of an in-process simulator (fixed timings): pass-through, streaming, validation, keys, health."""
+"""The gateway in front of an in-process simulator: pass-through, streaming, validation, keys, health."""
 
 from __future__ import annotations
 

@@ -18,12 +18,12 @@ import yaml
 from deepserve.bench.config import BenchConfig
 from deepserve.cli.main import main
 from deepserve.config import EngineConfig, load_section
-from deepserve.models.tiny import tiny_config
 from deepserve.report.slo import parse_slo
 from deepserve.results.store import ResultsStore
 from deepserve.results.sweepdir import load_result_set, read_index
 from deepserve.tune.engine import EngineFailed, EnginePointRunner
 from deepserve.tune.grid import TunePoint
+from tests.helpers import tiny_config_dir
 
 FAKE_VLLM = Path(__file__).with_name("vllm_serve_as_simulator.py")
 
@@ -41,10 +41,7 @@ def fake_python(tmp_path: Path) -> Path:
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     """The tiny model's config.json alone: the launcher and the planner read it; the simulator loads nothing."""
-    directory = tmp_path / "model"
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(tiny_config()))
-    return directory
+    return tiny_config_dir(tmp_path / "model")
 
 
 def engines_running(model_dir: Path) -> list[psutil.Process]:
