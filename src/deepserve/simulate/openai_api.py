@@ -60,7 +60,8 @@ def parse_generation(
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model") or models[0]
     if model not in models:
-        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        message = f"The model `{model}` does not exist. Valid aliases: {models[0]}."  # vLLM's words
+        raise ApiError(404, message, "NotFoundError", "model")
     if body.get("n", 1) != 1:
         raise ApiError(400, "n must be 1: the simulator generates one choice per request", param="n")
     prompt_ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)

@@ -66,6 +66,8 @@ class ServerStats:
     active: int = 0  # streaming now
     metrics_scrapes: int = 0
     health_checks: int = 0
+    tokenize_calls: int = 0  # POST /tokenize answered (any status)
+    detokenize_calls: int = 0
     profile_calls: list[str] = field(default_factory=list)  # /start_profile, /stop_profile, in order
     profile_call_requests: list[int] = field(default_factory=list)  # generation requests received before each
     request_ids: deque[str | None] = field(default_factory=lambda: deque(maxlen=RECORDED_BODIES))
@@ -191,6 +193,7 @@ class SimulatorApp:
         conn.send_later(controls.metrics_delay_s, 200, _TEXT, text.encode("utf-8", "surrogateescape"))
 
     def _tokenize(self, conn: _Connection, request: _Request) -> None:
+        self.stats.tokenize_calls += 1
         try:
             body = _json_object(request.body)
             self._check_model(body)
@@ -219,6 +222,7 @@ class SimulatorApp:
         return self.tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens", True) is not False)
 
     def _detokenize(self, conn: _Connection, request: _Request) -> None:
+        self.stats.detokenize_calls += 1
         try:
             body = _json_object(request.body)
             self._check_model(body)
@@ -264,7 +268,8 @@ class SimulatorApp:
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
         if model is not None and model not in self.models:
-            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            message = f"The model `{model}` does not exist. Valid aliases: {self.deployment.served_model_name}."
+            raise ApiError(404, message, "NotFoundError", "model")  # vLLM's words (its engine's _check_model)
 
     def _refuse(self, conn: _Connection, error: ApiError) -> None:
         conn.send(error.status, _JSON, orjson.dumps(error.body()))
