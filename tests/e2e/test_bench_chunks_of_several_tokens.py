@@ -3,12 +3,15 @@
 
 With the token ids vLLM lists on request (return_token_ids, found by the probe), every chunk's tokens are exact:
 ITL is per token, its median is the decode step (within 25% of the mean TPOT), and each request's samples add up
-to its decode time. Without them (--return-token-ids off), the usage total is spread by text and said to be
-estimated. The same server checks trace replay and multi-turn prompts against vLLM's own token counts. Bounded:
-about 20 short requests at concurrency 1 or 2."""
+to its decode time; the median is taken over the requests vLLM streamed promptly (`streamed_promptly`: starved of
+CPU, it may send a stream in one burst), run again until there are three.
+Without them (--return-token-ids off), the usage total is spread by text and said to be estimated. The same server
+checks trace replay and multi-turn prompts against vLLM's own token counts. Bounded: about 20 short requests at
+concurrency 1 or 2, and up to 15 more while the server sends in bursts."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -16,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.metrics import e2el_ms, itl_ms, ttft_ms
+from deepserve.bench.metrics import e2el_ms, itl_ms, tpot_ms, ttft_ms
 from deepserve.bench.output import console_block
 from deepserve.bench.runner import run_benchmark
 from deepserve.models.tiny import write_tiny_model
@@ -49,6 +52,42 @@ def config(
 RANDOM = {"dataset_name": "random", "random_input_len": 32, "random_output_len": OUTPUT_LEN, "num_prompts": 3}
 
 
+def chunk_timeline(result) -> str:
+    """Each request's chunks as tokens@milliseconds after its first chunk: what a failing ITL check looked at."""
+    lines = []
+    for record in result.records:
+        first = record.chunk_times_s[0]
+        lines.append(
+            " ".join(
+                f"{k}@{(t - first) * 1000:.1f}" for t, k in zip(record.chunk_times_s, record.chunk_tokens, strict=True)
+            )
+        )
+    return "\n".join(lines)
+
+
+BURST_ATTEMPTS = 6
+
+
+def streamed_promptly(record) -> bool:
+    """Whether vLLM sent RECORD's chunks as it made them. Starved of CPU, its CPU build holds a stream back and sends
+    much of it in one write: measured on this machine beside two busy processes, a plain blocking-socket client saw
+    34 of 35 events arrive in one read about a second after the headers, on /v1/completions and /v1/chat/completions
+    alike. The client then rightly measures gaps of 0, and such a request's ITL says nothing about the decode step."""
+    gaps = [b - a for a, b in itertools.pairwise(record.chunk_times_s[1:])]
+    return sum(gap < 1e-4 for gap in gaps) <= len(gaps) / 4
+
+
+def promptly_streamed_records(bench: BenchConfig, first, wanted: int = 3) -> list:
+    """The requests of FIRST (a result of BENCH) that vLLM streamed promptly, topped up with further runs of BENCH
+    (BURST_ATTEMPTS in all, a few seconds each) until there are WANTED of them."""
+    records = [record for record in first.records if streamed_promptly(record)]
+    for _ in range(BURST_ATTEMPTS - 1):
+        if len(records) >= wanted:
+            break
+        records += [record for record in run_benchmark(bench, display=False).records if streamed_promptly(record)]
+    return records
+
+
 def assert_samples_add_up_to_the_decode_time(result) -> None:
     for record in result.records:
         assert sum(record.chunk_tokens) == OUTPUT_LEN == record.output_len
@@ -61,7 +100,8 @@ def assert_samples_add_up_to_the_decode_time(result) -> None:
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_token_ids_make_itl_exact(served_tiny_stream_interval_4, tokenizer, endpoint):
     workload = {**RANDOM, "ignore_eos": True}
-    result = run_benchmark(config(served_tiny_stream_interval_4, tokenizer, endpoint, workload), display=False)
+    bench = config(served_tiny_stream_interval_4, tokenizer, endpoint, workload)
+    result = run_benchmark(bench, display=False)
     data = result.to_json()
     assert data["completed"] == 3, data["errors_by_message"]
     assert data["return_token_ids"]["sent"] is True, data["return_token_ids"]
@@ -69,7 +109,10 @@ def test_token_ids_make_itl_exact(served_tiny_stream_interval_4, tokenizer, endp
     for record in result.records:
         assert statistics.median(record.chunk_tokens) == 4  # one event per 4 tokens (the first token comes alone)
     assert_samples_add_up_to_the_decode_time(result)
-    assert data["median_itl_ms"] == pytest.approx(data["mean_tpot_ms"], rel=0.25)
+    streamed = promptly_streamed_records(bench, result)
+    assert streamed, f"vLLM sent every stream in bursts in {BURST_ATTEMPTS} runs; the last:\n" + chunk_timeline(result)
+    median_itl = statistics.median(sample for record in streamed for sample in itl_ms(record))
+    assert median_itl == pytest.approx(statistics.mean(tpot_ms(record) for record in streamed), rel=0.25)
     assert "ITL is estimated" not in console_block(result)
 
 
