@@ -1,15 +1,17 @@
 """How exactly, and how fast, do benchmark clients measure? Ours (`deepserve bench`) against vLLM's (`vllm bench
-serve`), side by side, against the same fake OpenAI streaming server with known timings.
+serve`), side by side, against the same OpenAI streaming server with known timings: `deepserve simulate` with fixed
+timings and --log-sends.
 
-1. Timing: the fake server (its own process, uvloop) streams every request on a schedule (first token after
+1. Timing: the simulator (its own process, uvloop) streams every request on a schedule (first token after
    --ttft-ms, then one token every --itl-ms) and logs the perf_counter() instant it wrote each chunk. Each client
    saves its per-request times; since perf_counter is CLOCK_MONOTONIC (one clock for all processes), we compare:
    TTFT error = client TTFT − (server's first write − server's receipt of the request),
    ITL error  = client gap between chunks − server gap between the writes of those chunks.
-2. Capacity: the server streams as fast as the client reads (--capacity-chunks-per-write events per write, from a
-   cache of encoded chunks, so it stays cheap) and we report the chunks per second each client ingests.
+2. Capacity: the server streams as fast as the client reads (--capacity-chunks-per-write events per write: the
+   simulator's --fixed-burst-tokens) and we report the chunks per second each client ingests.
 3. Several tokens per chunk (as MTP, speculative decoding or vLLM's --stream-interval send them): the timing test
-   with --chunk-tokens tokens per chunk (tokens of 1 to 8 characters), once with every chunk listing its token ids
+   with --chunk-tokens tokens per chunk after the first token, which comes alone as vLLM sends it, one chunk every
+   --itl-ms (tokens of 1 to 8 characters), once with every chunk listing its token ids
    and once with the server ignoring return_token_ids. The truth of a token's ITL is the server's gap between
    writing its chunk and the previous one, divided by the chunk's tokens (the first chunk's extra tokens: 0). ITL
    error = |client's ITL sample − that|: per token for ours (one sample per token), per chunk for vLLM's (its
@@ -39,6 +41,7 @@ import numpy as np
 
 from deepserve.models.tiny import write_tiny_model
 from deepserve.net import free_port
+from deepserve.simulate.fixed import FAKE_MODEL, simulate_command
 
 PYTHON = sys.executable
 VLLM_SHIM = (
@@ -55,30 +58,31 @@ RUN_TIMEOUT_S = 900
 TRUTH_WINDOW_S = 0.0002
 
 
-class FakeServer:
-    """`python -m deepserve.bench.fake_server` in its own process, stopped on exit."""
+class SimulatedServer:
+    """`deepserve simulate` with fixed timings (FLAGS: more of its flags) in its own process, stopped on exit."""
 
     def __init__(self, *flags: str) -> None:
         self.port = free_port()
-        command = [PYTHON, "-m", "deepserve.bench.fake_server", "--port", str(self.port), "--max-seconds", "1800"]
-        command.append("--no-tokenize")  # the clients count with the tiny model's tokenizer, which it cannot match
-        if not {"--send-token-ids", "--return-token-ids"} & set(flags):
+        command = simulate_command(self.port, "--max-seconds", "1800")
+        command.append("--no-tokenize-endpoints")  # the clients count with the tiny model's tokenizer: same prompts
+        if "--token-ids" not in flags:
             # the same bytes for both clients: ours would ask for token ids (vLLM's does not) and get longer chunks
-            command += ["--return-token-ids", "ignore"]
+            command += ["--token-ids", "ignore"]
         self.process = subprocess.Popen([*command, *flags], stdout=subprocess.PIPE, text=True)
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
-        if not line.startswith("READY"):
-            raise RuntimeError(f"fake server did not start: {line!r}")
+        if not line.startswith("READY "):
+            self.process.kill()
+            raise RuntimeError(f"the simulator did not start: {line!r}")
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def log(self) -> dict[str, Any]:
-        return dict(httpx.get(self.url + "/fake/log", timeout=60).json())
+        return dict(httpx.get(self.url + "/simulate/sends", timeout=60).json())
 
-    def __enter__(self) -> FakeServer:
+    def __enter__(self) -> SimulatedServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -87,10 +91,10 @@ class FakeServer:
 
 
 def common_flags(
-    server: FakeServer, tokenizer: str, args: argparse.Namespace, streams: int, requests: int, out_len: int
+    server: SimulatedServer, tokenizer: str, args: argparse.Namespace, streams: int, requests: int, out_len: int
 ) -> list[str]:
     return [
-        "--base-url", server.url, "--model", "fake-model", "--tokenizer", tokenizer,
+        "--base-url", server.url, "--model", FAKE_MODEL, "--tokenizer", tokenizer,
         "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len", str(out_len),
         "--num-prompts", str(requests), "--max-concurrency", str(streams), "--ignore-eos",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
@@ -216,7 +220,7 @@ def chunk_itl_errors(name: str, result: dict[str, Any], server_log: dict[str, An
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the fake servers are stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the simulators are stopped too
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=500, help="concurrent streams in the timing test")
     parser.add_argument("--requests", type=int, default=1000, help="requests in the timing test")
@@ -262,7 +266,8 @@ def main() -> None:
 def timing_round(
     args: argparse.Namespace, order: list[str], rows: dict[str, dict[str, Any]], work: Path, tokenizer: str, round_: int
 ) -> None:
-    with FakeServer("--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--log-sends") as server:
+    timing = ["--fixed-ttft-ms", str(args.ttft_ms), "--fixed-itl-ms", str(args.itl_ms)]
+    with SimulatedServer(*timing, "--log-sends") as server:
         for name in order:
             flags = common_flags(server, tokenizer, args, args.streams, args.requests, args.output_len)
             result = run_client(name, flags, work / f"timing-{name}-{round_}.json")
@@ -276,7 +281,8 @@ def timing_round(
 def capacity_round(
     args: argparse.Namespace, order: list[str], rows: dict[str, dict[str, Any]], work: Path, tokenizer: str, round_: int
 ) -> None:
-    with FakeServer("--chunks-per-write", str(args.capacity_chunks_per_write)) as server:
+    burst = ["--fixed-itl-ms", "0", "--fixed-burst-tokens", str(args.capacity_chunks_per_write)]
+    with SimulatedServer(*burst) as server:
         for name in order:
             flags = common_flags(
                 server, tokenizer, args, args.capacity_streams, args.capacity_requests, args.capacity_output_len
@@ -301,10 +307,12 @@ def chunks_round(
     """The timing test with several tokens per chunk; IDS: every chunk lists its token ids (both clients get the
     same bytes), else the server ignores return_token_ids (ours then estimates from the usage total)."""
     key = "chunks_ids" if ids else "chunks_no_ids"
-    server_flags = ["--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--log-sends", "--varied-text"]
-    server_flags += ["--tokens-per-chunk", str(args.chunk_tokens)]
-    server_flags += ["--send-token-ids"] if ids else ["--return-token-ids", "ignore"]
-    with FakeServer(*server_flags) as server:
+    # the simulator's ITL is per token: a chunk of K tokens every --itl-ms is one token every ITL / K
+    token_itl_ms = args.itl_ms / args.chunk_tokens
+    server_flags = ["--fixed-ttft-ms", str(args.ttft_ms), "--fixed-itl-ms", str(token_itl_ms), "--log-sends"]
+    server_flags += ["--token-text", "varied", "--tokens-per-chunk", str(args.chunk_tokens)]
+    server_flags += ["--token-ids", "always" if ids else "ignore"]
+    with SimulatedServer(*server_flags) as server:
         for name in order:
             flags = common_flags(server, tokenizer, args, args.streams, args.requests, args.output_len)
             result = run_client(name, flags, work / f"{key}-{name}-{round_}.json")

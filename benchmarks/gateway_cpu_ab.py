@@ -1,7 +1,8 @@
-"""CPU per request and per stream of two builds of the gateway, side by side against one fake upstream.
+"""CPU per request and per stream of two builds of the gateway, side by side against one simulated upstream.
 
 The gateway of this checkout and a baseline build (another checkout's `src/`, e.g. `git archive main src | tar -x
--C /tmp/base`) run as two processes in front of the same fake upstream. The load generator sends them the same
+-C /tmp/base`) run as two processes in front of the same upstream (`deepserve simulate` with fixed
+timings). The load generator sends them the same
 bursts in alternating order (A B, B A, ...), so that whatever else the machine does hits both alike, and reads each
 gateway process's CPU time (user + system) around its bursts. CPU time per request barely depends on the machine's
 load, unlike latency; read the medians side by side, not against another run.
@@ -23,8 +24,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from deepserve.gateway.fake_upstream import FAKE_MODEL
 from deepserve.net import free_port
+from deepserve.simulate.fixed import FAKE_MODEL, simulate_command
 
 
 def start(argv: list[str], env: dict[str, str], ready: str) -> subprocess.Popen[str]:
@@ -76,8 +77,8 @@ async def measure(
 async def run(args: argparse.Namespace, home: Path) -> None:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     fake_port = free_port()
-    fake_argv = [sys.executable, "-m", "deepserve.gateway.fake_upstream", "--port", str(fake_port)]
-    processes = [start([*fake_argv, "--itl-ms", str(args.itl_ms)], env, "FAKE READY")]
+    fake_argv = simulate_command(fake_port, "--fixed-itl-ms", str(args.itl_ms), "--max-seconds", "7200")
+    processes = [start(fake_argv, env, "READY ")]
     gateways: dict[str, tuple[str, subprocess.Popen[str]]] = {}
     try:
         for name, src in (("this checkout", None), ("baseline", args.baseline_src)):

@@ -1,7 +1,7 @@
-"""What the gateway adds: the same streaming and non-streaming load sent straight to a fast fake upstream, through
-deepserve's gateway, and through LiteLLM's proxy (the peer), side by side in one run.
+"""What the gateway adds: the same streaming and non-streaming load sent straight to a fast simulated upstream,
+through deepserve's gateway, and through LiteLLM's proxy (the peer), side by side in one run.
 
-Every server is its own process on loopback: the fake upstream (deepserve.gateway.fake_upstream), the gateway
+Every server is its own process on loopback: the upstream (`deepserve simulate` with fixed timings), the gateway
 (`deepserve gateway`, one process), LiteLLM's proxy (one worker, in its own virtualenv, created on demand), and this
 load generator (aiohttp on uvloop). On a small shared machine all of them compete for the same cores, so read the
 *differences and ratios* between the columns of one run, not the absolute numbers.
@@ -9,12 +9,13 @@ load generator (aiohttp on uvloop). On a small shared machine all of them compet
     .venv/bin/python benchmarks/gateway_overhead.py                  # the table in docs/PERFORMANCE.md
     .venv/bin/python benchmarks/gateway_overhead.py --no-litellm     # without the peer
 
-`--lockstep` makes the fake emit tokens the way vLLM does: one engine step every --itl-ms, in which every running
-stream gets its next token (bursts), instead of each stream on its own timer (staggered). `--redis` adds two paths:
-the gateway with its limits in Redis (`--redis-url`, a redis-server this benchmark starts on loopback) and
-`--workers 2` with Redis. Every deepserve path sends a key with (generous) rpm, tpm and concurrency limits, so that
-the whole admission path runs; `--latency-requests N` times N sequential non-streamed requests per path, which shows
-what the Redis round trips add to each request.
+`--lockstep` makes the simulator emit tokens the way vLLM does: one engine step every --itl-ms (its
+`--fixed-step-ms`), in which every running stream gets its next token (bursts), instead of each stream on its own
+timer (staggered); a request's first token comes at the end of its prefill step, and requests/s is not measured.
+`--redis` adds two paths: the gateway with its limits in Redis (`--redis-url`, a redis-server this benchmark starts on
+loopback) and `--workers 2` with Redis. Every deepserve path sends a key with (generous) rpm, tpm and concurrency
+limits, so that the whole admission path runs; `--latency-requests N` times N sequential non-streamed requests per
+path, which shows what the Redis round trips add to each request.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ import aiohttp
 import psutil
 
 from deepserve.gateway.config import GatewayConfig, gateway_argv
-from deepserve.gateway.fake_upstream import FAKE_MODEL
 from deepserve.net import free_port
+from deepserve.simulate.fixed import FAKE_MODEL, simulate_command
 
 REPO = Path(__file__).resolve().parent.parent
 LITELLM_VENV = REPO / ".bench-venvs" / "litellm"
@@ -121,12 +122,17 @@ def _answers(url: str) -> bool:
         return False
 
 
-def start_fake(itl_ms: float, ttft_ms: float = 0.0, lockstep: bool = False) -> Server:
+def start_upstream(itl_ms: float, ttft_ms: float = 0.0, lockstep: bool = False) -> Server:
+    """The upstream: `deepserve simulate` with fixed timings (each stream on its own timer, or with LOCKSTEP one
+    engine step of ITL_MS for all running streams; vLLM's max_num_seqs raised so that no stream waits)."""
     port = free_port()
-    argv = [sys.executable, "-m", "deepserve.gateway.fake_upstream", "--port", str(port), "--itl-ms", str(itl_ms),
-            "--ttft-ms", str(ttft_ms)] + (["--lockstep"] if lockstep else [])  # fmt: skip
+    if lockstep:
+        timing = ["--fixed-step-ms", str(itl_ms), "--max-num-seqs", "8192", "--max-num-batched-tokens", "1048576"]
+    else:
+        timing = ["--fixed-ttft-ms", str(ttft_ms), "--fixed-itl-ms", str(itl_ms)]
+    argv = simulate_command(port, *timing, "--max-seconds", "7200")
     url = f"http://127.0.0.1:{port}"
-    return start_server("fake upstream", argv, "FAKE READY", url + "/v1", url + "/health", 30)
+    return start_server("simulated upstream", argv, "READY ", url + "/v1", url + "/health", 30)
 
 
 def start_gateway(upstream: str, api_key: str, **fields: object) -> Server:
@@ -244,7 +250,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, head
                 now = time.perf_counter()
                 if b'"error"' in chunk:
                     return StreamResult(0.0, None, "error event: " + chunk[:160].decode(errors="replace"))
-                count = chunk.count(b"data:")
+                count = chunk.count(b"data:") - chunk.count(b'"role"')  # a chat stream's role chunk is no token
                 if not count:
                     continue
                 if not events:
@@ -387,7 +393,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1000], help="concurrent streams")
     parser.add_argument("--tokens", type=int, default=20, help="tokens per stream")
-    parser.add_argument("--itl-ms", type=float, default=50.0, help="the fake upstream's inter-token latency")
+    parser.add_argument("--itl-ms", type=float, default=50.0, help="the upstream's inter-token latency")
     # 4 repeats of 4 counted rounds: 4,096 counted streams per path at 256, so that p99 is decided by ~40 values
     parser.add_argument("--rounds", type=int, default=5, help="streams per worker (the first is warm-up)")
     parser.add_argument("--repeats", type=int, default=4, help="runs per path and concurrency, in alternating order")
@@ -395,12 +401,18 @@ def main() -> int:
     parser.add_argument("--rate-duration-s", type=float, default=8.0)
     parser.add_argument("--litellm-max-streams", type=int, default=64, help="LiteLLM only up to this concurrency")
     parser.add_argument("--no-litellm", action="store_true")
-    parser.add_argument("--lockstep", action="store_true", help="the fake emits every stream's token in one step")
-    parser.add_argument("--ttft-ms", type=float, default=0.0, help="the fake upstream's time to first token")
+    parser.add_argument("--lockstep", action="store_true", help="the upstream emits every stream's token in one step")
+    parser.add_argument("--ttft-ms", type=float, default=0.0, help="the upstream's time to first token")
     parser.add_argument("--redis", action="store_true", help="add the gateway with Redis limits and --workers 2")
     parser.add_argument("--latency-requests", type=int, default=0, help="sequential requests per path, timed")
     parser.add_argument("--no-rate", action="store_true", help="skip the requests/s measurement")
     args = parser.parse_args()
+    if args.lockstep and args.ttft_ms:
+        parser.error("--ttft-ms does not apply with --lockstep: the first token comes at the end of the prefill step")
+    if args.lockstep and not args.no_rate:
+        # every request takes an engine step or two: requests/s would measure the steps, not the servers
+        print("--lockstep: no requests/s measurement (run it without --lockstep)", file=sys.stderr)
+        args.no_rate = True
     try:
         import uvloop
 
@@ -414,27 +426,27 @@ def main() -> int:
 
 async def _run(args: argparse.Namespace, workdir: Path) -> int:
     print(f"machine: {os.cpu_count()} CPUs (shared); every server is one process on loopback", flush=True)
-    fake = start_fake(args.itl_ms, args.ttft_ms, args.lockstep)
-    servers = [fake]
+    upstream = start_upstream(args.itl_ms, args.ttft_ms, args.lockstep)
+    servers = [upstream]
     try:
-        targets = {"direct": fake}
+        targets = {"direct": upstream}
         key = bench_key()
-        gateway = start_gateway(fake.url, key)
+        gateway = start_gateway(upstream.url, key)
         servers.append(gateway)
         targets["gateway"] = gateway
         if args.redis:
             redis = start_redis()
             servers.append(redis)
-            shared = start_gateway(fake.url, key, redis_url=redis.url)
+            shared = start_gateway(upstream.url, key, redis_url=redis.url)
             servers.append(shared)
             targets["gw+redis"] = shared
-            workers = start_gateway(fake.url, key, redis_url=redis.url, workers=2)
+            workers = start_gateway(upstream.url, key, redis_url=redis.url, workers=2)
             servers.append(workers)
             targets["workers=2"] = workers
         binary = None if args.no_litellm else ensure_litellm()
         if binary is not None:
             try:
-                litellm = start_litellm(binary, fake.url, workdir)
+                litellm = start_litellm(binary, upstream.url, workdir)
                 servers.append(litellm)
                 targets["litellm"] = litellm
             except RuntimeError as exc:
@@ -519,7 +531,7 @@ PATHS = ("direct", "gateway", "gw+redis", "workers=2", "litellm")
 def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
     print()
     mode = "lockstep (one engine step for all streams)" if args.lockstep else "staggered"
-    print(f"Streams of {args.tokens} tokens, fake upstream TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms, {mode}; "
+    print(f"Streams of {args.tokens} tokens, upstream TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms, {mode}; "
           "added = via − direct, same run")  # fmt: skip
     print("| streams | path | TTFT p50 ms | TTFT p99 ms | ITL mean ms | added TTFT p50 ms | added TTFT p99 ms "
           "| added ITL ms | server CPU ms/stream | failed |")  # fmt: skip

@@ -1,10 +1,10 @@
 """CPU per request and per stream of the gateway's upstream client against aiohttp's, side by side in one process.
 
-Both clients send the same requests to the same fake upstream (deepserve.gateway.fake_upstream, its own process on
+Both clients send the same requests to the same upstream (`deepserve simulate` with fixed timings, its own process on
 loopback): non-streamed 1-token chat completions, then 20-token streams (an event every millisecond, so that each
 arrives on its own, as from an engine) read to the end, at a fixed concurrency,
 in alternating rounds (ours, aiohttp, aiohttp, ours, ...). The figure is this process's CPU time (user + system)
-per request, which is what the client costs the gateway; wall-clock rates depend on the fake and the machine.
+per request, which is what the client costs the gateway; wall-clock rates depend on the upstream and the machine.
 
     .venv/bin/python benchmarks/upstream_client.py           # the figures quoted in docs/PERFORMANCE.md (Gateway)
 """
@@ -22,20 +22,20 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from deepserve.gateway.fake_upstream import FAKE_MODEL
 from deepserve.gateway.http_client import HttpClient, Origin
+from deepserve.simulate.fixed import FAKE_MODEL, simulate_command
 
 Send = Callable[[bytes], Awaitable[int]]  # sends one request body, returns the bytes of response body read
 
 
-def start_fake(port: int, itl_ms: float) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "deepserve.gateway.fake_upstream", "--port", str(port), "--itl-ms", str(itl_ms)]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start_upstream(port: int, itl_ms: float) -> subprocess.Popen[str]:
+    argv = simulate_command(port, "--fixed-itl-ms", str(itl_ms), "--max-seconds", "7200")
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert process.stdout is not None
     for line in process.stdout:
-        if line.startswith("FAKE READY"):
+        if line.startswith("READY "):
             return process
-    raise RuntimeError(f"the fake upstream did not start (exit {process.wait()})")
+    raise RuntimeError(f"the simulated upstream did not start (exit {process.wait()})")
 
 
 def body(tokens: int, stream: bool) -> bytes:
@@ -106,22 +106,22 @@ async def run(args: argparse.Namespace) -> dict[tuple[str, str], list[float]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--port", type=int, default=18931, help="loopback port for the fake upstream")
+    parser.add_argument("--port", type=int, default=18931, help="loopback port for the simulated upstream")
     parser.add_argument("--requests", type=int, default=3000, help="requests per client per round")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument(
-        "--itl-ms", type=float, default=1.0, help="the fake's gap between stream events (each arrives in its own read)"
+        "--itl-ms", type=float, default=1.0, help="gap between stream events (each arrives in its own read)"
     )
     args = parser.parse_args()
-    fake = start_fake(args.port, args.itl_ms)
+    upstream = start_upstream(args.port, args.itl_ms)
     try:
         import uvloop
 
         results = uvloop.run(run(args))
     finally:
-        fake.terminate()
-        fake.wait(10)
+        upstream.terminate()
+        upstream.wait(10)
     print(
         f"\n{args.requests} requests per round, {args.rounds} rounds alternating, concurrency {args.concurrency}, "
         f"stream events {args.itl_ms} ms apart"

@@ -24,15 +24,12 @@ from typing import Any
 
 import httpx
 
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_CACHE_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the newer name first
-PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
-PREFIX_HITS = "vllm:prefix_cache_hits_total"
-PREEMPTIONS = "vllm:num_preemptions_total"
-WANTED = (RUNNING, WAITING, *KV_CACHE_USAGE, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS)
-COUNTERS = frozenset({PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS})  # kept per series: growth per series, then summed
-MAX_OVER_LABEL_SETS = frozenset(KV_CACHE_USAGE)  # per-engine fractions: the fullest engine, not a sum
+from deepserve.engines import vllm_metrics as vllm
+
+# kept per series: growth per series, then summed
+COUNTERS = frozenset({vllm.PREFIX_CACHE_QUERIES, vllm.PREFIX_CACHE_HITS, vllm.PREEMPTIONS})
+WANTED = frozenset({vllm.RUNNING, vllm.WAITING, *vllm.KV_CACHE_USAGE_NAMES, *COUNTERS})
+MAX_OVER_LABEL_SETS = frozenset(vllm.KV_CACHE_USAGE_NAMES)  # per-engine fractions: the fullest engine, not a sum
 GATEWAY_ENGINES_PATH = "/metrics/engines"  # deepserve's gateway: every replica's /metrics (gateway/engine_metrics.py)
 
 
@@ -100,12 +97,12 @@ def summarize_samples(samples: list[dict[str, float]]) -> ServerMetricsSummary:
             return None
         return sum(series_growth([sample[key] for sample in samples if key in sample]) for key in series)
 
-    summary.peak_running = peak(RUNNING)
-    summary.peak_waiting = peak(WAITING)
-    summary.peak_kv_cache_usage_perc = peak(*KV_CACHE_USAGE)
-    summary.prefix_cache_queries = growth(PREFIX_QUERIES)
-    summary.prefix_cache_hits = growth(PREFIX_HITS)
-    summary.preemptions = growth(PREEMPTIONS)
+    summary.peak_running = peak(vllm.RUNNING)
+    summary.peak_waiting = peak(vllm.WAITING)
+    summary.peak_kv_cache_usage_perc = peak(*vllm.KV_CACHE_USAGE_NAMES)
+    summary.prefix_cache_queries = growth(vllm.PREFIX_CACHE_QUERIES)
+    summary.prefix_cache_hits = growth(vllm.PREFIX_CACHE_HITS)
+    summary.preemptions = growth(vllm.PREEMPTIONS)
     if summary.prefix_cache_queries and summary.prefix_cache_hits is not None:
         summary.prefix_cache_hit_rate = summary.prefix_cache_hits / summary.prefix_cache_queries
     if not any(series_name(key) in WANTED for sample in samples for key in sample):

@@ -2,25 +2,19 @@
 exports (gateway/metrics.py) and the ones vLLM exports at its /metrics (vllm/v1/metrics/loggers.py). Each target
 labels its scrape targets `component="engine"` or `component="gateway"`, so one set of expressions serves all.
 
-The metric names live here once; a test checks each against what the gateway's registry and the installed vLLM
-actually export."""
+The gateway's metric names live here once, vLLM's in engines/vllm_metrics.py; a test checks each against what the
+gateway's registry and the installed vLLM actually export."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from deepserve.bench.server_metrics import KV_CACHE_USAGE, PREEMPTIONS, PREFIX_HITS, PREFIX_QUERIES, RUNNING, WAITING
+from deepserve.engines import vllm_metrics as vllm
 from deepserve.gateway.config import GatewayConfig
 
 ENGINE = 'component="engine"'
 GATEWAY = 'component="gateway"'
-KV_USAGE = KV_CACHE_USAGE[0]
-GENERATION_TOKENS = "vllm:generation_tokens_total"
-PROMPT_TOKENS = "vllm:prompt_tokens_total"
-ENGINE_TTFT = "vllm:time_to_first_token_seconds"
-ENGINE_ITL = "vllm:inter_token_latency_seconds"
-ENGINE_E2E = "vllm:e2e_request_latency_seconds"
 GATEWAY_REQUESTS = "deepserve_gateway_requests_total"
 GATEWAY_COMPLETION_TOKENS = "deepserve_gateway_completion_tokens_total"
 GATEWAY_TTFT = "deepserve_gateway_ttft_seconds"
@@ -79,7 +73,7 @@ def alerts(gateway: GatewayConfig) -> list[Alert]:
         ),
         Alert(
             "DeepserveQueueGrowing",
-            f"sum({WAITING}{{{ENGINE}}}) > 0 and deriv(sum({WAITING}{{{ENGINE}}})[10m:1m]) > 0",
+            f"sum({vllm.WAITING}{{{ENGINE}}}) > 0 and deriv(sum({vllm.WAITING}{{{ENGINE}}})[10m:1m]) > 0",
             "10m",
             "warning",
             "Requests wait longer and longer for the engine",
@@ -97,12 +91,12 @@ def alerts(gateway: GatewayConfig) -> list[Alert]:
         ),
         Alert(
             "DeepserveKVCacheNearlyFull",
-            f"max({KV_USAGE}{{{ENGINE}}}) > {KV_CACHE_ALERT_FRACTION}",
+            f"max({vllm.KV_CACHE_USAGE}{{{ENGINE}}}) > {KV_CACHE_ALERT_FRACTION}",
             "10m",
             "warning",
             f"The KV cache has been over {KV_CACHE_ALERT_FRACTION:.0%} full for 10 minutes",
             "New requests wait for cache blocks and running ones may be preempted (see "
-            f"{PREEMPTIONS}): lower --max-num-seqs or --max-model-len, use an FP8 KV cache, or add replicas.",
+            f"{vllm.PREEMPTIONS}): lower --max-num-seqs or --max-model-len, use an FP8 KV cache, or add replicas.",
         ),
         Alert(
             "DeepserveHighErrorRate",
@@ -151,36 +145,36 @@ PANELS: tuple[tuple[str, str, list[tuple[str, str]]], ...] = (
         "Tokens per second",
         "short",
         [
-            ("output", f"sum(rate({GENERATION_TOKENS}{{{ENGINE}}}[1m]))"),
-            ("prompt", f"sum(rate({PROMPT_TOKENS}{{{ENGINE}}}[1m]))"),
+            ("output", f"sum(rate({vllm.GENERATION_TOKENS}{{{ENGINE}}}[1m]))"),
+            ("prompt", f"sum(rate({vllm.PROMPT_TOKENS}{{{ENGINE}}}[1m]))"),
         ],
     ),
     (
         "Requests in the engine and at the gateway",
         "short",
         [
-            ("running (vLLM)", f"sum({RUNNING}{{{ENGINE}}})"),
-            ("waiting (vLLM)", f"sum({WAITING}{{{ENGINE}}})"),
+            ("running (vLLM)", f"sum({vllm.RUNNING}{{{ENGINE}}})"),
+            ("waiting (vLLM)", f"sum({vllm.WAITING}{{{ENGINE}}})"),
             ("queued (gateway)", f"sum({GATEWAY_QUEUE}{{{GATEWAY}}})"),
             ("in flight (gateway)", f"sum({GATEWAY_IN_FLIGHT}{{{GATEWAY}}})"),
         ],
     ),
-    ("KV-cache usage", "percentunit", [("{{instance}}", f"{KV_USAGE}{{{ENGINE}}}")]),
+    ("KV-cache usage", "percentunit", [("{{instance}}", f"{vllm.KV_CACHE_USAGE}{{{ENGINE}}}")]),
     (
         "Prefix-cache hit rate",
         "percentunit",
         [
             (
                 "hits",
-                f"sum(rate({PREFIX_HITS}{{{ENGINE}}}[5m]))"
-                f" / clamp_min(sum(rate({PREFIX_QUERIES}{{{ENGINE}}}[5m])), 1e-9)",
+                f"sum(rate({vllm.PREFIX_CACHE_HITS}{{{ENGINE}}}[5m]))"
+                f" / clamp_min(sum(rate({vllm.PREFIX_CACHE_QUERIES}{{{ENGINE}}}[5m])), 1e-9)",
             )
         ],
     ),
-    ("Preemptions per second", "short", [("preemptions", f"sum(rate({PREEMPTIONS}{{{ENGINE}}}[5m]))")]),
-    ("Time to first token (engine)", "s", _quantiles(ENGINE_TTFT, ENGINE, "TTFT")),
-    ("Inter-token latency (engine)", "s", _quantiles(ENGINE_ITL, ENGINE, "ITL")),
-    ("End-to-end latency (engine)", "s", _quantiles(ENGINE_E2E, ENGINE, "E2E")),
+    ("Preemptions per second", "short", [("preemptions", f"sum(rate({vllm.PREEMPTIONS}{{{ENGINE}}}[5m]))")]),
+    ("Time to first token (engine)", "s", _quantiles(vllm.TTFT, ENGINE, "TTFT")),
+    ("Inter-token latency (engine)", "s", _quantiles(vllm.ITL, ENGINE, "ITL")),
+    ("End-to-end latency (engine)", "s", _quantiles(vllm.E2E_LATENCY, ENGINE, "E2E")),
     (
         "Replicas in rotation",
         "short",

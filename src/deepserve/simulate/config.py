@@ -13,7 +13,8 @@ from pydantic import Field, model_validator
 from deepserve.config import Section, parse_key_values
 from deepserve.errors import ConfigError
 
-CutMode = Literal["close", "error_event", "malformed_event"]
+CutMode = Literal["close", "error_event", "malformed_event", "stall"]
+TokenIdsPolicy = Literal["requested", "always", "ignore", "reject"]
 # EngineConfig fields that mean nothing to a simulated engine: one process stands for every node, and nothing is
 # launched (the hardware is SimulateConfig's --gpu/--gpus/--nodes).
 ENGINE_FIELDS_NOT_SIMULATED = (
@@ -45,6 +46,12 @@ class SimulateConfig(Section):
     fixed_step_ms: float | None = Field(
         None, gt=0, description="no step model: every engine step takes this long (lockstep streams)"
     )
+    fixed_burst_tokens: int = Field(
+        64,
+        ge=1,
+        description="with --fixed-itl-ms 0: tokens a stream gets per turn of the event loop, written together "
+        "(with --tokens-per-chunk 1: that many chunks per write)",
+    )
     # ---- replies ----
     tokens_per_chunk: int = Field(
         1, ge=1, description="tokens per streamed chunk after the first (vLLM's --stream-interval)"
@@ -58,17 +65,35 @@ class SimulateConfig(Section):
     usage_chunk: Literal["requested", "never", "always"] = Field(
         "requested", description="stream the usage chunk when stream_options.include_usage asks (vLLM), never, always"
     )
-    token_ids: Literal["requested", "always"] = Field(
-        "requested", description="token_ids in each choice when return_token_ids asks (vLLM), or always"
+    token_ids: TokenIdsPolicy = Field(
+        "requested",
+        description="token_ids in each choice when return_token_ids asks (vLLM), always, never though asked "
+        "(ignore, as servers without the field), or answer the field with 400 (reject)",
+    )
+    token_text: Literal["bytes", "varied"] = Field(
+        "bytes",
+        description="each generated token's text: one byte (the tiny model's tokenizer), or 1 to 8 characters "
+        "(varied, as real vocabularies: a client counting tokens by text is then not exact; /detokenize differs)",
     )
     tokenize_endpoints: bool = Field(True, description="serve /tokenize and /detokenize (off: 404, as some servers)")
+    metrics_endpoint: bool = Field(True, description="serve /metrics (off: 404, a server without metrics)")
+    models_max_model_len: bool = Field(
+        True, description="list max_model_len in /v1/models (off: as SGLang and older servers do not)"
+    )
     profiler_endpoints: bool = Field(False, description="answer /start_profile and /stop_profile (vLLM's profiler)")
+    log_sends: bool = Field(
+        False,
+        description="keep when each chunk of each stream was written, and when its request arrived by the kernel's "
+        "receive timestamp (GET /simulate/sends): ground truth for measuring benchmark clients",
+    )
     # ---- faults ----
     error_fraction: float = Field(0.0, ge=0, le=1, description="fraction of generation requests answered with an error")
     error_status: int = Field(500, ge=400, le=599, description="HTTP status of those errors")
     cut_fraction: float = Field(0.0, ge=0, le=1, description="fraction of streams cut short after --cut-after-tokens")
     cut_after_tokens: int = Field(1, ge=0, description="tokens a cut stream delivers before it is cut")
-    cut_mode: CutMode = Field("close", description="how a stream is cut: close, error_event, malformed_event")
+    cut_mode: CutMode = Field(
+        "close", description="how a stream is cut: close, error_event, malformed_event, stall (open and silent)"
+    )
     hang_fraction: float = Field(0.0, ge=0, le=1, description="fraction of requests never answered (no byte)")
     unhealthy_after_s: float | None = Field(None, ge=0, description="/health answers 503 from this long after start")
     unhealthy_after_requests: int | None = Field(
@@ -80,6 +105,11 @@ class SimulateConfig(Section):
     startup_delay_s: float = Field(0.0, ge=0, description="wait this long before listening (an engine loading)")
     fail_startup: str | None = Field(None, description="print this and exit 1 instead of serving (a failed start)")
     ignore_sigterm: bool = Field(False, description="ignore SIGTERM (an engine that must be killed)")
+    engine_core_process: bool = Field(
+        False,
+        description="start a child process standing for vLLM's engine core (it only waits), so that a supervisor's "
+        "clean-up of the whole process group can be tested",
+    )
     max_seconds: float | None = Field(None, gt=0, description="exit after this long, whatever happens (CI safety)")
 
     @model_validator(mode="after")

@@ -6,8 +6,9 @@ Two engines behind one interface:
   to run), so the event loop's timer resolution does not add up over thousands of steps, and a loop delayed by a
   busy machine catches up. If it falls behind by more than MAX_LAG_WALL_S, the timeline restarts at the present
   and the simulated time lost is counted.
-- `FixedLatencyEngine`: every request on its own, first token TTFT after arrival, then one every ITL, whatever else
-  runs (what the fakes of OpenAI servers did: no batching, no cache, staggered streams).
+- `FixedLatencyEngine`: every request on its own, first token TTFT after arrival, then one every ITL on an ideal
+  timeline, whatever else runs (a fake OpenAI server's timing: no batching, no cache, staggered streams). With no
+  ITL it streams as fast as each client reads: a stream whose connection is backed up pauses until it drains.
 
 Everything runs in clock callbacks, never in tasks: no wake-ups beyond one timer for the next event.
 """
@@ -21,6 +22,7 @@ from deepserve.simulate.clock import Clock, Timer
 from deepserve.simulate.core import EngineCore
 from deepserve.simulate.metrics import CounterReading, EngineMetrics, GaugeReading
 from deepserve.simulate.scheduler import SimRequest, Status, StepOutput, stop_reason
+from deepserve.simulate.tokenizer import generated_token
 
 MAX_LAG_WALL_S = 0.5  # how far (wall seconds) the loop may run behind the ideal timeline before it stops catching up
 _EPS_S = 1e-9
@@ -36,6 +38,12 @@ class Engine(Protocol):
     def submit(self, request: SimRequest) -> None: ...
 
     def abort(self, request: SimRequest) -> None: ...
+
+    def pause(self, request: SimRequest) -> None:
+        """REQUEST's client cannot take more for now (its connection's buffer is full)."""
+
+    def resume(self, request: SimRequest) -> None:
+        """It can again."""
 
     def now(self) -> float: ...
 
@@ -72,6 +80,12 @@ class SteppedEngine:
     def abort(self, request: SimRequest) -> None:
         if self.core.abort(request, self.clock.now()):
             self._unblock(self.clock.now())  # its blocks are free: a waiting request may fit now
+
+    def pause(self, request: SimRequest) -> None:
+        """Nothing: a real engine keeps generating whatever a client reads (vLLM's API server buffers it)."""
+
+    def resume(self, request: SimRequest) -> None:
+        pass
 
     def gauges(self) -> GaugeReading:
         return self.core.gauges()
@@ -155,18 +169,28 @@ def _deliver(outputs: list[StepOutput], now_s: float) -> None:
 
 class FixedLatencyEngine:
     """Each request alone: its first token TTFT_S after it arrived, then one every ITL_S (0: as fast as the
-    event loop runs, FIXED_BURST_TOKENS per turn)."""
+    event loop runs and the client reads, BURST_TOKENS per turn, written together). Tokens are due on an ideal timeline
+    (arrival + TTFT + i x ITL), so late timer callbacks do not add up; a loop that falls more than MAX_LAG_WALL_S
+    behind restarts a stream's timeline at the present."""
 
-    def __init__(self, clock: Clock, ttft_s: float, itl_s: float, max_model_len: int) -> None:
+    def __init__(
+        self, clock: Clock, ttft_s: float, itl_s: float, max_model_len: int, burst_tokens: int = FIXED_BURST_TOKENS
+    ) -> None:
         if ttft_s < 0 or itl_s < 0:
             raise ValueError("fixed timings must not be negative")
+        if burst_tokens < 1:
+            raise ValueError("burst_tokens must be at least 1")
         self.clock = clock
+        self.burst_tokens = burst_tokens
         self.ttft_s = ttft_s
         self.itl_s = itl_s
         self.max_model_len = max_model_len
         self.metrics = EngineMetrics(max_model_len)
+        self.max_lag_s = MAX_LAG_WALL_S / clock.wall_s(1.0)  # in simulated seconds
         self.active: dict[int, SimRequest] = {}
         self._timers: dict[int, Timer] = {}
+        self._due_s: dict[int, float] = {}  # when each active request's next token is due
+        self._paused: set[int] = set()  # requests whose client is backed up: no timer until it resumes
         self._prompt_tokens = 0
         self._generation_tokens = 0
 
@@ -177,40 +201,83 @@ class FixedLatencyEngine:
         now = self.clock.now()
         request.arrival_s = request.first_scheduled_s = now
         request.status = Status.RUNNING
-        self.active[id(request)] = request
-        self._timers[id(request)] = self.clock.call_at(now + self.ttft_s, lambda: self._emit(request))
+        key = id(request)
+        self.active[key] = request
+        self._due_s[key] = now + self.ttft_s
+        self._arm(request)
 
     def abort(self, request: SimRequest) -> None:
-        if self.active.pop(id(request), None) is None:
+        if self.active.get(id(request)) is None:
             return
-        timer = self._timers.pop(id(request), None)
-        if timer is not None:
-            timer.cancel()
+        self._forget(request)
         request.status, request.finish_reason = Status.FINISHED, "abort"
         self._observe_finished(request, self.clock.now())
 
+    def pause(self, request: SimRequest) -> None:
+        key = id(request)
+        if key in self.active and key not in self._paused:
+            self._paused.add(key)
+            timer = self._timers.pop(key, None)
+            if timer is not None:
+                timer.cancel()
+
+    def resume(self, request: SimRequest) -> None:
+        key = id(request)
+        if key in self._paused:
+            self._paused.discard(key)
+            if key in self.active:
+                self._arm(request)
+
+    def _arm(self, request: SimRequest) -> None:
+        key = id(request)
+        if key not in self._paused:
+            self._timers[key] = self.clock.call_at(self._due_s[key], lambda: self._emit(request))
+
+    def _forget(self, request: SimRequest) -> None:
+        key = id(request)
+        self.active.pop(key, None)
+        self._due_s.pop(key, None)
+        self._paused.discard(key)
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+
     def _emit(self, request: SimRequest) -> None:
+        key = id(request)
+        self._timers.pop(key, None)
         if request.finished:
             return
         now = self.clock.now()
-        tokens: list[int] = []
+        tokens, reason = self._next_tokens(request, self.burst_tokens if self.itl_s == 0 else 1)
+        self._observe_tokens(request, len(tokens), now)
+        if reason is not None:
+            request.status, request.finish_reason = Status.FINISHED, reason
+            self._forget(request)
+            self._observe_finished(request, now)
+        else:
+            due_s = self._due_s[key] + self.itl_s
+            self._due_s[key] = now if now - due_s > self.max_lag_s else due_s
+            self._arm(request)
+        if request.sink is not None:
+            request.sink.on_tokens(request, tokens, reason, now)
+
+    def _next_tokens(self, request: SimRequest, burst: int) -> tuple[list[int], str | None]:
+        """Up to BURST tokens of REQUEST, and why it stops after them (None: it goes on)."""
+        if burst > 1 and (request.eos_after is None or request.ignore_eos):  # only its length can end it: in bulk
+            position = len(request.output_token_ids)
+            room = min(request.max_tokens - position, self.max_model_len - request.num_tokens)
+            tokens = [generated_token(p) for p in range(position, position + max(min(burst, room), 1))]
+            request.output_token_ids.extend(tokens)
+            request.num_tokens += len(tokens)
+            return tokens, stop_reason(request, tokens[-1], self.max_model_len)
+        tokens = []
         reason = None
-        burst = FIXED_BURST_TOKENS if self.itl_s == 0 else 1
         while reason is None and len(tokens) < burst:
             token = request.next_token()
             request.append_output(token)
             tokens.append(token)
             reason = stop_reason(request, token, self.max_model_len)
-        self._observe_tokens(request, len(tokens), now)
-        if reason is not None:
-            request.status, request.finish_reason = Status.FINISHED, reason
-            self.active.pop(id(request), None)
-            self._timers.pop(id(request), None)
-            self._observe_finished(request, now)
-        else:
-            self._timers[id(request)] = self.clock.call_at(now + self.itl_s, lambda: self._emit(request))
-        if request.sink is not None:
-            request.sink.on_tokens(request, tokens, reason, now)
+        return tokens, reason
 
     def _observe_tokens(self, request: SimRequest, count: int, now: float) -> None:
         if request.first_token_s is None:

@@ -8,12 +8,14 @@ phase, so a 10% error rate and a 10% cut rate hit different requests. Index sets
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from types import MappingProxyType
+from typing import Any, get_args
 
 from deepserve.simulate.config import CutMode, SimulateConfig
 
-CUT_MODES = ("close", "error_event", "malformed_event")
+CUT_MODES: tuple[str, ...] = get_args(CutMode)
 _PHASES = {"hang": 0.0, "error": 1 / 3, "cut": 2 / 3}
 
 
@@ -23,18 +25,23 @@ class Faults:
     error_status: int = 500
     cut_fraction: float = 0.0  # streams that end after CUT_AFTER_TOKENS tokens, as CUT_MODE says
     cut_after_tokens: int = 1
-    cut_mode: CutMode = "close"  # close: the connection drops; error_event: an error event and [DONE]; malformed_event
+    # close: the connection drops; error_event: an error event and [DONE]; malformed_event: an event that is not
+    # JSON; stall: nothing more is sent and the connection stays open (an engine hung mid-stream)
+    cut_mode: CutMode = "close"
     hang_fraction: float = 0.0  # never answered: no byte until the client gives up
     error_indices: frozenset[int] = frozenset()
     cut_indices: frozenset[int] = frozenset()
     hang_indices: frozenset[int] = frozenset()
+    cut_modes: Mapping[int, CutMode] = field(default_factory=lambda: MappingProxyType({}))  # several kinds, one run
 
     def __post_init__(self) -> None:
         for name in ("error_fraction", "cut_fraction", "hang_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be between 0 and 1")
-        if self.cut_mode not in CUT_MODES:
-            raise ValueError(f"cut_mode must be one of {', '.join(CUT_MODES)}")
+        named = [("cut_mode", self.cut_mode)] + [(f"cut_modes[{i}]", mode) for i, mode in self.cut_modes.items()]
+        for name, mode in named:
+            if mode not in CUT_MODES:
+                raise ValueError(f"{name} must be one of {', '.join(CUT_MODES)} (got {mode!r})")
         if not 400 <= self.error_status <= 599:
             raise ValueError("error_status must be an HTTP error status (400-599)")
         if self.cut_after_tokens < 0:
@@ -57,12 +64,17 @@ class Faults:
             return "hang"
         if index in self.error_indices or _every(index, self.error_fraction, _PHASES["error"]):
             return "error"
-        if index in self.cut_indices or _every(index, self.cut_fraction, _PHASES["cut"]):
+        if index in self.cut_indices or index in self.cut_modes or _every(index, self.cut_fraction, _PHASES["cut"]):
             return "cut"
         return None
 
+    def cut_mode_of(self, index: int) -> CutMode:
+        """How the INDEX-th request's stream is cut (when decide says "cut")."""
+        return self.cut_modes.get(index, self.cut_mode)
+
     def updated(self, changes: dict[str, Any]) -> Faults:
-        """A copy with CHANGES (JSON from POST /simulate/control: lists for the index sets)."""
+        """A copy with CHANGES (JSON from POST /simulate/control: lists for the index sets, an object of index →
+        mode for cut_modes)."""
         known = {f.name for f in fields(self)}
         unknown = set(changes) - known
         if unknown:
@@ -71,13 +83,23 @@ class Faults:
         values: dict[str, Any] = {
             key: frozenset(value) if key.endswith("_indices") else value for key, value in changes.items()
         }
+        if "cut_modes" in values:
+            modes = values["cut_modes"] or {}
+            if not isinstance(modes, Mapping):
+                raise ValueError("cut_modes must map request indices to cut modes")
+            values["cut_modes"] = MappingProxyType({int(index): mode for index, mode in modes.items()})
         return replace(self, **values)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            f.name: sorted(getattr(self, f.name)) if f.name.endswith("_indices") else getattr(self, f.name)
-            for f in fields(self)
-        }
+        data: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_indices"):
+                value = sorted(value)
+            elif f.name == "cut_modes":
+                value = {str(index): mode for index, mode in sorted(value.items())}
+            data[f.name] = value
+        return data
 
 
 def _every(index: int, fraction: float, phase: float) -> bool:

@@ -11,30 +11,14 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-TTFT_BUCKETS_S = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-    160.0, 640.0, 2560.0,
-)  # fmt: skip
-ITL_BUCKETS_S = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
-REQUEST_LATENCY_BUCKETS_S = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
-    1920.0, 7680.0,
-)  # fmt: skip
-ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-
-
-def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
-    """1, 2, 5, 10, 20, 50, … up to MAX_VALUE (vLLM's token-count buckets)."""
-    buckets: list[int] = []
-    scale = 1
-    while True:
-        for mantissa in (1, 2, 5):
-            if mantissa * scale > max_value:
-                return tuple(buckets)
-            buckets.append(mantissa * scale)
-        scale *= 10
+from deepserve.engines import vllm_metrics as names
+from deepserve.engines.vllm_metrics import (
+    ITERATION_TOKEN_BUCKETS,
+    ITL_BUCKETS_S,
+    REQUEST_LATENCY_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    one_two_five_buckets,
+)
 
 
 class Histogram:
@@ -125,37 +109,34 @@ def render(
 ) -> str:
     """Prometheus text exposition (version 0.0.4). OVERRIDES replace a series' value by metric name (routing tests
     give replicas the load they want them to report)."""
-    labels = f'engine="0",model_name="{_escape(model)}"'
+    labels = f'{names.ENGINE_LABEL}="0",{names.MODEL_LABEL}="{_escape(model)}"'
     out = _Exposition(labels, overrides or {})
-    out.gauge("vllm:num_requests_running", "Number of requests in model execution batches.", gauges.running)
-    out.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", gauges.waiting)
-    out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", gauges.kv_cache_usage)
-    out.counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+    out.gauge(names.RUNNING, "Number of requests in model execution batches.", gauges.running)
+    out.gauge(names.WAITING, "Number of requests waiting to be processed.", gauges.waiting)
+    out.gauge(names.KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent usage.", gauges.kv_cache_usage)
+    out.counter(names.PREFIX_CACHE_QUERIES, "Prefix cache queries, in terms of number of queried tokens.",
                 counters.prefix_queries)  # fmt: skip
-    out.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+    out.counter(names.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.",
                 counters.prefix_hits)  # fmt: skip
-    out.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", counters.preemptions)
-    out.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", counters.prompt_tokens)
-    out.counter("vllm:generation_tokens", "Number of generation tokens processed.", counters.generation_tokens)
+    out.counter(names.PREEMPTIONS, "Cumulative number of preemption from the engine.", counters.preemptions)
+    out.counter(names.PROMPT_TOKENS, "Number of prefill tokens processed.", counters.prompt_tokens)
+    out.counter(names.GENERATION_TOKENS, "Number of generation tokens processed.", counters.generation_tokens)
     out.labelled_counter(
-        "vllm:request_success", "Count of successfully processed requests.", "finished_reason", metrics.finished
+        names.REQUEST_SUCCESS, "Count of successfully processed requests.", "finished_reason", metrics.finished
     )
-    out.histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", metrics.ttft)
-    out.histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", metrics.itl)
-    out.histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", metrics.e2e)
-    out.histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                  metrics.queue)  # fmt: skip
-    out.histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-                  metrics.prefill)  # fmt: skip
-    out.histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-                  metrics.decode)  # fmt: skip
-    out.histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+    out.histogram(names.TTFT, "Histogram of time to first token in seconds.", metrics.ttft)
+    out.histogram(names.ITL, "Histogram of inter-token latency in seconds.", metrics.itl)
+    out.histogram(names.E2E_LATENCY, "Histogram of e2e request latency in seconds.", metrics.e2e)
+    out.histogram(names.QUEUE_TIME, "Histogram of time spent in WAITING phase for request.", metrics.queue)
+    out.histogram(names.PREFILL_TIME, "Histogram of time spent in PREFILL phase for request.", metrics.prefill)
+    out.histogram(names.DECODE_TIME, "Histogram of time spent in DECODE phase for request.", metrics.decode)
+    out.histogram(names.REQUEST_PROMPT_TOKENS, "Number of prefill tokens processed.",
                   metrics.prompt_tokens_per_request)  # fmt: skip
-    out.histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+    out.histogram(names.REQUEST_GENERATION_TOKENS, "Number of generation tokens processed.",
                   metrics.generation_tokens_per_request)  # fmt: skip
-    out.histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+    out.histogram(names.ITERATION_TOKENS, "Histogram of number of tokens per engine_step.",
                   metrics.iteration_tokens)  # fmt: skip
-    out.info("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", cache_info)
+    out.info(names.CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", cache_info)
     return out.text()
 
 
@@ -176,15 +157,13 @@ class _Exposition:
         self.lines.append(f"{name}{{{self.labels}}} {_number(self._value(name, value))}")
 
     def counter(self, name: str, help_text: str, value: float) -> None:
-        total = name + "_total"
-        self._header(total, help_text, "counter")
-        self.lines.append(f"{total}{{{self.labels}}} {_number(self._value(total, value))}")
+        self._header(name, help_text, "counter")
+        self.lines.append(f"{name}{{{self.labels}}} {_number(self._value(name, value))}")
 
     def labelled_counter(self, name: str, help_text: str, label: str, values: dict[str, int]) -> None:
-        total = name + "_total"
-        self._header(total, help_text, "counter")
+        self._header(name, help_text, "counter")
         for key, value in values.items():
-            self.lines.append(f'{total}{{{self.labels},{label}="{_escape(key)}"}} {_number(value)}')
+            self.lines.append(f'{name}{{{self.labels},{label}="{_escape(key)}"}} {_number(value)}')
 
     def histogram(self, name: str, help_text: str, histogram: Histogram) -> None:
         self._header(name, help_text, "histogram")
@@ -199,7 +178,7 @@ class _Exposition:
     def info(self, name: str, help_text: str, values: dict[str, str]) -> None:
         self._header(name, help_text, "gauge")
         pairs = ",".join(f'{key}="{_escape(value)}"' for key, value in values.items())
-        self.lines.append(f'{name}{{{pairs},engine="0"}} 1.0')
+        self.lines.append(f'{name}{{{pairs},{names.ENGINE_LABEL}="0"}} 1.0')
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"

@@ -10,6 +10,7 @@ usage chunk (choices empty) only with `stream_options.include_usage`, and errors
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +60,8 @@ def parse_generation(
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model") or models[0]
     if model not in models:
-        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        message = f"The model `{model}` does not exist. Valid aliases: {models[0]}."  # vLLM's words
+        raise ApiError(404, message, "NotFoundError", "model")
     if body.get("n", 1) != 1:
         raise ApiError(400, "n must be 1: the simulator generates one choice per request", param="n")
     prompt_ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
@@ -163,8 +165,15 @@ class ReplyFormat:
     """The bytes of one request's answer. Stream events are built from pre-encoded pieces: only the text, the ids
     and the finish reason change from chunk to chunk."""
 
-    def __init__(self, generation: Generation, request_id: str, created: int) -> None:
+    def __init__(
+        self,
+        generation: Generation,
+        request_id: str,
+        created: int,
+        text_of: Callable[[int, int], str] = generated_text,
+    ) -> None:
         self.generation = generation
+        self.text_of = text_of  # (first output position, count) -> the text of those tokens
         chat = generation.chat
         self.response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = created
@@ -177,6 +186,13 @@ class ReplyFormat:
         self._head = orjson.dumps(head)[:-1]  # without the closing brace
         opening = b',"choices":[{"index":0,"delta":{"content":' if chat else b',"choices":[{"index":0,"text":'
         self._open = self._head + opening
+        # chunks of one token that carry nothing else (no ids, no usage, not the last): the streaming hot path
+        self.plain_chunks = not generation.return_token_ids and not (
+            generation.continuous_usage and generation.include_usage
+        )
+        close = (b"}" if chat else b"") + b',"logprobs":null,"finish_reason":null'
+        self._plain_open = b"data: " + self._open
+        self._plain_close = close + (b"" if chat else b',"stop_reason":null') + b"}]}\n\n"
 
     def role_event(self) -> bytes:
         """The chat stream's first chunk: the assistant's role, no text."""
@@ -189,7 +205,7 @@ class ReplyFormat:
     def token_event(self, first_position: int, token_ids: list[int], finish_reason: str | None, usage: bytes) -> bytes:
         """A chunk with TOKEN_IDS (output positions FIRST_POSITION…); USAGE is b"" or `,"usage":{…}`."""
         generation = self.generation
-        text = orjson.dumps(_text(first_position, token_ids))
+        text = orjson.dumps(self._text(first_position, token_ids))
         parts = [b"data: ", self._open, text]
         if generation.chat:
             parts.append(b"}")
@@ -202,6 +218,12 @@ class ReplyFormat:
             parts.append(b',"stop_reason":null')
         parts += [b"}]", usage, b"}\n\n"]
         return b"".join(parts)
+
+    def plain_token_events(self, first_position: int, count: int) -> list[bytes]:
+        """COUNT chunks of one token each (output positions FIRST_POSITION…), none of them the last: what
+        token_event builds for them when plain_chunks holds, in one pass."""
+        text_of, head, tail = self.text_of, self._plain_open, self._plain_close
+        return [head + orjson.dumps(text_of(first_position + i, 1)) + tail for i in range(count)]
 
     def usage_event(self, completion_tokens: int) -> bytes:
         return b"data: " + self._head + b',"choices":[],"usage":' + self.usage(completion_tokens) + b"}\n\n"
@@ -216,10 +238,15 @@ class ReplyFormat:
             }
         )
 
+    def _text(self, first_position: int, token_ids: list[int]) -> str:
+        """The text of output tokens, without the end-of-sequence token (a special token)."""
+        count = len(token_ids) - (1 if token_ids and token_ids[-1] == EOS_ID else 0)
+        return self.text_of(first_position, count)
+
     def full_response(self, token_ids: list[int], finish_reason: str) -> bytes:
         """The whole answer of a request that did not stream."""
         generation = self.generation
-        text = _text(0, token_ids)
+        text = self._text(0, token_ids)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
         if generation.chat:
             choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
@@ -238,12 +265,6 @@ class ReplyFormat:
         if generation.return_token_ids:
             body["prompt_token_ids"] = generation.prompt_ids
         return orjson.dumps(body)
-
-
-def _text(first_position: int, token_ids: list[int]) -> str:
-    """The text of output tokens: the generated text, without the end-of-sequence token (a special token)."""
-    count = len(token_ids) - (1 if token_ids and token_ids[-1] == EOS_ID else 0)
-    return generated_text(first_position, count)
 
 
 _REASONS = {None: b"null", "length": b'"length"', "stop": b'"stop"', "abort": b'"abort"'}

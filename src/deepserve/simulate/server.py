@@ -2,7 +2,8 @@
 
 Routes (as vLLM serves them): POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
 /health, /version, /metrics. The simulator's own: GET /simulate/stats (what it saw: requests, completions,
-aborts, injected faults, bodies with record_bodies), POST /simulate/control (change faults, health, metric values).
+aborts, injected faults, bodies with record_bodies), POST /simulate/control (change faults, health, metric values),
+GET /simulate/sends (with log_sends: when each chunk was written, send_log.py).
 
 A raw asyncio protocol with httptools' parser (llhttp, in C): one benchmark client drives hundreds of streams, and
 the engine writes each token straight to its connection from the step callback, without a task per stream.
@@ -33,8 +34,9 @@ from deepserve.simulate.faults import Controls
 from deepserve.simulate.metrics import render
 from deepserve.simulate.openai_api import DONE_EVENT, ApiError, Generation, ReplyFormat, error_body, parse_generation
 from deepserve.simulate.scheduler import SimRequest
+from deepserve.simulate.send_log import KernelStampedServer, SendLog, StreamSends
 from deepserve.simulate.setup import SimulatedDeployment, build_engine
-from deepserve.simulate.tokenizer import ByteTokenizer, ChatFormatError
+from deepserve.simulate.tokenizer import ByteTokenizer, ChatFormatError, generated_text, varied_text
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 RECORDED_BODIES = 10_000  # record_bodies keeps at most this many (the oldest go first)
@@ -64,7 +66,10 @@ class ServerStats:
     active: int = 0  # streaming now
     metrics_scrapes: int = 0
     health_checks: int = 0
+    tokenize_calls: int = 0  # POST /tokenize answered (any status)
+    detokenize_calls: int = 0
     profile_calls: list[str] = field(default_factory=list)  # /start_profile, /stop_profile, in order
+    profile_call_requests: list[int] = field(default_factory=list)  # generation requests received before each
     request_ids: deque[str | None] = field(default_factory=lambda: deque(maxlen=RECORDED_BODIES))
     bodies: deque[Any] = field(default_factory=lambda: deque(maxlen=RECORDED_BODIES))
 
@@ -82,6 +87,7 @@ class _Request:
     headers: dict[str, str]
     body: bytes
     keep_alive: bool
+    read_s: float  # perf_counter time of the read that completed it (the kernel's receive time with log_sends)
 
 
 class SimulatorApp:
@@ -96,6 +102,9 @@ class SimulatorApp:
         self.controls = Controls.from_config(config)
         self.stats = ServerStats()
         self.models = (deployment.served_model_name, *config.lora_modules)
+        self.text_of = varied_text if config.token_text == "varied" else generated_text
+        self.send_log = SendLog() if config.log_sends else None
+        self.connections: set[_Connection] = set()
         self.created = int(time.time())
         self._started = time.monotonic()
         self._ids = 0
@@ -110,9 +119,14 @@ class SimulatorApp:
             ("POST", "/v1/chat/completions"): self._chat,
             ("GET", "/simulate/stats"): self._stats,
             ("POST", "/simulate/control"): self._control,
+            ("GET", "/simulate/sends"): self._sends,
         }
         if not config.tokenize_endpoints:
             del self._routes[("POST", "/tokenize")], self._routes[("POST", "/detokenize")]
+        if not config.metrics_endpoint:
+            del self._routes[("GET", "/metrics")]
+        if not config.log_sends:
+            del self._routes[("GET", "/simulate/sends")]
         if config.profiler_endpoints:
             self._routes[("POST", "/start_profile")] = self._routes[("POST", "/stop_profile")] = self._profile
 
@@ -156,10 +170,12 @@ class SimulatorApp:
                 "owned_by": "deepserve-simulate",
                 "root": base,
                 "parent": None if name == base else base,
-                "max_model_len": self.deployment.max_model_len,
             }
             for name in self.models
         ]
+        if self.config.models_max_model_len:
+            for card in cards:
+                card["max_model_len"] = self.deployment.max_model_len
         conn.send(200, _JSON, orjson.dumps({"object": "list", "data": cards}))
 
     def _metrics(self, conn: _Connection, request: _Request) -> None:
@@ -177,6 +193,7 @@ class SimulatorApp:
         conn.send_later(controls.metrics_delay_s, 200, _TEXT, text.encode("utf-8", "surrogateescape"))
 
     def _tokenize(self, conn: _Connection, request: _Request) -> None:
+        self.stats.tokenize_calls += 1
         try:
             body = _json_object(request.body)
             self._check_model(body)
@@ -205,6 +222,7 @@ class SimulatorApp:
         return self.tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens", True) is not False)
 
     def _detokenize(self, conn: _Connection, request: _Request) -> None:
+        self.stats.detokenize_calls += 1
         try:
             body = _json_object(request.body)
             self._check_model(body)
@@ -218,18 +236,26 @@ class SimulatorApp:
 
     def _profile(self, conn: _Connection, request: _Request) -> None:
         self.stats.profile_calls.append(request.path)
+        self.stats.profile_call_requests.append(self.stats.requests)
         conn.send(200, _JSON, b"{}")
 
-    def _stats(self, conn: _Connection, request: _Request) -> None:
+    def stats_json(self) -> dict[str, Any]:
+        """What GET /simulate/stats answers: what the server saw, the engine's state, the controls."""
         gauges = self.engine.gauges()
-        data = {
+        return {
             **self.stats.to_json(),
             "engine": {**self.engine.stats(), **asdict(gauges), **asdict(self.engine.counters())},
             "deployment": self.deployment.describe(),
             "controls": self.controls.to_json(),
             "healthy": self.controls.is_healthy(time.monotonic() - self._started, self.stats.requests),
         }
-        conn.send(200, _JSON, orjson.dumps(data))
+
+    def _stats(self, conn: _Connection, request: _Request) -> None:
+        conn.send(200, _JSON, orjson.dumps(self.stats_json()))
+
+    def _sends(self, conn: _Connection, request: _Request) -> None:
+        assert self.send_log is not None
+        conn.send(200, _JSON, orjson.dumps(self.send_log.to_json()))
 
     def _control(self, conn: _Connection, request: _Request) -> None:
         try:
@@ -242,7 +268,8 @@ class SimulatorApp:
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
         if model is not None and model not in self.models:
-            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            message = f"The model `{model}` does not exist. Valid aliases: {self.deployment.served_model_name}."
+            raise ApiError(404, message, "NotFoundError", "model")  # vLLM's words (its engine's _check_model)
 
     def _refuse(self, conn: _Connection, error: ApiError) -> None:
         conn.send(error.status, _JSON, orjson.dumps(error.body()))
@@ -268,18 +295,30 @@ class SimulatorApp:
             return
         if self.config.record_bodies:
             stats.bodies.append(body)
-        fault = self.controls.faults.decide(index)
+        faults = self.controls.faults
+        fault = faults.decide(index)
         if self._answered_by_fault(conn, fault):
             return
         try:
-            generation = parse_generation(body, chat, self.tokenizer, self.deployment.max_model_len, self.models)
+            generation = self._token_ids_policy(
+                parse_generation(body, chat, self.tokenizer, self.deployment.max_model_len, self.models), body
+            )
         except ApiError as exc:
             stats.refused += 1
             self._refuse(conn, exc)
             return
-        if self.config.token_ids == "always" and not generation.return_token_ids:
-            generation = dataclasses.replace(generation, return_token_ids=True)
-        self._submit(conn, request, generation, cut=fault == "cut")
+        self._submit(conn, request, generation, faults.cut_mode_of(index) if fault == "cut" else None)
+
+    def _token_ids_policy(self, generation: Generation, body: dict[str, Any]) -> Generation:
+        """vLLM's return_token_ids as asked, or a server that always lists ids, ignores the field, or rejects it."""
+        policy = self.config.token_ids
+        if policy == "always" and not generation.return_token_ids:
+            return dataclasses.replace(generation, return_token_ids=True)
+        if policy == "ignore" and generation.return_token_ids:
+            return dataclasses.replace(generation, return_token_ids=False)
+        if policy == "reject" and body.get("return_token_ids") is not None:
+            raise ApiError(400, "Unrecognized request argument supplied: return_token_ids", param="return_token_ids")
+        return generation
 
     def _answered_by_fault(self, conn: _Connection, fault: str | None) -> bool:
         """An injected hang (no answer at all) or error (before any byte); a cut is the reply's to make."""
@@ -293,13 +332,16 @@ class SimulatorApp:
             return True
         return False
 
-    def _submit(self, conn: _Connection, request: _Request, generation: Generation, cut: bool) -> None:
+    def _submit(self, conn: _Connection, request: _Request, generation: Generation, cut_mode: str | None) -> None:
         """Hand the request to the engine, with the reply that streams (or collects) its tokens."""
         self._ids += 1
         request_id = request.headers.get("x-request-id") or f"{self._ids:08x}"
-        reply = _Reply(self, conn, generation, ReplyFormat(generation, request_id, int(time.time())))
-        if cut:
+        reply = _Reply(self, conn, generation, ReplyFormat(generation, request_id, int(time.time()), self.text_of))
+        if cut_mode is not None:
             reply.cut_after = self.controls.faults.cut_after_tokens
+            reply.cut_mode = cut_mode
+        if self.send_log is not None and generation.stream:
+            reply.log = self.send_log.open(request_id, request.read_s)
         sim = SimRequest(
             str(self._ids),
             generation.prompt_ids,
@@ -320,7 +362,10 @@ class SimulatorApp:
 class _Reply:
     """The answer to one generation request: the engine's TokenSink for it."""
 
-    __slots__ = ("app", "conn", "cut_after", "done", "format", "generation", "pending", "request", "sent")
+    __slots__ = (
+        "app", "conn", "cut_after", "cut_mode", "done", "format", "generation", "log", "logged_chunks", "pending",
+        "request", "sent", "stalled",
+    )  # fmt: skip
 
     def __init__(self, app: SimulatorApp, conn: _Connection, generation: Generation, fmt: ReplyFormat) -> None:
         self.app = app
@@ -329,12 +374,16 @@ class _Reply:
         self.format = fmt
         self.request: SimRequest | None = None
         self.cut_after: int | None = None  # an injected cut after this many tokens
+        self.cut_mode = "close"  # and how (faults.py)
         self.pending: list[int] = []  # tokens not sent yet (several per chunk, or the whole reply)
         self.sent = 0
         self.done = False
+        self.stalled = False  # cut by a stall: nothing more is sent, the connection stays open
+        self.log: StreamSends | None = None  # with log_sends: when each chunk was written
+        self.logged_chunks: list[int] = []  # tokens of each chunk built since the last write (with a log)
 
     def on_tokens(self, request: SimRequest, token_ids: list[int], finish_reason: str | None, now_s: float) -> None:
-        if self.done:
+        if self.done or self.stalled:
             return
         self.pending.extend(token_ids)
         if not self.generation.stream:
@@ -349,7 +398,9 @@ class _Reply:
             event = self.format.token_event(self.sent, self.pending, None, self._usage(1))  # one token, as usual
             self.sent += 1
             self.pending.clear()
-            self.conn.write(b"%x\r\n%s\r\n" % (len(event), event))
+            if self.log is not None:
+                self.logged_chunks.append(1)
+            self._send(b"%x\r\n%s\r\n" % (len(event), event))
             return
         events = self._token_events(finish_reason)
         if finish_reason is not None:
@@ -358,17 +409,33 @@ class _Reply:
             events.append(DONE_EVENT)
             self._finish("completed", _frames(events) + _CHUNKED_END)
         elif events:
-            self.conn.write(_frames(events))
+            self._send(_frames(events))
 
-    def _token_events(self, finish_reason: str | None) -> list[bytes]:
+    def _send(self, data: bytes) -> None:
+        """Write DATA, which carries token chunks (timed, with a send log)."""
+        if self.log is None:
+            self.conn.write(data)
+            return
+        self.log.timed_write(self.conn.transport, data, self.logged_chunks)
+        self.logged_chunks.clear()
+
+    def _token_events(self, finish_reason: str | None, flush: bool = False) -> list[bytes]:
         """Events for the pending tokens, as vLLM's --stream-interval K groups them: the first token at once,
-        then K per chunk, and whatever is left when the request finishes (which the last chunk says)."""
+        then K per chunk, and whatever is left when the request finishes (which the last chunk says) or, with
+        FLUSH, when its stream is cut."""
         events: list[bytes] = []
         per_chunk = self.app.config.tokens_per_chunk
+        if per_chunk == 1 and self.sent and self.format.plain_chunks and len(self.pending) > 1:
+            bulk = len(self.pending) - 1  # a burst of tokens, one per chunk: all but the last in one pass
+            events = self.format.plain_token_events(self.sent, bulk)
+            if self.log is not None:
+                self.logged_chunks.extend([1] * bulk)
+            self.sent += bulk
+            del self.pending[:bulk]
         while self.pending:
             size = 1 if self.sent == 0 else per_chunk
             last = len(self.pending) <= size
-            if last and finish_reason is None and len(self.pending) < size:
+            if last and finish_reason is None and not flush and len(self.pending) < size:
                 break
             events += self._token_event(self.pending[:size], finish_reason if last else None)
         return events
@@ -383,19 +450,25 @@ class _Reply:
     def _token_event(self, tokens: list[int], finish_reason: str | None) -> list[bytes]:
         events = [self.format.role_event()] if self.sent == 0 and self.generation.chat else []
         events.append(self.format.token_event(self.sent, tokens, finish_reason, self._usage(len(tokens))))
+        if self.log is not None:
+            self.logged_chunks.append(len(tokens))
         self.sent += len(tokens)
         del self.pending[: len(tokens)]
         return events
 
     def _cut(self) -> None:
         assert self.cut_after is not None
-        keep = self.pending[: max(self.cut_after - self.sent, 0)]
-        events = self._token_event(keep, None) if keep else []
-        mode = self.app.controls.faults.cut_mode
+        del self.pending[max(self.cut_after - self.sent, 0) :]  # the tokens it still delivers
+        events = self._token_events(None, flush=True)
+        mode = self.cut_mode
         self.app.stats.cut += 1
         self._stop_engine()
+        if mode == "stall":  # an engine hung mid-stream: the connection stays open and silent
+            self.stalled = True
+            self._send(_frames(events))
+            return
         if mode == "close":  # the connection drops mid-stream: no terminator, no [DONE]
-            self.conn.write(_frames(events))
+            self._send(_frames(events))
             self._settle(None)
             self.conn.abort()
             return
@@ -423,8 +496,17 @@ class _Reply:
 
     def _finish(self, outcome: str | None, data: bytes) -> None:
         self._settle(outcome)
-        self.conn.write(data)
+        self._send(data)
         self.conn.request_done()
+
+    def pause(self) -> None:
+        """The connection's buffer is full (the client reads slower than tokens come)."""
+        if self.request is not None and not self.done:
+            self.app.engine.pause(self.request)
+
+    def resume(self) -> None:
+        if self.request is not None and not self.done:
+            self.app.engine.resume(self.request)
 
     def _settle(self, outcome: str | None) -> None:
         self.done = True
@@ -459,6 +541,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.reply: _Reply | None = None
+        self.read_s = 0.0  # when the last read arrived
+        self.read_s_hint: float | None = None  # its kernel receive time, set by KernelStampedTransport
         self._queue: deque[_Request] = deque()
         self._current: _Request | None = None
         self._url = b""
@@ -469,9 +553,12 @@ class _Connection(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
+        self.app.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
+        hint, self.read_s_hint = self.read_s_hint, None
+        self.read_s = time.perf_counter() if hint is None else hint
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
@@ -480,9 +567,18 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self.app.connections.discard(self)
         reply, self.reply = self.reply, None
         if reply is not None:
             reply.client_gone()
+
+    def pause_writing(self) -> None:
+        if self.reply is not None:
+            self.reply.pause()
+
+    def resume_writing(self) -> None:
+        if self.reply is not None:
+            self.reply.resume()
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -502,7 +598,8 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         path = self._url.split(b"?", 1)[0].decode("latin-1")
         method = self.parser.get_method().decode()
-        request = _Request(method, path, self._headers, b"".join(self._body), self.parser.should_keep_alive())
+        keep_alive = self.parser.should_keep_alive()
+        request = _Request(method, path, self._headers, b"".join(self._body), keep_alive, self.read_s)
         if self._body_bytes > MAX_BODY_BYTES:
             request.path = "/<too large>"
         self._queue.append(request)
@@ -571,17 +668,24 @@ class SimulatorServer:
         self.config = config
         self.app: SimulatorApp | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._stamped: KernelStampedServer | None = None
         self.host = "127.0.0.1"
         self.port = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, clock: Clock | None = None) -> SimulatorApp:
+        """Listen on HOST:PORT (0: any free port), the engine timed by CLOCK (default: the loop's, scaled by
+        time_scale; a ManualClock lets a test move time by hand)."""
         clock = clock or LoopClock(self.config.time_scale)
         engine = build_engine(self.deployment, self.config, clock)
         app = SimulatorApp(self.deployment, self.config, engine, clock)
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(app), host, port, backlog=4096)
+        if self.config.log_sends:  # kernel receive times: connections on the raw-socket transport
+            self._stamped = KernelStampedServer(lambda: _Connection(app), host, port)
+            self.port = self._stamped.port
+        else:
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_server(lambda: _Connection(app), host, port, backlog=4096)
+            self.port = int(self._server.sockets[0].getsockname()[1])
         self.host = host
-        self.port = int(self._server.sockets[0].getsockname()[1])
         self.app = app
         return app
 
@@ -596,20 +700,30 @@ class SimulatorServer:
         return self.base_url.removesuffix("/v1")
 
     async def close(self) -> None:
+        """Stop listening and drop every connection (streams in flight and hung requests end as cut off)."""
+        if self._stamped is not None:
+            self._stamped.close()
+            self._stamped = None
         if self._server is not None:
             self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
             self._server = None
+        if self.app is not None:
+            for conn in list(self.app.connections):
+                conn.abort()
+        await asyncio.sleep(0)  # let the aborted connections' connection_lost run
 
 
 @contextlib.asynccontextmanager
 async def running_simulator(
-    deployment: SimulatedDeployment, config: SimulateConfig, host: str = "127.0.0.1", port: int = 0
+    deployment: SimulatedDeployment,
+    config: SimulateConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    clock: Clock | None = None,
 ) -> AsyncIterator[SimulatorServer]:
-    """The simulator serving in this event loop until the block ends."""
+    """The simulator serving in this event loop until the block ends (CLOCK: as SimulatorServer.start)."""
     server = SimulatorServer(deployment, config)
-    await server.start(host, port)
+    await server.start(host, port, clock)
     try:
         yield server
     finally:
@@ -621,6 +735,7 @@ class SimulatorThread:
 
     def __init__(self, deployment: SimulatedDeployment, config: SimulateConfig, host: str = "127.0.0.1", port: int = 0):
         self.server = SimulatorServer(deployment, config)
+        self.server.host, self.server.port = host, port  # the URL is known before the start (when PORT is given)
         self._host, self._port = host, port
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="deepserve-simulate")
@@ -633,6 +748,14 @@ class SimulatorThread:
     @property
     def base_url(self) -> str:
         return self.server.base_url
+
+    @property
+    def root_url(self) -> str:
+        return self.server.root_url
+
+    def control(self, changes: dict[str, Any]) -> None:
+        """Apply CHANGES as POST /simulate/control does (faults, health, metric values), on the simulator's loop."""
+        self.call(lambda: self.app.controls.apply(changes))
 
     def call(self, function: Callable[[], Any]) -> Any:
         """Run FUNCTION on the simulator's loop (its state is not thread-safe) and return its result."""

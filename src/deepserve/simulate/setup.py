@@ -2,13 +2,14 @@
 memory plan gives the KV cache, its performance model the step times) and vLLM's defaults for what is left out.
 
 Only the planner's stable interface is used: `make_plan(PlanConfig)` → `Plan.deployment` (a `Deployment` with its
-`MemoryPlan`) and `Plan.factors`, then `Deployment.performance_model(factors).step(...)`.
+`MemoryPlan`) and `Plan.factors`, then `Deployment.performance_model(factors).step(...)`. It is imported only when
+step times come from it: a simulator with fixed timings (what tests and benchmarks start) is up sooner without.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deepserve.config import EngineConfig, validate_section
 from deepserve.engines.vllm import (
@@ -22,10 +23,6 @@ from deepserve.hardware.catalog import Accelerator, get_accelerator
 from deepserve.models.presets import canonical_preset_name
 from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
-from deepserve.plan.formats import checkpoint_format
-from deepserve.plan.memory import GIB
-from deepserve.plan.perf import PerformanceModel, Prediction, Workload
-from deepserve.plan.planner import Plan, PlanConfig, make_plan
 from deepserve.simulate.clock import Clock
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.core import EngineCore
@@ -33,6 +30,10 @@ from deepserve.simulate.engine import Engine, FixedLatencyEngine, SteppedEngine
 from deepserve.simulate.kv_cache import KVCacheManager
 from deepserve.simulate.scheduler import Scheduler, SchedulerLimits
 from deepserve.simulate.timing import FixedStepTimer, PlannerStepTimer, StepTimer
+
+if TYPE_CHECKING:
+    from deepserve.plan.perf import PerformanceModel, Prediction, Workload
+    from deepserve.plan.planner import Plan, PlanConfig
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V3"
 FIXED_MAX_MODEL_LEN = 32768  # a fixed-timing simulator of an unknown model: the planner's default context
@@ -122,6 +123,8 @@ def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
     }
     if sim.fixed_latency or sim.fixed_step_ms is not None:
         return _fixed(engine, sim, model, common, default_tokens)
+    from deepserve.plan.planner import make_plan
+
     spec = load_spec(model)
     max_model_len = engine.max_model_len or min(FIXED_MAX_MODEL_LEN, spec.max_position_embeddings)
     batched = engine.max_num_batched_tokens or (default_tokens if chunked else max(max_model_len, default_tokens))
@@ -203,6 +206,8 @@ def _plan_config(
     batched: int,
     max_num_seqs: int,
 ) -> PlanConfig:
+    from deepserve.plan.planner import PlanConfig
+
     given = engine.model_fields_set
     values = {
         "model": model,
@@ -231,6 +236,8 @@ def _plan_config(
 def _weights_from_quantization(quantization: str | None, spec: ModelSpec) -> str | None:
     """vLLM's --quantization as the planner's weight format: fp8 quantizes a 16-bit checkpoint on the fly; the
     others name the checkpoint's own format, which the planner reads from the checkpoint."""
+    from deepserve.plan.formats import checkpoint_format
+
     if quantization is None:
         return None
     method = quantization.lower()
@@ -251,6 +258,8 @@ def _weights_from_quantization(quantization: str | None, spec: ModelSpec) -> str
 
 
 def _kv_blocks(plan: Plan, engine: EngineConfig, block_size: int, accelerator: Accelerator) -> int:
+    from deepserve.plan.memory import GIB
+
     deployment = plan.deployment
     memory = deployment.memory
     if not memory.fits and memory.kv_cache_bytes_per_gpu <= 0:
@@ -273,7 +282,7 @@ def build_engine(deployment: SimulatedDeployment, sim: SimulateConfig, clock: Cl
     latency per stream."""
     if sim.fixed_latency:
         ttft_s, itl_s = (sim.fixed_ttft_ms or 0.0) / 1e3, (sim.fixed_itl_ms or 0.0) / 1e3
-        return FixedLatencyEngine(clock, ttft_s, itl_s, deployment.max_model_len)
+        return FixedLatencyEngine(clock, ttft_s, itl_s, deployment.max_model_len, sim.fixed_burst_tokens)
     return SteppedEngine(build_core(deployment, sim), clock)
 
 

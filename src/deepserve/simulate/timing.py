@@ -6,10 +6,12 @@ of the first pipeline stage; the simulator asks it once per step with what the s
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from deepserve.plan.perf import PerformanceModel
 from deepserve.simulate.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from deepserve.plan.perf import PerformanceModel
 
 
 class StepTimer(Protocol):

@@ -16,7 +16,9 @@ from typing import Any
 
 from deepserve.models.tiny import BOS, BYTE_TOKEN_OFFSET, EOS, special_tokens
 
-__all__ = ["BOS_ID", "BYTE_TOKEN_OFFSET", "EOS_ID", "ByteTokenizer", "generated_text", "generated_token"]
+__all__ = [
+    "BOS_ID", "BYTE_TOKEN_OFFSET", "EOS_ID", "ByteTokenizer", "generated_text", "generated_token", "varied_text",
+]  # fmt: skip
 
 BOS_ID = 0
 EOS_ID = 1
@@ -140,3 +142,10 @@ def generated_text(start: int, count: int) -> str:
     if begin + count <= length:
         return GENERATED_TEXT[begin : begin + count]
     return "".join(GENERATED_TEXT[(start + i) % length] for i in range(count))
+
+
+def varied_text(start: int, count: int) -> str:
+    """The text of output tokens START .. START+COUNT-1 when each token is 1 to 8 characters long, as the tokens of
+    real vocabularies differ (`--token-text varied`): a space and up to 7 letters, the length scrambled by the
+    token's position (Knuth's multiplicative hash), so a client that counts tokens by their text cannot be exact."""
+    return "".join(" " + "abcdefg"[: ((start + i) * 2654435761 >> 7) % 8] for i in range(count))

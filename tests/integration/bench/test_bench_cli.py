@@ -1,36 +1,31 @@
-"""`deepserve bench` as users run it: vLLM's flags, the fake server in its own process, Ctrl-C mid-run."""
+"""`deepserve bench` as users run it: vLLM's flags, the simulator in its own process, Ctrl-C mid-run."""
 
 from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from deepserve.cli.main import main
+from tests.helpers import start_simulator
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
-def fake_server():
-    """`python -m deepserve.bench.fake_server` (slow stream: 40 ms per token) in its own process."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "deepserve.bench.fake_server", "--port", str(port), "--itl-ms", "40"]
-    process = subprocess.Popen([*command, "--log-sends", "--max-seconds", "170"], stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    assert process.stdout.readline().startswith("READY")
-    yield f"http://127.0.0.1:{port}"
-    process.terminate()
-    process.wait(10)
+def simulator_url() -> Iterator[str]:
+    """`deepserve simulate` with fixed timings (slow stream: 40 ms per token, each write logged) in its own process;
+    yields its root URL."""
+    server = start_simulator("--fixed-itl-ms", "40", "--log-sends", "--max-seconds", "170")
+    yield server.root_url
+    server.stop()
 
 
 def vllm_flags(base_url: str, result_dir: Path, num_prompts: int, output_len: int) -> list[str]:
@@ -42,8 +37,8 @@ def vllm_flags(base_url: str, result_dir: Path, num_prompts: int, output_len: in
     ]  # fmt: skip
 
 
-def test_vllm_command_line_runs_and_saves_vllm_keys(fake_server, tmp_path, capsys):
-    flags = vllm_flags(fake_server, tmp_path, num_prompts=4, output_len=3)
+def test_vllm_command_line_runs_and_saves_vllm_keys(simulator_url, tmp_path, capsys):
+    flags = vllm_flags(simulator_url, tmp_path, num_prompts=4, output_len=3)
     code = main(["bench", *flags, "--save-result", "--result-filename", "r.json", "--save-records", "csv"])
     out = capsys.readouterr().out
     assert code == 0
@@ -52,26 +47,26 @@ def test_vllm_command_line_runs_and_saves_vllm_keys(fake_server, tmp_path, capsy
     data = json.loads((tmp_path / "r.json").read_text())
     assert (data["completed"], data["total_output_tokens"]) == (4, 12)
     assert data["p50_ttft_ms"] > 0 and data["workload"]["dataset"] == "random"
-    assert data["tokenizer_source"].startswith("server:")  # the fake's /tokenize
+    assert data["tokenizer_source"].startswith("server:")  # the simulator's /tokenize
     assert data["command_line"][0] == "deepserve"
     assert (tmp_path / "r.records.csv").read_text().count("\n") == 5
 
 
-def test_bad_flags_fail_before_the_run(fake_server, tmp_path, capsys):
-    assert main(["bench", "--base-url", fake_server, "--goodput", "latency:5"]) == 2
+def test_bad_flags_fail_before_the_run(simulator_url, tmp_path, capsys):
+    assert main(["bench", "--base-url", simulator_url, "--goodput", "latency:5"]) == 2
     assert "goodput SLO" in capsys.readouterr().err
-    assert main(["bench", "--base-url", fake_server, "--model", "other"]) == 2
+    assert main(["bench", "--base-url", simulator_url, "--model", "other"]) == 2
     assert "unknown model 'other'" in capsys.readouterr().err
 
 
-def test_ctrl_c_writes_partial_results_marked_incomplete(fake_server, tmp_path):
-    flags = vllm_flags(fake_server, tmp_path, num_prompts=20, output_len=100)  # 20 x 4 s at concurrency 2: 40 s
+def test_ctrl_c_writes_partial_results_marked_incomplete(simulator_url, tmp_path):
+    flags = vllm_flags(simulator_url, tmp_path, num_prompts=20, output_len=100)  # 20 x 4 s at concurrency 2: 40 s
     command = [sys.executable, "-m", "deepserve.cli.main", "bench", *flags, "--result-filename", "partial.json"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:  # wait until the measured run has finished a couple of requests
-            log = httpx.get(fake_server + "/fake/log", timeout=5).json()
+            log = httpx.get(simulator_url + "/simulate/sends", timeout=5).json()
             if sum(len(entry["sends_s"]) >= 100 for entry in log.values()) >= 2:
                 break
             time.sleep(0.2)

@@ -1,5 +1,6 @@
-"""Server-side metrics through deepserve's gateway: two fake vLLM replicas serving Prometheus text, the gateway's
-/metrics/engines in front, and `deepserve bench --base-url <gateway>` finding the engines' series on its own."""
+"""Server-side metrics through deepserve's gateway: two simulated vLLM replicas serving Prometheus text a test sets,
+the gateway's /metrics/engines in front, and `deepserve bench --base-url <gateway>` finding the engines' series on
+its own."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.fake_server import FakeScript, running
 from deepserve.bench.output import console_block
 from deepserve.bench.runner import run_benchmark
 from deepserve.bench.server_metrics import ServerMetricsScraper
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.server import running_gateway
+from deepserve.simulate.server import SimulatorThread
+from tests.helpers import simulator_thread
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,11 +73,12 @@ def gateway_in_thread(*upstreams: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def two_replicas() -> Iterator[tuple[FakeScript, FakeScript, str]]:
-    first = FakeScript(itl_s=0.01, metrics_text=vllm_metrics(3, 1, 0.25, 100, 40, 2))
-    second = FakeScript(itl_s=0.01, metrics_text=vllm_metrics(2, 0, 0.5, 50, 10, 1))
-    with running(first) as a, running(second) as b, gateway_in_thread(a.base_url + "/v1", b.base_url + "/v1") as url:
-        yield first, second, url
+def two_replicas() -> Iterator[tuple[SimulatorThread, SimulatorThread, str]]:
+    with simulator_thread(itl_ms=10) as first, simulator_thread(itl_ms=10) as second:
+        first.control({"metrics_text": vllm_metrics(3, 1, 0.25, 100, 40, 2)})
+        second.control({"metrics_text": vllm_metrics(2, 0, 0.5, 50, 10, 1)})
+        with gateway_in_thread(first.base_url, second.base_url) as url:
+            yield first, second, url
 
 
 def test_gateway_serves_every_replicas_series_labelled_by_replica(two_replicas):
@@ -100,8 +103,8 @@ def test_scraper_finds_the_engines_behind_the_gateway_and_combines_replicas(two_
     async def scrape() -> dict:
         scraper = ServerMetricsScraper(root + "/metrics", 0.05, fallback_url=root + "/metrics/engines")
         await scraper.start()
-        first.metrics_text = vllm_metrics(4, 2, 0.3, 160, 70, 2)  # 60 queries, 30 hits, 0 preemptions more
-        second.metrics_text = vllm_metrics(1, 0, 0.75, 90, 30, 3)  # 40 queries, 20 hits, 2 preemptions more
+        first.control({"metrics_text": vllm_metrics(4, 2, 0.3, 160, 70, 2)})  # 60 queries, 30 hits, 0 preemptions
+        second.control({"metrics_text": vllm_metrics(1, 0, 0.75, 90, 30, 3)})  # 40 queries, 20 hits, 2 preemptions
         await asyncio.sleep(0.3)
         return (await scraper.stop()).to_json()
 
@@ -134,12 +137,13 @@ def test_bench_through_the_gateway_reports_the_engines_metrics_and_where_they_ca
 
 
 def test_without_a_gateway_the_servers_own_metrics_are_used():
-    with running(FakeScript(metrics_text=vllm_metrics(1, 0, 0.1, 0, 0, 0))) as server:
+    with simulator_thread() as server:
+        server.control({"metrics_text": vllm_metrics(1, 0, 0.1, 0, 0, 0)})
 
         async def scrape() -> dict:
-            scraper = ServerMetricsScraper(server.base_url + "/metrics", 0.05, fallback_url=server.base_url + "/x")
+            scraper = ServerMetricsScraper(server.root_url + "/metrics", 0.05, fallback_url=server.root_url + "/x")
             await scraper.start()
             return (await scraper.stop()).to_json()
 
         summary = asyncio.run(scrape())
-    assert summary["url"] == server.base_url + "/metrics" and summary["peak_kv_cache_usage_perc"] == 0.1
+    assert summary["url"] == server.root_url + "/metrics" and summary["peak_kv_cache_usage_perc"] == 0.1

@@ -1,4 +1,4 @@
-"""Trace replay and multi-turn conversations end to end against the scripted fake server on loopback: requests
+"""Trace replay and multi-turn conversations end to end against the simulator on loopback: requests
 leave at the trace's times with its lengths; each turn carries the answer the server actually sent, after the
 think time, and the result reports TTFT by turn."""
 
@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.fake_server import FakeScript, running
 from deepserve.bench.output import console_block
 from deepserve.bench.runner import run_benchmark
+from deepserve.simulate.tokenizer import generated_text
+from tests.helpers import simulator_thread
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -41,9 +42,9 @@ def test_a_mooncake_trace_is_replayed_at_its_times_with_its_lengths():
         "trace_block_size": 16,
         "trace_time_scale": 0.2,  # the 2.1 s trace in 0.42 s
     }
-    with running(FakeScript(itl_s=0.002, record_bodies=True)) as server:
-        result = run_benchmark(bench(server.base_url, workload), display=False)
-        bodies = server.state.bodies
+    with simulator_thread(itl_ms=2, record_bodies=True) as server:
+        result = run_benchmark(bench(server.root_url, workload), display=False)
+        bodies = [body for body in server.app.stats.bodies if body["max_tokens"] > 1]  # not the token-ids probe
     lines = trace_lines()
     data = result.to_json()
     assert data["completed"] == len(lines) and data["workload"]["self_timed"] is True
@@ -68,9 +69,9 @@ def test_multi_turn_conversations_carry_their_history_and_report_ttft_by_turn():
         "multi_turn_think_time_s": 0.05,
     }
     load = {"max_concurrency": 2}
-    with running(FakeScript(itl_s=0.002, record_bodies=True)) as server:
-        result = run_benchmark(bench(server.base_url, workload, load, "/v1/chat/completions"), display=False)
-        bodies = server.state.bodies
+    with simulator_thread(itl_ms=2, record_bodies=True) as server:
+        result = run_benchmark(bench(server.root_url, workload, load, "/v1/chat/completions"), display=False)
+        bodies = list(server.app.stats.bodies)
     data = result.to_json()
     assert (data["completed"], data["failed"], data["num_conversations"], data["turns_not_sent"]) == (12, 0, 4, 0)
     assert set(data["ttft_by_turn_ms"]) == {"1", "2", "3"}
@@ -86,9 +87,9 @@ def test_multi_turn_conversations_carry_their_history_and_report_ttft_by_turn():
             assert record.sent_s >= by_turn[(conversation, turn - 1)].end_s + 0.05
     third_turns = [body for body in bodies if len(body["messages"]) == 5]
     assert len(third_turns) == 4
-    for body in third_turns:  # the answers the fake server sent: " tok" per token, 5 tokens each
+    for body in third_turns:  # the answers the simulator sent, 5 tokens each
         assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user", "assistant", "user"]
-        assert body["messages"][1]["content"] == body["messages"][3]["content"] == " tok" * 5
+        assert body["messages"][1]["content"] == body["messages"][3]["content"] == generated_text(0, 5)
 
 
 def test_a_failed_turn_ends_its_conversation():
@@ -100,9 +101,10 @@ def test_a_failed_turn_ends_its_conversation():
         "multi_turn_input_len": 6,
         "random_output_len": 3,
     }
-    load = {"max_concurrency": 1}  # arrival order: conversation 0's turns are requests 0, 1, 2
-    with running(FakeScript(fail_request_indices=frozenset({1}))) as server:
-        result = run_benchmark(bench(server.base_url, workload, load), display=False)
+    load = {"max_concurrency": 1}  # arrival order: the token-ids probe, then conversation 0's turns: 1, 2, 3
+    with simulator_thread() as server:
+        server.control({"faults": {"error_indices": [2]}})  # conversation 0's second turn
+        result = run_benchmark(bench(server.root_url, workload, load), display=False)
     data = result.to_json()
     assert (data["completed"], data["failed"], data["turns_not_sent"]) == (4, 1, 1)
     failed = [record for record in result.records if not record.success]

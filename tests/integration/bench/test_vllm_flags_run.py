@@ -1,5 +1,6 @@
-"""vLLM's flags doing what they do in vLLM, against the scripted fake server: what reaches the request body and
-headers, the model each request names, the profiler endpoints, waiting for the server, appended results."""
+"""vLLM's flags doing what they do in vLLM, against the simulator with fixed timings: what reaches the request body
+and headers, the model each request names, the profiler endpoints, waiting for the server, appended results. The
+benchmark's token-ids probe (return_token_ids auto) is the first request each run sends; it is left out below."""
 
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ import pytest
 
 from deepserve.bench import runner
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.fake_server import FakeScript, FakeServerThread, running
 from deepserve.bench.runner import BenchError, run_benchmark, save_result
 from deepserve.cli.main import main
 from deepserve.models.tiny import write_tiny_model
+from deepserve.simulate.fixed import fixed_timing
+from deepserve.simulate.server import SimulatorThread
+from tests.helpers import simulator_thread
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def measured(server: SimulatorThread) -> list[tuple[str, dict]]:
+    """(request id, body) of every generation request the simulator received, the token-ids probes left out."""
+    pairs = zip(server.app.stats.request_ids, server.app.stats.bodies, strict=True)
+    return [(request_id, body) for request_id, body in pairs if not request_id.endswith("probe")]
 
 
 def bench(base_url: str, **sections) -> BenchConfig:
@@ -40,9 +49,9 @@ def test_sampling_flags_reach_every_request_body(endpoint):
         "repetition_penalty": 1.1,
     }
     target = {"endpoint": endpoint, "logprobs": 2, **sampling}
-    with running(FakeScript(record_bodies=True)) as server:
-        result = run_benchmark(bench(server.base_url, target=target), display=False)
-        bodies = list(server.state.bodies)
+    with simulator_thread(record_bodies=True) as server:
+        result = run_benchmark(bench(server.root_url, target=target), display=False)
+        bodies = [body for _, body in measured(server)]
     assert len([r for r in result.records if r.success]) == 4
     assert len(bodies) == 4
     for body in bodies:
@@ -66,55 +75,55 @@ def test_chat_template_kwargs_render_messages_sent_to_completions(tmp_path):
     dataset.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "output_tokens": 3}) + "\n")
     target = {"chat_template_kwargs": '{"greeting": "HELLO"}'}
     workload = {"dataset_name": "custom", "dataset_path": str(dataset), "tokenizer": str(tmp_path / "tok")}
-    with running(FakeScript(tokenize=False, record_bodies=True)) as server:
-        result = run_benchmark(bench(server.base_url, target=target, workload=workload), display=False)
-        bodies = list(server.state.bodies)
+    with simulator_thread(tokenize_endpoints=False, record_bodies=True) as server:
+        result = run_benchmark(bench(server.root_url, target=target, workload=workload), display=False)
+        bodies = [body for _, body in measured(server)]
     assert [body["prompt"] for body in bodies] == ["[HELLO] hi"] * 4
     assert "chat_template_kwargs" not in bodies[0]
     assert all(record.success for record in result.records)
 
 
-def test_the_fake_server_keeps_request_bodies_only_when_asked():
-    """Benchmarks of the client drive the fake server at high rates: bodies are kept only for tests that read them."""
+def test_the_simulator_keeps_request_bodies_only_when_asked():
+    """Benchmarks of the client drive the simulator at high rates: bodies are kept only for tests that read them."""
     for record_bodies in (False, True):
-        with running(FakeScript(record_bodies=record_bodies)) as server:
-            run_benchmark(bench(server.base_url), display=False)
-            assert server.state.requests == 4
-            assert len(server.state.bodies) == (4 if record_bodies else 0)
+        with simulator_thread(record_bodies=record_bodies) as server:
+            run_benchmark(bench(server.root_url), display=False)
+            assert server.app.stats.requests == 1 + 4  # the probe and the run
+            assert len(server.app.stats.bodies) == (1 + 4 if record_bodies else 0)
 
 
 def test_request_ids_are_prefix_plus_index_and_kept_in_the_records():
-    with running(FakeScript()) as server:
-        result = run_benchmark(bench(server.base_url, target={"request_id_prefix": "exp7-"}), display=False)
-        sent = sorted(server.state.request_ids)
+    with simulator_thread(record_bodies=True) as server:
+        result = run_benchmark(bench(server.root_url, target={"request_id_prefix": "exp7-"}), display=False)
+        sent = sorted(request_id for request_id, _ in measured(server))
     assert sent == ["exp7-0", "exp7-1", "exp7-2", "exp7-3"]
     assert [record.request_id for record in result.records] == sent
-    with running(FakeScript()) as server:  # vLLM's default: bench-<8 hex digits>-<index>
-        run_benchmark(bench(server.base_url), display=False)
-        default = sorted(server.state.request_ids)
+    with simulator_thread(record_bodies=True) as server:  # vLLM's default: bench-<8 hex digits>-<index>
+        run_benchmark(bench(server.root_url), display=False)
+        default = sorted(request_id for request_id, _ in measured(server))
     prefix = default[0].removesuffix("0")
     assert prefix.startswith("bench-") and len(prefix) == len("bench-12345678-")
     assert default == [f"{prefix}{i}" for i in range(4)]
 
 
 def test_served_model_name_is_sent_while_model_names_the_tokenizer_model():
-    with running(FakeScript(model="served-name", record_bodies=True)) as server:
+    with simulator_thread(model="served-name", record_bodies=True) as server:
         target = {"model": "/nonexistent/DeepSeek-V3", "served_model_name": "served-name"}
-        result = run_benchmark(bench(server.base_url, target=target), display=False)
-        models = {body["model"] for body in server.state.bodies}
+        result = run_benchmark(bench(server.root_url, target=target), display=False)
+        models = {body["model"] for body in server.app.stats.bodies}
     assert models == {"served-name"}
     assert result.model_id == "/nonexistent/DeepSeek-V3"  # vLLM's model_id
     assert result.to_json()["served_model_name"] == "served-name"
 
 
 def test_lora_modules_pick_each_request_model_and_must_be_served():
-    with running(FakeScript(extra_models=("lora-a", "lora-b"), record_bodies=True)) as server:
+    with simulator_thread(lora_modules=["lora-a", "lora-b"], record_bodies=True) as server:
         target = {"lora_modules": ["lora-a", "lora-b"], "lora_assignment": "round-robin", "request_id_prefix": "r"}
-        run_benchmark(bench(server.base_url, target=target), display=False)
-        by_id = dict(zip(server.state.request_ids, (body["model"] for body in server.state.bodies), strict=True))
+        run_benchmark(bench(server.root_url, target=target), display=False)
+        by_id = {request_id: body["model"] for request_id, body in measured(server)}
         assert by_id == {"r0": "lora-a", "r1": "lora-b", "r2": "lora-a", "r3": "lora-b"}
         with pytest.raises(BenchError, match="unknown model 'lora-c'"):
-            run_benchmark(bench(server.base_url, target={"lora_modules": ["lora-c"]}), display=False)
+            run_benchmark(bench(server.root_url, target={"lora_modules": ["lora-c"]}), display=False)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -123,16 +132,16 @@ def test_profile_starts_after_the_warm_ups_and_stops_after_the_run_or_fails_firs
         "metrics": {"server_metrics": False, "profile": True},
         "load": {"num_warmups": 2, "num_workers": workers},
     }
-    with running(FakeScript(profiler=True)) as server:
-        result = run_benchmark(bench(server.base_url, **profiled), False)
-        assert server.state.profile_calls == ["/start_profile", "/stop_profile"]
-        assert server.state.profile_call_requests == [2, 6]  # as vLLM: the 2 warm-ups are not profiled
+    with simulator_thread(profiler_endpoints=True) as server:
+        result = run_benchmark(bench(server.root_url, **profiled), False)
+        assert server.app.stats.profile_calls == ["/start_profile", "/stop_profile"]
+        assert server.app.stats.profile_call_requests == [1 + 2, 1 + 6]  # as vLLM: the 2 warm-ups are not profiled
     assert result.to_json()["profile"] == "started after the warm-ups, stopped after the run"
     assert result.warmups_done == 2
-    with running(FakeScript(profiler=False)) as server:
+    with simulator_thread(profiler_endpoints=False) as server:
         with pytest.raises(BenchError, match="--profile: POST .*/start_profile answered HTTP 404.*profiler"):
-            run_benchmark(bench(server.base_url, **profiled), False)
-        assert server.state.requests == 2  # the warm-ups only: nothing measured was sent
+            run_benchmark(bench(server.root_url, **profiled), False)
+        assert server.app.stats.requests == 1 + 2  # the probe and the warm-ups only: nothing measured was sent
 
 
 def test_a_run_that_fails_still_stops_the_profiler(monkeypatch):
@@ -140,14 +149,14 @@ def test_a_run_that_fails_still_stops_the_profiler(monkeypatch):
         raise RuntimeError("dispatcher failed")
 
     monkeypatch.setattr(runner._Driver, "_dispatch", broken_dispatch)  # a fault inside the measured run
-    with running(FakeScript(profiler=True)) as server:
+    with simulator_thread(profiler_endpoints=True) as server:
         with pytest.raises(RuntimeError, match="dispatcher failed"):
-            run_benchmark(bench(server.base_url, metrics={"server_metrics": False, "profile": True}), False)
-        assert server.state.profile_calls == ["/start_profile", "/stop_profile"]
+            run_benchmark(bench(server.root_url, metrics={"server_metrics": False, "profile": True}), False)
+        assert server.app.stats.profile_calls == ["/start_profile", "/stop_profile"]
 
 
 def test_ready_check_waits_for_a_server_that_starts_late(unused_tcp_port):
-    late = FakeServerThread(FakeScript(), port=unused_tcp_port)
+    late = SimulatorThread(*fixed_timing(), port=unused_tcp_port)
     timer = threading.Timer(1.5, late.__enter__)
     timer.start()
     try:
@@ -165,9 +174,9 @@ def test_ready_check_waits_for_a_server_that_starts_late(unused_tcp_port):
 
 def test_append_result_adds_one_json_line_per_run(tmp_path):
     path = tmp_path / "series.json"
-    with running(FakeScript()) as server:
+    with simulator_thread() as server:
         for _ in range(2):
-            save_result(run_benchmark(bench(server.base_url), display=False), path, append=True)
+            save_result(run_benchmark(bench(server.root_url), display=False), path, append=True)
     lines = path.read_text().splitlines()
     assert len(lines) == 2 and all(json.loads(line)["completed"] == 4 for line in lines)
 
@@ -175,10 +184,10 @@ def test_append_result_adds_one_json_line_per_run(tmp_path):
 def test_vllm_command_line_with_ramp_up_runs_through_the_cli(tmp_path, capsys):
     """Burstiness inf makes the gaps fixed: each request is scheduled exactly one gap of its ramp rate after the
     previous one, so the release times show the ramp (without it they would all be 0: --request-rate is inf)."""
-    with running(FakeScript()) as server:
+    with simulator_thread() as server:
         code = main(
             [
-                "bench", "--base-url", server.base_url, "--dataset-name", "random", "--input-len", "32",
+                "bench", "--base-url", server.root_url, "--dataset-name", "random", "--input-len", "32",
                 "--output-len", "2", "--num-prompts", "12", "--ramp-up-strategy", "linear", "--ramp-up-start-rps",
                 "20", "--ramp-up-end-rps", "200", "--burstiness", "inf", "--result-dir", str(tmp_path),
                 "--append-result", "--save-records", "jsonl", "--disable-tqdm", "--no-server-metrics",
@@ -198,15 +207,15 @@ def test_vllm_command_line_with_ramp_up_runs_through_the_cli(tmp_path, capsys):
 
 def test_a_duration_bound_run_never_sends_an_id_twice():
     """Two prompts for a second of closed loop: the workload is sent again and again, each time under new ids."""
-    with running(FakeScript()) as server:
+    with simulator_thread(record_bodies=True) as server:
         config = bench(
-            server.base_url,
+            server.root_url,
             target={"request_id_prefix": "d-"},
             workload={"num_prompts": 2},
             load={"duration_s": 1.0, "max_concurrency": 2},
         )
         result = run_benchmark(config, display=False)
-        sent = list(server.state.request_ids)
+        sent = [request_id for request_id, _ in measured(server)]
     assert len(sent) > 4
     assert len(set(sent)) == len(sent)
     assert sorted(record.request_id for record in result.records) == sorted(sent)

@@ -1,38 +1,36 @@
-"""Helpers for gateway integration tests: fake upstreams and gateways, in this event loop or as processes."""
+"""Helpers for gateway integration tests: simulated upstreams and gateways, in this event loop or as processes."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import os
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 import uvloop
 
-from deepserve._compat import timeout
 from deepserve.gateway.app import GatewayApp
 from deepserve.gateway.config import GatewayConfig, gateway_argv
-from deepserve.gateway.fake_upstream import FakeBehaviour, FakeUpstream, running_fake_upstream
 from deepserve.gateway.ledger import default_ledger_path
 from deepserve.gateway.server import running_gateway
 from deepserve.gateway.validation import CHAT_COMPLETIONS, parse_request
 from deepserve.net import free_port
+from deepserve.simulate.server import SimulatorServer
+from tests.helpers import Child, simulator, start_child, start_simulator
 
 # Test modules whose tests run on both event loops: the upstream client's protocol code meets uvloop's transports
 # in the gateway process and asyncio's in tests elsewhere, and they differ (pause/resume, close, errors).
 BOTH_LOOPS_MODULES = ("test_http_client.py",)
+UPSTREAM_MAX_MODEL_LEN = 4096  # the upstreams' context: a request for 5000 tokens is beyond it
 
 
 def pytest_asyncio_loop_factories(
@@ -41,24 +39,6 @@ def pytest_asyncio_loop_factories(
     if item.path.name in BOTH_LOOPS_MODULES:
         return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop}  # one factory: test ids are unchanged
-
-
-class FakeClock:
-    """A clock that moves only when the test moves it (`now_s += …`)."""
-
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.005) -> None:
-    """Wait for CONDITION, something the network, another task or another process brings about (looking every
-    INTERVAL_S); fail after TIMEOUT_S, a bound for a machine under heavy load, not a measurement."""
-    async with timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(interval_s)
 
 
 def prompt_estimate(body: dict[str, Any]) -> int:
@@ -78,69 +58,21 @@ def gateway_config(*upstreams: str, **fields: object) -> GatewayConfig:
     return GatewayConfig.model_validate(values)
 
 
-@dataclass
-class Child:
-    """A process that announces its URL with a READY line on stdout."""
-
-    process: subprocess.Popen[str]
-    url: str = ""
-    output: list[str] = field(default_factory=list)
-    pump: threading.Thread | None = None  # reads the process's output into `output`
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=10)
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.wait()
-
-    def wait(self) -> int:
-        """The exit code, once the process ended and all of its output is in `output` (killed after 90 s: a bound
-        for a loaded machine, where a drain and the ledger's last writes take seconds instead of milliseconds)."""
-        try:
-            code = self.process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait(timeout=5)
-        if self.pump is not None:
-            self.pump.join(timeout=10)
-        return code
+def upstream(
+    ttft_ms: float = 0.0, itl_ms: float = 0.0, **options: Any
+) -> contextlib.AbstractAsyncContextManager[SimulatorServer]:
+    """A simulated upstream in this event loop, with fixed timings (options: deepserve.simulate.fixed_timing's),
+    a context of UPSTREAM_MAX_MODEL_LEN, and the request bodies it received kept (app.stats.bodies)."""
+    options.setdefault("engine", {"max_model_len": UPSTREAM_MAX_MODEL_LEN})
+    options.setdefault("record_bodies", True)
+    return simulator(ttft_ms, itl_ms, **options)
 
 
-def start_child(argv: list[str], ready_prefix: str, timeout_s: float = 30) -> Child:
-    process = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, env=os.environ
-    )
-    child = Child(process)
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            child.output.append(line.rstrip())
-            if line.startswith(ready_prefix):
-                child.url = line.split()[-1]
-                ready.set()
-        ready.set()
-
-    child.pump = threading.Thread(target=pump, daemon=True)
-    child.pump.start()
-    if not ready.wait(timeout_s) or not child.url:
-        child.kill()
-        raise AssertionError(f"{argv} did not become ready:\n" + "\n".join(child.output[-30:]))
-    return child
-
-
-def start_fake(*args: str) -> Child:
-    argv = [sys.executable, "-m", "deepserve.gateway.fake_upstream", "--port", str(free_port()), *args]
-    return start_child(argv, "FAKE READY")
+def start_upstream(*flags: str) -> Child:
+    """`deepserve simulate` as its own process, with fixed timings (FLAGS add --fixed-ttft-ms, --fixed-itl-ms, …)."""
+    context = ("--max-model-len", str(UPSTREAM_MAX_MODEL_LEN))
+    timing = () if any(flag.startswith("--fixed-") for flag in flags) else ("--fixed-itl-ms", "0")
+    return start_simulator(*context, *timing, *flags)
 
 
 def start_gateway(config: GatewayConfig) -> Child:
@@ -157,19 +89,19 @@ def children() -> Iterator[list[Child]]:
 
 
 @contextlib.asynccontextmanager
-async def fake_and_gateway(
-    behaviour: FakeBehaviour | None = None, clock: Callable[[], float] | None = None, **fields: object
-) -> AsyncIterator[tuple[FakeUpstream, GatewayApp, httpx.AsyncClient]]:
-    """An in-process fake upstream, a gateway in front of it (timed by CLOCK when given), and a client of the
-    gateway (base URL …/v1)."""
-    async with running_fake_upstream(behaviour) as (fake, upstream):
-        config = gateway_config(upstream, **fields)
+async def upstream_and_gateway(
+    clock: Callable[[], float] | None = None, upstream_options: dict[str, Any] | None = None, **fields: object
+) -> AsyncIterator[tuple[SimulatorServer, GatewayApp, httpx.AsyncClient]]:
+    """An in-process simulated upstream (UPSTREAM_OPTIONS: upstream's), a gateway in front of it (timed by CLOCK
+    when given), and a client of the gateway (base URL …/v1)."""
+    async with upstream(**(upstream_options or {})) as served:
+        config = gateway_config(served.base_url, **fields)
         app = GatewayApp(config, clock=clock) if clock is not None else None
         async with (
             running_gateway(config, app) as (app, url),
             httpx.AsyncClient(base_url=url, timeout=30) as client,
         ):
-            yield fake, app, client
+            yield served, app, client
 
 
 # ---- a real Redis for the shared limits ----------------------------------------------------------------------------

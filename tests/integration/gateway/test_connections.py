@@ -14,10 +14,10 @@ import httpx
 import psutil
 
 from deepserve.gateway.app import GatewayApp
-from deepserve.gateway.fake_upstream import FAKE_MODEL, running_fake_upstream
 from deepserve.gateway.server import running_gateway
+from tests.helpers import FAKE_MODEL, Child, FakeClock, until
 
-from .conftest import Child, FakeClock, fake_and_gateway, gateway_config, ledger_rows, start_fake, start_gateway, until
+from .conftest import gateway_config, ledger_rows, start_gateway, start_upstream, upstream, upstream_and_gateway
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 HALF_A_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
@@ -39,7 +39,7 @@ async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, obj
 
 async def test_idle_and_half_sent_connections_are_closed_after_the_header_timeout() -> None:
     clock = FakeClock()
-    async with fake_and_gateway(clock=clock, header_timeout_s=10.0) as (_, app, client):
+    async with upstream_and_gateway(clock=clock, header_timeout_s=10.0) as (_, app, client):
         host, port = _address(str(client.base_url))
         sockets = [await asyncio.open_connection(host, port) for _ in range(200)]
         for _, writer in sockets[::2]:
@@ -63,7 +63,7 @@ async def test_idle_and_half_sent_connections_are_closed_after_the_header_timeou
 
 async def test_a_body_that_never_completes_gets_408_and_a_ledger_row() -> None:
     clock = FakeClock()
-    async with fake_and_gateway(clock=clock, body_timeout_s=60.0) as (fake, app, client):
+    async with upstream_and_gateway(clock=clock, body_timeout_s=60.0) as (fake, app, client):
         reader, writer = await asyncio.open_connection(*_address(str(client.base_url)))
         writer.write(HALF_A_HEAD + b"Content-Length: 100\r\n\r\n" + b'{"model": "')  # 11 of 100 bytes
         await until(lambda: len(app._in_flight) == 1)  # the app is reading the body
@@ -75,12 +75,12 @@ async def test_a_body_that_never_completes_gets_408_and_a_ledger_row() -> None:
         await until(lambda: not app._in_flight)
         assert app.ledger is not None and app.ledger.flush()
         assert ledger_rows("status, error") == [(408, "the request body did not arrive within 60 s")]
-        assert fake.stats.requests == 0
+        assert fake.app.stats.requests == 0
 
 
 async def test_a_slow_but_steady_request_is_not_cut() -> None:
     clock = FakeClock()
-    async with fake_and_gateway(clock=clock, header_timeout_s=10.0, body_timeout_s=60.0) as (_, app, client):
+    async with upstream_and_gateway(clock=clock, header_timeout_s=10.0, body_timeout_s=60.0) as (_, app, client):
         reader, writer = await asyncio.open_connection(*_address(str(client.base_url)))
         body = json.dumps(CHAT).encode()
         writer.write(HALF_A_HEAD)
@@ -97,7 +97,8 @@ async def test_a_slow_but_steady_request_is_not_cut() -> None:
 
 
 async def test_a_header_over_the_limit_is_431_and_read_no_further() -> None:
-    async with fake_and_gateway(max_header_bytes=8192) as (_, app, client):
+    long_context = {"engine": {"max_model_len": 1 << 18}}  # the upstream takes the 200,000-token prompt below
+    async with upstream_and_gateway(upstream_options=long_context, max_header_bytes=8192) as (_, app, client):
         reader, writer = await asyncio.open_connection(*_address(str(client.base_url)))
         writer.write(HALF_A_HEAD + b"X-Big: " + b"a" * 100_000 + b"\r\n\r\n")
         status, body = await _read_answer(reader)
@@ -112,7 +113,7 @@ async def test_a_header_over_the_limit_is_431_and_read_no_further() -> None:
 
 
 async def test_connections_beyond_the_limit_get_503_and_the_limit_frees_up() -> None:
-    async with fake_and_gateway(max_connections=5) as (_, app, client):
+    async with upstream_and_gateway(max_connections=5) as (_, app, client):
         host, port = _address(str(client.base_url))
         held = [await asyncio.open_connection(host, port) for _ in range(5)]
         await until(lambda: len(app.connections.open) == 5)
@@ -152,7 +153,7 @@ def _send_huge_header(host: str, port: int, results: list[tuple[int, bytes]]) ->
 async def test_a_few_64_mb_headers_cost_little_memory_and_are_refused_early(children: list[Child]) -> None:
     """The defect: httptools gathered each header whole, so a few 64 MB headers pushed the process to hundreds
     of MB before the 401. Now at most 64 KiB of a head is parsed and the rest is never read."""
-    fake = start_fake()
+    fake = start_upstream()
     children.append(fake)
     gateway = start_gateway(gateway_config(fake.url, port=0, require_keys=True))
     children.append(gateway)
@@ -176,8 +177,8 @@ async def test_a_few_64_mb_headers_cost_little_memory_and_are_refused_early(chil
 
 async def test_the_guard_is_on_the_gateways_own_server() -> None:
     """running_gateway serves through the app's guard (the class uvicorn builds per connection)."""
-    async with running_fake_upstream() as (_, upstream):
-        config = gateway_config(upstream)
+    async with upstream() as served:
+        config = gateway_config(served.base_url)
         app = GatewayApp(config)
         async with running_gateway(config, app) as (_, url), httpx.AsyncClient(base_url=url) as client:
             assert (await client.get(url.removesuffix("/v1") + "/health")).status_code == 200

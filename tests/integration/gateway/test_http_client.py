@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from deepserve.gateway.fake_upstream import FAKE_MODEL
 from deepserve.gateway.http_client import (
     Abandoned,
     ConnectFailed,
@@ -25,8 +24,10 @@ from deepserve.gateway.http_client import (
     system_resolve,
 )
 from deepserve.gateway.server import running_gateway
+from deepserve.net import free_port
+from tests.helpers import FAKE_MODEL, FakeClock, until
 
-from .conftest import FakeClock, free_port, gateway_config, until
+from .conftest import gateway_config
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

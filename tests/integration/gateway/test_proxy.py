@@ -1,4 +1,4 @@
-"""The gateway in front of an in-process fake upstream: pass-through, streaming, validation, keys, health."""
+"""The gateway in front of an in-process simulator: pass-through, streaming, validation, keys, health."""
 
 from __future__ import annotations
 
@@ -9,60 +9,72 @@ import sqlite3
 import httpx
 import pytest
 
-from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour, running_fake_upstream
 from deepserve.gateway.keys import KeyStore
 from deepserve.gateway.ledger import default_ledger_path, summarise
 from deepserve.gateway.limits import KeyLimits
 from deepserve.gateway.server import running_gateway
+from deepserve.net import free_port
+from deepserve.simulate.clock import ManualClock
+from deepserve.simulate.tokenizer import generated_text
+from tests.helpers import FAKE_MODEL, until
 
-from .conftest import fake_and_gateway, free_port, gateway_config, ledger_rows
+from .conftest import UPSTREAM_MAX_MODEL_LEN, gateway_config, ledger_rows, upstream, upstream_and_gateway
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+TOKEN_EVENT = b'"delta":{"content":'  # a chat chunk with a token (the first chunk has the role alone)
 
 
 async def test_non_streamed_pass_through_models_and_ledger() -> None:
-    async with fake_and_gateway() as (fake, _, client):
+    async with upstream_and_gateway() as (fake, _, client):
         models = (await client.get("/models")).json()
         assert [card["id"] for card in models["data"]] == [FAKE_MODEL]
-        assert models["data"][0]["max_model_len"] == 4096
+        assert models["data"][0]["max_model_len"] == UPSTREAM_MAX_MODEL_LEN
         response = await client.post("/chat/completions", json=CHAT)
         assert response.status_code == 200
         body = response.json()
-        assert body["choices"][0]["message"]["content"] == "tttt"
-        assert fake.stats.bodies[-1] == CHAT  # forwarded unchanged
+        assert body["choices"][0]["message"]["content"] == generated_text(0, 4)
+        assert fake.app.stats.bodies[-1] == CHAT  # forwarded unchanged
         completion = await client.post("/completions", json={"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 2})
-        assert completion.json()["choices"][0]["text"] == "tt"
+        assert completion.json()["choices"][0]["text"] == generated_text(0, 2)
     (row,) = summarise()
     assert row.key == "anonymous" and row.requests == 2 and row.errors == 0
     assert row.completion_tokens == 6
 
 
 async def test_stream_chunks_are_forwarded_as_they_arrive_and_usage_is_accounted() -> None:
-    gate = asyncio.Semaphore(0)  # the fake produces one token per release
-    async with fake_and_gateway(FakeBehaviour(token_gate=gate)) as (fake, app, client):
+    clock = ManualClock()  # the upstream's tokens come when the test moves its clock: one every 10 ms
+    options = {"ttft_ms": 10.0, "itl_ms": 10.0, "clock": clock}
+    async with upstream_and_gateway(upstream_options=options) as (fake, app, client):
         text = b""
-        gate.release()  # the gateway sends the response head with the first token
+        assert fake.app is not None
+
+        async def first_token() -> None:  # the gateway sends the response head with the first token
+            await until(lambda: fake.app.stats.active == 1)
+            clock.advance(0.010)
+
+        first = asyncio.create_task(first_token())
         async with client.stream("POST", "/chat/completions", json={**CHAT, "stream": True}) as response:
             assert response.headers["content-type"].startswith("text/event-stream")
+            await first
             chunks = response.aiter_raw()
             for produced in range(1, 5):
-                while text.count(b"data:") < produced:  # each token reaches the client before the next exists
+                while text.count(TOKEN_EVENT) < produced:  # each token reaches the client before the next exists
                     text += await asyncio.wait_for(anext(chunks), 10)
-                assert text.count(b"data:") == produced
-                gate.release()
+                assert text.count(TOKEN_EVENT) == produced
+                clock.advance(0.010)
             text += b"".join([chunk async for chunk in chunks])
         events = [event for event in text.split(b"\n\n") if event]
         assert events[-1] == b"data: [DONE]"
-        assert len(events) == 5  # 4 tokens + [DONE]: the usage chunk the gateway asked for is not shown
+        assert len(events) == 6  # the role, 4 tokens, [DONE]: the usage chunk the gateway asked for is not shown
         assert b"usage" not in text
-        assert fake.stats.bodies[-1]["stream_options"] == {"include_usage": True}
+        assert fake.app.stats.bodies[-1]["stream_options"] == {"include_usage": True}
         metrics = app.metrics.render().decode()
         assert f'deepserve_gateway_ttft_seconds_count{{model="{FAKE_MODEL}"}} 1.0' in metrics
         assert f'deepserve_gateway_completion_tokens_total{{key="anonymous",model="{FAKE_MODEL}"}} 4.0' in metrics
 
 
 async def test_stream_usage_kept_when_the_client_asked() -> None:
-    async with fake_and_gateway() as (_, _, client):
+    async with upstream_and_gateway() as (_, _, client):
         request = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
         response = await client.post("/chat/completions", json=request)
         usage = [json.loads(e[6:]) for e in response.text.split("\n\n") if '"usage"' in e]
@@ -74,7 +86,7 @@ async def test_stream_usage_kept_when_the_client_asked() -> None:
     [
         (b"{oops", 400),
         (json.dumps({**CHAT, "max_tokens": "many"}).encode(), 400),
-        (json.dumps({**CHAT, "max_tokens": 5000}).encode(), 400),  # beyond the upstream's max_model_len 4096
+        (json.dumps({**CHAT, "max_tokens": 5000}).encode(), 400),  # beyond the upstream's UPSTREAM_MAX_MODEL_LEN
         (json.dumps({**CHAT, "frobnicate": 1}).encode(), 400),
         (json.dumps({**CHAT, "model": "gpt-4"}).encode(), 404),
         (json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 70_000}]}).encode(), 413),
@@ -85,25 +97,25 @@ async def test_stream_usage_kept_when_the_client_asked() -> None:
     ],
 )
 async def test_bad_requests_get_4xx_in_openai_shape_and_are_not_forwarded(body: bytes, status: int) -> None:
-    async with running_fake_upstream() as (fake, upstream):
-        config = gateway_config(upstream, max_body_bytes=65_536 if status == 413 else 1 << 22)
+    async with upstream() as fake:
+        config = gateway_config(fake.base_url, max_body_bytes=65_536 if status == 413 else 1 << 22)
         async with running_gateway(config) as (_, url), httpx.AsyncClient(base_url=url) as client:
             response = await client.post("/chat/completions", content=body)
             assert response.status_code == status
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-            assert fake.stats.requests == 0
+            assert fake.app.stats.requests == 0
 
 
 async def test_a_prompt_of_null_is_400_on_completions_too() -> None:
-    async with fake_and_gateway() as (fake, _, client):
+    async with upstream_and_gateway() as (fake, _, client):
         response = await client.post("/completions", json={"model": FAKE_MODEL, "prompt": None})
         assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
-        assert fake.stats.requests == 0
+        assert fake.app.stats.requests == 0
 
 
 async def test_refusals_leave_no_request_text_in_the_ledger() -> None:
     secret = "the user's private text " * 200
-    async with fake_and_gateway() as (_, app, client):
+    async with upstream_and_gateway() as (_, app, client):
         for body in (
             {**CHAT, "model": secret},  # unknown model: 404
             {**CHAT, "messages": [{"content": secret}]},  # no role: 400
@@ -120,12 +132,12 @@ async def test_refusals_leave_no_request_text_in_the_ledger() -> None:
 
 
 async def test_model_alias_is_mapped() -> None:
-    async with running_fake_upstream() as (fake, upstream):
-        config = gateway_config(upstream, model_alias=["deepseek-v3=" + FAKE_MODEL])
+    async with upstream() as fake:
+        config = gateway_config(fake.base_url, model_alias=["deepseek-v3=" + FAKE_MODEL])
         async with running_gateway(config) as (_, url), httpx.AsyncClient(base_url=url) as client:
             response = await client.post("/chat/completions", json={**CHAT, "model": "deepseek-v3"})
             assert response.status_code == 200
-            assert fake.stats.bodies[-1] == CHAT
+            assert fake.app.stats.bodies[-1] == CHAT
             ids = {card["id"] for card in (await client.get("/models")).json()["data"]}
             assert ids == {FAKE_MODEL, "deepseek-v3"}
 
@@ -134,8 +146,8 @@ async def test_keys_limits_models_and_revocation() -> None:
     store = KeyStore()
     _, limited = store.create("limited", KeyLimits(rpm=2))
     _, other_model = store.create("other", models=["some-other-model"])
-    async with running_fake_upstream() as (_, upstream):
-        config = gateway_config(upstream, require_keys=True)
+    async with upstream() as served:
+        config = gateway_config(served.base_url, require_keys=True)
         async with running_gateway(config) as (app, url), httpx.AsyncClient(base_url=url) as client:
             assert (await client.post("/chat/completions", json=CHAT)).status_code == 401
             wrong = await client.post("/chat/completions", json=CHAT, headers={"Authorization": "Bearer dsk-x-y"})
@@ -181,7 +193,7 @@ async def test_health_and_ready_without_a_live_upstream() -> None:
 
 async def test_bodies_are_logged_only_when_opted_in() -> None:
     for log_bodies in (False, True):
-        async with fake_and_gateway(log_bodies=log_bodies) as (_, _, client):
+        async with upstream_and_gateway(log_bodies=log_bodies) as (_, _, client):
             await client.post("/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "private"}]})
             await client.post("/chat/completions", json={**CHAT, "stream": True})
         rows = (
@@ -189,7 +201,8 @@ async def test_bodies_are_logged_only_when_opted_in() -> None:
         )
         texts = [text for row in rows[-2:] for text in row]
         if log_bodies:
-            assert "private" in (texts[0] or "") and "tttt" in (texts[1] or "") and "data:" in (texts[3] or "")
+            answer = generated_text(0, 4)
+            assert "private" in (texts[0] or "") and answer in (texts[1] or "") and "data:" in (texts[3] or "")
         else:
             assert texts == [None] * 4
 
@@ -198,28 +211,28 @@ async def test_with_log_bodies_a_body_that_cannot_be_encoded_does_not_stop_the_l
     """The defect: with --log-bodies, a body holding a lone surrogate was forwarded, then killed the ledger's
     writer thread, and every later row was lost."""
     bad = b'{"model": "fake-model", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 4}'
-    async with fake_and_gateway(log_bodies=True) as (fake, app, client):
+    async with upstream_and_gateway(log_bodies=True) as (fake, app, client):
         assert (await client.post("/chat/completions", content=bad)).status_code == 400
         for _ in range(3):
             assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
         assert app.ledger is not None and app.ledger.flush()
-        assert fake.stats.requests == 3
+        assert fake.app.stats.requests == 3
     rows = ledger_rows("status, request_body")
     assert [status for status, _ in rows] == [400, 200, 200, 200]
     assert rows[0][1] is None and all('"hello"' in body for _, body in rows[1:])
 
 
 async def test_tokenize_is_forwarded_with_aliases_mapped() -> None:
-    async with fake_and_gateway(model_alias=[f"deepseek-chat={FAKE_MODEL}"]) as (fake, _, client):
+    async with upstream_and_gateway(model_alias=[f"deepseek-chat={FAKE_MODEL}"]) as (fake, _, client):
         root = str(client.base_url).removesuffix("/v1/")
         answer = await client.post(f"{root}/tokenize", json={"model": "deepseek-chat", "prompt": "héllo"})
         assert answer.status_code == 200
-        assert answer.json()["count"] == len("héllo".encode())
-        assert fake.stats.requests == 0  # nothing was generated
+        assert answer.json()["count"] == 1 + len("héllo".encode())  # BOS, then one token per byte (the tiny model's)
+        assert fake.app.stats.requests == 0  # nothing was generated
 
 
 async def test_tokenize_of_an_unknown_model_is_a_404_in_openais_shape() -> None:
-    async with fake_and_gateway() as (fake, _, client):
+    async with upstream_and_gateway() as (fake, _, client):
         root = str(client.base_url).removesuffix("/v1/")
         for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1, 2]})):
             answer = await client.post(f"{root}{path}", json={"model": "nope", **body})
@@ -227,4 +240,4 @@ async def test_tokenize_of_an_unknown_model_is_a_404_in_openais_shape() -> None:
             error = answer.json()["error"]
             assert error["code"] == "model_not_found" and error["param"] == "model"
             assert error["type"] == "invalid_request_error" and FAKE_MODEL in error["message"]
-        assert fake.stats.requests == 0
+        assert fake.app.stats.requests == 0

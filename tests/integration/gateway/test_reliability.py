@@ -13,57 +13,63 @@ import pytest
 
 from deepserve.gateway.app import GatewayApp
 from deepserve.gateway.balancing import rendezvous
-from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour, FakeUpstream, running_fake_upstream
 from deepserve.gateway.server import running_gateway
+from deepserve.simulate.faults import Faults
+from deepserve.simulate.server import SimulatorServer
+from tests.helpers import FAKE_MODEL, Child, FakeClock, until
 
-from .conftest import Child, FakeClock, fake_and_gateway, gateway_config, ledger_rows, start_fake, start_gateway, until
+from .conftest import gateway_config, ledger_rows, start_gateway, start_upstream, upstream, upstream_and_gateway
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+FAILING = {"error_fraction": 1.0}  # every generation request answered with an error (error_status, default 500)
+
+
+def stalling(after_tokens: int) -> dict[str, object]:
+    """Upstream options: every stream sends AFTER_TOKENS tokens, then nothing more, its connection left open (a chat
+    stream's role chunk comes first, so the client sees AFTER_TOKENS + 1 events)."""
+    return {"cut_fraction": 1.0, "cut_mode": "stall", "cut_after_tokens": after_tokens}
 
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_failing_replica_is_retried_on_another(stream: bool) -> None:
     async with (
-        running_fake_upstream(FakeBehaviour(fail_status=500)) as (broken, broken_url),
-        running_fake_upstream() as (good, good_url),
-        running_gateway(gateway_config(broken_url, good_url, balancing="round_robin")) as (app, url),
+        upstream(**FAILING) as broken,
+        upstream() as good,
+        running_gateway(gateway_config(broken.base_url, good.base_url, balancing="round_robin")) as (app, url),
         httpx.AsyncClient(base_url=url) as client,
     ):
         responses = [await client.post("/chat/completions", json={**CHAT, "stream": stream}) for _ in range(10)]
         assert [response.status_code for response in responses] == [200] * 10
         assert all(response.text.endswith("data: [DONE]\n\n") == stream for response in responses)
-        assert broken.stats.requests >= 4 and good.stats.completed == 10
+        assert broken.app.stats.requests >= 4 and good.app.stats.completed == 10
         assert "deepserve_gateway_retries_total" in app.metrics.render().decode()
 
 
 async def test_upstream_4xx_is_passed_through_and_not_retried() -> None:
     async with (
-        running_fake_upstream(FakeBehaviour(fail_status=422)) as (first, first_url),
-        running_fake_upstream(FakeBehaviour(fail_status=422)) as (second, second_url),
-        running_gateway(gateway_config(first_url, second_url)) as (_, url),
+        upstream(**FAILING, error_status=422) as first,
+        upstream(**FAILING, error_status=422) as second,
+        running_gateway(gateway_config(first.base_url, second.base_url)) as (_, url),
         httpx.AsyncClient(base_url=url) as client,
     ):
         response = await client.post("/chat/completions", json=CHAT)
         assert response.status_code == 422
-        assert response.json()["error"]["message"] == "injected failure"
-        assert first.stats.requests + second.stats.requests == 1
+        assert response.json()["error"]["message"] == "injected failure (deepserve simulate)"
+        assert first.app.stats.requests + second.app.stats.requests == 1
 
 
 async def test_client_disconnect_mid_stream_aborts_the_upstream_and_records_the_tokens_delivered() -> None:
-    gate = asyncio.Semaphore(3)  # the fake produces three tokens, then one per release
-    async with fake_and_gateway(FakeBehaviour(token_gate=gate)) as (fake, app, client):
+    async with upstream_and_gateway(upstream_options=stalling(2)) as (fake, app, client):
         request = {**CHAT, "max_tokens": 200, "stream": True}
         received = b""
         async with client.stream("POST", "/chat/completions", json=request) as response:
             async for chunk in response.aiter_raw():
                 received += chunk
                 if received.count(b"data:") == 3:
-                    break  # three tokens, then hang up
+                    break  # three events (the role and two tokens), then hang up
         await until(lambda: not app._in_flight)  # the gateway saw the disconnect and accounted for the request
-        for _ in range(200):
-            gate.release()  # let the fake go on: it finds its client gone
-        await until(lambda: fake.stats.aborted == 1)
-        assert fake.stats.completed == 0
+        await until(lambda: fake.app.stats.aborted == 1)  # and closed its stream: the upstream saw its client go
+        assert fake.app.stats.completed == 0
         assert 'status="499"' in app.metrics.render().decode()
         assert app.limiter.in_flight == 0 and all(r.outstanding == 0 for r in app.pool.replicas)
         assert app.ledger is not None and app.ledger.flush()
@@ -71,8 +77,7 @@ async def test_client_disconnect_mid_stream_aborts_the_upstream_and_records_the_
 
 
 async def test_cut_in_flight_ends_streams_with_an_error_event_and_records_them_cut() -> None:
-    gate = asyncio.Semaphore(2)
-    async with fake_and_gateway(FakeBehaviour(token_gate=gate), max_concurrency=1) as (_, app, client):
+    async with upstream_and_gateway(upstream_options=stalling(1), max_concurrency=1) as (_, app, client):
         received = b""
         async with client.stream("POST", "/chat/completions", json={**CHAT, "stream": True}) as response:
             chunks = response.aiter_raw()
@@ -96,10 +101,8 @@ async def test_cut_in_flight_ends_streams_with_an_error_event_and_records_them_c
 async def test_a_queued_request_times_out_by_the_gateways_clock() -> None:
     """The local limiter's queue runs on the clock the app was given: no real wait for the queue timeout."""
     clock = FakeClock()
-    gate = asyncio.Semaphore(1)
-    behaviour = FakeBehaviour(token_gate=gate)
     async with (
-        fake_and_gateway(behaviour, clock=clock, max_concurrency=1, queue_timeout_s=30) as (_, app, client),
+        upstream_and_gateway(clock, stalling(1), max_concurrency=1, queue_timeout_s=30) as (_, app, client),
         client.stream("POST", "/chat/completions", json={**CHAT, "stream": True}) as response,
     ):
         chunks = response.aiter_raw()
@@ -109,8 +112,6 @@ async def test_a_queued_request_times_out_by_the_gateways_clock() -> None:
         clock.now_s += 30
         app.limiter.expire_overdue()  # type: ignore[attr-defined]  # what the waiter's timer does
         answer = await queued
-        for _ in range(100):
-            gate.release()
         assert answer.status_code == 503 and "within 30 s of queueing" in answer.json()["error"]["message"]
 
 
@@ -123,16 +124,15 @@ async def test_a_silent_replica_is_taken_out_at_its_first_timeout_and_its_waitin
     """A replica that accepts requests and answers nothing (alive, but silent): a stream waits at most the
     first-byte timeout, the replica leaves rotation at once, and every request waiting on it moves to the other."""
     clock = FakeClock()
-    async with (
-        running_fake_upstream() as (silent, silent_url),
-        running_fake_upstream() as (good, good_url),
-    ):
-        config = gateway_config(silent_url, good_url, balancing="session_affinity", health_check_interval_s=3600)
+    async with upstream() as silent, upstream() as good:
+        config = gateway_config(
+            silent.base_url, good.base_url, balancing="session_affinity", health_check_interval_s=3600
+        )
         app = GatewayApp(config, clock=clock)
         async with running_gateway(config, app) as (_, url), httpx.AsyncClient(base_url=url, timeout=30) as client:
             hung = app.pool.replicas[0]
             session = {"x-session-id": _session_for(hung, app.pool.replicas)}
-            silent.behaviour.silent = True
+            silent.app.controls.faults = Faults(hang_fraction=1.0)  # every request accepted, none answered
             plain = asyncio.create_task(client.post("/chat/completions", json=CHAT, headers=session))
             stream_body = {**CHAT, "stream": True}
             streamed = asyncio.create_task(client.post("/chat/completions", json=stream_body, headers=session))
@@ -144,15 +144,15 @@ async def test_a_silent_replica_is_taken_out_at_its_first_timeout_and_its_waitin
             for response in await asyncio.gather(plain, streamed):
                 assert response.status_code == 200
             assert streamed.result().text.endswith("data: [DONE]\n\n")
-            assert not hung.healthy and good.stats.completed == 2
+            assert not hung.healthy and good.app.stats.completed == 2
             assert "deepserve_gateway_retries_total 2.0" in app.metrics.render().decode()
             assert (await client.post("/chat/completions", json=CHAT, headers=session)).status_code == 200
-            assert good.stats.completed == 3  # out of rotation: not even tried
-            silent.behaviour.silent = False
+            assert good.app.stats.completed == 3  # out of rotation: not even tried
+            silent.app.controls.faults = Faults()
             await app.pool.check_all()  # its health check passes: back in rotation
             assert hung.healthy
             assert (await client.post("/chat/completions", json=CHAT, headers=session)).status_code == 200
-            assert good.stats.completed == 3
+            assert good.app.stats.completed == 3
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, object]) -> tuple[int, bytes]:
@@ -176,8 +176,8 @@ async def test_replica_killed_under_load(children: list[Child]) -> None:
     """Non-streamed requests in flight on the dead replica are retried; its streams end with an error event;
     new requests avoid it at once."""
     doomed, survivor = (
-        start_fake("--ttft-ms", "300", "--itl-ms", "20"),
-        start_fake("--ttft-ms", "300", "--itl-ms", "20"),
+        start_upstream("--fixed-ttft-ms", "300", "--fixed-itl-ms", "20"),
+        start_upstream("--fixed-ttft-ms", "300", "--fixed-itl-ms", "20"),
     )
     children += [doomed, survivor]
     config = gateway_config(doomed.url, survivor.url, balancing="round_robin")
@@ -231,7 +231,7 @@ async def _blast(url: str, total: int, concurrency: int, body: dict[str, object]
 
 
 async def test_overload_is_refused_promptly_with_bounded_memory(children: list[Child]) -> None:
-    fake = start_fake("--ttft-ms", "200")
+    fake = start_upstream("--fixed-ttft-ms", "200")
     children.append(fake)
     gateway = start_gateway(gateway_config(fake.url, port=0, max_concurrency=8, max_queue=16, queue_timeout_s=0.5))
     children.append(gateway)
@@ -249,7 +249,7 @@ async def test_overload_is_refused_promptly_with_bounded_memory(children: list[C
 
 
 async def test_soak_10000_requests_without_growth(children: list[Child]) -> None:
-    fake = start_fake()
+    fake = start_upstream()
     children.append(fake)
     gateway = start_gateway(gateway_config(fake.url, port=0))
     children.append(gateway)
@@ -266,66 +266,67 @@ async def test_soak_10000_requests_without_growth(children: list[Child]) -> None
 
 
 async def test_an_unhealthy_replica_leaves_and_returns() -> None:
-    async with running_fake_upstream() as (flaky, flaky_url), running_fake_upstream() as (_, steady_url):
-        config = gateway_config(flaky_url, steady_url, balancing="round_robin", health_check_interval_s=3600)
+    async with upstream() as flaky, upstream() as steady:
+        config = gateway_config(flaky.base_url, steady.base_url, balancing="round_robin", health_check_interval_s=3600)
         async with running_gateway(config) as (app, url), httpx.AsyncClient(base_url=url) as client:
             await _leave_and_return(app, flaky, client)
 
 
-async def _leave_and_return(app: GatewayApp, flaky: FakeUpstream, client: httpx.AsyncClient) -> None:
+async def _leave_and_return(app: GatewayApp, flaky: SimulatorServer, client: httpx.AsyncClient) -> None:
     """The health checks are called by the test (the loop's interval is an hour)."""
-    flaky.behaviour.healthy = False
+    assert flaky.app is not None
+    flaky.app.controls.healthy = False  # /health answers 503
     await app.pool.check_all()  # what the health loop does every interval
     assert not app.pool.replicas[0].healthy
-    before = flaky.stats.requests
+    before = flaky.app.stats.requests
     for _ in range(6):
         assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
-    assert flaky.stats.requests == before  # out of rotation
-    flaky.behaviour.healthy = True
+    assert flaky.app.stats.requests == before  # out of rotation
+    flaky.app.controls.healthy = True
     await app.pool.check_all()
     assert app.pool.replicas[0].healthy
     for _ in range(6):
         assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
-    assert flaky.stats.requests == before + 3  # back in rotation
+    assert flaky.app.stats.requests == before + 3  # back in rotation
 
 
 async def test_prefix_affinity_keeps_a_prompt_on_one_replica() -> None:
     async with (
-        running_fake_upstream() as (first, first_url),
-        running_fake_upstream() as (second, second_url),
-        running_gateway(gateway_config(first_url, second_url, balancing="prefix_affinity")) as (_, url),
+        upstream() as first,
+        upstream() as second,
+        running_gateway(gateway_config(first.base_url, second.base_url, balancing="prefix_affinity")) as (_, url),
         httpx.AsyncClient(base_url=url) as client,
     ):
         for index in range(8):
-            before = (first.stats.requests, second.stats.requests)
+            before = (first.app.stats.requests, second.app.stats.requests)
             system = {"role": "system", "content": f"system prompt number {index} " * 8}
             for question in ("a", "b", "c"):
                 body = {**CHAT, "messages": [system, {"role": "user", "content": question}]}
                 assert (await client.post("/chat/completions", json=body)).status_code == 200
-            grew = (first.stats.requests - before[0], second.stats.requests - before[1])
+            grew = (first.app.stats.requests - before[0], second.app.stats.requests - before[1])
             assert grew in ((3, 0), (0, 3))
-        assert first.stats.requests and second.stats.requests  # different prompts spread over both
+        assert first.app.stats.requests and second.app.stats.requests  # different prompts spread over both
 
 
 async def test_a_slow_health_check_is_not_death_until_it_repeats() -> None:
-    async with fake_and_gateway(health_check_interval_s=3600) as (fake, app, _):  # the test calls the checks
+    async with upstream_and_gateway(health_check_interval_s=3600) as (fake, app, _):  # the test calls the checks
         app.pool.health_timeout_s = 0.2
         replica = app.pool.replicas[0]
-        fake.behaviour.health_delay_s = 5.0  # beyond the health timeout
+        fake.app.controls.health_delay_s = 5.0  # beyond the health timeout
         for failed in (1, 2):
             await app.pool.check_all()
             assert replica.failed_checks == failed and replica.healthy  # slow answers: still in rotation
         await app.pool.check_all()
         assert replica.failed_checks == 3 and not replica.healthy
-        fake.behaviour.health_delay_s = 0.0
+        fake.app.controls.health_delay_s = 0.0
         await app.pool.check_all()
         assert replica.healthy and replica.failed_checks == 0
 
 
 async def test_the_only_replica_failing_shows_its_error() -> None:
-    async with fake_and_gateway(FakeBehaviour(fail_status=500)) as (fake, _, client):
+    async with upstream_and_gateway(upstream_options=FAILING) as (fake, _, client):
         response = await client.post("/chat/completions", json=CHAT)
         assert response.status_code == 502
         error = response.json()["error"]
         assert error["code"] == "upstream_bad_status" and "injected failure" in error["message"]
-        assert fake.stats.requests == 1  # a 5xx is not retried on the same replica
+        assert fake.app.stats.requests == 1  # a 5xx is not retried on the same replica

@@ -21,24 +21,23 @@ from deepserve.cli.main import main
 from deepserve.gateway import shared_limits
 from deepserve.gateway.app import GatewayApp
 from deepserve.gateway.config import GatewayConfig
-from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour, running_fake_upstream
 from deepserve.gateway.keys import KeyRing, KeyStore
 from deepserve.gateway.ledger import UsageLedger
 from deepserve.gateway.limits import KeyLimits
 from deepserve.gateway.server import running_gateway
 from deepserve.gateway.shared_limits import RedisLimiter
 from deepserve.net import free_port
+from tests.helpers import FAKE_MODEL, Child, FakeClock, until
 
 from .conftest import (
-    Child,
-    FakeClock,
     RedisServer,
     gateway_config,
     prompt_estimate,
     start_gateway,
     start_redis_server,
+    start_upstream,
     stop_redis_server,
-    until,
+    upstream,
 )
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
@@ -93,9 +92,9 @@ async def test_two_gateways_on_one_rpm_5_key_let_5_requests_through_together(red
     _, secret = KeyStore().create("shared", KeyLimits(rpm=5))
     clock = FakeClock()
     async with (
-        running_fake_upstream() as (fake, upstream),
-        shared_gateway(upstream, redis_server.url, clock) as (_, first),
-        shared_gateway(upstream, redis_server.url, clock) as (_, second),
+        upstream() as fake,
+        shared_gateway(fake.base_url, redis_server.url, clock) as (_, first),
+        shared_gateway(fake.base_url, redis_server.url, clock) as (_, second),
     ):
         statuses = [
             (await client.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code
@@ -103,7 +102,7 @@ async def test_two_gateways_on_one_rpm_5_key_let_5_requests_through_together(red
             for client in (first, second)
         ]
         assert statuses.count(200) == 5 and statuses.count(429) == 15
-        assert fake.stats.requests == 5
+        assert fake.app.stats.requests == 5
         refused = await second.post("/chat/completions", json=CHAT, headers=bearer(secret))
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
         assert refused.headers["retry-after"] == "12"  # one request every 60/5 s
@@ -117,9 +116,9 @@ async def test_tokens_per_minute_are_shared_and_corrected_with_the_real_usage(re
     clock = FakeClock()
     big = {**CHAT, "max_tokens": 700}  # charged 700 + the prompt's estimate on admission
     async with (
-        running_fake_upstream() as (_, upstream),
-        shared_gateway(upstream, redis_server.url, clock) as (_, first),
-        shared_gateway(upstream, redis_server.url, clock) as (_, second),
+        upstream() as served,
+        shared_gateway(served.base_url, redis_server.url, clock) as (_, first),
+        shared_gateway(served.base_url, redis_server.url, clock) as (_, second),
     ):
         admitted = await first.post("/chat/completions", json={**big, "stream": True}, headers=bearer(secret))
         assert admitted.status_code == 200  # the fake used all 700 tokens, and reported them
@@ -132,9 +131,9 @@ async def test_tokens_per_minute_are_shared_and_corrected_with_the_real_usage(re
 async def test_a_keys_concurrency_is_counted_across_gateways(redis_server: RedisServer) -> None:
     _, secret = KeyStore().create("one-at-a-time", KeyLimits(max_concurrency=1))
     async with (
-        running_fake_upstream(FakeBehaviour(itl_ms=20)) as (_, upstream),
-        shared_gateway(upstream, redis_server.url, FakeClock()) as (_, first),
-        shared_gateway(upstream, redis_server.url, FakeClock()) as (_, second),
+        upstream(itl_ms=20) as served,
+        shared_gateway(served.base_url, redis_server.url, FakeClock()) as (_, first),
+        shared_gateway(served.base_url, redis_server.url, FakeClock()) as (_, second),
     ):
         request = {**CHAT, "max_tokens": 50, "stream": True}
         async with first.stream("POST", "/chat/completions", json=request, headers=bearer(secret)) as streaming:
@@ -149,34 +148,33 @@ async def test_global_concurrency_is_one_limit_and_a_freed_slot_wakes_the_other_
     redis_server: RedisServer,
 ) -> None:
     async with (
-        running_fake_upstream(FakeBehaviour(itl_ms=20)) as (fake, upstream),
-        shared_gateway(upstream, redis_server.url, None, max_concurrency=1) as (_, first),
-        shared_gateway(upstream, redis_server.url, None, max_concurrency=1) as (second_app, second),
+        upstream(itl_ms=20) as fake,
+        shared_gateway(fake.base_url, redis_server.url, None, max_concurrency=1) as (_, first),
+        shared_gateway(fake.base_url, redis_server.url, None, max_concurrency=1) as (second_app, second),
     ):
         request = {**CHAT, "max_tokens": 20, "stream": True}
         async with first.stream("POST", "/chat/completions", json=request) as streaming:
             assert streaming.status_code == 200
             queued = asyncio.create_task(second.post("/chat/completions", json=CHAT))
             await until(lambda: second_app.limiter.waiting == 1)
-            assert fake.stats.requests == 1  # it waits: the one slot is taken
+            assert fake.app.stats.requests == 1  # it waits: the one slot is taken
             await streaming.aread()
         response = await queued
-        assert response.status_code == 200 and fake.stats.requests == 2
+        assert response.status_code == 200 and fake.app.stats.requests == 2
         assert second_app.limiter.in_flight == 0 and second_app.limiter.waiting == 0
 
 
 async def test_a_stream_cut_at_shutdown_gives_back_its_slot_and_is_billed_what_it_delivered(
     redis_server: RedisServer,
 ) -> None:
-    """The drain on a gateway whose limits live in Redis: a stream cut after 2 tokens is charged its prompt estimate
-    plus those 2 (the rest of its admission charge goes back), a request cut while it waited for the one global slot
-    is charged nothing, and the slot is free again."""
+    """The drain on a gateway whose limits live in Redis: a stream cut after 2 events (its role chunk and a token:
+    the upstream stalls after one) is charged its prompt estimate plus those 2 (the rest of its admission charge goes
+    back), a request cut while it waited for the one global slot is charged nothing, and the slot is free again."""
     _, secret = KeyStore().create("tokens", KeyLimits(tpm=1000))
     clock = FakeClock()  # the shared buckets do not refill while the test runs
-    gate = asyncio.Semaphore(2)  # the fake streams two tokens, then waits
     async with (
-        running_fake_upstream(FakeBehaviour(token_gate=gate)) as (_, upstream),
-        shared_gateway(upstream, redis_server.url, clock, max_concurrency=1) as (app, client),
+        upstream(cut_fraction=1.0, cut_mode="stall", cut_after_tokens=1) as served,
+        shared_gateway(served.base_url, redis_server.url, clock, max_concurrency=1) as (app, client),
     ):
         stream = {**CHAT, "max_tokens": 900, "stream": True}
         received = b""
@@ -201,8 +199,6 @@ async def test_a_stream_cut_at_shutdown_gives_back_its_slot_and_is_billed_what_i
         assert over.status_code == 429
         exact = {**CHAT, "max_tokens": left - estimate}
         assert (await client.post("/chat/completions", json=exact, headers=bearer(secret))).status_code == 200
-        for _ in range(1000):
-            gate.release()  # the fake's cut stream finds its client gone
 
 
 async def test_closing_sends_the_releases_still_on_their_way(redis_server: RedisServer) -> None:
@@ -339,9 +335,9 @@ async def test_a_revocation_on_one_host_is_pushed_to_another(redis_server: Redis
     store.close()
     copy_key_database(host_a / "keys.sqlite", host_b / "keys.sqlite")  # host B has a copy, as a deployment would
     async with (
-        running_fake_upstream() as (_, upstream),
-        shared_gateway(upstream, redis_server.url, None, home=host_a, require_keys=True) as (app_a, first),
-        shared_gateway(upstream, redis_server.url, None, home=host_b, require_keys=True) as (app_b, second),
+        upstream() as served,
+        shared_gateway(served.base_url, redis_server.url, None, home=host_a, require_keys=True) as (app_a, first),
+        shared_gateway(served.base_url, redis_server.url, None, home=host_b, require_keys=True) as (app_b, second),
     ):
         assert (await second.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 200
         KeyStore(host_a / "keys.sqlite").revoke("team")  # `deepserve keys revoke team` on host A
@@ -362,8 +358,8 @@ async def test_keys_revoke_with_redis_url_tells_the_gateways_at_once(
     _, secret = KeyStore().create("team")
     copy_key_database(KeyStore().path, other_host / "keys.sqlite")
     async with (
-        running_fake_upstream() as (_, upstream),
-        shared_gateway(upstream, redis_server.url, None, home=other_host, require_keys=True) as (app, client),
+        upstream() as served,
+        shared_gateway(served.base_url, redis_server.url, None, home=other_host, require_keys=True) as (app, client),
     ):
         assert (await client.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 200
         assert main(["keys", "revoke", "team", "--redis-url", redis_server.url]) == 0
@@ -395,15 +391,15 @@ def test_a_late_answer_fails_its_own_calls_and_only_three_in_a_row_take_redis_ou
 async def test_unreachable_redis_fails_closed_with_a_clear_503() -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"
     async with (
-        running_fake_upstream() as (fake, upstream),
-        shared_gateway(upstream, dead, None) as (app, client),
+        upstream() as fake,
+        shared_gateway(fake.base_url, dead, None) as (app, client),
     ):
         response = await client.post("/chat/completions", json=CHAT)
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
         error = response.json()["error"]
         assert error["code"] == "limiter_unavailable"
         assert "Redis at 127.0.0.1" in error["message"] and "--redis-fail-open" in error["message"]
-        assert fake.stats.requests == 0
+        assert fake.app.stats.requests == 0
         metrics = app.metrics.render().decode()
         assert "deepserve_gateway_redis_up 0.0" in metrics
         assert 'deepserve_gateway_rejections_total{reason="limiter_unavailable"}' in metrics
@@ -416,8 +412,8 @@ async def test_fail_open_uses_local_limits_with_a_warning_and_a_metric_and_recov
     port = free_port()
     _, secret = KeyStore().create("limited", KeyLimits(rpm=2))
     async with (
-        running_fake_upstream() as (fake, upstream),
-        shared_gateway(upstream, f"redis://127.0.0.1:{port}/0", None, redis_fail_open=True) as (app, client),
+        upstream() as fake,
+        shared_gateway(fake.base_url, f"redis://127.0.0.1:{port}/0", None, redis_fail_open=True) as (app, client),
     ):
         statuses = [
             (await client.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code for _ in range(3)
@@ -434,17 +430,13 @@ async def test_fail_open_uses_local_limits_with_a_warning_and_a_metric_and_recov
             assert "answers again" in caplog.text
         finally:
             stop_redis_server(server)
-        assert fake.stats.requests == 3
+        assert fake.app.stats.requests == 3
 
 
 def test_two_gateway_processes_share_one_rpm_limit(redis_server: RedisServer, children: list[Child]) -> None:
     """Real processes on Redis's clock: 5 admitted at once, and at most one more per 12 s the test took."""
-    from deepserve.gateway.fake_upstream import FAKE_MODEL as MODEL
-
-    from .conftest import start_fake
-
     _, secret = KeyStore().create("processes", KeyLimits(rpm=5))
-    fake = start_fake()
+    fake = start_upstream()
     children.append(fake)
     gateways = [start_gateway(gateway_config(fake.url, redis_url=redis_server.url)) for _ in range(2)]
     children.extend(gateways)
@@ -453,7 +445,7 @@ def test_two_gateway_processes_share_one_rpm_limit(redis_server: RedisServer, ch
     with httpx.Client(timeout=30) as client:
         for index in range(16):
             url = gateways[index % 2].url + "/chat/completions"
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            body = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
             statuses.append(client.post(url, json=body, headers=bearer(secret)).status_code)
     refills = int((time.monotonic() - started) / 12)
     assert 5 <= statuses.count(200) <= 5 + refills

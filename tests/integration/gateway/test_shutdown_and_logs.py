@@ -10,17 +10,17 @@ import sqlite3
 
 import httpx
 
-from deepserve.gateway.fake_upstream import FAKE_MODEL
 from deepserve.gateway.ledger import default_ledger_path
 from deepserve.gateway.server import EXIT_LEDGER_ROWS_LOST
+from tests.helpers import FAKE_MODEL, Child
 
-from .conftest import Child, gateway_config, ledger_rows, start_fake, start_gateway
+from .conftest import gateway_config, ledger_rows, start_gateway, start_upstream
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
 async def test_sigterm_cuts_streams_longer_than_the_grace_period_cleanly(children: list[Child]) -> None:
-    fake = start_fake("--itl-ms", "20")
+    fake = start_upstream("--fixed-itl-ms", "20")
     children.append(fake)
     gateway = start_gateway(gateway_config(fake.url, port=0, shutdown_grace_s=0.5))
     children.append(gateway)
@@ -44,7 +44,7 @@ async def test_sigterm_cuts_streams_longer_than_the_grace_period_cleanly(childre
 
 
 async def test_a_short_stream_finishes_during_the_grace_period(children: list[Child]) -> None:
-    fake = start_fake("--itl-ms", "50")
+    fake = start_upstream("--fixed-itl-ms", "50")
     children.append(fake)
     gateway = start_gateway(gateway_config(fake.url, port=0, shutdown_grace_s=30))
     children.append(gateway)
@@ -64,7 +64,7 @@ async def test_a_short_stream_finishes_during_the_grace_period(children: list[Ch
 
 
 async def test_the_access_log_prints_one_line_per_request(children: list[Child]) -> None:
-    fake = start_fake()
+    fake = start_upstream()
     children.append(fake)
     gateway = start_gateway(gateway_config(fake.url, port=0, access_log=True))
     children.append(gateway)
@@ -85,7 +85,7 @@ async def test_the_access_log_prints_one_line_per_request(children: list[Child])
 
 
 async def test_without_access_log_nothing_is_printed_per_request(children: list[Child]) -> None:
-    fake = start_fake()
+    fake = start_upstream()
     children.append(fake)
     gateway = start_gateway(gateway_config(fake.url, port=0))
     children.append(gateway)
@@ -96,7 +96,7 @@ async def test_without_access_log_nothing_is_printed_per_request(children: list[
 
 
 async def test_the_gateway_exits_non_zero_when_usage_rows_could_not_be_written(children: list[Child]) -> None:
-    fake = start_fake()
+    fake = start_upstream()
     children.append(fake)
     gateway = start_gateway(gateway_config(fake.url, port=0))
     children.append(gateway)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from .conftest import free_port
+from deepserve.net import free_port
 
 # Runs `serve` as `deepserve gateway` does; when it is listening, report the freeze count and stop it with SIGTERM.
 _SERVE_AND_REPORT = """

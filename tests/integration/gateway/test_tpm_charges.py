@@ -8,11 +8,11 @@ import asyncio
 
 import httpx
 
-from deepserve.gateway.fake_upstream import FAKE_MODEL, FakeBehaviour
 from deepserve.gateway.keys import KeyStore
 from deepserve.gateway.limits import KeyLimits
+from tests.helpers import FAKE_MODEL, FakeClock, until
 
-from .conftest import FakeClock, fake_and_gateway, prompt_estimate, until
+from .conftest import prompt_estimate, upstream_and_gateway
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10}
 
@@ -22,25 +22,26 @@ async def test_an_absurd_max_tokens_against_an_unknown_context_does_not_lock_the
     refuses it (400). Before the fix the 10^15-token charge stayed on the key: Retry-After of 1.9 billion years."""
     _, secret = KeyStore().create("tokens", KeyLimits(tpm=1000))
     headers = {"Authorization": f"Bearer {secret}"}
-    async with fake_and_gateway(FakeBehaviour(advertise_max_model_len=False)) as (fake, app, client):
+    async with upstream_and_gateway(upstream_options={"models_max_model_len": False}) as (fake, app, client):
         assert app.pool.models == {FAKE_MODEL: None}
         refused = await client.post("/chat/completions", json={**CHAT, "max_tokens": 10**15}, headers=headers)
         assert refused.status_code == 400 and "maximum context length" in refused.json()["error"]["message"]
         after = await client.post("/chat/completions", json=CHAT, headers=headers)
         assert after.status_code == 200, after.text
-        assert fake.stats.requests == 2
+        assert fake.app.stats.requests == 2
 
 
 async def test_a_request_that_reached_no_engine_is_not_charged_but_a_completed_one_is() -> None:
     _, secret = KeyStore().create("tokens", KeyLimits(tpm=1000))
     headers = {"Authorization": f"Bearer {secret}"}
-    async with fake_and_gateway(FakeBehaviour(fail_status=503), max_retries=0) as (_, _, client):
+    failing = {"error_fraction": 1.0, "error_status": 503}
+    async with upstream_and_gateway(upstream_options=failing, max_retries=0) as (_, _, client):
         for _ in range(5):  # each charged about 900 on admission, each given back when the engine failed
             failed = await client.post("/chat/completions", json={**CHAT, "max_tokens": 900}, headers=headers)
             assert failed.status_code == 502
     _, other = KeyStore().create("others", KeyLimits(tpm=1000))
     headers = {"Authorization": f"Bearer {other}"}
-    async with fake_and_gateway() as (_, _, client):
+    async with upstream_and_gateway() as (_, _, client):
         done = await client.post("/chat/completions", json={**CHAT, "max_tokens": 900}, headers=headers)
         assert done.status_code == 200  # it used its 900 (and the prompt's): the key is nearly spent
         spent = await client.post("/chat/completions", json={**CHAT, "max_tokens": 900}, headers=headers)
@@ -57,12 +58,13 @@ async def _probe_tokens_left(client: httpx.AsyncClient, headers: dict[str, str],
 
 
 async def test_a_stream_the_client_dropped_is_billed_the_tokens_it_delivered() -> None:
-    """Charged on admission for its prompt estimate and 900 tokens; the client hangs up after 3: the key pays the
-    estimate and those 3, the rest goes back."""
+    """Charged on admission for its prompt estimate and 900 tokens; the client hangs up after 3 events (the role
+    chunk and two tokens, which the gateway's count takes for three tokens): the key pays the estimate and those 3,
+    the rest goes back."""
     _, secret = KeyStore().create("tokens", KeyLimits(tpm=1000))
     headers = {"Authorization": f"Bearer {secret}"}
-    gate = asyncio.Semaphore(3)  # the fake streams three tokens, then waits
-    async with fake_and_gateway(FakeBehaviour(token_gate=gate), clock=FakeClock()) as (_, app, client):
+    stalls = {"cut_fraction": 1.0, "cut_mode": "stall", "cut_after_tokens": 2}  # two tokens, then silence
+    async with upstream_and_gateway(FakeClock(), stalls) as (_, app, client):
         received = b""
         stream = {**CHAT, "max_tokens": 900, "stream": True}
         async with client.stream("POST", "/chat/completions", json=stream, headers=headers) as response:
@@ -72,19 +74,13 @@ async def test_a_stream_the_client_dropped_is_billed_the_tokens_it_delivered() -
                     break  # three tokens, then hang up
         await until(lambda: not app._in_flight)
         await _probe_tokens_left(client, headers, 1000 - (prompt_estimate(CHAT) + 3))
-        for _ in range(1000):
-            gate.release()  # the fake finds its client gone
 
 
 async def test_at_shutdown_a_cut_stream_is_billed_what_it_delivered_and_a_cut_wait_nothing() -> None:
     _, secret = KeyStore().create("tokens", KeyLimits(tpm=1000))
     headers = {"Authorization": f"Bearer {secret}"}
-    gate = asyncio.Semaphore(2)
-    async with fake_and_gateway(FakeBehaviour(token_gate=gate), clock=FakeClock(), max_concurrency=1) as (
-        _,
-        app,
-        client,
-    ):
+    stalls = {"cut_fraction": 1.0, "cut_mode": "stall", "cut_after_tokens": 1}  # the role and a token, then silence
+    async with upstream_and_gateway(FakeClock(), stalls, max_concurrency=1) as (_, app, client):
         received = b""
         stream = {**CHAT, "max_tokens": 900, "stream": True}
         async with client.stream("POST", "/chat/completions", json=stream, headers=headers) as response:
@@ -98,5 +94,3 @@ async def test_at_shutdown_a_cut_stream_is_billed_what_it_delivered_and_a_cut_wa
         assert (await queued).status_code == 503
         await until(lambda: not app._in_flight)
         await _probe_tokens_left(client, headers, 1000 - (prompt_estimate(CHAT) + 2))
-        for _ in range(1000):
-            gate.release()

@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from deepserve.gateway.fake_upstream import FAKE_MODEL, running_fake_upstream
 from deepserve.gateway.http_client import HttpClient
 from deepserve.gateway.server import running_gateway
 from deepserve.gateway.upstreams import UpstreamReplica
+from tests.helpers import FAKE_MODEL
 
-from .conftest import gateway_config, ledger_rows
+from .conftest import gateway_config, ledger_rows, upstream
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
@@ -26,9 +26,9 @@ async def test_a_bug_in_the_client_is_a_500_not_a_retried_upstream_failure(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with (
-        running_fake_upstream() as (first, first_url),
-        running_fake_upstream() as (second, second_url),
-        running_gateway(gateway_config(first_url, second_url)) as (app, url),
+        upstream() as first,
+        upstream() as second,
+        running_gateway(gateway_config(first.base_url, second.base_url)) as (app, url),
         httpx.AsyncClient(base_url=url) as client,
     ):
         calls: list[str] = []
@@ -47,7 +47,7 @@ async def test_a_bug_in_the_client_is_a_500_not_a_retried_upstream_failure(
             assert error["code"] == "internal_error" and "ValueError" in error["message"]
         assert calls == ["request", "request"]  # once per request: not retried on the other replica
         assert all(replica.healthy for replica in app.pool.replicas)  # nor charged to a replica
-        assert first.stats.requests == second.stats.requests == 0
+        assert first.app.stats.requests == second.app.stats.requests == 0
         assert any(record.exc_info and record.exc_info[0] is ValueError for record in caplog.records)
 
 

@@ -20,13 +20,13 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
-from deepserve.gateway.fake_upstream import FAKE_MODEL
 from deepserve.gateway.keys import KeyStore
 from deepserve.gateway.ledger import UsageLedger, UsageRow, default_ledger_path, summarise
 from deepserve.gateway.limits import KeyLimits
 from deepserve.gateway.server import EXIT_LEDGER_ROWS_LOST
+from tests.helpers import FAKE_MODEL, Child, until
 
-from .conftest import Child, RedisServer, gateway_config, ledger_rows, start_fake, start_gateway, until
+from .conftest import RedisServer, gateway_config, ledger_rows, start_gateway, start_upstream
 
 BODY = {"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 1}
 # Bounds for what processes do (start, restart, notice their supervisor died, stop); seconds when the machine is idle.
@@ -78,7 +78,7 @@ def sample(metrics: str, series: str) -> float:
 async def test_workers_share_the_port_the_limits_the_metrics_and_the_ledger(
     redis_server: RedisServer, children: list[Child]
 ) -> None:
-    fake = start_fake()
+    fake = start_upstream()
     children.append(fake)
     config = gateway_config(fake.url, workers=2, redis_url=redis_server.url, max_header_bytes=8192)
     gateway = start_gateway(config)
@@ -125,7 +125,7 @@ async def test_workers_share_the_port_the_limits_the_metrics_and_the_ledger(
 async def test_a_worker_that_dies_is_replaced_and_the_port_keeps_answering(
     redis_server: RedisServer, children: list[Child]
 ) -> None:
-    fake = start_fake()
+    fake = start_upstream()
     children.append(fake)
     gateway = start_gateway(gateway_config(fake.url, workers=2, redis_url=redis_server.url))
     children.append(gateway)
@@ -150,7 +150,7 @@ async def test_a_worker_that_dies_is_replaced_and_the_port_keeps_answering(
 async def test_on_sigterm_every_worker_drains_cuts_cleanly_and_logs_access(
     redis_server: RedisServer, children: list[Child]
 ) -> None:
-    fake = start_fake("--itl-ms", "20")
+    fake = start_upstream("--fixed-itl-ms", "20")
     children.append(fake)
     config = gateway_config(fake.url, workers=2, redis_url=redis_server.url, shutdown_grace_s=0.5, access_log=True)
     gateway = start_gateway(config)
@@ -178,7 +178,7 @@ async def test_on_sigterm_every_worker_drains_cuts_cleanly_and_logs_access(
 async def test_the_supervisor_exits_non_zero_when_a_worker_lost_usage_rows(
     redis_server: RedisServer, children: list[Child]
 ) -> None:
-    fake = start_fake()
+    fake = start_upstream()
     children.append(fake)
     gateway = start_gateway(gateway_config(fake.url, workers=2, redis_url=redis_server.url))
     children.append(gateway)

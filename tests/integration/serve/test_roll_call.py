@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -13,14 +12,7 @@ from deepserve.config import EngineConfig
 from deepserve.engines.nodes import CheckIn, HeadStopped, RollCall, deployment_of
 from deepserve.errors import ConfigError, EngineError
 from deepserve.net import free_port
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Events cross threads and sockets: poll for them, failing only after a generous bound."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
+from tests.helpers import wait_until
 
 
 def node(rank: int, nnodes: int, port: int, **fields: object) -> EngineConfig:
@@ -49,13 +41,13 @@ def test_nodes_join_learn_readiness_and_follow_a_stop(head: RollCall) -> None:
     first = join(head, 1)
     assert head.missing() == [2]
     head.announce_ready("http://10.0.0.1:8000/v1")
-    wait_for(lambda: first.ready_url == "http://10.0.0.1:8000/v1")
+    wait_until(lambda: first.ready_url == "http://10.0.0.1:8000/v1")
     late = join(head, 2)  # joining after the service is ready still learns where it is
-    wait_for(lambda: late.ready_url == "http://10.0.0.1:8000/v1")
+    wait_until(lambda: late.ready_url == "http://10.0.0.1:8000/v1")
     assert head.missing() == []
     head.stop("node 0 is stopping")
     for check_in in (first, late):
-        wait_for(lambda check_in=check_in: check_in.stop_reason is not None)  # type: ignore[misc]
+        wait_until(lambda check_in=check_in: check_in.stop_reason is not None)  # type: ignore[misc]
         with pytest.raises(HeadStopped, match="node 0 stopped the service"):
             check_in.raise_if_head_gone()
     assert head.left == []  # a stop on purpose is not a node leaving
@@ -87,7 +79,7 @@ def test_a_node_whose_connection_fails_before_the_answer_is_not_kept(head: RollC
 def test_a_worker_that_leaves_is_reported_by_node_zero(head: RollCall) -> None:
     leaving = join(head, 1)
     leaving.close()
-    wait_for(lambda: bool(head.left))
+    wait_until(lambda: bool(head.left))
     with pytest.raises(EngineError, match="node 1 left the deployment"):
         head.raise_if_one_left()
 
@@ -101,7 +93,7 @@ def test_a_worker_notices_node_zero_vanishing_without_a_stop() -> None:
         member.conn.shutdown(socket.SHUT_RDWR)
     assert roll._server is not None
     roll._server.close()
-    wait_for(lambda: worker.head_gone)
+    wait_until(lambda: worker.head_gone)
     with pytest.raises(EngineError, match="went away"):
         worker.raise_if_head_gone()
 

@@ -1,9 +1,9 @@
-"""The supervisor against a fake engine on loopback: phases, readiness, death with a hint, and a stop that
-leaves no process behind (even one that ignores SIGTERM)."""
+"""The supervisor against an engine process on loopback (`deepserve simulate` with an engine core child, as vLLM's
+API server has): phases, readiness, death with a hint, and a stop that leaves no process behind (even one that
+ignores SIGTERM)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import psutil
@@ -13,22 +13,22 @@ from deepserve.engines.base import LaunchSpec
 from deepserve.engines.registry import get_engine
 from deepserve.engines.supervisor import ProcessDied, SupervisedProcess
 from deepserve.net import free_port
-
-FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
+from deepserve.simulate.fixed import simulate_command
 
 
 def fake_engine(tmp_path: Path, *args: str) -> SupervisedProcess:
+    """The simulator as the engine: half a second of simulated weight loading, then serving; ARGS add to that."""
     port = free_port()
-    spec = LaunchSpec(
-        argv=[sys.executable, str(FAKE_ENGINE), "--port", str(port), *args],
-        base_url=f"http://127.0.0.1:{port}/v1",
-    )
+    flags = ("--fixed-itl-ms", "1", "--engine-core-process", "--startup-delay-s", "0.5", *args)
+    spec = LaunchSpec(argv=simulate_command(port, *flags), base_url=f"http://127.0.0.1:{port}/v1")
     return SupervisedProcess("engine", spec, get_engine("vllm").phase_of, tmp_path / "logs" / "engine.log")
 
 
 def child_pid(process: SupervisedProcess) -> int:
-    line = next(line for line in process.log_tail() if line.startswith("CHILD "))
-    return int(line.split()[1])
+    """The engine's own child (the simulator's engine core process)."""
+    assert process.pid is not None
+    (core,) = psutil.Process(process.pid).children()
+    return core.pid
 
 
 def test_ready_after_phases_then_stop_kills_the_whole_tree(tmp_path: Path) -> None:
@@ -54,7 +54,7 @@ def test_engine_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
 
 
 def test_engine_death_carries_log_tail_and_a_hint(tmp_path: Path) -> None:
-    died_engine = fake_engine(tmp_path, "--die-with", "torch.OutOfMemoryError: CUDA out of memory")
+    died_engine = fake_engine(tmp_path, "--fail-startup", "torch.OutOfMemoryError: CUDA out of memory")
     with died_engine as process, pytest.raises(ProcessDied) as died:
         process.wait_ready(30)
     message = str(died.value)
@@ -68,5 +68,6 @@ def test_engine_death_carries_log_tail_and_a_hint(tmp_path: Path) -> None:
 def test_not_ready_in_time_is_an_error(tmp_path: Path) -> None:
     from deepserve.errors import EngineError
 
-    with fake_engine(tmp_path, "--startup-s", "30") as process, pytest.raises(EngineError, match="not ready after"):
+    slow = fake_engine(tmp_path, "--startup-delay-s", "30")  # the later flag wins
+    with slow as process, pytest.raises(EngineError, match="not ready after"):
         process.wait_ready(1)

@@ -14,8 +14,6 @@ tests/unit/simulate/test_engine.py checks both regimes in virtual time).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,10 +22,10 @@ import pytest
 
 from deepserve.cli.main import main
 from deepserve.config import EngineConfig
-from deepserve.net import free_port
 from deepserve.plan.perf import Workload
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.setup import resolve
+from tests.helpers import start_simulator
 
 pytestmark = pytest.mark.timeout(300)
 MODEL, GPU = "cognitivecomputations/DeepSeek-V3-0324-AWQ", "h100"
@@ -38,22 +36,14 @@ TOLERANCE = 0.15
 
 @pytest.fixture(scope="module")
 def simulated() -> Iterator[str]:
-    port = free_port()
-    command = [
-        sys.executable, "-m", "deepserve.cli.main", "simulate", "--model", MODEL, "--gpu", GPU, "--port", str(port),
-        "--time-scale", str(TIME_SCALE), "--max-seconds", "280",
-    ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert process.stdout is not None
-    line = process.stdout.readline()
+    server = start_simulator("--gpu", GPU, "--time-scale", str(TIME_SCALE), "--max-seconds", "280", model=MODEL)
     try:
-        assert line.startswith("READY "), line
-        _, base_url, model, engine_url = line.split()
-        assert (model, engine_url) == (MODEL, base_url) and base_url == f"http://127.0.0.1:{port}/v1"
+        ready = next(line for line in server.output if line.startswith("READY "))
+        _, base_url, model, engine_url = ready.split()
+        assert (model, engine_url) == (MODEL, base_url) and base_url == server.url
         yield base_url
     finally:
-        process.terminate()
-        process.wait(10)
+        server.stop()
 
 
 @pytest.mark.parametrize(("concurrency", "prompts"), [(1, 4), (32, 320)])

@@ -18,6 +18,7 @@ from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.server import SimulatorServer, running_simulator
 from deepserve.simulate.setup import resolve
 from deepserve.simulate.tokenizer import ByteTokenizer, generated_text
+from tests.helpers import until
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "deepseek-ai/DeepSeek-V3"
@@ -38,14 +39,12 @@ async def stats(server: SimulatorServer) -> dict[str, Any]:
         return (await http.get(server.root_url + "/simulate/stats")).json()  # type: ignore[no-any-return]
 
 
-async def wait_for(server: SimulatorServer, check: Any, timeout_s: float = 10.0) -> dict[str, Any]:
-    """Poll /simulate/stats until CHECK(stats) holds (the server settles asynchronously after a disconnect)."""
-    for _ in range(int(timeout_s / 0.02)):
-        current = await stats(server)
-        if check(current):
-            return current
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"never reached: {current}")
+async def wait_for(server: SimulatorServer, check: Any) -> dict[str, Any]:
+    """/simulate/stats once CHECK(stats) holds (the server settles asynchronously after a disconnect)."""
+    assert server.app is not None
+    app = server.app
+    await until(lambda: check(app.stats_json()))
+    return app.stats_json()
 
 
 async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any] | str]:

@@ -1,6 +1,6 @@
-"""`deepserve tune` end to end without vLLM: the real launcher, supervisor, benchmark client and tune loop, with a
-fake engine (fake_vllm.py) standing in for vLLM's server behind --engine-python. The fake honours --max-num-seqs
-as a batch cap and refuses --max-num-batched-tokens below --max-model-len, as vLLM's CPU build does."""
+"""`deepserve tune` end to end without vLLM: the real launcher, supervisor, benchmark client and tune loop, with the
+simulator standing in for vLLM's server behind --engine-python (vllm_serve_as_simulator.py). It honours
+--max-num-seqs as a batch cap and refuses --max-num-batched-tokens below --max-model-len, as vLLM's CPU build does."""
 
 from __future__ import annotations
 
@@ -18,19 +18,19 @@ import yaml
 from deepserve.bench.config import BenchConfig
 from deepserve.cli.main import main
 from deepserve.config import EngineConfig, load_section
-from deepserve.models.tiny import tiny_config
 from deepserve.report.slo import parse_slo
 from deepserve.results.store import ResultsStore
 from deepserve.results.sweepdir import load_result_set, read_index
 from deepserve.tune.engine import EngineFailed, EnginePointRunner
 from deepserve.tune.grid import TunePoint
+from tests.helpers import tiny_config_dir
 
-FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
+FAKE_VLLM = Path(__file__).with_name("vllm_serve_as_simulator.py")
 
 
 @pytest.fixture
 def fake_python(tmp_path: Path) -> Path:
-    """An 'interpreter' for the launcher: it runs the fake engine with the launcher's arguments."""
+    """An 'interpreter' for the launcher: it runs the simulator with the launcher's arguments."""
     shim = tmp_path / "bin" / "python-fake-vllm"
     shim.parent.mkdir()
     shim.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_VLLM} "$@"\n')
@@ -40,11 +40,8 @@ def fake_python(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    """The tiny model's config.json alone: the launcher and the planner read it; the fake engine loads nothing."""
-    directory = tmp_path / "model"
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(tiny_config()))
-    return directory
+    """The tiny model's config.json alone: the launcher and the planner read it; the simulator loads nothing."""
+    return tiny_config_dir(tmp_path / "model")
 
 
 def engines_running(model_dir: Path) -> list[psutil.Process]:
@@ -74,7 +71,7 @@ def tune_args(fake_python: Path, model_dir: Path, out: Path, db: Path) -> list[s
         "--slo", "p99_ttft_ms=400",
         "--out", str(out),
         "--db", str(db),
-        "--no-planner",  # the planner knows the tiny model on this CPU, not the fake engine's timings
+        "--no-planner",  # the planner knows the tiny model on this CPU, not the simulator's fixed steps
     ]  # fmt: skip
 
 
@@ -95,7 +92,7 @@ def test_tune_picks_the_larger_batch_records_failures_and_resumes(
         "max_num_seqs=16 max_num_batched_tokens=512": "done",
     }
     failed = next(entry for entry in index.points if entry.status == "failed")
-    assert "exited with code 1" in failed.note
+    assert "exited with code 2" in failed.note  # deepserve's exit code for a configuration it refuses
     assert any("is smaller than max_model_len" in line for line in (failed.model_extra or {})["log_tail"])
     assert index.metadata["best"]["engine"] == "max_num_seqs=16 max_num_batched_tokens=512"
     assert not engines_running(model_dir)
@@ -145,7 +142,10 @@ def test_engine_dying_during_the_benchmark_is_a_failed_point_with_its_log(
     def killing_bench(config: BenchConfig) -> dict:
         for proc in engines_running(model_dir):
             os.kill(proc.pid, 9)
-            while proc.status() != psutil.STATUS_ZOMBIE:  # dead, left for its parent (the supervisor) to reap
+            # Dead and waitable, left for its parent (the supervisor, in this process) to reap: WNOWAIT does not
+            # reap it. (A psutil status of zombie comes too early for a process with threads: its main thread is a
+            # zombie while the others still exit, and until they have, waitpid reports nothing.)
+            while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
                 time.sleep(0.05)
         return {"completed": 0, "failed": 1, "duration": 1.0}
 

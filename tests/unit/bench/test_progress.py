@@ -7,14 +7,7 @@ import io
 from rich.console import Console
 
 from deepserve.bench.progress import LiveCounters, ProgressDisplay
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 100.0
-
-    def __call__(self) -> float:
-        return self.now_s
+from tests.helpers import FakeClock
 
 
 def test_counters_sum_over_workers():
@@ -31,7 +24,7 @@ async def test_display_shows_completed_of_total_rate_and_errors():
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=120)
     counters = LiveCounters.local()
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     async with ProgressDisplay(counters, total=10, duration_s=None, enabled=True, console=console, clock=clock) as bar:
         for _ in range(3):
             counters.request_done(0, success=True)

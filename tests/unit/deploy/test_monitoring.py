@@ -3,11 +3,8 @@ or vLLM's (read from the installed vLLM's metric definitions). The alerts cover 
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepserve.deploy.monitoring import PANELS, alerts, dashboard, queries, rule_groups
@@ -16,13 +13,7 @@ from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.limits import AdmissionQueue
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.upstreams import UpstreamPool
-
-SAMPLE_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
-_VLLM_DEFINITION = re.compile(r'self\._(counter|gauge|histogram)_cls\(\s*name="(vllm:[a-z0-9_]+)"')
-
-
-def samples(kind: str, name: str) -> set[str]:
-    return {name + suffix for suffix in SAMPLE_SUFFIXES[kind]}
+from tests.helpers import SAMPLE_SUFFIXES, samples, vllm_exported_samples
 
 
 def gateway_samples() -> set[str]:
@@ -35,18 +26,6 @@ def gateway_samples() -> set[str]:
     return names
 
 
-def vllm_samples() -> set[str]:
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("vLLM is not installed here: its metric names cannot be read")
-    source = Path(next(iter(spec.submodule_search_locations))) / "v1" / "metrics" / "loggers.py"
-    names: set[str] = set()
-    for kind, name in _VLLM_DEFINITION.findall(source.read_text()):
-        names |= samples(kind, name)
-    assert len(names) > 20, f"found too few vLLM metrics in {source}: the pattern no longer matches"
-    return names
-
-
 def used_metrics() -> set[str]:
     used: set[str] = set()
     for expr in queries():
@@ -55,14 +34,14 @@ def used_metrics() -> set[str]:
 
 
 def test_every_metric_the_alerts_and_dashboard_use_is_exported() -> None:
-    exported = gateway_samples() | vllm_samples()
+    exported = gateway_samples() | vllm_exported_samples()
     used = used_metrics()
     assert used - exported == set()
     assert {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "deepserve_gateway_requests_total"} <= used
 
 
 def test_the_check_catches_a_name_nobody_exports() -> None:
-    exported = gateway_samples() | vllm_samples()
+    exported = gateway_samples() | vllm_exported_samples()
     assert "vllm:gpu_cache_usage_perc" not in exported  # vLLM's old name, gone from V1
     assert "deepserve_gateway_requests" not in exported  # a counter's samples end in _total
 

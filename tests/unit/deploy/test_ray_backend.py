@@ -33,6 +33,7 @@ from deepserve.deploy.ray_cluster import (
 from deepserve.errors import ConfigError, EngineError
 from deepserve.net import free_port
 from deepserve.service import plan_service
+from tests.helpers import FakeClock
 
 RAY = {"model": "deepseek-ai/DeepSeek-V3", "tensor_parallel_size": 8, "pipeline_parallel_size": 2}
 INTERFACES = (
@@ -48,17 +49,6 @@ def ray_config(**fields: Any) -> EngineConfig:
 
 def node(gpus: float, alive: bool = True, head: bool = False) -> RayNode:
     return RayNode("id", "10.0.0.5", "host", alive, head, gpus, 8, 0)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def test_ray_on_cpu_is_refused_with_vllms_reason() -> None:
@@ -108,7 +98,7 @@ def test_wait_returns_once_the_cluster_has_the_gpus(monkeypatch: pytest.MonkeyPa
         return answer
 
     progress: list[str] = []
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     status = wait_for_ray_gpus(
         ray_config(), lambda phase, elapsed: progress.append(phase), read, clock, clock.sleep, "10.0.0.5:6379"
     )
@@ -123,7 +113,7 @@ def test_wait_returns_once_the_cluster_has_the_gpus(monkeypatch: pytest.MonkeyPa
 
 
 def test_wait_gives_up_after_the_join_timeout_saying_what_is_missing() -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     config = ray_config(join_timeout_s=60)
     lonely = ClusterStatus("10.0.0.5:6379", (node(8, head=True),))
     with pytest.raises(EngineError) as raised:
@@ -131,7 +121,7 @@ def test_wait_gives_up_after_the_join_timeout_saying_what_is_missing() -> None:
     message = str(raised.value)
     assert "has 8 GPUs after 60 s" in message and "needs 16" in message
     assert "deepserve cluster start --address 10.0.0.5:6379" in message
-    assert clock.now <= 60 + 2 * 5.0
+    assert clock.now_s <= 60 + 2 * 5.0
 
 
 def test_wait_does_nothing_without_ray() -> None:

@@ -18,6 +18,7 @@ from deepserve.gateway.balancing import (
     prompt_text_for_routing,
 )
 from deepserve.gateway.config import GatewayConfig
+from tests.helpers import FakeClock
 
 
 @dataclass
@@ -96,15 +97,7 @@ def test_chat_affinity_key_is_the_first_message() -> None:
 # ---- engine_aware --------------------------------------------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def engine_aware(clock: Clock, **weights: float) -> EngineAware:
+def engine_aware(clock: FakeClock, **weights: float) -> EngineAware:
     policy = EngineAware(weights, stale_after_s=1.0, clock=clock)
     assert policy.engine_load is not None
     return policy
@@ -116,53 +109,53 @@ def load(policy: EngineAware, url: str, waiting: float, kv: float, at: float) ->
 
 
 def test_engine_aware_sends_work_where_the_engine_queue_is_shortest() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     policy = engine_aware(clock)
     replicas = [R("a"), R("b"), R("c")]
-    load(policy, "a", 12, 0.5, clock.now)
-    load(policy, "b", 0, 0.5, clock.now)
-    load(policy, "c", 6, 0.5, clock.now)
+    load(policy, "a", 12, 0.5, clock.now_s)
+    load(policy, "b", 0, 0.5, clock.now_s)
+    load(policy, "c", 6, 0.5, clock.now_s)
     assert {policy.choose(replicas, RoutingHints()).url for _ in range(10)} == {"b"}
     assert [scores["queue"] for scores in policy.scores(replicas, [])] == [0.0, 1.0, 0.5]
 
 
 def test_engine_aware_avoids_a_full_kv_cache() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     policy = engine_aware(clock)
-    load(policy, "a", 0, 0.95, clock.now)
-    load(policy, "b", 0, 0.20, clock.now)
+    load(policy, "a", 0, 0.95, clock.now_s)
+    load(policy, "b", 0, 0.20, clock.now_s)
     assert policy.choose([R("a"), R("b")], RoutingHints()).url == "b"
 
 
 def test_engine_aware_reads_the_gateways_own_in_flight_count_between_scrapes() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     policy = engine_aware(clock)
-    load(policy, "a", 0, 0.1, clock.now)
-    load(policy, "b", 0, 0.1, clock.now)  # both idle at the last scrape …
+    load(policy, "a", 0, 0.1, clock.now_s)
+    load(policy, "b", 0, 0.1, clock.now_s)  # both idle at the last scrape …
     assert policy.choose([R("a", outstanding=30), R("b", outstanding=2)], RoutingHints()).url == "b"  # … not now
 
 
 def test_engine_aware_keeps_a_shared_prefix_on_the_replica_that_has_it_unless_that_one_is_swamped() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     policy = engine_aware(clock)
     system = "You are a helpful assistant who answers in French. " * 40  # about 2,000 characters: 32 blocks
     replicas = [R("a"), R("b")]
     for url in ("a", "b"):
-        load(policy, url, 0, 0.3, clock.now)
+        load(policy, url, 0, 0.3, clock.now_s)
     first = policy.choose(replicas, RoutingHints(prompt=system + "question one")).url
     other = "b" if first == "a" else "a"
     for index in range(10):  # the same system prompt, different questions; slightly busier than the other replica
-        load(policy, first, 1, 0.35, clock.now)
+        load(policy, first, 1, 0.35, clock.now_s)
         assert policy.choose(replicas, RoutingHints(prompt=f"{system}question {index}")).url == first
-    load(policy, first, 40, 0.97, clock.now)  # now it is swamped: the prefix is not worth the wait
+    load(policy, first, 40, 0.97, clock.now_s)  # now it is swamped: the prefix is not worth the wait
     assert policy.choose(replicas, RoutingHints(prompt=system + "question 11")).url == other
 
 
 def test_engine_aware_treats_a_stale_or_missing_load_as_unknown() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     policy = engine_aware(clock)
-    load(policy, "a", 50, 0.9, clock.now)
-    clock.now += 5  # past stale_after_s: that scrape no longer describes replica a
+    load(policy, "a", 50, 0.9, clock.now_s)
+    clock.now_s += 5  # past stale_after_s: that scrape no longer describes replica a
     scores = policy.scores([R("a"), R("b")], [])
     assert scores[0]["queue"] == scores[1]["queue"] == 0.5
     assert scores[0]["kv_cache"] == scores[1]["kv_cache"] == 0.5

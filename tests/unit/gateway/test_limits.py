@@ -9,14 +9,7 @@ from deepserve.errors import ConfigError
 from deepserve.gateway.errors import Overloaded, RateLimited
 from deepserve.gateway.keys import KeyStore
 from deepserve.gateway.limits import AdmissionQueue, KeyLimiter, KeyLimits, LocalLimiter, TokenBucket
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import FakeClock
 
 
 def test_bucket_refills_continuously_and_reports_wait() -> None:
@@ -24,11 +17,11 @@ def test_bucket_refills_continuously_and_reports_wait() -> None:
     bucket = TokenBucket(capacity=60, refill_per_s=1.0, clock=clock)
     assert bucket.try_take(60) == 0
     assert bucket.try_take(1) == pytest.approx(1.0)  # empty: one token a second
-    clock.now += 0.5
+    clock.now_s += 0.5
     assert bucket.try_take(1) == pytest.approx(0.5)
-    clock.now += 0.5
+    clock.now_s += 0.5
     assert bucket.try_take(1) == 0
-    clock.now += 1000
+    clock.now_s += 1000
     assert bucket.tokens == 60  # never above capacity
 
 
@@ -114,10 +107,10 @@ async def test_queue_times_out_by_its_clock() -> None:
     await queue.acquire()
     first = asyncio.create_task(queue.acquire())
     await asyncio.sleep(0)
-    clock.now += 10
+    clock.now_s += 10
     second = asyncio.create_task(queue.acquire())
     await asyncio.sleep(0)
-    clock.now += 20  # the first has waited 30 s, the second 20 s
+    clock.now_s += 20  # the first has waited 30 s, the second 20 s
     queue.expire_overdue()  # what each waiter's timer does when it fires
     with pytest.raises(Overloaded) as caught:
         await first

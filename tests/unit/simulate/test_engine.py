@@ -18,6 +18,7 @@ from deepserve.simulate.kv_cache import KVCacheManager
 from deepserve.simulate.scheduler import Scheduler, SchedulerLimits, SimRequest
 from deepserve.simulate.setup import build_core, resolve
 from deepserve.simulate.timing import FixedStepTimer
+from deepserve.simulate.tokenizer import generated_token
 
 STEP_S = 0.01
 
@@ -129,6 +130,23 @@ def test_fixed_latency_streams_ignore_each_other() -> None:
     clock.run_until_idle()
     assert len(fast.tokens) == 100 and len(fast.times) == 2  # 64 per turn, then the rest
     assert burst.counters().generation_tokens == 100
+
+
+def test_fixed_bursts_take_their_size_and_stop_at_the_limit_or_the_natural_end() -> None:
+    clock = ManualClock()
+    engine = FixedLatencyEngine(clock, ttft_s=0.0, itl_s=0.0, max_model_len=4096, burst_tokens=16)
+    capped, natural, context = Recorder(), Recorder(), Recorder()
+    engine.submit(SimRequest("a", [1], 40, sink=capped))
+    engine.submit(SimRequest("b", [1], 40, eos_after=20, sink=natural))  # token by token: the EOS may end it
+    small = FixedLatencyEngine(clock, ttft_s=0.0, itl_s=0.0, max_model_len=30, burst_tokens=16)
+    small.submit(SimRequest("c", [1] * 10, 100, sink=context))
+    clock.run_until_idle()
+    assert len(capped.tokens) == 40 and len(capped.times) == 3 and capped.finish == "length"  # 16 + 16 + 8
+    assert capped.tokens == [generated_token(i) for i in range(40)]  # what the token-by-token path gives
+    assert len(natural.tokens) == 20 and natural.finish == "stop"
+    assert len(context.tokens) == 20 and context.finish == "length"  # the context (30) is full
+    with pytest.raises(ValueError, match="burst_tokens"):
+        FixedLatencyEngine(clock, ttft_s=0.0, itl_s=0.0, max_model_len=30, burst_tokens=0)
 
 
 @pytest.fixture(scope="module")

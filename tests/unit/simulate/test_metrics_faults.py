@@ -8,10 +8,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deepserve.bench.server_metrics import parse_metrics
+from deepserve.engines.vllm_metrics import one_two_five_buckets
 from deepserve.errors import ConfigError
 from deepserve.simulate.config import parse_metric_overrides
 from deepserve.simulate.faults import Controls, Faults
-from deepserve.simulate.metrics import CounterReading, EngineMetrics, GaugeReading, one_two_five_buckets, render
+from deepserve.simulate.metrics import CounterReading, EngineMetrics, GaugeReading, render
 
 MODEL = "deepseek-ai/DeepSeek-V3"
 

@@ -86,3 +86,15 @@ def test_chat_streams_open_with_the_role_and_full_replies_have_a_message() -> No
     whole = json.loads(fmt.full_response([generated_token(0), generated_token(1)], "length"))
     assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["content"] == "Th"
     assert whole["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_plain_one_token_chunks_are_the_bytes_token_event_builds(chat: bool) -> None:
+    body = {"model": "m", "max_tokens": 50, "stream": True}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    fmt = ReplyFormat(parse(body, chat=chat), "r", created=3)
+    assert fmt.plain_chunks
+    expected = [fmt.token_event(5 + i, [generated_token(5 + i)], None, b"") for i in range(7)]
+    assert fmt.plain_token_events(5, 7) == expected
+    with_ids = ReplyFormat(parse({**body, "return_token_ids": True}, chat=chat), "r", created=3)
+    assert not with_ids.plain_chunks  # chunks that list their ids take the general path

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from deepserve.cli.main import main
-from deepserve.models.tiny import tiny_config
+from tests.helpers import tiny_config_dir
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    directory = tmp_path / "model"
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(tiny_config()))
-    return directory
+    return tiny_config_dir(tmp_path / "model")
 
 
 def tune(tmp_path: Path, model_dir: Path, *args: str) -> list[str]:

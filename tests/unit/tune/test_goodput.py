@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tests.unit.tune.fake_points import result_from_requests
 
 from deepserve.report.slo import parse_slo
 from deepserve.tune.goodput import MissingDetails, attainment, check_slos, output_goodput_tok_s, slos_hold
+from tests.unit.tune.fake_points import result_from_requests
 
 # Three requests over 2 s: TTFTs 100, 300 and 900 ms; 5, 3 and 4 output tokens; one failure with no tokens.
 RESULT = result_from_requests(

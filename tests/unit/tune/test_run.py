@@ -8,13 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.unit.tune.fake_points import FakeEngine
 
 from deepserve.bench.config import BenchConfig
 from deepserve.cli.main import main
 from deepserve.config import EngineConfig, load_section
 from deepserve.errors import ConfigError
-from deepserve.models.tiny import tiny_config
 from deepserve.report.build import build_report, load_sets
 from deepserve.report.slo import parse_slo
 from deepserve.results.store import ResultsStore
@@ -23,6 +21,8 @@ from deepserve.tune.grid import expand, parse_axis
 from deepserve.tune.predict import Forecast
 from deepserve.tune.run import TuneOptions, extra, run_tune
 from deepserve.tune.spec import TuneSpec, plan_order
+from tests.helpers import tiny_config_dir
+from tests.unit.tune.fake_points import FakeEngine
 
 TTFT_400 = (parse_slo("p99_ttft_ms=400"),)
 BENCH = BenchConfig.model_validate(
@@ -32,10 +32,7 @@ BENCH = BenchConfig.model_validate(
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    directory = tmp_path / "model"
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(tiny_config()))
-    return directory
+    return tiny_config_dir(tmp_path / "model")
 
 
 def spec_for(model_dir: Path, grid: list[str], forecasts: list[Forecast] | None = None, signature="s1") -> TuneSpec:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from tests.unit.tune.fake_points import batched_server_result
-
 from deepserve.config import EngineConfig
 from deepserve.report.slo import parse_slo
 from deepserve.tune.search import Probe, SearchOutcome
 from deepserve.tune.select import Scored, choose_best, ranking, resources, score
+from tests.unit.tune.fake_points import batched_server_result
 
 
 def scored(name: str, goodput: float, holds: bool = True, **config) -> Scored:

@@ -1,5 +1,5 @@
-"""`deepserve sweep` with the real benchmark runner against the scripted fake server on loopback: a grid and a
-suite run, resume, land in the store and produce a report, in seconds and without vLLM."""
+"""`deepserve sweep` with the real benchmark runner against the simulator with fixed timings on loopback: a grid and
+a suite run, resume, land in the store and produce a report, in seconds and without vLLM."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from deepserve.bench.fake_server import FakeScript, running
 from deepserve.cli.main import main
 from deepserve.hardware import host
 from deepserve.hardware.host import HostMeasurement
@@ -16,13 +15,14 @@ from deepserve.report import derived as dv
 from deepserve.report.build import build_report, load_sets
 from deepserve.results.store import ResultsStore
 from deepserve.sweep import probe
+from tests.helpers import simulator_thread
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
 def fake():
-    with running(FakeScript(model="fake-model", ttft_s=0.02, itl_s=0.002)) as server:
+    with simulator_thread(ttft_ms=20, itl_ms=2) as server:
         yield server
 
 
@@ -31,7 +31,7 @@ def test_grid_sweep_runs_resumes_records_and_reports(fake, tmp_path: Path, capsy
     command = [
         "sweep",
         "--base-url",
-        fake.base_url,
+        fake.root_url,
         "--max-concurrency",
         "1,2,4",
         "--random-input-len",
@@ -58,17 +58,17 @@ def test_grid_sweep_runs_resumes_records_and_reports(fake, tmp_path: Path, capsy
         assert result["max_concurrency"] == concurrency
         assert result["completed"] == 8 and result["failed"] == 0
         assert result["total_output_tokens"] == 64
-        assert result["median_ttft_ms"] >= 20  # the fake server's TTFT
+        assert result["median_ttft_ms"] >= 20  # the simulator's TTFT
     runs = ResultsStore().list_runs(label="fake")
     assert sorted(run.params.max_concurrency for run in runs) == [1, 2, 4]
     html = (out / "report" / "report.html").read_text()
     assert "Throughput vs concurrency" in html and "loopback fake" in html
 
-    requests_before = fake.state.requests
+    requests_before = fake.app.stats.requests
     capsys.readouterr()
     assert main(command) == 0
     assert "0 ran, 3 kept from before" in capsys.readouterr().err
-    assert fake.state.requests - requests_before < 3  # at most the metadata look-ups, no benchmark requests
+    assert fake.app.stats.requests - requests_before < 3  # at most the metadata look-ups, no benchmark requests
     assert len(ResultsStore().list_runs(label="fake")) == 3
 
 
@@ -79,7 +79,7 @@ def test_suite_probes_plans_and_runs(fake, tmp_path: Path, capsys):
             [
                 "sweep",
                 "--base-url",
-                fake.base_url,
+                fake.root_url,
                 "--suite",
                 "long-prompt",
                 "--time-budget-s",
@@ -122,8 +122,8 @@ def test_a_sweep_on_this_host_records_its_deployment_and_the_report_sets_it_agai
     command = ["sweep", "--random-input-len", "16", "--random-output-len", "8", "--num-prompts", "8"]
     command += ["--max-concurrency", "1,2,4", "--ignore-eos", "--result-dir", str(out), "--no-stop-at-saturation"]
     command += ["--metadata", "gpu_hour_usd=0.5", "--label", "tiny"]
-    with running(FakeScript(model="deepserve/tiny-deepseek-v3", ttft_s=0.02, itl_s=0.004)) as server:
-        assert main([*command, "--base-url", server.base_url]) == 0
+    with simulator_thread(ttft_ms=20, itl_ms=4, model="deepserve/tiny-deepseek-v3") as server:
+        assert main([*command, "--base-url", server.root_url]) == 0
     assert measured == [1]
     deployment = json.loads((out / "index.json").read_text())["metadata"]["deployment"]
     assert deployment["accelerator"] == "cpu" and deployment["devices"] == 1
