@@ -96,6 +96,12 @@ def default_batch_limits(gpu_memory_gib: float, gpu_name: str) -> tuple[int, int
     return LARGE_GPU_BATCH_LIMITS if large else SMALL_GPU_BATCH_LIMITS
 
 
+def cpu_runs_prompts_whole(hardware_class: str, is_mla: bool) -> bool:
+    """vLLM's CPU platform turns chunked prefill and prefix caching off for MLA models and raises the token budget
+    to max(max_model_len, 2048), so that a prompt is prefilled whole in one step (vllm/platforms/cpu.py, 0.32)."""
+    return hardware_class == "cpu" and is_mla
+
+
 def default_block_size(is_mla: bool) -> int:
     return MLA_BLOCK_SIZE if is_mla else DEFAULT_BLOCK_SIZE
 

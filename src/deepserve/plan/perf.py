@@ -164,16 +164,23 @@ class PerformanceModel:
     # ---- one step ---------------------------------------------------------------------------------------------
 
     def step(
-        self, decode_tokens: float, prefill_tokens: float, context_len: float, prefill_context: float = 0.0
+        self,
+        decode_tokens: float,
+        prefill_tokens: float,
+        context_len: float,
+        prefill_context: float = 0.0,
+        prefill_mean_position: float | None = None,
     ) -> StepCost:
         """One step of the first stage: DECODE_TOKENS sequences at CONTEXT_LEN, plus PREFILL_TOKENS of prompt
         (a chunk whose sequence already has PREFILL_CONTEXT tokens cached), counted over the whole stage (all
-        data-parallel ranks together)."""
+        data-parallel ranks together). A step that prefills several prompts gives PREFILL_MEAN_POSITION, the mean
+        over its prompt tokens of the positions each attends to: attention is per sequence, so several short
+        prompts cost far less than one prompt of their summed length."""
         work = (
             self._dense(decode_tokens, prefill_tokens),
             self._moe(decode_tokens, prefill_tokens),
             self._decode_attention(decode_tokens, context_len),
-            self._prefill_attention(prefill_tokens, prefill_context),
+            self._prefill_attention(prefill_tokens, prefill_context, prefill_mean_position),
         )
         return StepCost(
             self._overhead_s(decode_tokens, prefill_tokens), work, self._comm(decode_tokens + prefill_tokens)
@@ -258,7 +265,9 @@ class PerformanceModel:
             layers * self._launch_s(),
         )
 
-    def _prefill_attention(self, prefill_tokens: float, prefill_context: float) -> WorkCost:
+    def _prefill_attention(
+        self, prefill_tokens: float, prefill_context: float, mean_position: float | None = None
+    ) -> WorkCost:
         """Prompt tokens attend to the cached context and, causally, to each other: MLA's prefill runs in the
         decompressed form, (qk_nope + qk_rope) + v_head per head and position."""
         spec, layout, layers = self.spec, self.layout, self._shape.layers
@@ -270,7 +279,7 @@ class PerformanceModel:
             per_position = 2 * heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim)
         else:
             per_position = 4 * heads * spec.head_dim
-        positions = prefill_context + prefill_tokens / 2
+        positions = prefill_context + prefill_tokens / 2 if mean_position is None else mean_position
         flops = prefill_tokens / layout.dp * positions * per_position * layers
         cached = prefill_context * spec.kv_values_per_token_per_layer * dtype_bytes(self.kv_dtype) * layers
         return WorkCost(

@@ -76,10 +76,12 @@ class _Run:
         seed: int,
         turnaround_s: float,
         output_spread: float,
+        input_spread: float = 0.0,
     ) -> None:
         self.clock = ManualClock()
         self.turnaround_s = turnaround_s
         self.output_spread = output_spread
+        self.input_spread = input_spread
         self.engine = SteppedEngine(core, self.clock)
         self.input_len = input_len
         self.output_len = output_len
@@ -92,12 +94,17 @@ class _Run:
     def send(self, client: _Client) -> None:
         if self.sent >= self.num_requests:
             return
-        prompt = self.random.choices(PROMPT_TOKENS, k=self.input_len)
-        spread = round(self.output_len * self.output_spread)
-        output_len = self.random.randint(self.output_len - spread, self.output_len + spread)
+        prompt_len = self._draw(self.input_len, self.input_spread) if self.input_spread else self.input_len
+        prompt = self.random.choices(PROMPT_TOKENS, k=prompt_len)
+        output_len = self._draw(self.output_len, self.output_spread)
         request = SimRequest(f"req-{self.sent}", prompt, output_len, ignore_eos=True, sink=client)
         self.sent += 1
         self.engine.submit(request)
+
+    def _draw(self, mean: int, spread: float) -> int:
+        """MEAN, or uniformly within MEAN x (1 ± SPREAD)."""
+        width = round(mean * spread)
+        return self.random.randint(mean - width, mean + width)
 
     def finished(self, request: SimRequest, now_s: float) -> None:
         self.done.append(request)
@@ -113,14 +120,16 @@ def run_closed_loop(
     seed: int = 0,
     turnaround_s: float = CLIENT_TURNAROUND_S,
     output_spread: float = 0.0,
+    input_spread: float = 0.0,
 ) -> ClosedLoopResult:
     """Random prompts of INPUT_LEN tokens (no shared prefixes); OUTPUT_LEN tokens each (ignore_eos), or uniformly
-    within OUTPUT_LEN x (1 ± OUTPUT_SPREAD) (vLLM's --random-range-ratio). A client sends its next request
+    within OUTPUT_LEN x (1 ± OUTPUT_SPREAD) (vLLM's --random-range-ratio), and prompts likewise within INPUT_LEN x
+    (1 ± INPUT_SPREAD). A client sends its next request
     TURNAROUND_S after its last one ended: a step that starts at that instant does not include it, as in a real
     server, where the engine schedules its next step the moment the last one ends."""
     if output_len * (1 - output_spread) < 2:
         raise ValueError("TPOT needs at least two output tokens per request")
-    run = _Run(core, input_len, output_len, num_requests, seed, turnaround_s, output_spread)
+    run = _Run(core, input_len, output_len, num_requests, seed, turnaround_s, output_spread, input_spread)
     for _ in range(min(concurrency, num_requests)):
         run.send(_Client(run))
     run.clock.run_until_idle()

@@ -15,6 +15,7 @@ from deepserve.config import EngineConfig, validate_section
 from deepserve.engines.vllm import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    cpu_runs_prompts_whole,
     default_batch_limits,
     default_block_size,
 )
@@ -126,6 +127,8 @@ def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
     from deepserve.plan.planner import make_plan
 
     spec = load_spec(model)
+    if cpu_runs_prompts_whole(accelerator.hardware_class, spec.is_mla):
+        chunked = common["chunked_prefill"] = common["prefix_caching"] = False
     max_model_len = engine.max_model_len or min(FIXED_MAX_MODEL_LEN, spec.max_position_embeddings)
     batched = engine.max_num_batched_tokens or (default_tokens if chunked else max(max_model_len, default_tokens))
     plan = make_plan(_plan_config(engine, sim, model, spec, max_model_len, batched, common["max_num_seqs"]))

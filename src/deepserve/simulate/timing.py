@@ -27,7 +27,12 @@ class PlannerStepTimer:
         self.model = model
 
     def step_s(self, batch: ScheduledBatch) -> float:
-        return float(self.model.step(batch.decode_tokens, batch.prefill_tokens, batch.context_len).total_s)
+        # each prompt attends to its own positions: the mean over the step's prompt tokens, not half their sum
+        mean_position = batch.prefill_positions / batch.prefill_tokens if batch.prefill_tokens else None
+        cost = self.model.step(
+            batch.decode_tokens, batch.prefill_tokens, batch.context_len, prefill_mean_position=mean_position
+        )
+        return float(cost.total_s)
 
 
 class FixedStepTimer:

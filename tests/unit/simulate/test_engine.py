@@ -17,7 +17,7 @@ from deepserve.simulate.engine import FixedLatencyEngine, SteppedEngine
 from deepserve.simulate.kv_cache import KVCacheManager
 from deepserve.simulate.scheduler import Scheduler, SchedulerLimits, SimRequest
 from deepserve.simulate.setup import build_core, resolve
-from deepserve.simulate.timing import FixedStepTimer
+from deepserve.simulate.timing import FixedStepTimer, PlannerStepTimer
 from deepserve.simulate.tokenizer import generated_token
 
 STEP_S = 0.01
@@ -192,3 +192,37 @@ def test_a_small_cache_preempts_and_every_request_still_completes() -> None:
     assert roomy.preemptions == 0 and tight.preemptions > 0
     assert tight.requests == 64 and tight.mean_running < 16
     assert tight.output_throughput_tok_s < roomy.output_throughput_tok_s
+
+
+def test_prompts_in_one_step_attend_each_to_their_own_positions(awq_h100) -> None:
+    """Eight 1,024-token prompts in one step cost the attention of eight prompts, not of one 8,192-token prompt:
+    the timer gives the step model the mean position over the step's prompt tokens (512 here, not 4,096)."""
+    deployment, _sim = awq_h100
+    model = deployment.model_of_steps
+    scheduler = Scheduler(
+        SchedulerLimits(max_num_seqs=16, max_num_batched_tokens=8192, max_model_len=4096),
+        KVCacheManager(num_blocks=1000, block_size=64, max_model_len=4096, enable_caching=False),
+    )
+    for index in range(8):
+        scheduler.add(SimRequest(f"r{index}", [7] * 1024, 4, ignore_eos=True))
+    batch = scheduler.schedule()
+    assert batch.prefill_tokens == 8192 and batch.prefill_positions / batch.prefill_tokens == pytest.approx(512)
+    eight = model.step(0, 8192, 0, prefill_mean_position=512).kind("mla_prefill")
+    one = model.step(0, 1024, 0).kind("mla_prefill")
+    assert eight.compute_s == pytest.approx(8 * one.compute_s)
+    assert model.step(0, 8192, 0).kind("mla_prefill").compute_s == pytest.approx(64 * one.compute_s)
+    assert PlannerStepTimer(model).step_s(batch) == pytest.approx(model.step(0, 8192, 512, 0, 512).total_s)
+
+
+def test_closed_loop_prompt_lengths_spread_like_vllms_range_ratio(awq_h100, monkeypatch) -> None:
+    deployment, sim = awq_h100
+    lengths: list[int] = []
+    submit = SteppedEngine.submit
+
+    def recording(engine: SteppedEngine, request: SimRequest) -> None:
+        lengths.append(request.num_prompt_tokens)
+        submit(engine, request)
+
+    monkeypatch.setattr(SteppedEngine, "submit", recording)
+    run_closed_loop(build_core(deployment, sim), 4, 512, 8, num_requests=40, input_spread=0.5)
+    assert len(lengths) == 40 and min(lengths) >= 256 and max(lengths) <= 768 and len(set(lengths)) > 10

@@ -103,3 +103,18 @@ def test_the_engine_sections_gpu_type_and_nodes_stand_for_the_hardware_flags() -
     assert deployment.gpu == "h100-sxm" and deployment.pipeline_stages == 2
     with pytest.raises(ConfigError, match="disagree"):
         resolve(engine, SimulateConfig(gpu="h200"))
+
+
+def test_on_this_cpu_an_mla_model_is_prefilled_whole_as_vllms_cpu_build_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU platform turns chunked prefill and prefix caching off for MLA models and budgets max_model_len
+    tokens a step (vllm/platforms/cpu.py): the simulated host deployment does the same, whatever was asked."""
+    from deepserve.hardware import host
+
+    measured = host.HostMeasurement("box", "Test CPU", 2, 20.0, 60.0, 14.0, "2026-11-23T00:00:00Z")
+    monkeypatch.setattr(host, "measured_host", lambda refresh=False: measured)
+    engine = EngineConfig(model="deepserve/tiny-deepseek-v3", max_model_len=8192, enable_chunked_prefill=True)
+    deployment = resolve(engine, SimulateConfig(gpu="host", gpus=1))
+    assert (deployment.chunked_prefill, deployment.prefix_caching) == (False, False)
+    assert deployment.max_num_batched_tokens == 8192
+    on_gpu = resolve(engine.model_copy(update={"model": "deepseek-ai/DeepSeek-V3"}), SimulateConfig(gpu="h200"))
+    assert on_gpu.chunked_prefill
