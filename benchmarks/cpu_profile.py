@@ -8,14 +8,16 @@ model on vLLM's CPU build, at several concurrency levels and two prompt lengths.
    `host` device describes the machine under the load of that moment (it is shared). `--machine median` predicts
    every point from the median of the run's measurements instead (with `--from-file`, from a stored run).
 2. Starts the tiny model with `deepserve serve` on loopback (temporary DEEPSERVE_HOME) and runs `deepserve bench`
-   straight at the engine for every (prompt length, concurrency) point, closed loop, fixed lengths.
+   straight at the engine for every (prompt length, concurrency) point, closed loop.
 3. Fits the CPU engine profile's two overhead parameters (per step, per sequence; data/engine_profiles.json) on two
    calibration points (--calibrate, by default concurrency 1 and the highest at the shorter prompt) and predicts
-   every point with them; the other points are held out. `--write-profile` stores the fit in the package.
+   every point with them, twice: with the planner's closed-loop formula (what `deepserve plan` prints) and with the
+   same step model run through the simulator's scheduler as vLLM's CPU build configures it, in virtual time (what
+   `deepserve simulate` serves). The other points are held out. `--write-profile` stores the fit in the package.
 
-Lengths vary +-50% around their means (--range-ratio): with fixed lengths the closed-loop clients of an engine that
-prefills a whole wave of prompts in one step (vLLM's CPU build runs MLA without chunked prefill) stay in lockstep,
-every prompt of a wave waiting for all of them; the planner predicts the steady state in which arrivals are spread.
+Lengths vary +-50% around their means (--range-ratio), in the benchmark and in the simulation: with fixed lengths
+the closed-loop clients of an engine that prefills a whole wave of prompts in one step (vLLM's CPU build runs MLA
+without chunked prefill) stay in lockstep, every prompt of a wave waiting for all of them.
 
 Prints a Markdown table (docs/PLANNING.md quotes it) and writes benchmarks/results/cpu_profile_<host>.json.
 """
@@ -36,6 +38,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from deepserve.config import EngineConfig
 from deepserve.hardware.catalog import Accelerator, host_accelerator
 from deepserve.hardware.host import HostMeasurement, measure_host
 from deepserve.models import load_spec
@@ -45,10 +48,14 @@ from deepserve.plan.fit import Target, fit_parameters
 from deepserve.plan.perf import PerformanceModel, Workload
 from deepserve.plan.planner import Deployment, build_deployment
 from deepserve.plan.profiles import EngineParameters, write_parameters
+from deepserve.simulate.closed_loop import run_closed_loop
+from deepserve.simulate.config import SimulateConfig
+from deepserve.simulate.setup import build_core, resolve
 
 RESULTS = Path(__file__).with_name("results")
 TARGET_RATIO_ERROR = 0.25  # issue 11: within 25% on TPOT and throughput
 METRICS = ("ttft_ms", "tpot_ms", "output_tok_s")
+MAX_MODEL_LEN = 32768  # what `deepserve serve` gives vLLM's CPU build (engines/vllm.py)
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,7 @@ def deployment_for(point: Point, output_len: int) -> Deployment:
         "host",
         1,
         workload=Workload(point.input_len, output_len),
-        max_model_len=32768,
+        max_model_len=MAX_MODEL_LEN,
         accelerator=point.accelerator(),
     )
 
@@ -116,6 +123,30 @@ def predicted(point: Point, output_len: int, parameters: EngineParameters) -> di
     model = _model(deployment, parameters)
     p = model.predict(point.concurrency, Workload(point.input_len, output_len), deployment.running_cap)
     return {"ttft_ms": p.ttft_ms, "tpot_ms": p.tpot_ms, "output_tok_s": p.output_throughput_tok_s}
+
+
+def simulated(point: Point, args: argparse.Namespace, parameters: EngineParameters) -> dict[str, float]:
+    """The same step model run through the simulator's scheduler as vLLM's CPU build configures it (prompts
+    prefilled whole, a token budget of max_model_len; simulate/setup.py), in virtual time: the point's clients,
+    requests and length spreads, each client sending its next request when its last one ended."""
+    engine = EngineConfig(model=TINY_MODEL_NAME, max_model_len=MAX_MODEL_LEN)
+    sim = SimulateConfig(gpu="host", gpus=1)
+    steps = _model(deployment_for(point, args.output_len), parameters)
+    deployment = replace(resolve(engine, sim), model_of_steps=steps)
+    result = run_closed_loop(
+        build_core(deployment, sim),
+        point.concurrency,
+        point.input_len,
+        args.output_len,
+        point.prompts,
+        output_spread=args.range_ratio,
+        input_spread=args.range_ratio,
+    )
+    return {
+        "ttft_ms": result.mean_ttft_ms,
+        "tpot_ms": result.mean_tpot_ms,
+        "output_tok_s": result.output_throughput_tok_s,
+    }
 
 
 def _model(deployment: Deployment, parameters: EngineParameters) -> PerformanceModel:
@@ -166,7 +197,9 @@ def main() -> None:
     parser.add_argument("--min-prompts", type=int, default=8)
     parser.add_argument("--calibrate", default="", help="points to fit on, as c:input_len,... (default: see doc)")
     parser.add_argument("--write-profile", action="store_true", help="store the fit in data/engine_profiles.json")
-    parser.add_argument("--from-file", type=Path, help="refit and print from an earlier run's JSON (no vLLM)")
+    parser.add_argument(
+        "--from-file", type=Path, help="refit and print from an earlier run's JSON (no vLLM; the file is not changed)"
+    )
     parser.add_argument(
         "--machine",
         choices=("per-point", "median"),
@@ -221,6 +254,9 @@ def run_points(lens: list[int], levels: list[int], args: argparse.Namespace) -> 
     return points
 
 
+Row = tuple[Point, dict[str, float], dict[str, float], bool]  # point, prediction, ratios, calibration point
+
+
 def report(points: list[Point], calibration: list[tuple[int, ...]], args: argparse.Namespace, command: str) -> None:
     chosen = [p for p in points if (p.concurrency, p.input_len) in calibration]
     host = points[0].host
@@ -228,40 +264,15 @@ def report(points: list[Point], calibration: list[tuple[int, ...]], args: argpar
     base = deployment.select_engine(across_engines=False)
     assert base is not None
     fit = fit_parameters(base, targets(chosen, args.output_len))
-    rows, held_errors = [], []
-    for point in points:
-        guess = predicted(point, args.output_len, fit.parameters)
-        calibrating = point in chosen
-        ratios = {m: guess[m] / getattr(point, m) for m in METRICS}
-        if not calibrating:
-            held_errors += [abs(ratios["tpot_ms"] - 1), abs(ratios["output_tok_s"] - 1)]
-        rows.append((point, guess, ratios, calibrating))
     print(
         f"host {host['cpu_model']} x{host['cores']} (bf16 units: {host.get('native_bf16')}); fitted "
         f"{', '.join(f'{n} {getattr(fit.parameters, n):.3g}' for n in fit.fitted)} on {len(chosen)} points; "
-        f"output {args.output_len} tokens (+-{args.range_ratio:.0%})\n"
+        f"output {args.output_len} tokens (+-{args.range_ratio:.0%})"
     )
-    print(
-        "| prompt | concurrency | machine: copy GB/s, GFLOP/s "
-        "| TTFT ms measured / predicted (ratio) | TPOT ms measured / predicted (ratio) "
-        "| output tok/s measured / predicted (ratio) | |"
-    )
-    print("|---:|---:|---|---:|---:|---:|---|")
-    for point, guess, ratios, calibrating in rows:
-        measured = HostMeasurement(**point.host)
-        machine = f"{measured.memory_bandwidth_gb_s:.1f}, {measured.engine_gflops:.1f}"
-        cells = [f"{getattr(point, m):,.1f} / {guess[m]:,.1f} ({ratios[m]:.2f})" for m in METRICS]
-        print(
-            f"| {point.input_len} | {point.concurrency} | {machine} | "
-            + " | ".join(cells)
-            + f" | {'fit on' if calibrating else 'held out'} |"
-        )
-    worst = max(held_errors, default=0.0)
-    verdict = "meets" if worst <= TARGET_RATIO_ERROR else "MISSES"
-    print(f"\nheld-out points: worst TPOT/throughput error {worst:.0%} ({verdict} the {TARGET_RATIO_ERROR:.0%} target)")
-    RESULTS.mkdir(exist_ok=True)
-    suffix = "" if args.machine == "per-point" else f"_{args.machine}_machine"
-    out = RESULTS / f"cpu_profile_{host['host']}{suffix}.json"
+    formula = score(points, chosen, lambda p: predicted(p, args.output_len, fit.parameters))
+    print_table("the planner's closed-loop formula (`deepserve plan`)", formula)
+    simulation = score(points, chosen, lambda p: simulated(p, args, fit.parameters))
+    print_table("the same step model through the simulated scheduler (`deepserve simulate`)", simulation)
     payload = {
         "command": command,
         "output_len": args.output_len,
@@ -270,10 +281,11 @@ def report(points: list[Point], calibration: list[tuple[int, ...]], args: argpar
         "calibration": [list(c) for c in calibration],
         "fitted": {n: getattr(fit.parameters, n) for n in fit.fitted},
         "points": [asdict(p) for p in points],
-        "predicted": [guess for _, guess, _, _ in rows],
+        "predicted": [guess for _, guess, _, _ in formula],
+        "simulated": [guess for _, guess, _, _ in simulation],
     }
-    out.write_text(json.dumps(payload, indent=1) + "\n")
-    print(f"wrote {out}")
+    if args.from_file is None:  # a stored run is printed again, never overwritten
+        save(payload, host)
     if args.write_profile:
         fit_inputs = {
             "generated_by": "benchmarks/cpu_profile.py --write-profile",
@@ -287,6 +299,46 @@ def report(points: list[Point], calibration: list[tuple[int, ...]], args: argpar
         }
         path = write_parameters("vllm-cpu", payload["fitted"], fit_inputs)
         print(f"wrote {path}")
+
+
+def score(points: list[Point], chosen: list[Point], predict: Callable[[Point], dict[str, float]]) -> list[Row]:
+    rows = []
+    for point in points:
+        guess = predict(point)
+        rows.append((point, guess, {m: guess[m] / getattr(point, m) for m in METRICS}, point in chosen))
+    return rows
+
+
+def print_table(title: str, rows: list[Row]) -> None:
+    print(f"\nPredicted by {title}:\n")
+    print(
+        "| prompt | concurrency | machine: copy GB/s, GFLOP/s "
+        "| TTFT ms measured / predicted (ratio) | TPOT ms measured / predicted (ratio) "
+        "| output tok/s measured / predicted (ratio) | |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---|")
+    held_errors = []
+    for point, guess, ratios, calibrating in rows:
+        measured = HostMeasurement(**point.host)
+        machine = f"{measured.memory_bandwidth_gb_s:.1f}, {measured.engine_gflops:.1f}"
+        cells = [f"{getattr(point, m):,.1f} / {guess[m]:,.1f} ({ratios[m]:.2f})" for m in METRICS]
+        print(
+            f"| {point.input_len} | {point.concurrency} | {machine} | "
+            + " | ".join(cells)
+            + f" | {'fit on' if calibrating else 'held out'} |"
+        )
+        if not calibrating:
+            held_errors += [abs(ratios["tpot_ms"] - 1), abs(ratios["output_tok_s"] - 1)]
+    worst = max(held_errors, default=0.0)
+    verdict = "meets" if worst <= TARGET_RATIO_ERROR else "MISSES"
+    print(f"\nheld-out points: worst TPOT/throughput error {worst:.0%} ({verdict} the {TARGET_RATIO_ERROR:.0%} target)")
+
+
+def save(payload: dict[str, Any], host: dict[str, Any]) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"cpu_profile_{host['host']}.json"
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ once, and keep the result under DEEPSERVE_HOME keyed by host name and CPU model 
   linear layer on prefill-shaped operands (512 tokens, 512 in, 1,024 out): the path vLLM's CPU build takes for a bf16
   model on a CPU where oneDNN has no bf16 matmul (it falls back to torch's linear), and a fair stand-in where it has.
   `engine_gflops` is that rate; it is what the planner uses for vLLM's CPU build. Measured on a 2-core AVX2 machine:
-  23-35 GFLOP/s for the bf16 linear against 135-160 for NumPy's fp32 (square bf16 `a @ b` ran at 2), and vLLM's
-  prefill of the tiny model runs at the bf16 linear's pace, not at fp32's.
+  13-35 GFLOP/s for the bf16 linear (loaded to quiet) against 53-166 for NumPy's fp32 (square bf16 `a @ b` ran at
+  2); vLLM's prefill of the tiny model runs near the linear's loaded rate, far from fp32's, but does not speed up
+  as the linear does on a quiet machine (docs/PLANNING.md section 8).
 - Whether the CPU has bf16 units (AVX512-BF16 or AMX), recorded for the reader.
 """
 
