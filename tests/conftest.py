@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,14 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
         if key.startswith("DEEPSERVE_") and key != "DEEPSERVE_HOME":
             monkeypatch.delenv(key)
     yield home
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A test run started in the background (`./run-tests &`, nohup) inherits SIGINT ignored, and so would every
+    `deepserve serve` the tests start: Ctrl-C tests and the services' clean stop on SIGINT would then fail for the
+    harness's sake. Take Ctrl-C back as a terminal gives it."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
