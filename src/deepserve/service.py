@@ -122,11 +122,12 @@ def _gpus_per_node(config: EngineConfig, on_this_machine: bool) -> int | None:
 
 
 def preflight(plan: ServicePlan) -> None:
-    """The checks that need the machine but start nothing: engine installed, ports free, the master address."""
-    if importlib.util.find_spec(plan.engine.package) is None:
-        raise EngineError(f"{plan.engine.name} is not installed in {sys.prefix}: {plan.engine.install_hint}")
+    """The checks that need the machine but start nothing: the memory plan (no install fixes a deployment that
+    cannot fit), engine installed, ports free, the master address."""
     if plan.fit is not None and plan.fit.fits is False and not plan.force:
         raise ConfigError(f"the memory plan says this cannot run: {plan.fit.describe()}")
+    if importlib.util.find_spec(plan.engine.package) is None:
+        raise EngineError(f"{plan.engine.name} is not installed in {sys.prefix}: {plan.engine.install_hint}")
     config = plan.config
     check_master_address(config)
     if config.is_head:
