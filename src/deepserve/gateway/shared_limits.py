@@ -6,7 +6,9 @@ Every decision is one Lua script, which Redis runs atomically: the check and the
 gateway's request (no check-then-set race). An admitted request costs two script calls: the admission script (key
 limits and, when free, a global slot) and the release script (sent in the background once the request ended). Calls
 go out in pipelines (`ScriptBatcher`): alone when the connection is idle, and together with every call made while
-the previous pipeline was in flight when busy, so that under load a round trip serves many requests.
+the previous pipeline was in flight when busy, so that under load a round trip serves many requests. The scripts
+go over a lean connection of their own (resp.py: redis-py's client work was most of what Redis added per request);
+redis-py does the rest (subscriptions, the revocation hash).
 
 Concurrency slots are leases: a sorted-set member whose score is its expiry. The gateway renews its leases every
 lease/3 seconds; a gateway that dies stops renewing, and its slots expire after at most `--redis-lease-s`, so they
@@ -50,6 +52,7 @@ from urllib.parse import urlsplit
 from deepserve._compat import timeout
 from deepserve.gateway.errors import LimiterUnavailable, Overloaded, RateLimited
 from deepserve.gateway.limits import Admission, Clock, KeyLimits, LocalLimiter
+from deepserve.gateway.resp import ReplyError, RespConnection
 
 log = logging.getLogger(__name__)
 
@@ -172,26 +175,28 @@ return #KEYS
 
 
 class ScriptBatcher:
-    """Calls Lua scripts by hash in pipelines: a call made while no pipeline is in flight goes out at once (no added
-    wait); calls made while one is in flight go together in the next. Under load that turns N round trips (and N
-    times the client's per-command work) into one. A script missing from Redis's cache (Redis restarted) is loaded
-    again and its calls retried once. Failures of the connection fail every call of the pipeline."""
+    """Calls Lua scripts by hash in pipelines on a lean connection (resp.py): a call made while no pipeline is in
+    flight goes out at once (no added wait); calls made while one is in flight go together in the next. Under load
+    that turns N round trips into one. A script missing from Redis's cache (Redis restarted) is loaded again and its
+    calls retried once. Failures of the connection fail every call of the pipeline."""
 
-    def __init__(self, client: Any, sources: dict[str, str]) -> None:
-        self._client = client
+    def __init__(self, connection: RespConnection, sources: dict[str, str]) -> None:
+        self._connection = connection
         self._sources = sources
         self._hashes = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in sources.items()}
         self._pending: list[tuple[str, list[Any], asyncio.Future[Any]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
     async def load(self) -> None:
-        for source in self._sources.values():
-            await self._client.script_load(source)
+        replies = await self._connection.pipeline([("SCRIPT", "LOAD", source) for source in self._sources.values()])
+        for reply in replies:
+            if isinstance(reply, ReplyError):
+                raise reply
 
     def submit(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """Queue one call; its future gets the script's result (or exception)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append((name, [len(keys), *keys, *args], future))
+        self._pending.append((name, ["EVALSHA", self._hashes[name], len(keys), *keys, *args], future))
         if self._flusher is None:
             self._flusher = asyncio.create_task(self._flush(), name="redis-pipeline")
         return future
@@ -215,20 +220,8 @@ class ScriptBatcher:
                     future.cancel()
 
     async def _send(self, batch: list[tuple[str, list[Any], asyncio.Future[Any]]], retry_missing: bool) -> None:
-        from redis.exceptions import NoScriptError, ResponseError
-
         try:
-            if len(batch) == 1:  # a pipeline of one costs the client about a third more than the plain command
-                name, arguments, _ = batch[0]
-                try:
-                    results = [await self._client.evalsha(self._hashes[name], *arguments)]
-                except ResponseError as exc:  # the script's own error, or NOSCRIPT: the same as in a pipeline
-                    results = [exc]
-            else:
-                async with self._client.pipeline(transaction=False) as pipe:
-                    for name, arguments, _ in batch:
-                        pipe.evalsha(self._hashes[name], *arguments)
-                    results = await pipe.execute(raise_on_error=False)
+            results = await self._connection.pipeline([command for _, command, _ in batch])
         except BaseException as exc:
             for _, _, future in batch:
                 if not future.done():
@@ -239,11 +232,11 @@ class ScriptBatcher:
         missing = []
         for item, result in zip(batch, results, strict=True):
             future = item[2]
-            if isinstance(result, NoScriptError) and retry_missing:
+            if isinstance(result, ReplyError) and result.no_script and retry_missing:
                 missing.append(item)
             elif future.done():
                 continue  # its caller went away
-            elif isinstance(result, Exception):
+            elif isinstance(result, ReplyError):
                 future.set_exception(result)
             else:
                 future.set_result(result)
@@ -284,7 +277,7 @@ def redis_where(url: str) -> str:
 def _redis_failures() -> tuple[type[BaseException], ...]:
     from redis.exceptions import RedisError
 
-    return (RedisError, OSError, asyncio.TimeoutError)
+    return (RedisError, ReplyError, OSError, asyncio.TimeoutError)
 
 
 class RedisLimiter:
@@ -334,6 +327,7 @@ class RedisLimiter:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._releases: set[asyncio.Task[Any]] = set()  # of _tasks: releases not yet answered by Redis
         self._client: Any = None
+        self._connection: RespConnection | None = None  # the scripts' (hot path); _client does the rest
         self._scripts: ScriptBatcher | None = None
         self._closing = False
 
@@ -345,8 +339,9 @@ class RedisLimiter:
         self._client = redis.asyncio.Redis.from_url(
             self.url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, decode_responses=True
         )
+        self._connection = RespConnection(self.url, self.timeout_s)
         self._scripts = ScriptBatcher(
-            self._client, {"admit": _ADMIT, "slot": _TAKE_SLOT, "release": _RELEASE, "renew": _RENEW}
+            self._connection, {"admit": _ADMIT, "slot": _TAKE_SLOT, "release": _RELEASE, "renew": _RENEW}
         )
         try:
             await self._scripts.load()
@@ -364,6 +359,8 @@ class RedisLimiter:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._scripts is not None:
             await self._scripts.close()
+        if self._connection is not None:
+            await self._connection.close()
         if self._client is not None:
             await self._client.aclose()
 
@@ -655,7 +652,7 @@ class RedisLimiter:
 def _is_timeout(exc: BaseException) -> bool:
     from redis.exceptions import TimeoutError as RedisTimeout
 
-    return isinstance(exc, (RedisTimeout, asyncio.TimeoutError))
+    return isinstance(exc, (RedisTimeout, asyncio.TimeoutError, TimeoutError))
 
 
 def _refusal(code: int, wait_s: float, limits: KeyLimits, charged_tokens: int) -> RateLimited:

@@ -113,6 +113,7 @@ class RedisServer:
 
     process: subprocess.Popen[bytes]
     port: int
+    password: str | None = None
 
     @property
     def url(self) -> str:
@@ -121,14 +122,17 @@ class RedisServer:
     def flush(self) -> None:
         import redis
 
-        client = redis.Redis(port=self.port, socket_timeout=5)
+        client = redis.Redis(port=self.port, password=self.password, socket_timeout=5)
         try:
             client.flushall()
         finally:
             client.close()
 
 
-def start_redis_server(port: int | None = None) -> RedisServer:
+def start_redis_server(
+    port: int | None = None, *, password: str | None = None, args: tuple[str, ...] = ()
+) -> RedisServer:
+    """A redis-server on PORT (a free one by default) asking for PASSWORD, with ARGS added to its command line."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip(
@@ -137,16 +141,18 @@ def start_redis_server(port: int | None = None) -> RedisServer:
         )
     port = port or free_port()
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--protected-mode", "no", "--loglevel", "warning"]  # fmt: skip
+            "--protected-mode", "no", "--loglevel", "warning", *args]  # fmt: skip
+    if password:
+        argv += ["--requirepass", password]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    server = RedisServer(process, port)
+    server = RedisServer(process, port, password)
     import redis
 
     deadline = time.monotonic() + 30  # a bound for a loaded machine: it answers in milliseconds when idle
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise AssertionError(f"redis-server exited: {process.stderr.read().decode() if process.stderr else ''}")
-        client = redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1)
+        client = redis.Redis(port=port, password=password, socket_timeout=1, socket_connect_timeout=1)
         try:
             if client.ping():
                 return server
