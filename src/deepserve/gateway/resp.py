@@ -178,6 +178,8 @@ class RespConnection:
 
     async def pipeline(self, commands: list[tuple[Any, ...]] | list[list[Any]]) -> list[Reply]:
         """The replies to COMMANDS, written together; error replies are returned in their place, not raised."""
+        if not commands:
+            return []
         protocol = await self._connected()
         futures = self._write(protocol, b"".join(encode_command(c) for c in commands), len(commands))
         return await self._answers(protocol, futures)
