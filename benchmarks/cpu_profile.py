@@ -56,6 +56,7 @@ RESULTS = Path(__file__).with_name("results")
 TARGET_RATIO_ERROR = 0.25  # issue 11: within 25% on TPOT and throughput
 METRICS = ("ttft_ms", "tpot_ms", "output_tok_s")
 MAX_MODEL_LEN = 32768  # what `deepserve serve` gives vLLM's CPU build (engines/vllm.py)
+MIN_STEADY_REQUESTS = 3
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,39 @@ class Point:
     output_tok_s: float
     prompts: int
     host: dict[str, Any]  # this machine measured right before the point (HostMeasurement)
+    steady: dict[str, float] | None = None  # the same metrics over the run's steady part (steady_state())
 
     def accelerator(self) -> Accelerator:
         return host_accelerator(HostMeasurement(**self.host))
+
+    def in_steady_state(self) -> Point:
+        """The point as measured over its steady part (what the closed-loop formula describes); the whole run
+        where the run kept too few requests (or an earlier run's file has none)."""
+        if not self.steady:
+            return self
+        return replace(self, **{m: self.steady[m] for m in METRICS})
+
+
+def steady_state(result: dict[str, Any], concurrency: int) -> dict[str, float] | None:
+    """TTFT, TPOT and output tokens/s over the closed loop's steady part, from `--save-detailed`'s lists. Left out:
+    each stream's first request (the clients start together, so the engine prefills the whole first wave in one
+    step, and that wave decodes with no other prompt between its steps), and every request still running when the
+    last one was sent (from then on fewer and fewer streams run). Throughput by Little's law over the requests kept:
+    concurrency x mean output tokens / mean latency."""
+    starts, latencies = result["start_times"], result["latencies"]
+    ttfts, outputs = result["ttfts"], result["output_lens"]
+    last_sent = max(starts)
+    by_start = sorted(range(len(starts)), key=starts.__getitem__)
+    kept = [i for i in by_start[concurrency:] if starts[i] + latencies[i] <= last_sent and outputs[i] > 1]
+    if len(kept) < MIN_STEADY_REQUESTS:
+        return None
+    mean_latency = statistics.fmean(latencies[i] for i in kept)
+    return {
+        "ttft_ms": 1e3 * statistics.fmean(ttfts[i] for i in kept),
+        "tpot_ms": 1e3 * statistics.fmean((latencies[i] - ttfts[i]) / (outputs[i] - 1) for i in kept),
+        "output_tok_s": concurrency * statistics.fmean(outputs[i] for i in kept) / mean_latency,
+        "requests": len(kept),
+    }
 
 
 def start_service(home: Path) -> tuple[subprocess.Popen[str], list[str]]:
@@ -92,7 +123,7 @@ def bench(engine_url: str, input_len: int, concurrency: int, args: argparse.Name
         "--dataset-name", "random", "--random-input-len", str(input_len),
         "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio), "--ignore-eos",
         "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--num-warmups", "2",
-        "--save-result", "--result-dir", str(out), "--result-filename", name, "--disable-tqdm",
+        "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", name, "--disable-tqdm",
     ]  # fmt: skip
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=3600)
     result = json.loads((out / name).read_text())
@@ -104,6 +135,7 @@ def bench(engine_url: str, input_len: int, concurrency: int, args: argparse.Name
         output_tok_s=float(result["output_throughput"]),
         prompts=prompts,
         host=host,
+        steady=steady_state(result, concurrency),
     )
 
 
@@ -187,7 +219,7 @@ def main() -> None:
     parser.add_argument("--input-lens", default="128,512")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", default="1,4,16,64")
-    parser.add_argument("--rounds", type=int, default=3, help="prompts per stream (closed loop)")
+    parser.add_argument("--rounds", type=int, default=4, help="prompts per stream (closed loop)")
     parser.add_argument(
         "--range-ratio",
         type=float,
@@ -230,7 +262,7 @@ def main() -> None:
 def with_median_machine(points: list[Point]) -> list[Point]:
     """POINTS, each with the median of all their machine measurements in place of its own."""
     typical = dict(points[0].host)
-    for name in ("memory_bandwidth_gb_s", "fp32_gflops", "bf16_gflops"):
+    for name in ("memory_bandwidth_gb_s", "fp32_gflops", "bf16_gflops", "attention_gflops"):
         values = [p.host[name] for p in points if p.host.get(name) is not None]
         typical[name] = statistics.median(values) if values else None
     return [replace(point, host=typical) for point in points]
@@ -258,7 +290,8 @@ Row = tuple[Point, dict[str, float], dict[str, float], bool]  # point, predictio
 
 
 def report(points: list[Point], calibration: list[tuple[int, ...]], args: argparse.Namespace, command: str) -> None:
-    chosen = [p for p in points if (p.concurrency, p.input_len) in calibration]
+    steady = [p.in_steady_state() for p in points]
+    chosen = [p for p in steady if (p.concurrency, p.input_len) in calibration]
     host = points[0].host
     deployment = deployment_for(points[0], args.output_len)
     base = deployment.select_engine(across_engines=False)
@@ -269,10 +302,18 @@ def report(points: list[Point], calibration: list[tuple[int, ...]], args: argpar
         f"{', '.join(f'{n} {getattr(fit.parameters, n):.3g}' for n in fit.fitted)} on {len(chosen)} points; "
         f"output {args.output_len} tokens (+-{args.range_ratio:.0%})"
     )
-    formula = score(points, chosen, lambda p: predicted(p, args.output_len, fit.parameters))
-    print_table("the planner's closed-loop formula (`deepserve plan`)", formula)
-    simulation = score(points, chosen, lambda p: simulated(p, args, fit.parameters))
-    print_table("the same step model through the simulated scheduler (`deepserve simulate`)", simulation)
+    formula = score(steady, calibration, lambda p: predicted(p, args.output_len, fit.parameters))
+    print_table(
+        "the planner's closed-loop formula (`deepserve plan`), against each run's steady part (steady_state())",
+        formula,
+        steady=True,
+    )
+    simulation = score(points, calibration, lambda p: simulated(p, args, fit.parameters))
+    print_table(
+        "the same step model through the simulated scheduler (`deepserve simulate`), the same clients and "
+        "requests as the benchmark, against the whole run",
+        simulation,
+    )
     payload = {
         "command": command,
         "output_len": args.output_len,
@@ -301,18 +342,21 @@ def report(points: list[Point], calibration: list[tuple[int, ...]], args: argpar
         print(f"wrote {path}")
 
 
-def score(points: list[Point], chosen: list[Point], predict: Callable[[Point], dict[str, float]]) -> list[Row]:
+def score(
+    points: list[Point], calibration: list[tuple[int, ...]], predict: Callable[[Point], dict[str, float]]
+) -> list[Row]:
     rows = []
     for point in points:
         guess = predict(point)
-        rows.append((point, guess, {m: guess[m] / getattr(point, m) for m in METRICS}, point in chosen))
+        ratios = {m: guess[m] / getattr(point, m) for m in METRICS}
+        rows.append((point, guess, ratios, (point.concurrency, point.input_len) in calibration))
     return rows
 
 
-def print_table(title: str, rows: list[Row]) -> None:
+def print_table(title: str, rows: list[Row], steady: bool = False) -> None:
     print(f"\nPredicted by {title}:\n")
     print(
-        "| prompt | concurrency | machine: copy GB/s, GFLOP/s "
+        "| prompt | concurrency | machine: copy GB/s, linear / attention GFLOP/s "
         "| TTFT ms measured / predicted (ratio) | TPOT ms measured / predicted (ratio) "
         "| output tok/s measured / predicted (ratio) | |"
     )
@@ -320,18 +364,23 @@ def print_table(title: str, rows: list[Row]) -> None:
     held_errors = []
     for point, guess, ratios, calibrating in rows:
         measured = HostMeasurement(**point.host)
-        machine = f"{measured.memory_bandwidth_gb_s:.1f}, {measured.engine_gflops:.1f}"
+        attention = f" / {measured.attention_gflops:.1f}" if measured.attention_gflops else ""
+        machine = f"{measured.memory_bandwidth_gb_s:.1f}, {measured.engine_gflops:.1f}{attention}"
         cells = [f"{getattr(point, m):,.1f} / {guess[m]:,.1f} ({ratios[m]:.2f})" for m in METRICS]
         print(
             f"| {point.input_len} | {point.concurrency} | {machine} | "
             + " | ".join(cells)
-            + f" | {'fit on' if calibrating else 'held out'} |"
+            + f" | {'fit on' if calibrating else 'held out'}{_kept(point) if steady else ''} |"
         )
         if not calibrating:
             held_errors += [abs(ratios["tpot_ms"] - 1), abs(ratios["output_tok_s"] - 1)]
     worst = max(held_errors, default=0.0)
     verdict = "meets" if worst <= TARGET_RATIO_ERROR else "MISSES"
     print(f"\nheld-out points: worst TPOT/throughput error {worst:.0%} ({verdict} the {TARGET_RATIO_ERROR:.0%} target)")
+
+
+def _kept(point: Point) -> str:
+    return f", {point.steady['requests']:.0f} of {point.prompts} requests" if point.steady else ", whole run"
 
 
 def save(payload: dict[str, Any], host: dict[str, Any]) -> None:

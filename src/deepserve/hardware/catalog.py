@@ -40,6 +40,9 @@ class Accelerator:
     sources: tuple[str, ...]
     aliases: tuple[str, ...] = ()
     notes: str = ""
+    # Work kinds whose rate was measured on this very device, as a fraction of dense_tflops (the host's attention,
+    # hardware/host.py); they replace the kernel table's figures for the device's class.
+    measured_compute_efficiency: tuple[tuple[str, float], ...] = ()
 
     def peak_tflops(self, dtype: str) -> float:
         """Dense peak for DTYPE; a dtype the device has no units for runs at its 16-bit rate (e.g. FP8 weights on
@@ -272,6 +275,7 @@ def host_accelerator(measurement: HostMeasurement | None = None) -> Accelerator:
 
     m = measurement or measured_host()
     gemm = m.engine_gflops
+    attention = (("mla_prefill", round(m.attention_gflops / gemm, 3)),) if m.attention_gflops and m.bf16_gflops else ()
     return Accelerator(
         name="host",
         vendor="host",
@@ -282,12 +286,16 @@ def host_accelerator(measurement: HostMeasurement | None = None) -> Accelerator:
         intra_node=Link("host", 5.0, 50.0),
         devices_per_node=1,
         sources=(
-            f"measured by deepserve on {m.host} ({m.cpu_model}, {m.cores} cores) at {m.measured_at}: copy bandwidth "
+            f"measured by deepserve on {m.host} ({m.cpu_model}, {m.cores} cores) at {m.measured_at}, on the "
+            f"{m.engine_threads} thread(s) vLLM's CPU worker gets: copy bandwidth "
             f"{m.memory_bandwidth_gb_s} GB/s, {gemm} GFLOP/s for a bf16 model "
-            f"({'PyTorch bf16 linear' if m.bf16_gflops else 'fp32 BLAS: no torch'}) (hardware/host.py)",
+            f"({'PyTorch bf16 linear' if m.bf16_gflops else 'fp32 BLAS: no torch'})"
+            + (f", {m.attention_gflops} GFLOP/s for prompt attention (PyTorch SDPA)" if attention else "")
+            + " (hardware/host.py)",
         ),
         aliases=HOST_NAMES[1:],
         notes="this machine, measured; vLLM's CPU build",
+        measured_compute_efficiency=attention,
     )
 
 

@@ -4,29 +4,42 @@ The planner's CPU profile and the report's "how close to the hardware limit" lin
 machine the engine runs on. Datasheets do not give them for an arbitrary (often virtual) CPU, so we measure them,
 once, and keep the result under DEEPSERVE_HOME keyed by host name and CPU model (`measured_host()` reuses it).
 
-- Memory bandwidth: copies of an array far larger than the caches, split over one thread per core (NumPy releases
+What is measured is what vLLM's CPU worker gets, not the whole machine: its OpenMP threads are bound to the physical
+cores of one NUMA node less the cores vLLM reserves for its scheduler process (one per local worker on x86 and Arm,
+vllm/utils/ompmultiprocessing.py), so a 2-core machine computes its model on one core. Measured here with every core,
+the bf16 rate doubled on a quiet machine (30 against 15 GFLOP/s on one thread) while the engine's prefill did not
+change, and the planner priced prompts at half their cost (docs/PLANNING.md section 8).
+
+- Memory bandwidth: copies of an array far larger than the caches, split over the engine's threads (NumPy releases
   the GIL while copying), counted as bytes read plus bytes written, best of several repeats (STREAM's "copy").
-- FLOP rate: square matrix multiplies through NumPy's BLAS in float32, and, where torch is installed, PyTorch's bf16
-  linear layer on prefill-shaped operands (512 tokens, 512 in, 1,024 out): the path vLLM's CPU build takes for a bf16
-  model on a CPU where oneDNN has no bf16 matmul (it falls back to torch's linear), and a fair stand-in where it has.
-  `engine_gflops` is that rate; it is what the planner uses for vLLM's CPU build. Measured on a 2-core AVX2 machine:
-  13-35 GFLOP/s for the bf16 linear (loaded to quiet) against 53-166 for NumPy's fp32 (square bf16 `a @ b` ran at
-  2); vLLM's prefill of the tiny model runs near the linear's loaded rate, far from fp32's, but does not speed up
-  as the linear does on a quiet machine (docs/PLANNING.md section 8).
+- FLOP rate: PyTorch's bf16 linear layer on prefill-shaped operands (512 tokens, 512 in, 1,024 out) on the engine's
+  threads: the path vLLM's CPU build takes for a bf16 model on a CPU where oneDNN has no bf16 matmul (it falls back
+  to torch's linear), and a fair stand-in where it has. `engine_gflops` is that rate; it is what the planner uses for
+  vLLM's CPU build. NumPy's fp32 BLAS rate on every core is recorded beside it for the reader, and stands in where
+  torch is not installed. Measured on a 2-core AVX2 machine: 15 GFLOP/s for the bf16 linear on one thread against
+  53-166 for NumPy's fp32 (square bf16 `a @ b` ran at 2).
+- Attention rate: PyTorch's causal scaled-dot-product attention in bf16 at DeepSeek's per-head sizes (query and key
+  192, value 128; 8 heads of a 512-token prompt) on the engine's threads: vLLM's CPU MLA backend prefills with that
+  call (vllm/v1/attention/backends/mla/cpu_mla.py). Causal FLOPs count half the score matrix. Measured on the 2-core
+  machine: 19-26 GFLOP/s on one thread, up to 1.7 times the linear's; charged at the linear's rate, a 512-token
+  prompt of the tiny model was predicted about 30 ms slower than its attention runs.
 - Whether the CPU has bf16 units (AVX512-BF16 or AMX), recorded for the reader.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import platform
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,9 +48,11 @@ from deepserve.config import deepserve_home
 COPY_BYTES = 512 * 1024**2  # per array; far beyond any CPU cache
 MATMUL_SIZE = 1024
 BF16_LINEAR_SHAPE = (512, 512, 1024)  # tokens, in features, out features: a prefill chunk through a projection
+PREFILL_ATTENTION_SHAPE = (8, 512, 192, 128)  # heads, prompt tokens, query/key and value sizes per head (DeepSeek's)
 REPEATS = 5
-FORMAT = "deepserve-host/3"
+FORMAT = "deepserve-host/4"
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+VLLM_RESERVED_CORES_PER_WORKER = 1  # vLLM keeps a core per local CPU worker for its scheduler (x86, Arm)
 
 
 @dataclass(frozen=True)
@@ -45,11 +60,13 @@ class HostMeasurement:
     host: str
     cpu_model: str
     cores: int
-    memory_bandwidth_gb_s: float  # copy bandwidth over all cores, bytes read + written per second / 1e9
+    memory_bandwidth_gb_s: float  # copy bandwidth on the engine's threads, bytes read + written per second / 1e9
     fp32_gflops: float  # NumPy BLAS float32 matmul, all cores
-    bf16_gflops: float | None  # PyTorch's bf16 linear on prefill-shaped operands, all cores; None without torch
+    bf16_gflops: float | None  # PyTorch's bf16 linear on prefill-shaped operands, engine's threads; None without torch
     measured_at: str
     native_bf16: bool | None = None  # the CPU has bf16 units (AVX512-BF16 or AMX); None when unknown
+    engine_threads: int = 1  # the threads vLLM's CPU worker computes on (engine_threads())
+    attention_gflops: float | None = None  # PyTorch's causal bf16 attention on a prompt, engine's threads
     format: str = FORMAT
 
     @property
@@ -127,20 +144,80 @@ def _read_cached() -> HostMeasurement | None:
 
 
 def measure_host() -> HostMeasurement:
+    threads = engine_threads()
     return HostMeasurement(
         host=socket.gethostname(),
         cpu_model=cpu_model(),
         cores=os.cpu_count() or 1,
-        memory_bandwidth_gb_s=round(copy_bandwidth_gb_s(), 2),
+        memory_bandwidth_gb_s=round(copy_bandwidth_gb_s(threads=threads), 2),
         fp32_gflops=round(numpy_matmul_gflops(), 1),
-        bf16_gflops=_rounded(torch_bf16_matmul_gflops()),
+        bf16_gflops=_rounded(torch_bf16_matmul_gflops(threads=threads)),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         native_bf16=bool(cpu_flags() & set(BF16_CPU_FLAGS)) if Path("/proc/cpuinfo").is_file() else None,
+        engine_threads=threads,
+        attention_gflops=_rounded(torch_prefill_attention_gflops(threads=threads)),
     )
 
 
-def copy_bandwidth_gb_s(nbytes: int = COPY_BYTES, repeats: int = REPEATS) -> float:
-    threads = os.cpu_count() or 1
+def engine_threads(
+    cpuinfo: str | None = None, allowed: set[int] | None = None, node_cpus: set[int] | None = None
+) -> int:
+    """The OpenMP threads of one vLLM CPU worker bound automatically (VLLM_CPU_OMP_THREADS_BIND=auto): one logical
+    CPU per physical core of its NUMA node, less the one core vLLM reserves for the scheduler process; at least one."""
+    allowed = allowed if allowed is not None else _allowed_cpus()
+    node = node_cpus if node_cpus is not None else _first_numa_node_cpus(min(allowed, default=0))
+    cores = _physical_cores(cpuinfo if cpuinfo is not None else _read_cpuinfo(), allowed & node if node else allowed)
+    return max(1, cores - VLLM_RESERVED_CORES_PER_WORKER)
+
+
+def _physical_cores(cpuinfo: str, cpus: set[int]) -> int:
+    """Distinct (package, core) pairs among CPUS in /proc/cpuinfo's text; the CPU count where it names no cores."""
+    cores: set[tuple[str, str]] = set()
+    for block in cpuinfo.split("\n\n"):
+        fields = dict(_field(line) for line in block.splitlines() if ":" in line)
+        if fields.get("processor", "").isdigit() and int(fields["processor"]) in cpus and "core id" in fields:
+            cores.add((fields.get("physical id", "0"), fields["core id"]))
+    return len(cores) or len(cpus)
+
+
+def _field(line: str) -> tuple[str, str]:
+    name, value = line.split(":", 1)
+    return name.strip(), value.strip()
+
+
+def _allowed_cpus() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def _first_numa_node_cpus(cpu: int) -> set[int]:
+    """The CPUs of the NUMA node holding CPU (empty where sysfs does not say, as off Linux)."""
+    for cpulist in sorted(Path("/sys/devices/system/node").glob("node*/cpulist")):
+        cpus = _parse_cpu_list(cpulist.read_text())
+        if cpu in cpus:
+            return cpus
+    return set()
+
+
+def _parse_cpu_list(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def _read_cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def copy_bandwidth_gb_s(nbytes: int = COPY_BYTES, repeats: int = REPEATS, threads: int | None = None) -> float:
+    threads = threads or os.cpu_count() or 1
     source = np.ones(nbytes // 8, dtype=np.float64)
     target = np.empty_like(source)
     bounds = np.linspace(0, source.size, threads + 1, dtype=np.int64)
@@ -167,8 +244,11 @@ def numpy_matmul_gflops(size: int = MATMUL_SIZE, repeats: int = REPEATS) -> floa
     return 2 * size**3 / best_s / 1e9
 
 
-def torch_bf16_matmul_gflops(shape: tuple[int, int, int] = BF16_LINEAR_SHAPE, repeats: int = REPEATS) -> float | None:
-    """PyTorch's bf16 linear layer, tokens x in_features -> out_features (SHAPE), best of REPEATS."""
+def torch_bf16_matmul_gflops(
+    shape: tuple[int, int, int] = BF16_LINEAR_SHAPE, repeats: int = REPEATS, threads: int | None = None
+) -> float | None:
+    """PyTorch's bf16 linear layer, tokens x in_features -> out_features (SHAPE), on THREADS (torch's default where
+    None), best of REPEATS."""
     try:
         import torch
     except ImportError:
@@ -176,9 +256,43 @@ def torch_bf16_matmul_gflops(shape: tuple[int, int, int] = BF16_LINEAR_SHAPE, re
     tokens, features_in, features_out = shape
     x = torch.randn(tokens, features_in, dtype=torch.bfloat16)
     w = torch.randn(features_out, features_in, dtype=torch.bfloat16)
-    torch.nn.functional.linear(x, w)
-    best_s = min(_timed(lambda: torch.nn.functional.linear(x, w)) for _ in range(repeats))
+    with _torch_threads(torch, threads):
+        torch.nn.functional.linear(x, w)
+        best_s = min(_timed(lambda: torch.nn.functional.linear(x, w)) for _ in range(repeats))
     return 2 * tokens * features_in * features_out / best_s / 1e9
+
+
+def torch_prefill_attention_gflops(
+    shape: tuple[int, int, int, int] = PREFILL_ATTENTION_SHAPE, repeats: int = REPEATS, threads: int | None = None
+) -> float | None:
+    """PyTorch's causal scaled-dot-product attention over one prompt (SHAPE: heads, tokens, query/key size, value
+    size) on THREADS, best of REPEATS; FLOPs of the causal half of the scores and of the weighted values."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    heads, tokens, qk_size, v_size = shape
+    q = torch.randn(1, heads, tokens, qk_size, dtype=torch.bfloat16)
+    k = torch.randn(1, heads, tokens, qk_size, dtype=torch.bfloat16)
+    v = torch.randn(1, heads, tokens, v_size, dtype=torch.bfloat16)
+
+    def attend() -> object:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with _torch_threads(torch, threads):
+        attend()
+        best_s = min(_timed(attend) for _ in range(repeats))
+    return 2 * heads * tokens * (tokens / 2) * (qk_size + v_size) / best_s / 1e9
+
+
+@contextlib.contextmanager
+def _torch_threads(torch: Any, threads: int | None) -> Iterator[None]:
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(default_threads)
 
 
 def _timed(work: object) -> float:

@@ -94,6 +94,10 @@ def kernel_rates(accelerator: Accelerator, format_name: str, path: Path = KERNEL
     entry = classes[accelerator.hardware_class]
     family = weight_family(format_name)
     kinds = {kind: _kind_rate(entry, kind, family, accelerator.hardware_class) for kind in WORK_KINDS}
+    for kind, efficiency in accelerator.measured_compute_efficiency:
+        kinds[kind] = replace(
+            kinds[kind], compute_efficiency=efficiency, measured=True, source=f"measured on {accelerator.name}"
+        )
     collectives = table["collectives"]
     measured = bool(entry["measured"])
     provenance = f"{accelerator.hardware_class} kernel figures" + ("" if measured else " (carried over, not measured)")

@@ -41,3 +41,54 @@ def test_real_measurement_is_positive() -> None:
     bandwidth = host.copy_bandwidth_gb_s(nbytes=8 * 1024**2, repeats=2)
     gflops = host.numpy_matmul_gflops(size=128, repeats=2)
     assert bandwidth > 0.1 and gflops > 0.01
+
+
+def _cpuinfo(cores_of_cpus: list[int]) -> str:
+    """/proc/cpuinfo text where logical CPU i sits on physical core cores_of_cpus[i] of package 0."""
+    return "\n\n".join(
+        f"processor\t: {cpu}\nphysical id\t: 0\ncore id\t\t: {core}\nmodel name\t: Test CPU"
+        for cpu, core in enumerate(cores_of_cpus)
+    )
+
+
+@pytest.mark.parametrize(
+    ("cores_of_cpus", "node", "expected"),
+    [
+        ([0, 1], {0, 1}, 1),  # this machine: two cores, one left to the worker
+        ([0], {0}, 1),  # a single core is still one thread
+        ([0, 1, 2, 3, 0, 1, 2, 3], set(range(8)), 3),  # SMT-2: one thread per physical core
+        ([0, 1, 2, 3, 4, 5, 6, 7], {0, 1, 2, 3}, 3),  # two NUMA nodes: the worker binds to its own node's cores
+    ],
+)
+def test_engine_threads_follow_vllm_auto_binding(cores_of_cpus: list[int], node: set[int], expected: int) -> None:
+    allowed = set(range(len(cores_of_cpus)))
+    assert host.engine_threads(_cpuinfo(cores_of_cpus), allowed, node) == expected
+
+
+def test_cpu_list_ranges_parse() -> None:
+    assert host._parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+
+
+def test_bf16_rate_measured_on_the_threads_asked_and_torch_left_as_found() -> None:
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    assert (host.torch_bf16_matmul_gflops((16, 32, 32), repeats=1, threads=1) or 0) > 0
+    assert torch.get_num_threads() == before
+
+
+def test_prompt_attention_rate_measured_on_the_threads_asked() -> None:
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    assert (host.torch_prefill_attention_gflops((2, 64, 32, 16), repeats=1, threads=1) or 0) > 0
+    assert torch.get_num_threads() == before
+
+
+def test_the_hosts_measured_attention_replaces_the_kernel_tables_figure() -> None:
+    from deepserve.hardware.catalog import host_accelerator
+    from deepserve.plan.kernels import kernel_rates
+
+    measured = host.HostMeasurement("h", "cpu", 2, 27.0, 150.0, 15.0, "2026-11-23T00:00:00Z", attention_gflops=24.0)
+    attention = kernel_rates(host_accelerator(measured), "bf16").rate("mla_prefill")
+    assert attention.compute_efficiency == pytest.approx(1.6) and attention.measured
+    without = host.HostMeasurement("h", "cpu", 2, 27.0, 150.0, 15.0, "2026-11-23T00:00:00Z")
+    assert kernel_rates(host_accelerator(without), "bf16").rate("mla_prefill").compute_efficiency == 1.0
