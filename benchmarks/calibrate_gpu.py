@@ -4,24 +4,25 @@
     python benchmarks/calibrate_gpu.py --out benchmarks/results/calibration_h100.json
     deepserve plan --gpu h100 ... --calibration benchmarks/results/calibration_h100.json
 
-Each case is timed with CUDA events (median of N runs after warm-up) and compared with the device's datasheet
-figures from the catalog:
+Each case is timed with CUDA events around calls launched back to back (the per-call time, median of five samples
+after warm-up: the host's launch latency, which the planner charges separately, is not counted) and compared with
+the device's datasheet figures from the catalog:
 
 - dense_gemm: the attention projections, the dense MLP and the output head at their shard shapes, in BF16 and,
   where torch._scaled_mm runs (Ada, Hopper and newer), FP8 with per-tensor scales;
 - moe_gemm: one MoE layer's 256 experts split 8 ways (gate+up 7168 -> 512, down 256 -> 7168), a batch of tokens
   routed top-8 uniformly at random, the touched experts run as one batched matmul (each touched expert's weights
-  read once, as in a fused MoE kernel); BF16;
+  read once, as in a fused MoE kernel; each gets the mean number of tokens); BF16;
 - mla_decode: 16 heads per rank attend over [batch, context, 576] latent vectors (absorbed form);
 - mla_prefill: causal attention in MLA's decompressed form (query/key 192, value 128 per head, 16 heads per rank)
   through torch's scaled_dot_product_attention, at 2K-8K tokens.
 
 The JSON has every measurement and, under `planner.kinds`, the fields data/kernels.json has per kind and weight
 family (memory_efficiency, compute_efficiency, floor_us), which `deepserve plan --calibration FILE` uses in place of
-the table's: memory efficiency from the streaming cases (small batches), compute efficiency from the largest, and
-for moe_gemm the floor as the intercept of time against bytes over the small batches. All-reduce bandwidth is not
-measured here (it needs several GPUs: run nccl-tests' all_reduce_perf). `--smoke` shrinks every shape for a CPU
-run that only checks the script works; its file is marked and the planner refuses it.
+the table's: memory efficiency from the streaming cases (for GEMMs the slope of time against bytes, whose intercept
+is moe_gemm's floor), compute efficiency from the compute-bound cases only (a kind with none keeps the table's).
+All-reduce bandwidth is not measured here (it needs several GPUs: run nccl-tests' all_reduce_perf). `--smoke`
+shrinks every shape for a CPU run that only checks the script works; its file is marked and the planner refuses it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Measurement:
     roofline_s: float  # the planner's max(bytes / bandwidth, flops / peak) at 100% efficiency
     bandwidth_fraction: float  # achieved bytes/s over datasheet bandwidth
     compute_fraction: float  # achieved FLOP/s over datasheet dense peak for the dtype
+    compute_bound: bool  # its roofline is set by FLOPs, not bytes: only such cases tell a compute efficiency
 
     @property
     def measured_over_roofline(self) -> float:
@@ -63,28 +65,55 @@ class Measurement:
 
 
 class Timer:
-    def __init__(self, device: torch.device, warmup: int, iterations: int) -> None:
+    """Per-call time of a case's kernels as a CUDA graph replays them, CALLS calls in a graph (the way vLLM runs
+    decode steps): neither the host's launch latency nor Python's per-call work is counted, which the planner charges
+    separately (kernels.json's launch_us). Launched back to back instead where a case cannot be captured, and on
+    the CPU (--smoke)."""
+
+    def __init__(self, device: torch.device, warmup: int, calls: int, samples: int = 5) -> None:
         self.device = device
         self.warmup = warmup
-        self.iterations = iterations
+        self.calls = calls
+        self.samples = samples
+        self.uncaptured: list[str] = []  # cases timed back to back because capture failed
 
-    def median_s(self, fn: Callable[[], object]) -> float:
+    def median_s(self, fn: Callable[[], object], case: str = "") -> float:
         for _ in range(self.warmup):
             fn()
-        samples = []
-        for _ in range(self.iterations):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-            else:
-                began = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - began)
-        return statistics.median(samples)
+        replay = self._graph(fn, case) if self.device.type == "cuda" else None
+        run, repeats = (replay, 1) if replay else (fn, self.calls)
+        return statistics.median(self._elapsed_s(run, repeats) / self.calls for _ in range(self.samples))
+
+    def _graph(self, fn: Callable[[], object], case: str) -> Callable[[], object] | None:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()  # allocations on the capture stream before capture, as torch's graph docs ask
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                for _ in range(self.calls):
+                    fn()
+        except RuntimeError as exc:
+            self.uncaptured.append(f"{case}: {exc}".splitlines()[0])
+            return None
+        return graph.replay
+
+    def _elapsed_s(self, run: Callable[[], object], repeats: int) -> float:
+        if self.device.type != "cuda":
+            began = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            return time.perf_counter() - began
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(repeats):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 class Calibration:
@@ -115,6 +144,7 @@ class Calibration:
                 roofline,
                 bytes_moved / seconds / bandwidth,
                 flops / seconds / peak,
+                flops / peak >= bytes_moved / bandwidth,
             )
         )
         print(
@@ -140,10 +170,11 @@ class Calibration:
                     scores = torch.softmax(torch.matmul(query, cache.transpose(1, 2)).float() * scale, dim=-1)
                     torch.matmul(scores.to(cache.dtype), cache[..., :latent])
 
-                seconds = self.timer.median_s(attend)
+                case = f"batch {batch} context {context}"
+                seconds = self.timer.median_s(attend, f"mla_decode {case}")
                 bytes_moved = cache.numel() * cache.element_size()
                 flops = 2 * batch * heads * context * (width + latent)
-                self.record("mla_decode", f"batch {batch} context {context}", "bf16", seconds, bytes_moved, flops)
+                self.record("mla_decode", case, "bf16", seconds, bytes_moved, flops)
                 del cache, query
 
     # ---- MLA prefill attention ------------------------------------------------------------------------------
@@ -161,7 +192,7 @@ class Calibration:
             def attend(q: torch.Tensor = q, k: torch.Tensor = k, value: torch.Tensor = value) -> None:
                 torch.nn.functional.scaled_dot_product_attention(q, k, value, is_causal=True)
 
-            seconds = self.timer.median_s(attend)
+            seconds = self.timer.median_s(attend, f"mla_prefill {length} tokens")
             flops = 2 * heads * (qk + v) * length * length / 2  # causal: half the score matrix
             bytes_moved = (q.numel() + k.numel() + 2 * value.numel()) * 2
             self.record("mla_prefill", f"{length} tokens", "bf16", seconds, bytes_moved, flops)
@@ -180,7 +211,7 @@ class Calibration:
             choice = torch.rand(batch, experts, generator=generator).topk(top_k, dim=1).indices
             counts = torch.bincount(choice.flatten(), minlength=experts)
             touched = int((counts > 0).sum())
-            rows = int(counts.max())
+            rows = -(-batch * top_k // touched)  # the mean per touched expert: the padded batch does the work counted
             # The touched experts' weights, read once each: a contiguous slice has the same bytes as a gather of
             # the touched ones without the copy a gather would add.
             x = torch.randn(touched, rows, hidden, device=self.device, dtype=torch.bfloat16)
@@ -190,7 +221,7 @@ class Calibration:
                 act = torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
                 torch.bmm(act, w2[:touched])
 
-            seconds = self.timer.median_s(run)
+            seconds = self.timer.median_s(run, f"moe_gemm batch {batch}")
             weights = touched * (hidden * 2 * inter + inter * hidden) * 2
             flops = 2 * batch * top_k * (hidden * 2 * inter + inter * hidden)
             case = f"batch {batch} ({touched} experts touched)"
@@ -214,10 +245,10 @@ class Calibration:
             weight = torch.randn(k, n, device=self.device, dtype=torch.bfloat16) * 0.02
             for m in rows:
                 x = torch.randn(m, k, device=self.device, dtype=torch.bfloat16)
-                seconds = self.timer.median_s(lambda x=x, weight=weight: torch.matmul(x, weight))
+                seconds = self.timer.median_s(lambda x=x, weight=weight: torch.matmul(x, weight), f"{name} m={m}")
                 self.record("dense_gemm", f"{name} m={m}", "bf16", seconds, (k * n + m * k + m * n) * 2, 2 * m * k * n)
                 if fp8 is not None:
-                    seconds = self.timer.median_s(fp8(x, weight))
+                    seconds = self.timer.median_s(fp8(x, weight), f"{name} m={m} fp8")
                     self.record("dense_gemm", f"{name} m={m}", "fp8", seconds, k * n + m * k + m * n * 2, 2 * m * k * n)
 
     def fp8_matmul(self) -> Callable[[torch.Tensor, torch.Tensor], Callable[[], object]] | None:
@@ -243,33 +274,53 @@ class Calibration:
     # ---- summary --------------------------------------------------------------------------------------------
 
     def planner_block(self) -> dict[str, Any]:
-        """Per kind and weight family, what data/kernels.json holds: the streaming cases' median bandwidth
-        fraction, the largest cases' median compute fraction, and (moe_gemm) the fixed time of one call."""
+        """Per kind and weight family, what data/kernels.json holds. Memory efficiency: for GEMMs, the slope of time
+        against bytes over the streaming cases (one row; MoE: up to 32 tokens), whose intercept is the fixed time of
+        a call (kept as moe_gemm's floor; the planner charges dense launches itself); for decode attention, the
+        longest contexts' median. Compute efficiency: the median over the compute-bound cases. A figure no case
+        could tell is left out (the table's stays)."""
         kinds: dict[str, dict[str, dict[str, float]]] = {}
         for dtype, family in (("bf16", "16bit"), ("fp8", "fp8")):
             dense = [m for m in self.results if m.family == "dense_gemm" and m.dtype == dtype]
             if dense:
-                largest = max(_rows(m) for m in dense)
-                kinds.setdefault("dense_gemm", {})[family] = _figures(
-                    [m for m in dense if _rows(m) == 1], [m for m in dense if _rows(m) == largest]
-                )
+                streaming = [m for m in dense if _rows(m) == 1]
+                kinds.setdefault("dense_gemm", {})[family] = self._figures(streaming, dense, by_line=True)
         moe = [m for m in self.results if m.family == "moe_gemm"]
         if moe:
             small = [m for m in moe if _rows(m) <= 32]
-            floor_us, bandwidth = _intercept(small)
-            figures = _figures(small, [max(moe, key=_rows)])
-            figures["floor_us"] = round(floor_us, 2)
-            if bandwidth:
-                figures["memory_efficiency"] = round(min(bandwidth / (self.acc.memory_bandwidth_gb_s * 1e9), 1.0), 4)
+            figures = self._figures(small, moe, by_line=True)
+            figures["floor_us"] = round(_intercept(small)[0], 2)
             kinds["moe_gemm"] = {"16bit": figures}
         decode = [m for m in self.results if m.family == "mla_decode"]
         if decode:
             longest = [m for m in decode if m.case.endswith(f"context {max(self.contexts)}")]
-            kinds["mla_decode"] = {"any": _figures(longest, [max(decode, key=lambda m: m.flops)])}
+            kinds["mla_decode"] = {"any": self._figures(longest, decode)}
         prefill = [m for m in self.results if m.family == "mla_prefill"]
         if prefill:
-            kinds["mla_prefill"] = {"any": _figures(prefill, prefill, memory=False)}
-        return {"kinds": kinds}
+            kinds["mla_prefill"] = {"any": self._figures([], prefill)}
+        measured = {
+            kind: {
+                family: f for family, f in by_family.items() if f.keys() & {"memory_efficiency", "compute_efficiency"}
+            }
+            for kind, by_family in kinds.items()
+        }
+        return {"kinds": {kind: by_family for kind, by_family in measured.items() if by_family}}
+
+    def _figures(
+        self, streaming: list[Measurement], cases: list[Measurement], by_line: bool = False
+    ) -> dict[str, float]:
+        figures: dict[str, float] = {"floor_us": 0.0}
+        bandwidth = _intercept(streaming)[1] if by_line else 0.0
+        if bandwidth:
+            figures["memory_efficiency"] = round(min(bandwidth / (self.acc.memory_bandwidth_gb_s * 1e9), 1.0), 4)
+        elif streaming:
+            figures["memory_efficiency"] = round(
+                min(statistics.median(m.bandwidth_fraction for m in streaming), 1.0), 4
+            )
+        bound = [m.compute_fraction for m in cases if m.compute_bound]
+        if bound:
+            figures["compute_efficiency"] = round(min(statistics.median(bound), 1.0), 4)
+        return figures
 
 
 def _rows(m: Measurement) -> int:
@@ -277,16 +328,6 @@ def _rows(m: Measurement) -> int:
     if "m=" in m.case:
         return int(m.case.rsplit("=", 1)[1])
     return int(m.case.split()[1])
-
-
-def _figures(streaming: list[Measurement], compute: list[Measurement], memory: bool = True) -> dict[str, float]:
-    return {
-        "memory_efficiency": round(min(statistics.median(m.bandwidth_fraction for m in streaming), 1.0), 4)
-        if memory
-        else 0.9,  # prefill attention is compute-bound; the table's value for its (small) cache reads
-        "compute_efficiency": round(min(statistics.median(m.compute_fraction for m in compute), 1.0), 4),
-        "floor_us": 0.0,
-    }
 
 
 def _intercept(cases: list[Measurement]) -> tuple[float, float]:
@@ -314,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes, few runs: checks the script, measures nothing"
     )
-    parser.add_argument("--iterations", type=int, default=20, help="timed runs per case (median is kept)")
+    parser.add_argument(
+        "--iterations", type=int, default=20, help="calls per timed sample, launched back to back (5 samples a case)"
+    )
     args = parser.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -323,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     reported = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     acc = get_accelerator(args.gpu) if args.gpu else match_device_name(reported) or get_accelerator("cpu")
     shrink = 16 if args.smoke else 1
-    timer = Timer(device, warmup=1 if args.smoke else 3, iterations=2 if args.smoke else args.iterations)
+    timer = Timer(device, warmup=1 if args.smoke else 3, calls=2 if args.smoke else args.iterations)
     calibration = Calibration(acc, device, timer, shrink)
     if args.smoke:
         calibration.contexts = (64, 128)
@@ -332,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = (1, 8) if args.smoke else (1, 8, 32, 128)
     calibration.mla_decode(batches, calibration.contexts)
     calibration.mla_prefill((64, 128) if args.smoke else (2048, 4096, 8192))
-    calibration.moe_gemm((1, 8, 64) if args.smoke else (1, 8, 16, 32, 128, 512))
+    calibration.moe_gemm((1, 8, 64) if args.smoke else (1, 8, 16, 32, 128, 512, 4096, 16384))
     calibration.dense_gemms((1, 64) if args.smoke else (1, 16, 128, 1024, 4096, 8192))
 
     result = {
@@ -343,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "smoke": args.smoke,
         "tensor_parallel_shard": TP,
+        "timing": "CUDA graph replay of calls per sample" if device.type == "cuda" else "calls back to back",
+        "timed_back_to_back": timer.uncaptured,  # cases a CUDA graph could not capture
         "planner": calibration.planner_block(),
         "measurements": [
             {**asdict(m), "measured_over_roofline": round(m.measured_over_roofline, 4)} for m in calibration.results

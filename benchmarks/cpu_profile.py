@@ -2,18 +2,21 @@
 model on vLLM's CPU build, at several concurrency levels and two prompt lengths.
 
     .venv/bin/python benchmarks/cpu_profile.py [--input-lens 128,512] [--output-len 128] [--concurrency 1,4,16,64]
-                                               [--write-profile] [--from-file F] [--machine median]
+                                               [--rounds 4] [--write-profile] [--from-file F] [--machine median]
 
-1. Measures this machine (copy bandwidth, matmul rate; hardware/host.py) right before each point, so the planner's
-   `host` device describes the machine under the load of that moment (it is shared). `--machine median` predicts
-   every point from the median of the run's measurements instead (with `--from-file`, from a stored run).
+1. Measures this machine (copy bandwidth, linear and attention rates on the cores vLLM's CPU worker computes on;
+   hardware/host.py) right before each point, so the planner's `host` device describes the machine under the load
+   of that moment (it is shared). `--machine median` predicts every point from the median of the run's measurements
+   instead (with `--from-file`, from a stored run).
 2. Starts the tiny model with `deepserve serve` on loopback (temporary DEEPSERVE_HOME) and runs `deepserve bench`
    straight at the engine for every (prompt length, concurrency) point, closed loop.
 3. Fits the CPU engine profile's two overhead parameters (per step, per sequence; data/engine_profiles.json) on two
    calibration points (--calibrate, by default concurrency 1 and the highest at the shorter prompt) and predicts
-   every point with them, twice: with the planner's closed-loop formula (what `deepserve plan` prints) and with the
+   every point with them, twice: with the planner's closed-loop formula (what `deepserve plan` prints), a
+   steady-state model, against each run's steady part (steady_state(); the fit uses the same figures), and with the
    same step model run through the simulator's scheduler as vLLM's CPU build configures it, in virtual time (what
-   `deepserve simulate` serves). The other points are held out. `--write-profile` stores the fit in the package.
+   `deepserve simulate` serves), for the benchmark's own clients and requests, against the whole run. The other
+   points are held out. `--write-profile` stores the fit in the package.
 
 Lengths vary +-50% around their means (--range-ratio), in the benchmark and in the simulation: with fixed lengths
 the closed-loop clients of an engine that prefills a whole wave of prompts in one step (vLLM's CPU build runs MLA

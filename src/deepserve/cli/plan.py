@@ -43,6 +43,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("--json", action="store_true", help="print JSON instead of tables")
     check.add_argument("--in-sample", action="store_true", help="also print the in-sample table row by row")
     check.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for docs)")
+    check.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="kernel figures measured by benchmarks/calibrate_gpu.py: used for the rows on that GPU class",
+    )
     # Accepted for scripts written against the earlier validation; leave-one-source-out is now always shown.
     check.add_argument("--cross-validate", action="store_true", help=argparse.SUPPRESS)
     check.set_defaults(handler=_validate)
@@ -205,7 +211,7 @@ def _shortfall(plan: Plan) -> str:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    result = validate()
+    result = validate(calibration=args.calibration)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
         return 0

@@ -134,13 +134,16 @@ class RowCase:
         return Target(self.row.label(), self.row.value, lambda m: predict_row(self.row, self.deployment, m), model)
 
 
-def row_cases(rows: list[PublishedRow] | None = None) -> tuple[list[RowCase], dict[int, str]]:
-    """The rows a profile can be fitted to or scored on, and why each other row cannot be."""
+def row_cases(
+    rows: list[PublishedRow] | None = None, calibration: Path | None = None
+) -> tuple[list[RowCase], dict[int, str]]:
+    """The rows a profile can be fitted to or scored on (with CALIBRATION's measured kernel figures for the rows
+    on its GPU class), and why each other row cannot be."""
     cases, reasons = [], {}
     for row in load_rows() if rows is None else rows:
         reason = unpredictable_reason(row)
         if reason is None:
-            reason, case = _row_case(row)
+            reason, case = _row_case(row, calibration)
             if case is not None:
                 cases.append(case)
                 continue
@@ -148,8 +151,8 @@ def row_cases(rows: list[PublishedRow] | None = None) -> tuple[list[RowCase], di
     return cases, reasons
 
 
-def _row_case(row: PublishedRow) -> tuple[str | None, RowCase | None]:
-    deployment = row_deployment(row)
+def _row_case(row: PublishedRow, calibration: Path | None) -> tuple[str | None, RowCase | None]:
+    deployment = row_deployment(row, calibration)
     engine = deployment.select_engine(across_engines=False)
     rates = deployment.kernel_rates()
     if engine is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,7 @@ class Deployment:
     max_num_seqs: int | None
     engine_version: str | None = None
     max_num_batched_tokens: int = 8192
+    calibration: Path | None = None  # kernel figures measured on this GPU class (benchmarks/calibrate_gpu.py)
 
     @property
     def running_cap(self) -> int:
@@ -113,7 +114,10 @@ class Deployment:
         )
 
     def kernel_rates(self) -> KernelRates:
-        return kernel_rates(self.accelerator, self.fmt.name)
+        """The kernel table's figures for this GPU and weight format, with the calibration's measured ones in place
+        where the deployment has one."""
+        rates = kernel_rates(self.accelerator, self.fmt.name)
+        return rates if self.calibration is None else apply_calibration(rates, self.calibration)
 
     def performance_model(
         self, selected: SelectedFactors | None = None, rates: KernelRates | None = None
@@ -314,11 +318,10 @@ def make_plan(config: PlanConfig) -> Plan:
         max_num_batched_tokens=config.max_num_batched_tokens,
         engine_version=config.engine_version,
     )
+    deployment = replace(deployment, calibration=config.calibration)
     selected = deployment.select_engine()
     assert selected is not None  # across_engines=True always finds the device's profile
     rates = deployment.kernel_rates()
-    if config.calibration is not None:
-        rates = apply_calibration(rates, config.calibration)
     predictions: tuple[Prediction, ...] = ()
     within_slo = None
     if deployment.memory.fits and deployment.running_cap > 0:

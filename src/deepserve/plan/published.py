@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from deepserve.models.presets import preset_spec
 from deepserve.models.spec import ModelSpec
+from deepserve.plan.calibration import calibrated_class
 from deepserve.plan.layout import Layout
 from deepserve.plan.perf import PerformanceModel, Prediction, Workload
 from deepserve.plan.planner import Deployment, build_deployment
@@ -139,11 +140,13 @@ def unpredictable_reason(row: PublishedRow) -> str | None:
     return None
 
 
-def row_deployment(row: PublishedRow) -> Deployment:
+def row_deployment(row: PublishedRow, calibration: Path | None = None) -> Deployment:
+    """ROW's setup as a deployment; with CALIBRATION's measured kernel figures where the row's GPU is of the class
+    the file was measured on."""
     assert row.input_len is not None and row.output_len is not None
     setup = row.setup
     nodes = max(row.gpus // 8, 1)
-    return build_deployment(
+    deployment = build_deployment(
         row_spec(row),
         row.hardware,
         row.gpus,
@@ -159,6 +162,9 @@ def row_deployment(row: PublishedRow) -> Deployment:
         max_num_seqs=setup.max_num_seqs,
         engine_version=row.engine_version or None,
     )
+    if calibration is not None and calibrated_class(calibration) == deployment.accelerator.hardware_class:
+        return replace(deployment, calibration=calibration)
+    return deployment
 
 
 def predict_row(row: PublishedRow, deployment: Deployment, model: PerformanceModel) -> float:

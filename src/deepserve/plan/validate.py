@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from deepserve.plan.fit import HeldOut, RowCase, fit_profiles, leave_one_source_out, row_cases
 from deepserve.plan.profiles import EngineParameters
@@ -148,15 +149,17 @@ def _skipped_json(skipped: Skipped) -> dict[str, object]:
     return entry
 
 
-def validate(rows: list[PublishedRow] | None = None) -> Validation:
+def validate(rows: list[PublishedRow] | None = None, calibration: Path | None = None) -> Validation:
+    """ROWS (the published figures) predicted leave-one-source-out and in-sample; with CALIBRATION, the rows on its
+    GPU class use its measured kernel figures, in the fits as in the predictions."""
     rows = load_rows() if rows is None else rows
-    cases, reasons = row_cases(rows)
+    cases, reasons = row_cases(rows, calibration)
     fits = {fit.profile: fit.parameters for fit in fit_profiles(cases)}
     in_sample = tuple(_in_sample(cases, fits))
     held = leave_one_source_out(cases)
     held_results = tuple(_held_result(h, cases) for h in held if h.predicted is not None)
     not_held = tuple(Skipped(h.row, h.reason) for h in held if h.predicted is None)
-    skipped = tuple(_skipped(row, reasons[row.number], fits) for row in rows if row.number in reasons)
+    skipped = tuple(_skipped(row, reasons[row.number], fits, calibration) for row in rows if row.number in reasons)
     return Validation(Score(held_results), Score(in_sample), skipped, not_held, fits)
 
 
@@ -174,12 +177,14 @@ def _held_result(held: HeldOut, cases: list[RowCase]) -> RowResult:
     return RowResult(held.row, held.predicted, case.engine.profile, "leave-one-source-out")
 
 
-def _skipped(row: PublishedRow, reason: str, fits: dict[str, EngineParameters]) -> Skipped:
+def _skipped(
+    row: PublishedRow, reason: str, fits: dict[str, EngineParameters], calibration: Path | None = None
+) -> Skipped:
     """A row's reason; for a row refused only for its hardware's kernel figures, what the carried-over figures
     and the engine's fitted profile would predict (for information)."""
     if unpredictable_reason(row) is not None or "kernel figures" not in reason:
         return Skipped(row, reason)
-    deployment = row_deployment(row)
+    deployment = row_deployment(row, calibration)
     engine = deployment.select_engine(across_engines=False)
     if engine is None or engine.profile not in fits or not deployment.memory.fits:
         return Skipped(row, reason)

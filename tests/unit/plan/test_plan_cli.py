@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from deepserve.cli import main as cli_main
+from deepserve.plan.calibration import CALIBRATION_FORMAT
 
 AWQ = "cognitivecomputations/DeepSeek-V3-AWQ"
 
@@ -197,7 +198,7 @@ def test_calibration_file_is_used(capsys: pytest.CaptureFixture[str], tmp_path: 
     calibration.write_text(
         json.dumps(
             {
-                "format": "deepserve-calibration/2",
+                "format": CALIBRATION_FORMAT,
                 "device": "NVIDIA H100 80GB HBM3",
                 "hardware_class": "hopper",
                 "planner": {"kinds": {"moe_gemm": {"int4": figures}}},
