@@ -4,9 +4,10 @@
     python benchmarks/calibrate_gpu.py --out benchmarks/results/calibration_h100.json
     deepserve plan --gpu h100 ... --calibration benchmarks/results/calibration_h100.json
 
-Each case is timed with CUDA events around calls launched back to back (the per-call time, median of five samples
-after warm-up: the host's launch latency, which the planner charges separately, is not counted) and compared with
-the device's datasheet figures from the catalog:
+Each case is timed as a CUDA graph replays it (--iterations calls a graph, the per-call time of the median of five
+replays after warm-up; launched back to back where capture fails, and on the CPU): the host's launch latency, which
+the planner charges separately, is not counted. Each is compared with the device's datasheet figures from the
+catalog:
 
 - dense_gemm: the attention projections, the dense MLP and the output head at their shard shapes, in BF16 and,
   where torch._scaled_mm runs (Ada, Hopper and newer), FP8 with per-tensor scales;
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="tiny shapes, few runs: checks the script, measures nothing"
     )
     parser.add_argument(
-        "--iterations", type=int, default=20, help="calls per timed sample, launched back to back (5 samples a case)"
+        "--iterations", type=int, default=20, help="calls per CUDA graph (per timed sample); five samples a case"
     )
     args = parser.parse_args(argv)
 

@@ -41,8 +41,8 @@ def _load_checked(path: Path, _version: int) -> dict[str, Any]:
         raise ConfigError(f"calibration file {path} comes from a --smoke run, which measures nothing; run it on a GPU")
     if data.get("format") != CALIBRATION_FORMAT:
         raise ConfigError(
-            f"calibration file {path} is not in format {CALIBRATION_FORMAT} (per-kind figures of kernels timed "
-            "back to back); rerun benchmarks/calibrate_gpu.py from this version"
+            f"calibration file {path} is not in format {CALIBRATION_FORMAT} (per-kind figures of kernels timed as "
+            "CUDA graph replays); rerun benchmarks/calibrate_gpu.py from this version"
         )
     planner = data.get("planner")
     kinds = planner.get("kinds") if isinstance(planner, dict) else None
