@@ -20,6 +20,7 @@ from pathlib import Path
 
 from deepserve.errors import ConfigError
 from deepserve.gateway.config import gateway_home
+from deepserve.gateway.ledger import BUSY_TIMEOUT_S, use_wal
 from deepserve.gateway.limits import KeyLimits
 
 KEY_PREFIX = "dsk"
@@ -77,10 +78,10 @@ class KeyStore:
         self.path = path or default_keys_path()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         new = not self.path.exists()
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
         if new:
             self.path.chmod(0o600)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        use_wal(self._db)
         self._db.execute(_SCHEMA)
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
@@ -56,6 +57,7 @@ MAX_PENDING_ROWS = 200_000
 # covers contention between workers many times over, while a database that someone holds locked (a stuck process, an
 # open `sqlite3` shell) is reported within a second and never holds up the shutdown's last flush for long.
 BUSY_TIMEOUT_S = 1.0
+WAL_RETRY_S = 0.01
 _SQLITE_MAX_INT = 2**63 - 1
 
 
@@ -115,10 +117,25 @@ def _connect(path: Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite3.Conn
             if info.st_mode & 0o077 and info.st_uid == os.getuid():
                 file.chmod(0o600)
     db = sqlite3.connect(path, check_same_thread=False, timeout=busy_timeout_s)
-    db.execute("PRAGMA journal_mode=WAL")
+    use_wal(db)
     db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes, fast commits
     db.executescript(_SCHEMA)
     return db
+
+
+def use_wal(db: sqlite3.Connection, timeout_s: float = BUSY_TIMEOUT_S) -> None:
+    """Switch DB to write-ahead logging unless it already is (the mode is kept in the file). Switching takes an
+    exclusive lock, which SQLite refuses at once ("database is locked"), whatever the busy timeout, to a process
+    switching a file another one is opening: gateway workers starting together did. Such a refusal is retried for
+    up to TIMEOUT_S."""
+    deadline = time.monotonic() + timeout_s
+    while str(db.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(WAL_RETRY_S)
 
 
 class UsageLedger:

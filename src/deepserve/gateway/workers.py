@@ -37,6 +37,8 @@ from typing import Any
 
 from deepserve.errors import ConfigError
 from deepserve.gateway.config import GatewayConfig, base_url
+from deepserve.gateway.keys import KeyStore
+from deepserve.gateway.ledger import UsageLedger
 from deepserve.gateway.metrics import MULTIPROCESS_DIR_ENV
 from deepserve.gateway.server import EXIT_LEDGER_ROWS_LOST
 
@@ -79,6 +81,13 @@ def _worker_main(config_json: str, port: int, index: int, ready: Any, supervisor
     sock = reuseport_socket(config.host, port)
     _stop_when_orphaned(supervisor_pid)
     sys.exit(serve_process(config, lambda url: ready.put(index), sockets=[sock]))
+
+
+def _create_databases() -> None:
+    """Create the key store and the usage ledger (in WAL mode) once, before the workers start, so that no two
+    workers create or convert the same SQLite file at the same moment (one got "database is locked" and exited)."""
+    KeyStore().close()
+    UsageLedger(start_writer=False).close()
 
 
 def _stop_when_orphaned(supervisor_pid: int) -> None:
@@ -178,6 +187,7 @@ def run_workers(config: GatewayConfig, announce: Callable[[str], None]) -> int:
     port = int(reserved.getsockname()[1])
     metrics_dir = tempfile.mkdtemp(prefix="deepserve-gateway-metrics-")
     os.environ[MULTIPROCESS_DIR_ENV] = metrics_dir  # inherited by the workers (read when they import prometheus)
+    _create_databases()
     supervisor = _Supervisor(config, port)
 
     def stop_on_signal(signum: int, frame: Any) -> None:

