@@ -14,11 +14,13 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -213,3 +215,17 @@ def vllm_exported_samples() -> set[str]:
         names |= samples(kind, name)
     assert len(names) > 20, f"found too few vLLM metrics in {source}: the pattern no longer matches"
     return names
+
+
+BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark_script(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """benchmarks/NAME.py as a module (the scripts are not a package), registered in sys.modules for this test only:
+    dataclasses look their module up there."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module

@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,17 +9,11 @@ from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import get_accelerator
 from deepserve.plan.calibration import CALIBRATION_FORMAT, apply_calibration, load_calibration
 from deepserve.plan.kernels import WORK_KINDS, kernel_rates
-
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "calibrate_gpu.py"
+from tests.helpers import load_benchmark_script
 
 
 def _load_script(monkeypatch: pytest.MonkeyPatch):
-    spec = importlib.util.spec_from_file_location("calibrate_gpu", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "calibrate_gpu", module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("calibrate_gpu", monkeypatch)
 
 
 def test_smoke_run_on_cpu_writes_every_kind_and_is_refused_by_the_planner(

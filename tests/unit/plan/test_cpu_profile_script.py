@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "cpu_profile.py"
+from tests.helpers import load_benchmark_script
 
 
 @pytest.fixture
 def script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("cpu_profile", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "cpu_profile", module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("cpu_profile", monkeypatch)
 
 
 def _run(requests: list[tuple[float, float, float, int]]) -> dict[str, list[float]]:

@@ -146,17 +146,10 @@ def test_profile_selection_and_versions() -> None:
 def test_cpu_profile_is_what_its_stored_measurements_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU profile's two overheads come from benchmarks/cpu_profile.py's measured points (their steady parts),
     stored with them: refitting those points reproduces them."""
-    import importlib.util
-    import sys
-
     from deepserve.plan.fit import fit_parameters
+    from tests.helpers import load_benchmark_script
 
-    script = Path(__file__).resolve().parents[3] / "benchmarks" / "cpu_profile.py"
-    spec = importlib.util.spec_from_file_location("cpu_profile", script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "cpu_profile", module)
-    spec.loader.exec_module(module)
+    module = load_benchmark_script("cpu_profile", monkeypatch)
     stored = json.loads(PROFILES_PATH.read_text())["profiles"]["vllm-cpu"]
     points = [module.Point(**p) for p in stored["fit"]["points"]]
     chosen = [p.in_steady_state() for p in points if [p.concurrency, p.input_len] in stored["fit"]["calibration"]]
