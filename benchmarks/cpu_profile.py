@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.hardware.catalog import Accelerator, host_accelerator
 from deepserve.hardware.host import HostMeasurement, measure_host
 from deepserve.models import load_spec
@@ -49,8 +49,9 @@ from deepserve.models.presets import TINY_MODEL_NAME
 from deepserve.net import free_port
 from deepserve.plan.fit import Target, fit_parameters
 from deepserve.plan.perf import PerformanceModel, Workload
-from deepserve.plan.planner import Deployment, build_deployment
+from deepserve.plan.planner import build_deployment
 from deepserve.plan.profiles import EngineParameters, write_parameters
+from deepserve.plan.types import Deployment
 from deepserve.simulate.closed_loop import run_closed_loop
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.setup import build_core, resolve

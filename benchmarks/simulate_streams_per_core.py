@@ -148,7 +148,7 @@ class _NullTransport:
 
 def engine_only_us_per_token(streams: int, tokens: int) -> float:
     """CPU microseconds per token of the simulator's own work, sockets left out (ManualClock, null transports)."""
-    from deepserve.config import EngineConfig
+    from deepserve.engines.config import EngineConfig
     from deepserve.simulate.clock import ManualClock
     from deepserve.simulate.config import SimulateConfig
     from deepserve.simulate.server import SimulatorApp, _Connection

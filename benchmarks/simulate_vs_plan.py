@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.net import free_port
 from deepserve.plan.perf import Prediction, Workload
 from deepserve.simulate.closed_loop import ClosedLoopResult, run_closed_loop

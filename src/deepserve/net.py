@@ -1,10 +1,17 @@
-"""Small network helpers every part shares: a free loopback port, a check that a port can be bound."""
+"""Small network helpers every part shares: a free loopback port, a check that a port can be bound, and the
+kernel's receive timestamps of socket reads (what the bench client and the simulator time arrivals with)."""
 
 from __future__ import annotations
 
+import math
 import socket
+import struct
+import time
 
 from deepserve.errors import ConfigError
+
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux's value; Python's socket module does not export it
+TIMESTAMP_SPACE = socket.CMSG_SPACE(16)  # one struct timespec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -27,3 +34,31 @@ def ensure_port_free(host: str, port: int) -> None:
                 f"port {port} on {host} is already in use ({exc.strerror}); stop what listens there "
                 f"(`ss -ltnp 'sport = :{port}'` shows it) or choose another with --port"
             ) from None
+
+
+class ArrivalClock:
+    """Kernel receive timestamps (SO_TIMESTAMPNS: CLOCK_REALTIME) on the perf_counter (CLOCK_MONOTONIC) scale.
+    The offset between the two clocks is re-read every second, so clock slewing cannot accumulate."""
+
+    def __init__(self) -> None:
+        self._offset_ns = 0
+        self._refreshed_s = -math.inf
+
+    def perf_s(self, realtime_ns: int, now_s: float) -> float:
+        if now_s - self._refreshed_s > 1.0:
+            self._offset_ns = min(_clock_offset_ns() for _ in range(3))  # the tightest of three back-to-back reads
+            self._refreshed_s = now_s
+        return min((realtime_ns - self._offset_ns) / 1e9, now_s)
+
+    def received_s(self, ancillary: list[tuple[int, int, bytes]], now_s: float) -> float:
+        """When a read's bytes reached the socket, from its SO_TIMESTAMPNS message; NOW_S where it has none."""
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
+                seconds, nanoseconds = struct.unpack_from("qq", payload)
+                return self.perf_s(seconds * 1_000_000_000 + nanoseconds, now_s)
+        return now_s
+
+
+def _clock_offset_ns() -> int:
+    realtime_ns = time.clock_gettime_ns(time.CLOCK_REALTIME)
+    return realtime_ns - time.clock_gettime_ns(time.CLOCK_MONOTONIC)

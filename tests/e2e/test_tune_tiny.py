@@ -9,7 +9,8 @@ from pathlib import Path
 import psutil
 
 from deepserve.cli.main import main
-from deepserve.config import EngineConfig, load_section
+from deepserve.config import load_section
+from deepserve.engines.config import EngineConfig
 from deepserve.results.store import ResultsStore
 
 

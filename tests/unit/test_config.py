@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from deepserve.config import EngineConfig, load_section
+from deepserve.config import load_section
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError
 
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import socket
 import ssl
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -25,11 +23,10 @@ import httptools
 import orjson
 
 from deepserve.bench.types import RequestSpec
+from deepserve.net import SO_TIMESTAMPNS, TIMESTAMP_SPACE, ArrivalClock
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
 READ_BYTES = 256 * 1024
-SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux's value; Python's socket module does not export it
-TIMESTAMP_SPACE = socket.CMSG_SPACE(16)  # one struct timespec
 DONE = b"[DONE]"
 
 
@@ -271,26 +268,6 @@ def _sse_data(event: bytes) -> bytes | None:
     return b"\n".join(lines)
 
 
-class ArrivalClock:
-    """Kernel receive timestamps (SO_TIMESTAMPNS: CLOCK_REALTIME) on the perf_counter (CLOCK_MONOTONIC) scale.
-    The offset between the two clocks is re-read every second, so clock slewing cannot accumulate."""
-
-    def __init__(self) -> None:
-        self._offset_ns = 0
-        self._refreshed_s = -math.inf
-
-    def perf_s(self, realtime_ns: int, now_s: float) -> float:
-        if now_s - self._refreshed_s > 1.0:
-            self._offset_ns = min(_clock_offset_ns() for _ in range(3))  # the tightest of three back-to-back reads
-            self._refreshed_s = now_s
-        return min((realtime_ns - self._offset_ns) / 1e9, now_s)
-
-
-def _clock_offset_ns() -> int:
-    realtime_ns = time.clock_gettime_ns(time.CLOCK_REALTIME)
-    return realtime_ns - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-
-
 class _ResponseSlot:
     """The one response a connection carries at a time: its parser, the future that wakes its waiter, and what
     both kinds of connection do when bytes arrive or the connection ends."""
@@ -375,11 +352,7 @@ class _SocketConnection(_ResponseSlot):
         self._received(data, self._arrival_s(ancillary, now), self._arrival_s(head_ancillary, now))
 
     def _arrival_s(self, ancillary: list[tuple[int, int, bytes]], now: float) -> float:
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
-                seconds, nanoseconds = struct.unpack_from("qq", payload)
-                return self.clock.perf_s(seconds * 1_000_000_000 + nanoseconds, now)
-        return now
+        return self.clock.received_s(ancillary, now)
 
     def _lost(self, exc: Exception | None) -> None:
         self.abort()

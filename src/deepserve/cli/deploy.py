@@ -13,10 +13,11 @@ from rich.table import Table
 
 from deepserve.cli.flags import add_gateway_switches, add_section_flags, engine_overrides, gateway_switches
 from deepserve.cli.output import console
-from deepserve.config import EngineConfig, load_section
+from deepserve.config import load_section
 from deepserve.deploy.check import Expected, Verdict, failed, gather_facts, run_checks
 from deepserve.deploy.render import TARGETS, render
 from deepserve.deploy.source import deploy_spec, deployment_config
+from deepserve.engines.config import EngineConfig
 from deepserve.gateway.config import GatewayConfig
 
 _VERDICT_STYLE = {Verdict.OK: "green", Verdict.WARN: "yellow", Verdict.FAIL: "bold red", Verdict.NA: "dim"}

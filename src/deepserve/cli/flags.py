@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.gateway.config import GatewayConfig
 
 # The gateway's safety switches, on the command lines that start or render a gateway (serve, deploy render).

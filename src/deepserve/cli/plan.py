@@ -13,7 +13,8 @@ from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
 from deepserve.errors import ConfigError
 from deepserve.plan.fit import fit_profiles, fit_to_json, row_cases, write_fits
-from deepserve.plan.planner import Plan, PlanConfig, make_plan
+from deepserve.plan.planner import Plan, make_plan
+from deepserve.plan.types import PlanConfig
 from deepserve.plan.validate import MAX_RATIO, TARGET_MAPE_PCT, Score, Validation, validate
 
 GB = 1e9

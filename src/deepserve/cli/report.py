@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from deepserve.errors import ConfigError
-from deepserve.report.slo import DEFAULT_SLOS, parse_slos
+from deepserve.results.slo import DEFAULT_SLOS, parse_slos
 from deepserve.results.store import ResultsStore
 
 

@@ -15,10 +15,13 @@ from deepserve.cli.flags import (
     gateway_switches,
     section_overrides,
 )
-from deepserve.config import EngineConfig, ServeConfig, load_section
+from deepserve.config import load_section
+from deepserve.engines.config import EngineConfig
 from deepserve.engines.supervisor import SupervisedProcess
 from deepserve.gateway.config import GatewayConfig
-from deepserve.service import ServicePlan, dry_run_text, plan_service, preflight, run_service
+from deepserve.serve.config import ServeConfig
+from deepserve.serve.run import run_service
+from deepserve.serve.service_plan import ServicePlan, dry_run_text, plan_service, preflight
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from deepserve.cli.flags import add_section_flags, section_overrides
-from deepserve.config import EngineConfig, load_section
+from deepserve.config import load_section
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError
 from deepserve.net import ensure_port_free
 from deepserve.simulate.config import ENGINE_FIELDS_NOT_SIMULATED, SimulateConfig, parse_metric_overrides

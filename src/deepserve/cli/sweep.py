@@ -13,7 +13,7 @@ from deepserve.bench.config import BenchConfig
 from deepserve.bench.runner import run_benchmark
 from deepserve.cli.bench import add_bench_flags, config_from_args
 from deepserve.errors import ConfigError
-from deepserve.report.slo import parse_slos
+from deepserve.results.slo import parse_slos
 from deepserve.results.sweepdir import read_index
 from deepserve.sweep.grid import LIST_FIELDS, SweepSpec, grid_spec, parse_list, signature, suite_spec
 from deepserve.sweep.probe import probe_speed, server_facts

@@ -11,10 +11,12 @@ from typing import Any
 from rich.console import Console
 
 from deepserve.cli.bench import add_bench_flags, config_from_args
-from deepserve.config import EngineConfig, load_section
+from deepserve.config import load_section
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError
-from deepserve.report.slo import DEFAULT_SLOS, parse_slos
-from deepserve.service import preflight, stop_on_sigterm
+from deepserve.results.slo import DEFAULT_SLOS, parse_slos
+from deepserve.serve.run import stop_on_sigterm
+from deepserve.serve.service_plan import preflight
 from deepserve.tune.engine import EnginePointRunner, service_plan
 from deepserve.tune.grid import engine_fields, parse_axis, parse_setting
 from deepserve.tune.run import TuneOptions, TuneOutcome, extra, run_tune

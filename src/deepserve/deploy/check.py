@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from deepserve.config import EngineConfig
 from deepserve.deploy.netif import (
     SOCKET_IFNAME_VARIABLES,
     Interface,
@@ -23,6 +22,7 @@ from deepserve.deploy.netif import (
     route_source,
 )
 from deepserve.deploy.source import checkpoint_bytes
+from deepserve.engines.config import EngineConfig
 from deepserve.engines.topology import MasterAddressError, check_master_address
 from deepserve.errors import ConfigError, ModelError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, match_device_name

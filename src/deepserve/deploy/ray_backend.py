@@ -8,8 +8,8 @@ import os
 import time
 from collections.abc import Callable
 
-from deepserve.config import EngineConfig
 from deepserve.deploy.ray_cluster import ClusterError, ClusterStatus, cluster_address, cluster_status, where
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError, EngineError
 
 POLL_INTERVAL_S = 5.0

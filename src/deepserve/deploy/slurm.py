@@ -9,8 +9,9 @@ import shlex
 
 import yaml
 
-from deepserve.config import EngineConfig, changed_fields, serve_command
+from deepserve.config import changed_fields
 from deepserve.deploy.source import MASTER_PLACEHOLDER, DeploySpec, shell_line
+from deepserve.engines.config import EngineConfig, serve_command
 from deepserve.errors import ConfigError
 from deepserve.gateway.config import GatewayConfig, is_loopback
 

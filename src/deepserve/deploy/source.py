@@ -15,19 +15,21 @@ from typing import Any
 from pydantic import Field
 
 from deepserve import __version__
-from deepserve.config import EngineConfig, load_section, parse_key_values, validate_section
-from deepserve.engines.base import Engine, LaunchSpec, ResolvedModel
+from deepserve.config import load_section, parse_key_values, validate_section
+from deepserve.engines.base import Engine, LaunchSpec
+from deepserve.engines.config import EngineConfig
 from deepserve.engines.registry import get_engine
 from deepserve.engines.topology import check_layout_fits_nodes
 from deepserve.errors import ConfigError, ModelError
 from deepserve.gateway.config import GatewayConfig
 from deepserve.hardware.catalog import Accelerator, get_accelerator
 from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name
-from deepserve.models.resolve import load_spec
+from deepserve.models.resolve import ResolvedModel, load_spec
 from deepserve.models.spec import ModelSpec
 from deepserve.plan.commands import engine_config as planned_engine_config
 from deepserve.plan.formats import WeightFormat, checkpoint_format
-from deepserve.plan.planner import Plan, PlanConfig, make_plan
+from deepserve.plan.planner import Plan, make_plan
+from deepserve.plan.types import PlanConfig
 
 GIB = 1024**3
 ENGINE_PORT = 8000  # inside the engine's container or pod

@@ -6,7 +6,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
+from deepserve.models.resolve import ResolvedModel
 
 
 @dataclass(frozen=True)
@@ -22,15 +23,6 @@ class LaunchSpec:
     def shell_line(self) -> str:
         env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(self.env.items()))
         return (env + " " if env else "") + shlex.join(self.argv)
-
-
-@dataclass(frozen=True)
-class ResolvedModel:
-    """The model to launch: what the engine loads (a path or hub id) and what clients call it."""
-
-    source: str
-    served_name: str
-    on_cpu: bool
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@ nodes every node runs the same command with its --node-rank and node 0's --dist-
 
 from __future__ import annotations
 
-from deepserve.config import EngineConfig
 from deepserve.engines.base import (
     LaunchSpec,
     LoadMetricNames,
@@ -13,6 +12,7 @@ from deepserve.engines.base import (
     unless_one,
     url_host,
 )
+from deepserve.engines.config import EngineConfig
 
 _PHASES = (
     ("Load weight begin", "loading weights"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError
 
 

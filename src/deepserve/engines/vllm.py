@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from deepserve.config import EngineConfig
 from deepserve.engines.base import (
     LaunchSpec,
     LoadMetricNames,
@@ -17,6 +16,7 @@ from deepserve.engines.base import (
     unless_one,
     url_host,
 )
+from deepserve.engines.config import EngineConfig
 from deepserve.engines.topology import nodes_share_this_host
 from deepserve.engines.vllm_metrics import KV_CACHE_USAGE_NAMES, RUNNING, WAITING
 

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from deepserve.config import deepserve_home
-from deepserve.engines.base import ResolvedModel
 from deepserve.errors import ModelError
 from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name, preset_names, preset_spec
 from deepserve.models.spec import ModelSpec
 from deepserve.models.tiny import ensure_tiny_model
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The model to launch: what the engine loads (a path or hub id) and what clients call it."""
+
+    source: str
+    served_name: str
+    on_cpu: bool
 
 
 def models_cache_dir() -> Path:

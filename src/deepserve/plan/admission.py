@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.engines.vllm import CPU_DEFAULT_KV_CACHE_GIB, DEFAULT_GPU_MEMORY_UTILIZATION, default_batch_limits
 from deepserve.errors import ConfigError, ModelError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, match_device_name
@@ -21,7 +21,8 @@ from deepserve.models.spec import ModelSpec
 from deepserve.plan.formats import FORMATS, WeightFormat, checkpoint_format, get_format
 from deepserve.plan.layout import Layout
 from deepserve.plan.memory import weights_per_gpu
-from deepserve.plan.planner import PlanConfig, build_deployment, smallest_fitting_gpus
+from deepserve.plan.planner import build_deployment, smallest_fitting_gpus
+from deepserve.plan.types import PlanConfig
 
 GB = 1e9
 GIB = 1024**3

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from deepserve.config import EngineConfig, serve_command
-from deepserve.engines.base import ResolvedModel
+from deepserve.engines.config import EngineConfig, serve_command
 from deepserve.engines.registry import ENGINES
-
-if TYPE_CHECKING:
-    from deepserve.plan.planner import Deployment, PlanConfig
+from deepserve.models.resolve import ResolvedModel
+from deepserve.plan.types import Deployment, PlanConfig
 
 HEAD_NODE_ADDRESS = "HEAD_NODE_IP"  # a placeholder the user replaces with node 0's address
 

@@ -7,7 +7,6 @@ plan` and listed under `explanations` in its JSON.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from deepserve.errors import ConfigError
 from deepserve.models.spec import dtype_bytes
@@ -21,9 +20,7 @@ from deepserve.plan.memory import (
     plan_memory,
 )
 from deepserve.plan.profiles import SelectedFactors
-
-if TYPE_CHECKING:
-    from deepserve.plan.planner import Deployment, PlanConfig
+from deepserve.plan.types import Deployment, PlanConfig
 
 GB = 1e9
 

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from deepserve.plan.perf import PerformanceModel
-from deepserve.plan.planner import Deployment
 from deepserve.plan.profiles import PROFILES_PATH, EngineParameters, SelectedFactors, write_parameters
 from deepserve.plan.published import PublishedRow, load_rows, predict_row, row_deployment, unpredictable_reason
+from deepserve.plan.types import Deployment
 
 MIN_TARGETS_PER_PARAMETER = 2
 # Starting points per parameter, spanning what engines do (kernels per layer; prefill efficiency; ms; us).

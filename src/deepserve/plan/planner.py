@@ -3,140 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
-
-from deepserve.config import Section
 from deepserve.engines.registry import check_engine_name
 from deepserve.errors import ConfigError
-from deepserve.hardware.catalog import Accelerator, Network, get_accelerator, get_network
+from deepserve.hardware.catalog import Accelerator, get_accelerator, get_network
 from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
-from deepserve.plan.calibration import apply_calibration
+from deepserve.plan.commands import engine_commands, serve_commands
 from deepserve.plan.cost import usd_per_million_output_tokens
 from deepserve.plan.explain import Explanation, explain
 from deepserve.plan.formats import WeightFormat, checkpoint_format, get_format
-from deepserve.plan.kernels import KernelRates, kernel_rates
-from deepserve.plan.layout import Layout, check_layout, default_layout, layout_links
-from deepserve.plan.memory import MemoryPlan, plan_memory
+from deepserve.plan.kernels import KernelRates
+from deepserve.plan.layout import Layout, check_layout, default_layout
+from deepserve.plan.memory import plan_memory
 from deepserve.plan.perf import PerformanceModel, Prediction, Workload
-from deepserve.plan.profiles import SelectedFactors, select_profile
+from deepserve.plan.profiles import SelectedFactors
+from deepserve.plan.types import Deployment, PlanConfig
 
 # Engines that published figures name but deepserve cannot launch: the planner reads their rows, nothing else.
 PUBLISHED_ONLY_ENGINES = ("trtllm",)
-DEFAULT_CONCURRENCY = (1, 8, 16, 32, 64, 128, 256)
-
-
-class PlanConfig(Section):
-    """What `deepserve plan` is asked; CLI flags derive from these fields (section `plan` of the config file)."""
-
-    model: str = Field("deepseek-ai/DeepSeek-V3", description="preset name (`deepserve model list`) or model dir")
-    gpu: str = Field("h100", description="GPU type from the catalog, case-insensitive (h100 = H100 SXM)")
-    gpus: int = Field(8, ge=1, description="total GPUs (all nodes)")
-    nodes: int | None = Field(None, ge=1, description="nodes the GPUs are spread over (default: as few as hold them)")
-    weights: str | None = Field(
-        None, description="bf16, fp16, fp8, fp8-dynamic, awq-int4; None = the checkpoint's format"
-    )
-    kv_dtype: str = Field("auto", description="KV-cache dtype: auto (the activation dtype, 16-bit) or fp8")
-    max_model_len: int | None = Field(
-        None, ge=16, description="context length; None = 32768 or the model's maximum if smaller"
-    )
-    input_len: int = Field(1024, ge=1, description="prompt tokens per request")
-    output_len: int = Field(256, ge=2, description="output tokens per request")
-    concurrency: list[int] = Field(default_factory=lambda: list(DEFAULT_CONCURRENCY), description="levels")
-    slo_itl_ms: float | None = Field(50.0, gt=0, description="inter-token latency objective (mean, ms)")
-    gpu_hour_usd: float | None = Field(None, gt=0, description="price of one GPU-hour, for cost per 1M tokens")
-    engine: str = Field("vllm", description="engine whose overhead profile to use (a name in the engines registry)")
-    engine_version: str | None = Field(
-        None, description="engine version (e.g. 0.7.3) for its version facts; None = the profile's current version"
-    )
-    tp: int | None = Field(None, ge=1, description="tensor-parallel size; None = GPUs per node")
-    pp: int | None = Field(None, ge=1, description="pipeline-parallel size; None = the number of nodes")
-    dp: int = Field(1, ge=1, description="data-parallel attention replicas (with --ep)")
-    ep: bool = Field(False, description="expert parallelism: whole experts per GPU instead of split experts")
-    network: str = Field("infiniband-ndr", description="between nodes: infiniband-ndr, roce-400g, ethernet-100g")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory the engine uses")
-    max_num_seqs: int | None = Field(None, ge=1, description="running-batch cap; None = what the KV cache holds")
-    max_num_batched_tokens: int = Field(8192, ge=1, description="tokens per step (sizes the activation reserve)")
-    calibration: Path | None = Field(
-        None, description="JSON from benchmarks/calibrate_gpu.py: measured kernel efficiencies replace the table's"
-    )
-
-    @field_validator("engine")
-    @classmethod
-    def _known_engine(cls, name: str) -> str:
-        try:
-            return check_engine_name(name)
-        except ConfigError as exc:  # as a ValueError, pydantic reports it with the field like every other
-            raise ValueError(str(exc)) from None
-
-    @field_validator("concurrency")
-    @classmethod
-    def _positive_levels(cls, levels: list[int]) -> list[int]:
-        if not levels or any(level < 1 for level in levels):
-            raise ValueError("concurrency levels must be positive integers, e.g. 1,8,64")
-        return sorted(set(levels))
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """Model x format x layout x hardware x engine, resolved and checked."""
-
-    spec: ModelSpec
-    fmt: WeightFormat
-    layout: Layout
-    accelerator: Accelerator
-    nodes: int
-    network: Network
-    engine: str
-    kv_dtype: str
-    memory: MemoryPlan
-    max_num_seqs: int | None
-    engine_version: str | None = None
-    max_num_batched_tokens: int = 8192
-    calibration: Path | None = None  # kernel figures measured on this GPU class (benchmarks/calibrate_gpu.py)
-
-    @property
-    def running_cap(self) -> int:
-        """Most requests running at once: what the KV cache holds at the planned lengths, and max_num_seqs per
-        pipeline micro-batch."""
-        cap = self.memory.max_concurrent_sequences
-        if self.max_num_seqs is not None:
-            cap = min(cap, self.max_num_seqs * self.layout.pp)
-        return max(cap, 0)
-
-    def select_engine(self, across_engines: bool = True) -> SelectedFactors | None:
-        """The engine profile for this deployment (see plan/profiles.py); None when none may stand in."""
-        return select_profile(
-            self.engine, self.accelerator.hardware_class, self.engine_version, across_engines=across_engines
-        )
-
-    def kernel_rates(self) -> KernelRates:
-        """The kernel table's figures for this GPU and weight format, with the calibration's measured ones in place
-        where the deployment has one."""
-        rates = kernel_rates(self.accelerator, self.fmt.name)
-        return rates if self.calibration is None else apply_calibration(rates, self.calibration)
-
-    def performance_model(
-        self, selected: SelectedFactors | None = None, rates: KernelRates | None = None
-    ) -> PerformanceModel:
-        """The step model of this deployment with engine profile SELECTED (default: the deployment's own) and
-        kernel figures RATES (default: the table's for this GPU and weight format)."""
-        engine = selected or self.select_engine()
-        assert engine is not None  # across_engines=True always finds the device's profile
-        links = layout_links(self.layout, self.accelerator, self.nodes, self.network)
-        return PerformanceModel(
-            self.spec,
-            self.fmt,
-            self.layout,
-            self.accelerator,
-            links,
-            rates or self.kernel_rates(),
-            engine,
-            self.kv_dtype,
-        )
 
 
 def resolve_kv_dtype(kv_dtype: str, fmt: WeightFormat) -> str:
@@ -296,7 +182,6 @@ class Plan:
 
 
 def make_plan(config: PlanConfig) -> Plan:
-    from deepserve.plan.commands import engine_commands, serve_commands
 
     spec = load_spec(config.model)
     layout = _layout_from(config)

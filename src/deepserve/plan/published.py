@@ -18,8 +18,9 @@ from deepserve.models.spec import ModelSpec
 from deepserve.plan.calibration import calibrated_class
 from deepserve.plan.layout import Layout
 from deepserve.plan.perf import PerformanceModel, Prediction, Workload
-from deepserve.plan.planner import Deployment, build_deployment
+from deepserve.plan.planner import build_deployment
 from deepserve.plan.profiles import EngineParameters
+from deepserve.plan.types import Deployment
 
 FIGURES_PATH = Path(__file__).with_name("data") / "serving_figures.json"
 

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deepserve.report import derived as dv
-from deepserve.report import series as sr
 from deepserve.report.deployment import SetDeployment
-from deepserve.report.slo import Slo, metric_words
+from deepserve.results import series as sr
 from deepserve.results.points import ResultPoint, ResultSet
+from deepserve.results.slo import Slo, metric_words
 
 PLATEAU_FRACTION = 0.95  # within 5% of the best is "on the plateau"
 KEEPING_UP_FRACTION = 0.90  # completing at least 90% of the offered rate is "keeping up"

@@ -19,9 +19,9 @@ from deepserve.report.charts import Chart, draw_charts
 from deepserve.report.deployment import DeploymentOptions, SetDeployment, resolve_deployment
 from deepserve.report.derived import annotate
 from deepserve.report.html import render_html
-from deepserve.report.slo import Slo
 from deepserve.report.tune import predicted_vs_measured_chart, tune_section_html
 from deepserve.results.points import ResultSet
+from deepserve.results.slo import Slo
 from deepserve.results.sweepdir import load_result_set
 
 

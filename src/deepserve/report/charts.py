@@ -23,9 +23,9 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
 from deepserve.report import derived as dv
-from deepserve.report import series as sr
-from deepserve.report.slo import Slo, metric_words
+from deepserve.results import series as sr
 from deepserve.results.points import ResultSet
+from deepserve.results.slo import Slo, metric_words
 
 COLORS: list[tuple[float, float, float]] = [tuple(rgb) for rgb in plt.get_cmap("tab10")(range(10))[:, :3]]
 SOLID: Literal["-"] = "-"

@@ -14,8 +14,8 @@ from deepserve.report import derived as dv
 from deepserve.report.answers import EfficiencyAnswer, SaturationAnswer, SloAnswer
 from deepserve.report.charts import Chart
 from deepserve.report.deployment import SetDeployment
-from deepserve.report.slo import Slo
 from deepserve.results.points import SUMMARY_COLUMNS, ResultPoint, ResultSet, format_rate
+from deepserve.results.slo import Slo
 
 Answers = tuple[Sequence[SloAnswer], Sequence[SaturationAnswer], Sequence[EfficiencyAnswer]]
 

@@ -15,8 +15,8 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter
 
 from deepserve.report.charts import COLORS, DPI, FIGSIZE, Chart
-from deepserve.report.slo import Slo
 from deepserve.results.points import ResultPoint, ResultSet
+from deepserve.results.slo import Slo
 from deepserve.tune.goodput import MissingDetails, output_goodput_tok_s, slos_hold
 
 

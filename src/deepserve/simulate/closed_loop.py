@@ -12,7 +12,7 @@ import random
 import statistics
 from dataclasses import dataclass
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.simulate.clock import ManualClock
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.core import EngineCore

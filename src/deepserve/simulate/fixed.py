@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.setup import SimulatedDeployment, resolve
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, cast
 
-from deepserve.bench.client import SO_TIMESTAMPNS, TIMESTAMP_SPACE, ArrivalClock
+from deepserve.net import SO_TIMESTAMPNS, TIMESTAMP_SPACE, ArrivalClock
 
 SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent
 
@@ -134,13 +134,7 @@ class KernelStampedTransport:
         if not data:
             self.abort()
             return
-        now = time.perf_counter()
-        received_s = now
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
-                seconds, nanoseconds = struct.unpack_from("qq", payload)
-                received_s = self.clock.perf_s(seconds * 1_000_000_000 + nanoseconds, now)
-        self.protocol.read_s_hint = received_s
+        self.protocol.read_s_hint = self.clock.received_s(ancillary, time.perf_counter())
         self.protocol.data_received(data)
 
     def write(self, data: bytes) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from deepserve.config import EngineConfig, validate_section
+from deepserve.config import validate_section
+from deepserve.engines.config import EngineConfig
 from deepserve.engines.vllm import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -34,7 +35,8 @@ from deepserve.simulate.timing import FixedStepTimer, PlannerStepTimer, StepTime
 
 if TYPE_CHECKING:
     from deepserve.plan.perf import PerformanceModel, Prediction, Workload
-    from deepserve.plan.planner import Plan, PlanConfig
+    from deepserve.plan.planner import Plan
+    from deepserve.plan.types import PlanConfig
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V3"
 FIXED_MAX_MODEL_LEN = 32768  # a fixed-timing simulator of an unknown model: the planner's default context
@@ -209,7 +211,7 @@ def _plan_config(
     batched: int,
     max_num_seqs: int,
 ) -> PlanConfig:
-    from deepserve.plan.planner import PlanConfig
+    from deepserve.plan.types import PlanConfig
 
     given = engine.model_fields_set
     values = {

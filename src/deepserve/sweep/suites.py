@@ -24,7 +24,7 @@ from itertools import product
 from typing import Any
 
 from deepserve.errors import ConfigError, unknown_name
-from deepserve.report.series import OFFLINE, PREFIX_NONE, PREFIX_SHARED
+from deepserve.results.series import OFFLINE, PREFIX_NONE, PREFIX_SHARED
 
 DEFAULT_TIME_BUDGET_S = 900.0  # every suite finishes on the tiny CPU model within 15 minutes
 CONTEXT_FILL = 0.9  # the longest request may use this much of the context

@@ -9,8 +9,8 @@ from typing import Any
 
 import yaml
 
-from deepserve.config import EngineConfig
-from deepserve.report.slo import Slo
+from deepserve.engines.config import EngineConfig
+from deepserve.results.slo import Slo
 from deepserve.results.sweepdir import now_iso
 from deepserve.tune.select import Scored
 

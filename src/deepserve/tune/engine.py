@@ -13,12 +13,14 @@ from typing import Any
 
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.runner import run_benchmark
-from deepserve.config import EngineConfig, ServeConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.engines.supervisor import ProcessDied, SupervisedProcess
 from deepserve.errors import DeepserveError, EngineError
 from deepserve.net import free_port
-from deepserve.report.slo import Slo
-from deepserve.service import ServicePlan, plan_service, preflight, started_service
+from deepserve.results.slo import Slo
+from deepserve.serve.config import ServeConfig
+from deepserve.serve.run import started_service
+from deepserve.serve.service_plan import ServicePlan, plan_service, preflight
 from deepserve.sweep.grid import apply_overrides
 from deepserve.tune.goodput import check_slos, output_goodput_tok_s
 from deepserve.tune.grid import TunePoint

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from deepserve.errors import DeepserveError
-from deepserve.report.slo import Slo
+from deepserve.results.slo import Slo
 
 DETAIL_KEYS = ("output_lens", "ttfts", "latencies", "itls", "errors")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError, unknown_name
 
 # Set by the tune for every point (a free loopback port), never by the user.

@@ -16,13 +16,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from deepserve.bench.config import BenchConfig
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.engines.vllm import DEFAULT_GPU_MEMORY_UTILIZATION
 from deepserve.errors import DeepserveError
 from deepserve.hardware.catalog import HOST_NAMES, match_device_name
 from deepserve.hardware.detect import local_gpus
-from deepserve.plan.planner import Plan, PlanConfig, make_plan
-from deepserve.report.slo import Slo
+from deepserve.plan.planner import Plan, make_plan
+from deepserve.plan.types import PlanConfig
+from deepserve.results.slo import Slo
 from deepserve.tune.goodput import split_metric
 
 GIB = 1024**3

@@ -19,8 +19,8 @@ from typing import Any
 
 from deepserve.bench.config import BenchConfig
 from deepserve.errors import DeepserveError
-from deepserve.report.slo import Slo
 from deepserve.results.points import params_from_result
+from deepserve.results.slo import Slo
 from deepserve.results.store import record_run
 from deepserve.results.sweepdir import PointEntry, SweepIndex, now_iso, write_index, write_point_result
 from deepserve.sweep.resume import resume_or_start

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.engines.vllm import DEFAULT_GPU_MEMORY_UTILIZATION
-from deepserve.report.slo import Slo
+from deepserve.results.slo import Slo
 from deepserve.tune.goodput import SloCheck, check_slos, output_goodput_tok_s
 from deepserve.tune.search import SearchOutcome
 

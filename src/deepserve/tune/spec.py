@@ -10,11 +10,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deepserve.bench.config import BenchConfig
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import DeepserveError
-from deepserve.report.slo import Slo
+from deepserve.results.slo import Slo
 from deepserve.results.sweepdir import now_iso
-from deepserve.service import ServicePlan
+from deepserve.serve.service_plan import ServicePlan
 from deepserve.sweep.grid import signature
 from deepserve.sweep.probe import local_hardware
 from deepserve.tune.best import engine_section

@@ -19,8 +19,8 @@ from typing import Any
 import psutil
 import pytest
 
-from deepserve.config import EngineConfig
 from deepserve.deploy.ray_backend import wait_for_ray_gpus
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import EngineError
 from deepserve.net import free_port
 

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
-from deepserve.config import EngineConfig
 from deepserve.deploy import compose, kubernetes
 from deepserve.deploy.render import render
 from deepserve.deploy.source import MASTER_PLACEHOLDER, DeploySpec, deploy_spec
+from deepserve.engines.config import EngineConfig
 from deepserve.gateway.config import GatewayConfig
 
 DOCKER_COMPOSE = shutil.which("docker-compose")

@@ -15,7 +15,7 @@ import pytest
 
 from deepserve.report.build import build_report, load_sets
 from deepserve.report.deployment import DeploymentOptions
-from deepserve.report.slo import Slo
+from deepserve.results.slo import Slo
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "results"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

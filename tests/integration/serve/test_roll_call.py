@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.engines.nodes import CheckIn, HeadStopped, RollCall, deployment_of
 from deepserve.errors import ConfigError, EngineError
 from deepserve.net import free_port

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from deepserve.cli.main import main
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.plan.perf import Workload
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.setup import resolve

@@ -7,7 +7,7 @@ import httpx
 import openai
 
 from deepserve.bench.server_metrics import parse_metrics
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.server import running_gateway
 from deepserve.simulate.config import SimulateConfig

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from deepserve.bench.server_metrics import parse_metrics
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.server import SimulatorServer, running_simulator
 from deepserve.simulate.setup import resolve

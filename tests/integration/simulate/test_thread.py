@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.server import SimulatorThread
 from deepserve.simulate.setup import resolve

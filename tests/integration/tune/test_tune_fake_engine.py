@@ -18,8 +18,9 @@ import yaml
 
 from deepserve.bench.config import BenchConfig
 from deepserve.cli.main import main
-from deepserve.config import EngineConfig, load_section
-from deepserve.report.slo import parse_slo
+from deepserve.config import load_section
+from deepserve.engines.config import EngineConfig
+from deepserve.results.slo import parse_slo
 from deepserve.results.store import ResultsStore
 from deepserve.results.sweepdir import load_result_set, read_index
 from deepserve.tune.engine import EngineFailed, EnginePointRunner

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from deepserve import service
 from deepserve.cli.main import COMMANDS, main
+from deepserve.serve import service_plan as service
 
 
 def test_help_lists_every_subcommand_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:

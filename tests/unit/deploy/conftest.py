@@ -19,8 +19,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deepserve.config import EngineConfig
 from deepserve.deploy.source import MASTER_PLACEHOLDER, DeploySpec, deploy_spec
+from deepserve.engines.config import EngineConfig
 from deepserve.gateway.config import GatewayConfig
 
 CRDS = Path(__file__).parents[2] / "fixtures" / "crds"

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from deepserve.cli.main import main
-from deepserve.config import EngineConfig
 from deepserve.deploy.check import (
     GIB,
     Check,
@@ -30,6 +29,7 @@ from deepserve.deploy.check import (
     run_checks,
 )
 from deepserve.deploy.netif import Interface
+from deepserve.engines.config import EngineConfig
 from deepserve.hardware.detect import LocalGpu, local_gpus
 
 H100 = LocalGpu(0, "NVIDIA H100 80GB HBM3", 81559)

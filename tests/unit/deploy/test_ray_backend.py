@@ -10,8 +10,6 @@ from typing import Any
 
 import pytest
 
-from deepserve import service
-from deepserve.config import EngineConfig
 from deepserve.deploy.netif import Interface
 from deepserve.deploy.ray_backend import CPU_REFUSAL, check_ray_backend, wait_for_ray_gpus
 from deepserve.deploy.ray_cluster import (
@@ -30,9 +28,11 @@ from deepserve.deploy.ray_cluster import (
     stop_node,
     where,
 )
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError, EngineError
 from deepserve.net import free_port
-from deepserve.service import plan_service
+from deepserve.serve import service_plan as service
+from deepserve.serve.service_plan import plan_service
 from tests.helpers import FakeClock
 
 RAY = {"model": "deepseek-ai/DeepSeek-V3", "tensor_parallel_size": 8, "pipeline_parallel_size": 2}

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
-from deepserve.config import serve_command
 from deepserve.deploy import slurm
 from deepserve.deploy.render import render
 from deepserve.deploy.source import DeploySpec
+from deepserve.engines.config import serve_command
 from deepserve.errors import ConfigError
 from deepserve.gateway.config import GatewayConfig
 

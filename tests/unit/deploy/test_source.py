@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from deepserve.config import EngineConfig
 from deepserve.deploy.source import (
     MASTER_PLACEHOLDER,
     checkpoint_bytes,
@@ -19,6 +18,7 @@ from deepserve.deploy.source import (
     render_model,
     shell_line,
 )
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError
 from deepserve.gateway.config import GatewayConfig
 from deepserve.models.presets import preset_spec

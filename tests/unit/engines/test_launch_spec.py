@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from deepserve.config import EngineConfig
-from deepserve.engines.base import ResolvedModel
+from deepserve.engines.config import EngineConfig
 from deepserve.engines.registry import get_engine
 from deepserve.errors import ConfigError
+from deepserve.models.resolve import ResolvedModel
 
 GPU_MODEL = ResolvedModel("deepseek-ai/DeepSeek-V3-0324", "deepseek-ai/DeepSeek-V3-0324", on_cpu=False)
 CPU_MODEL = ResolvedModel("/models/tiny", "deepserve/tiny-deepseek-v3", on_cpu=True)

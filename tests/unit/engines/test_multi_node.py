@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from deepserve.config import EngineConfig, changed_flags, load_section
-from deepserve.engines.base import ResolvedModel
+from deepserve.config import changed_flags, load_section
+from deepserve.engines.config import EngineConfig
 from deepserve.engines.registry import get_engine
 from deepserve.engines.topology import check_layout_fits_nodes, check_master_address
 from deepserve.errors import ConfigError
+from deepserve.models.resolve import ResolvedModel
 
 GPU_MODEL = ResolvedModel("deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-V3", on_cpu=False)
 CPU_MODEL = ResolvedModel("/models/tiny", "deepserve/tiny-deepseek-v3", on_cpu=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.hardware.catalog import get_accelerator
 from deepserve.plan.admission import accelerator_for, check_cpu_fit, check_gpu_fit
 

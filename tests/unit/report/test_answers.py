@@ -7,8 +7,8 @@ import pytest
 
 from deepserve.errors import ConfigError
 from deepserve.report.answers import saturation_answers, slo_answers
-from deepserve.report.slo import Slo, parse_slo, parse_slos
 from deepserve.results.points import PointParams, ResultPoint, ResultSet
+from deepserve.results.slo import Slo, parse_slo, parse_slos
 from deepserve.results.sweepdir import load_result_set
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "results"

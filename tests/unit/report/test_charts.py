@@ -6,9 +6,9 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from deepserve.report import series as sr
 from deepserve.report.charts import draw_charts
-from deepserve.report.slo import Slo
+from deepserve.results import series as sr
+from deepserve.results.slo import Slo
 from deepserve.results.sweepdir import load_result_set
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "results"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from deepserve.cli.main import main
 from deepserve.report.build import build_report, load_sets
-from deepserve.report.slo import Slo
+from deepserve.results.slo import Slo
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "results"
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.plan.perf import Workload
 from deepserve.simulate.clock import ManualClock, Timer
 from deepserve.simulate.closed_loop import run_closed_loop, simulate_closed_loop

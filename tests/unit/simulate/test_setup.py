@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from deepserve.cli.main import main
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError
-from deepserve.plan.planner import PlanConfig, make_plan
+from deepserve.plan.planner import make_plan
+from deepserve.plan.types import PlanConfig
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.setup import build_core, resolve
 

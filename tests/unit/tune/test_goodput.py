@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepserve.report.slo import parse_slo
+from deepserve.results.slo import parse_slo
 from deepserve.tune.goodput import MissingDetails, attainment, check_slos, output_goodput_tok_s, slos_hold
 from tests.unit.tune.fake_points import result_from_requests
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepserve.config import EngineConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError
 from deepserve.tune.grid import expand, parse_axis, parse_setting, point_id
 

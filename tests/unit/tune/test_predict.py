@@ -7,8 +7,8 @@ import math
 import pytest
 
 from deepserve.bench.config import BenchConfig
-from deepserve.config import EngineConfig
-from deepserve.report.slo import parse_slo
+from deepserve.engines.config import EngineConfig
+from deepserve.results.slo import parse_slo
 from deepserve.tune.grid import expand, parse_axis
 from deepserve.tune.predict import (
     Forecast,

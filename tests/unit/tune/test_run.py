@@ -11,10 +11,11 @@ import pytest
 
 from deepserve.bench.config import BenchConfig
 from deepserve.cli.main import main
-from deepserve.config import EngineConfig, load_section
+from deepserve.config import load_section
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError
 from deepserve.report.build import build_report, load_sets
-from deepserve.report.slo import parse_slo
+from deepserve.results.slo import parse_slo
 from deepserve.results.store import ResultsStore
 from deepserve.results.sweepdir import read_index
 from deepserve.tune.grid import expand, parse_axis

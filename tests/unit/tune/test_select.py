@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deepserve.config import EngineConfig
-from deepserve.report.slo import parse_slo
+from deepserve.engines.config import EngineConfig
+from deepserve.results.slo import parse_slo
 from deepserve.tune.search import Probe, SearchOutcome
 from deepserve.tune.select import Scored, choose_best, ranking, resources, score
 from tests.unit.tune.fake_points import batched_server_result

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from deepserve import service
-from deepserve.config import EngineConfig, ServeConfig
+from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError, EngineError, ModelError
 from deepserve.hardware.detect import LocalGpu
 from deepserve.models.presets import TINY_MODEL_NAME
 from deepserve.net import ensure_port_free
+from deepserve.serve import service_plan as service
+from deepserve.serve.config import ServeConfig
 
 
 @pytest.fixture

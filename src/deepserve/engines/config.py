@@ -1,0 +1,127 @@
+"""The engine's section of the config tree: how the inference engine is launched, on one node or many."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from deepserve.config import Section, changed_flags
+from deepserve.errors import unknown_name
+
+DeviceName = Literal["auto", "cpu", "cuda"]
+DistributedBackend = Literal["mp", "ray"]
+JOIN_PORT_OFFSET = 100  # default join port: master port + 100, clear of the ports vLLM takes near the master port
+
+
+class EngineConfig(Section):
+    """How the inference engine is launched: the flags the seeds tune, in one place."""
+
+    engine: str = Field("vllm", description="inference engine to launch (a name in deepserve.engines.registry)")
+    model: str | None = Field(
+        None, description="preset name, Hugging Face id or local path (default: the tiny model on CPU)"
+    )
+    served_model_name: str | None = Field(None, description="model name clients use (default: the model's)")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    device: DeviceName = Field("auto", description="cpu, cuda, or auto (cuda when a GPU is found)")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs each layer is split over")
+    pipeline_parallel_size: int = Field(1, ge=1, description="pipeline stages (layers split across GPUs/nodes)")
+    data_parallel_size: int = Field(1, ge=1, description="data-parallel replicas (attention DP with --enable-ep)")
+    enable_expert_parallel: bool = Field(False, description="shard MoE experts across GPUs instead of splitting")
+    max_model_len: int | None = Field(None, ge=16, description="context length (prompt + output) in tokens")
+    max_num_seqs: int | None = Field(None, ge=1, description="most sequences in one batch")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="most tokens in one scheduler step")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="fraction of GPU memory the engine may use"
+    )
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0, description="KV-cache size in GiB (on CPU the default is 1 GiB)"
+    )
+    block_size: int | None = Field(None, ge=1, description="KV-cache block size in tokens")
+    quantization: str | None = Field(None, description="weight quantization method, e.g. fp8, awq, awq_marlin")
+    kv_cache_dtype: str | None = Field(None, description="KV-cache dtype: auto, fp8, fp8_e4m3, fp8_e5m2")
+    dtype: str | None = Field(None, description="activation dtype: auto, bfloat16, float16")
+    enable_chunked_prefill: bool | None = Field(None, description="split long prefills into chunks")
+    enable_prefix_caching: bool | None = Field(None, description="reuse KV cache of shared prompt prefixes")
+    trust_remote_code: bool = Field(False, description="allow the model repository's own Python code")
+    nnodes: int = Field(1, ge=1, description="nodes the engine spans (vLLM's native multi-node runtime)")
+    node_rank: int = Field(0, ge=0, description="this node: 0 runs the API and gateway, others headless workers")
+    master_addr: str | None = Field(
+        None, description="node 0's address, reachable from every node (needed with --nnodes > 1)"
+    )
+    master_port: int = Field(29501, ge=1, le=65535, description="node 0's port for the engine's rendezvous")
+    join_port: int | None = Field(
+        None, ge=1, le=65535, description="node 0's port where deepserve's nodes check in (default: master port+100)"
+    )
+    join_timeout_s: float = Field(900.0, gt=0, description="how long nodes wait for each other to join")
+    gpus_per_node: int | None = Field(
+        None, ge=1, description="GPUs on each node (default: what this machine has); checks the layout"
+    )
+    gpu_type: str | None = Field(
+        None, description="GPU type of the nodes, from the catalog (default: what nvidia-smi finds); checks the fit"
+    )
+    data_parallel_size_local: int | None = Field(
+        None, ge=1, description="data-parallel ranks on this node (default: --data-parallel-size over --nnodes)"
+    )
+    data_parallel_address: str | None = Field(None, description="address of data-parallel rank 0 (default: master)")
+    data_parallel_rpc_port: int | None = Field(None, ge=1, le=65535, description="data-parallel RPC port on node 0")
+    distributed_executor_backend: DistributedBackend | None = Field(
+        None, description="mp (vLLM's own processes, across nodes too) or ray (a Ray cluster: `deepserve cluster`)"
+    )
+    extra_args: list[str] = Field(default_factory=list, description="passed to the engine unchanged (after --)")
+    startup_timeout_s: float = Field(1800.0, gt=0, description="give up if the engine is not ready by then")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        from deepserve.engines.registry import ENGINES  # the registry's engines import this module: look it up late
+
+        if name not in ENGINES:  # a ValueError, so that pydantic reports it with the field like every other
+            raise ValueError(unknown_name("engine", name, sorted(ENGINES)))
+        return name
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> EngineConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}: "
+                f"give each node a rank from 0 to {self.nnodes - 1}"
+            )
+        if self.nnodes > 1 and not self.master_addr:
+            raise ValueError(
+                f"--nnodes {self.nnodes} needs --master-addr: node 0's address that every node can reach "
+                "(e.g. its IP on the cluster network)"
+            )
+        return self
+
+    @property
+    def is_multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    @property
+    def is_head(self) -> bool:
+        """Node 0 runs the engine's API (and the gateway); other nodes run headless workers."""
+        return self.node_rank == 0
+
+    @property
+    def world_size(self) -> int:
+        """Devices the layout needs over all nodes: tensor x pipeline x data parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def effective_join_port(self) -> int:
+        return self.join_port or self.master_port + JOIN_PORT_OFFSET
+
+    def for_node(self, rank: int) -> EngineConfig:
+        """The same deployment as node RANK runs it."""
+        return self.model_copy(update={"node_rank": rank})
+
+
+def serve_command(config: EngineConfig, extra_flags: list[str] | tuple[str, ...] = ()) -> str:
+    """The `deepserve serve` line that runs CONFIG on a node, with EXTRA_FLAGS (serve's own settings) added."""
+    argv = ["deepserve", "serve", *changed_flags(config, skip=("extra_args",)), *extra_flags]
+    if config.extra_args:
+        argv += ["--", *config.extra_args]
+    return shlex.join(argv)
