@@ -5,16 +5,25 @@ from __future__ import annotations
 from deepserve.engines.config import EngineConfig, serve_command
 from deepserve.engines.registry import ENGINES
 from deepserve.models.resolve import ResolvedModel
+from deepserve.models.spec import ModelSpec
 from deepserve.plan.types import Deployment, PlanConfig
 
 HEAD_NODE_ADDRESS = "HEAD_NODE_IP"  # a placeholder the user replaces with node 0's address
+# Model types whose config and model code ship with the engines (transformers/models/deepseek_v2, deepseek_v3,
+# deepseek_v32, deepseek_v4; vllm/transformers_utils/config.py registers deepseek_v32, deepseek_v4, deepseek_v41;
+# vllm/model_executor/models/deepseek_v2.py serves V2/V3): they load without the repository's own Python code.
+NATIVE_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_v41"})
+
+
+def needs_remote_code(spec: ModelSpec) -> bool:
+    """--trust-remote-code only for a model the engines do not implement themselves: it runs the repository's code."""
+    return spec.model_type not in NATIVE_MODEL_TYPES
 
 
 def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> EngineConfig:
     """The plan as an EngineConfig for ENGINE (each engine's launcher maps the layout to its own flags)."""
     layout = deployment.layout
     memory = deployment.memory
-    seqs = deployment.running_cap // layout.pp if deployment.running_cap else None
     return EngineConfig.model_validate(
         {
             "engine": engine,
@@ -24,11 +33,11 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
             "data_parallel_size": layout.dp,
             "enable_expert_parallel": layout.ep,
             "max_model_len": memory.max_model_len,
-            "max_num_seqs": max(seqs, 1) if seqs is not None else None,
+            "max_num_seqs": deployment.max_num_seqs_per_rank,
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "quantization": deployment.fmt.vllm_quantization,
             "kv_cache_dtype": "fp8" if deployment.kv_dtype == "fp8" else None,
-            "trust_remote_code": True,
+            "trust_remote_code": needs_remote_code(deployment.spec),
             "nnodes": deployment.nodes,
             "master_addr": HEAD_NODE_ADDRESS if deployment.nodes > 1 else None,
         }
