@@ -41,26 +41,28 @@ class NetworkProfile:
     link_layer: str | None = None  # what /sys/class/infiniband/*/ports/*/link_layer says: InfiniBand or Ethernet
     rdma_resource: str | None = None  # the Kubernetes extended resource that grants the HCAs to a pod
     ib_hca: str | None = None  # NCCL_IB_HCA: which HCAs (None: NCCL takes every HCA it finds)
-    socket_ifname: str = POD_INTERFACE  # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME: bootstrap, Gloo and TCP traffic
+    socket_ifname: str | None = None  # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME: bootstrap, Gloo and TCP traffic
     gid_index: int | None = None  # NCCL_IB_GID_INDEX: RoCE picks the v2 GID
     pod_networks: str | None = None  # Multus attachments for the RDMA NICs (k8s.v1.cni.cncf.io/networks)
     extra_env: tuple[tuple[str, str], ...] = ()  # passed through as given (--network-env)
     extra_resources: tuple[tuple[str, str], ...] = ()  # passed through as given (--network-resource)
 
-    def env(self) -> dict[str, str]:
-        """The variables every engine process of a multi-node deployment gets (extra ones win)."""
-        values = {"NCCL_SOCKET_IFNAME": self.socket_ifname, "GLOO_SOCKET_IFNAME": self.socket_ifname}
-        values["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] = self.socket_ifname
-        if not self.rdma:
-            values["NCCL_IB_DISABLE"] = "1"  # sockets only: never try an HCA that the other nodes cannot reach
-            return {**values, **dict(self.extra_env)}
-        values["NCCL_IB_DISABLE"] = "0"
-        if self.ib_hca:
-            values["NCCL_IB_HCA"] = self.ib_hca
-            values["NVSHMEM_HCA_LIST"] = self.ib_hca
-        if self.gid_index is not None:
-            values["NCCL_IB_GID_INDEX"] = str(self.gid_index)
-            values["NVSHMEM_IB_GID_INDEX"] = str(self.gid_index)
+    def env(self, default_ifname: str | None = None) -> dict[str, str]:
+        """The variables every engine process of a multi-node deployment gets (extra ones win). DEFAULT_IFNAME is
+        the socket interface where none was named: a pod's eth0; on hosts, where names differ, none (NCCL picks one,
+        or compose's per-node network.env names it)."""
+        values: dict[str, str] = {}
+        ifname = self.socket_ifname or default_ifname
+        if ifname:
+            values.update(
+                NCCL_SOCKET_IFNAME=ifname, GLOO_SOCKET_IFNAME=ifname, NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=ifname
+            )
+        # Sockets only: never try an HCA the other nodes cannot reach.
+        values["NCCL_IB_DISABLE"] = "0" if self.rdma else "1"
+        if self.rdma and self.ib_hca:
+            values.update(NCCL_IB_HCA=self.ib_hca, NVSHMEM_HCA_LIST=self.ib_hca)
+        if self.rdma and self.gid_index is not None:
+            values.update(NCCL_IB_GID_INDEX=str(self.gid_index), NVSHMEM_IB_GID_INDEX=str(self.gid_index))
         return {**values, **dict(self.extra_env)}
 
     def resources(self) -> dict[str, str]:
@@ -132,7 +134,9 @@ class NetworkConfig(Section):
         None, description="NCCL_IB_HCA: the HCAs to use, e.g. mlx5 or =mlx5_0,mlx5_1 (default: every HCA found)"
     )
     socket_ifname: str | None = Field(
-        None, description=f"NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME (default: {POD_INTERFACE}, a pod's own network)"
+        None,
+        description=f"NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME (default: {POD_INTERFACE} in pods; on hosts, what "
+        "network.env names or NCCL finds)",
     )
     ib_gid_index: int | None = Field(None, ge=0, description="NCCL_IB_GID_INDEX (default: 3 for roce, unset for ib)")
     rdma_resource: str | None = Field(
@@ -178,7 +182,7 @@ class NetworkConfig(Section):
         return replace(
             base,
             ib_hca=self.ib_hca or base.ib_hca,
-            socket_ifname=self.socket_ifname or base.socket_ifname,
+            socket_ifname=self.socket_ifname,
             gid_index=base.gid_index if self.ib_gid_index is None else self.ib_gid_index,
             rdma_resource=self.rdma_resource or base.rdma_resource,
             pod_networks=self.pod_networks,

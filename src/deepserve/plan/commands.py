@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shlex
+
+from deepserve.config import changed_fields
 from deepserve.engines.config import EngineConfig, serve_command
 from deepserve.engines.registry import ENGINES
 from deepserve.models.resolve import ResolvedModel
@@ -60,3 +63,39 @@ def serve_commands(deployment: Deployment, config: PlanConfig) -> tuple[str, ...
         update={"gpu_type": deployment.accelerator.name, "host": "0.0.0.0" if deployment.nodes > 1 else "127.0.0.1"}
     )
     return tuple(serve_command(engine.for_node(rank)) for rank in range(deployment.nodes))
+
+
+# PlanConfig fields and the `deepserve deploy render` flags that carry them; the others (concurrency levels, the SLO,
+# prices, calibration) shape only the forecast, not the deployment.
+RENDER_FLAGS = {
+    "model": "--model",
+    "gpu": "--gpu",
+    "gpus": "--gpus",
+    "nodes": "--nnodes",
+    "weights": "--weights",
+    "kv_dtype": "--kv-cache-dtype",
+    "max_model_len": "--max-model-len",
+    "input_len": "--input-len",
+    "output_len": "--output-len",
+    "engine": "--engine",
+    "tp": "--tensor-parallel-size",
+    "pp": "--pipeline-parallel-size",
+    "dp": "--data-parallel-size",
+    "ep": "--enable-expert-parallel",
+    "network": "--network",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+}
+
+
+def render_command(config: PlanConfig, target: str = "kubernetes", out: str = "deploy") -> str:
+    """The `deepserve deploy render` line that deploys what CONFIG plans (render plans it again, the same way)."""
+    argv = ["deepserve", "deploy", "render", "--target", target, "--out", out]
+    argv += ["--model", config.model, "--gpu", config.gpu, "--gpus", str(config.gpus)]
+    for name, value in changed_fields(config, skip=("model", "gpu", "gpus")).items():
+        flag = RENDER_FLAGS.get(name)
+        if flag is None or value is None:
+            continue
+        argv += [flag] if value is True else [flag, str(value)]
+    return shlex.join(argv)
