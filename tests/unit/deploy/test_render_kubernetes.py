@@ -463,3 +463,15 @@ def test_rendered_files_start_with_how_they_were_made_and_how_to_apply_them(make
         assert "lws/releases/download" in text  # the LeaderWorkerSet controller
         documents = list(yaml.safe_load_all(text))
         assert [doc["kind"] for doc in documents] == [obj["kind"] for obj in kubernetes.render(spec)[path.name]]
+
+
+def test_the_network_policy_and_budget_schema_checks_can_fail(make: Any, validate: Any) -> None:
+    spec = make("one-node")
+    policy = named(spec, "NetworkPolicy", "deepserve-engine")
+    policy["spec"]["ingres"] = []
+    with pytest.raises(Exception, match="ingres"):
+        validate(policy)
+    budget = named(spec, "PodDisruptionBudget", "deepserve-engine")
+    budget["spec"]["maxUnavailable"] = [1]
+    with pytest.raises(Exception, match="maxUnavailable"):
+        validate(budget)
