@@ -62,7 +62,8 @@ CACHE_HEADROOM = 1.2  # room for a second revision while the first is in use
 GATEWAY_MIN_REPLICAS = 2
 GATEWAY_MAX_REPLICAS = 8
 GATEWAY_LEDGER_SIZE = "10Gi"
-ROLLOUT_MARGIN_S = 600  # scheduling, image pull and the wait for the model marker, on top of the engine's start
+ROLLOUT_MARGIN_S = 600  # scheduling and the image pull, on top of the engine's start
+DOWNLOAD_BYTES_PER_S = 250e6  # a 2 Gb/s pull from the Hugging Face hub: 685 GB in about 46 minutes
 KV_CACHE_TARGET = 0.8  # KEDA adds a replica when the replicas' KV caches are this full on average
 FILES = ("engine.yaml", "gateway.yaml", "monitoring.yaml")
 POOL_LABEL = "deepserve/pool"
@@ -227,6 +228,16 @@ def rolling_update(replicas: int) -> dict[str, int]:
 
 
 def progress_deadline_s(spec: DeploySpec) -> int:
+    """How long a new pod may take to become ready before `kubectl rollout status` calls the rollout failed: the
+    engine's whole start, and on the first rollout the model's download (the pods wait for it)."""
+    download_s = 0
+    if downloads(spec):
+        download_s = math.ceil((spec.checkpoint_bytes or DEFAULT_CACHE_SIZE_GIB * GIB) / DOWNLOAD_BYTES_PER_S)
+    return start_budget_s(spec) + download_s
+
+
+def start_budget_s(spec: DeploySpec) -> int:
+    """How long a replica takes to serve once its model is on the volume: the engine's start and the margin."""
     return int(spec.config.startup_timeout_s) + ROLLOUT_MARGIN_S
 
 
@@ -687,7 +698,7 @@ def scaled_object(spec: DeploySpec) -> dict[str, Any]:
     load = f"sum(vllm:num_requests_running{{{selector}}}) + sum(vllm:num_requests_waiting{{{selector}}})"
     kv = f"sum(avg by (pod) (vllm:kv_cache_usage_perc{{{selector}}}))"
     server = spec.deploy.prometheus_url or (f"http://prometheus-operated.{spec.deploy.monitoring_namespace}.svc:9090")
-    start_s = progress_deadline_s(spec)
+    start_s = start_budget_s(spec)
     return {
         "apiVersion": KEDA_API,
         "kind": "ScaledObject",

@@ -224,6 +224,11 @@ def deploy_spec(
             f"--role {config.role} is for one engine started by hand; a rendered deployment sets each pool's role: "
             "give --prefill-replicas N (and --kv-connector) for a prefill pool beside the decode pool"
         )
+    if deploy.engine_api_key and config.engine != "vllm":
+        raise ConfigError(
+            f"--engine-api-key sets vLLM's VLLM_API_KEY; {config.engine} would ignore it and serve without a key: "
+            "drop --engine-api-key (the NetworkPolicy still keeps the engines to the gateway)"
+        )
     node_gpus = _node_gpus(config)
     per_node = node_gpus or max(config.world_size // config.nnodes, 1)
     notes = tuple(check_layout_fits_nodes(config, per_node, on_this_machine=False))

@@ -51,7 +51,9 @@ class PlanConfig(Section):
     pp: int | None = Field(None, ge=1, description="pipeline-parallel size; None = the number of nodes")
     dp: int = Field(1, ge=1, description="data-parallel attention replicas (with --ep)")
     ep: bool = Field(False, description="expert parallelism: whole experts per GPU instead of split experts")
-    network: str = Field("infiniband-ndr", description="between nodes: infiniband-ndr, roce-400g, ethernet-100g")
+    network: str = Field(
+        "infiniband-ndr", description="between nodes: ib, roce, tcp (or infiniband-ndr, roce-400g, ethernet-100g)"
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory the engine uses")
     max_num_seqs: int | None = Field(None, ge=1, description="running-batch cap; None = what the KV cache holds")
     max_num_batched_tokens: int = Field(8192, ge=1, description="tokens per step (sizes the activation reserve)")

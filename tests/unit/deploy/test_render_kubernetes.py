@@ -230,7 +230,11 @@ def test_a_model_on_a_path_has_no_download(make: Any) -> None:
 def test_a_deployment_rolls_out_while_serving_within_a_deadline_sized_to_the_start(make: Any) -> None:
     several = engine_object(make("one-node", replicas=3, fields={"startup_timeout_s": 2400}))["spec"]
     assert several["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
-    assert several["progressDeadlineSeconds"] >= 2400
+    spec = make("one-node", fields={"startup_timeout_s": 2400})
+    download_s = spec.checkpoint_bytes / kubernetes.DOWNLOAD_BYTES_PER_S  # the first rollout waits for it
+    assert several["progressDeadlineSeconds"] >= 2400 + download_s
+    on_a_path = engine_object(make("one-node", fields={"startup_timeout_s": 2400, "model": "/models/v3"}))
+    assert 2400 <= on_a_path["spec"]["progressDeadlineSeconds"] < 2400 + download_s
     single = engine_object(make("one-node"))["spec"]
     assert single["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}  # never zero replicas
 
@@ -295,6 +299,11 @@ def test_the_gateway_reads_keys_from_the_secret_and_keeps_its_ledger_on_a_volume
     assert mounts["state"]["mountPath"] == "/var/lib/deepserve"
     assert gateway["spec"]["volumeClaimTemplates"][0]["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert find(spec, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
+
+
+def test_an_engine_api_key_is_refused_where_the_engine_would_ignore_it(make: Any) -> None:
+    with pytest.raises(ConfigError, match="sglang would ignore it"):
+        make("two-nodes-sglang", engine_api_key=True)
 
 
 def test_redis_is_deployed_for_shared_limits_and_only_the_gateway_reaches_it(make: Any) -> None:
