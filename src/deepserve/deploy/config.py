@@ -9,9 +9,33 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from deepserve.config import Section
+from deepserve.config import Section, changed_fields
+from deepserve.errors import ConfigError
 
 QosClass = Literal["burstable", "guaranteed"]
+KUBERNETES_OPTIONS = frozenset(
+    {
+        "runtime_class",
+        "node_selector",
+        "storage_class",
+        "qos",
+        "scheduler_name",
+        "kueue_queue",
+        "exclusive_topology",
+        "max_replicas",
+        "capacity_per_replica",
+        "monitoring_namespace",
+        "prometheus_url",
+        "prometheus_release",
+    }
+)
+SLURM_OPTIONS = frozenset({"slurm_partition", "slurm_time", "slurm_account", "container_image", "container_mounts"})
+# The targets each target-specific option is for (the others apply to every target).
+OPTION_TARGETS = {
+    **dict.fromkeys(KUBERNETES_OPTIONS, ("kubernetes",)),
+    **dict.fromkeys(SLURM_OPTIONS, ("slurm",)),
+    "engine_api_key": ("kubernetes", "compose"),
+}
 DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?"
 
 
@@ -131,3 +155,14 @@ class DeployConfig(Section):
     @property
     def autoscaled(self) -> bool:
         return self.max_replicas is not None and self.max_replicas > self.replicas
+
+
+def check_target_options(deploy: DeployConfig, target: str) -> None:
+    """Refuse options given for another target, which this one would silently ignore."""
+    ignored = [
+        "--" + name.replace("_", "-") + f" ({' or '.join(OPTION_TARGETS[name])})"
+        for name in changed_fields(deploy)
+        if name in OPTION_TARGETS and target not in OPTION_TARGETS[name]
+    ]
+    if ignored:
+        raise ConfigError(f"--target {target} has no use for {', '.join(ignored)}: drop them or render that target")

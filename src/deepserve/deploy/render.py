@@ -12,6 +12,7 @@ import yaml
 
 from deepserve import __version__
 from deepserve.deploy import compose, kubernetes, slurm
+from deepserve.deploy.config import check_target_options
 from deepserve.deploy.source import DeploySpec
 from deepserve.errors import ConfigError, unknown_name
 
@@ -177,7 +178,9 @@ def get_target(name: str) -> Target:
 
 def render(spec: DeploySpec, target: str, out: Path, out_as_typed: str | None = None) -> list[Path]:
     """Write TARGET's files for SPEC under OUT; return their paths."""
-    files = get_target(target).files(spec, out_as_typed or str(out))
+    chosen = get_target(target)
+    check_target_options(spec.deploy, target)
+    files = chosen.files(spec, out_as_typed or str(out))
     written = []
     for rendered in files:
         path = out / rendered.path

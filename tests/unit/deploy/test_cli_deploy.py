@@ -28,6 +28,16 @@ def test_render_writes_the_targets_files_and_records_the_command(
     assert "--node-rank 1" in script and script.rstrip().splitlines()[1].endswith("--enable-eplb ;;")
 
 
+def test_options_of_another_target_are_refused_not_ignored(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["deploy", "render", "--target", "compose", "--out", str(tmp_path / "c"), "--model", "v3"]
+    assert main([*argv, "--slurm-partition", "gpu"]) == 2
+    assert "--target compose has no use for --slurm-partition (slurm)" in capsys.readouterr().err
+    slurm = ["deploy", "render", "--target", "slurm", "--out", str(tmp_path / "s"), "--model", "v3"]
+    assert main([*slurm, "--engine-api-key"]) == 2
+    assert "--engine-api-key (kubernetes or compose)" in capsys.readouterr().err
+    assert main([*slurm, "--slurm-partition", "gpu"]) == 0
+
+
 def test_render_takes_the_gateway_section_of_the_config_file(tmp_path: Path) -> None:
     config = tmp_path / "deepserve.yaml"
     config.write_text("engine:\n  model: deepseek-ai/DeepSeek-V3-0324\n  tensor_parallel_size: 8\n"
@@ -51,6 +61,7 @@ def test_render_takes_the_gateway_section_of_the_config_file(tmp_path: Path) -> 
         (["--model", "v3", "--network", "myrinet"], "unknown network 'myrinet'"),
         (["--model", "v3", "--network", "tcp", "--ib-hca", "mlx5"], "--network tcp does not use"),
         (["--model", "v3", "--name", "Deep_Serve"], "must be a DNS label"),
+        (["--model", "v3", "--max-replicas", "4", "--storage-class", "x"], "no use for --storage-class (kubernetes)"),
         (["--model", "v3", "--gpu", "h100", "--gpus", "0"], "--gpus 0: give the total number of GPUs"),
         (["--model", "v3", "--gpu", "h100", "--gpus", "16", "--gpu-type", "h200"], "--gpu h100 disagree"),
         (["--model", "v3", "--gpu", "h100", "--gpus", "16", "--nnodes", "3"], "does not split evenly over --nnodes"),
