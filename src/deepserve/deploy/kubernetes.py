@@ -67,6 +67,7 @@ DOWNLOAD_BYTES_PER_S = 250e6  # a 2 Gb/s pull from the Hugging Face hub: 685 GB 
 KV_CACHE_TARGET = 0.8  # KEDA adds a replica when the replicas' KV caches are this full on average
 FILES = ("engine.yaml", "gateway.yaml", "monitoring.yaml")
 POOL_LABEL = "deepserve/pool"
+NAMESPACE_PLACEHOLDER = "__DEEPSERVE_POD_NAMESPACE__"  # the gateway pod's namespace, from its POD_NAMESPACE
 
 
 def names(spec: DeploySpec) -> dict[str, str]:
@@ -491,7 +492,7 @@ def engine_network_policy(spec: DeploySpec) -> dict[str, Any]:
 def engine_url(spec: DeploySpec, pool: Pool) -> str:
     """The pool's headless Service by its full name (the namespace from the gateway pod's POD_NAMESPACE, which the
     kubelet expands in the command): the gateway resolves it to every ready replica."""
-    return f"http://{api_service_name(spec, pool)}.$(POD_NAMESPACE).svc.cluster.local:{ENGINE_PORT}/v1"
+    return f"http://{api_service_name(spec, pool)}.{NAMESPACE_PLACEHOLDER}.svc.cluster.local:{ENGINE_PORT}/v1"
 
 
 # ---- the gateway ------------------------------------------------------------------------------------------------
@@ -524,7 +525,7 @@ def gateway_argv(spec: DeploySpec) -> list[str]:
     """The gateway's command: the serving pool's replicas found through its headless Service, prefill replicas the
     same way, keys from the Secret's file, limits shared in Redis."""
     pools = spec.pools
-    return gateway_command(
+    argv = gateway_command(
         spec,
         [engine_url(spec, spec.serving_pool)],
         GATEWAY_PORT,
@@ -534,6 +535,8 @@ def gateway_argv(spec: DeploySpec) -> list[str]:
         upstream_api_key_file=f"{ENGINE_KEY_DIR}/api-key" if spec.deploy.engine_api_key else None,
         redis_url=redis_url(spec),
     )
+    # The kubelet expands $(VAR) in a command: keep the config's own words literal, expand only the namespace.
+    return [word.replace(NAMESPACE_PLACEHOLDER, "$(POD_NAMESPACE)") for word in _k8s_words(argv)]
 
 
 def gateway_stateful_set(spec: DeploySpec) -> dict[str, Any]:

@@ -284,6 +284,10 @@ def test_the_gateway_discovers_every_replica_from_a_headless_service(make: Any) 
     namespace = next(env for env in container["env"] if env["name"] == "POD_NAMESPACE")
     assert namespace["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"  # the kubelet expands $(…)
     assert words[words.index("--host") + 1] == "0.0.0.0"  # keys are required off loopback
+    from deepserve.gateway.config import GatewayConfig
+
+    literal = gateway_words(make("one-node", gateway=GatewayConfig(model_alias=["v3=$(HOME)"])))
+    assert values(literal, "--model-alias") == ["v3=$$(HOME)"]  # the config's own words are not expanded
 
 
 def test_the_gateway_reads_keys_from_the_secret_and_keeps_its_ledger_on_a_volume(make: Any) -> None:
