@@ -11,14 +11,25 @@ from pathlib import Path
 
 from rich.table import Table
 
-from deepserve.cli.flags import add_gateway_switches, add_section_flags, engine_overrides, gateway_switches
+from deepserve.cli.flags import (
+    add_gateway_switches,
+    add_section_flags,
+    engine_overrides,
+    gateway_switches,
+    section_overrides,
+)
 from deepserve.cli.output import console
 from deepserve.config import load_section
 from deepserve.deploy.check import Expected, Verdict, failed, gather_facts, run_checks
+from deepserve.deploy.config import DeployConfig
 from deepserve.deploy.render import TARGETS, render
 from deepserve.deploy.source import deploy_spec, deployment_config
 from deepserve.engines.config import EngineConfig
 from deepserve.gateway.config import GatewayConfig
+from deepserve.hardware.network import NetworkConfig
+from deepserve.plan.types import PlanConfig
+
+PLAN_ONLY_FIELDS = ("input_len", "output_len")
 
 _VERDICT_STYLE = {Verdict.OK: "green", Verdict.WARN: "yellow", Verdict.FAIL: "bold red", Verdict.NA: "dim"}
 
@@ -46,16 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_deployment_flags(draw)
     draw.add_argument("--gpu", help="plan the layout for this GPU type (catalog name, e.g. h100, h200, b200)")
     draw.add_argument("--gpus", type=int, help="with --gpu: total GPUs to plan the layout over (whole nodes)")
-    draw.add_argument("--weights", help="with --gpu: the plan's weight format (bf16, fp8, fp8-dynamic, awq-int4)")
+    draw.add_argument("--weights", help="with --gpu: the checkpoint's weight format (or fp8-dynamic from 16-bit)")
+    # The workload the plan sizes --max-num-seqs for (also from the config file's `plan` section, as `plan` reads).
+    add_section_flags(draw, PlanConfig, only=PLAN_ONLY_FIELDS)
     add_gateway_switches(draw)
-    draw.add_argument("--replicas", type=int, default=1, help="engine replicas behind the gateway (default: 1)")
-    draw.add_argument("--name", default="deepserve", help="name of the deployment's objects (default: deepserve)")
-    draw.add_argument("--engine-image", help="engine container image (default: the engine's official one)")
-    draw.add_argument("--gateway-image", help="gateway container image (default: deepserve:VERSION, built locally)")
-    draw.add_argument("--runtime-class", help="kubernetes: the engine pods' runtimeClassName (e.g. nvidia)")
-    draw.add_argument(
-        "--node-selector", action="append", metavar="KEY=VALUE", help="kubernetes: label the engine's nodes carry"
-    )
+    add_section_flags(draw, DeployConfig)
     draw.set_defaults(handler=_render)
 
     check = actions.add_parser(
@@ -73,24 +79,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_deployment_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, default=None, help="YAML or JSON config file (engine, gateway)")
-    add_section_flags(parser, EngineConfig, skip=("extra_args",))
+    parser.add_argument(
+        "--config", type=Path, default=None, help="YAML or JSON config file (engine, gateway, network, plan, deploy)"
+    )
+    add_section_flags(parser, EngineConfig, skip=("extra_args", "role"))
+    add_section_flags(parser, NetworkConfig)
 
 
 def _render(args: argparse.Namespace) -> int:
-    config, plan = deployment_config(args.config, engine_overrides(args), args.gpu, args.gpus, args.weights)
+    network = load_section(NetworkConfig, "network", args.config, section_overrides(args, NetworkConfig))
+    plan_flags = {"gpu": args.gpu, "gpus": args.gpus, "weights": args.weights}
+    plan_flags.update({name: getattr(args, name) for name in PLAN_ONLY_FIELDS})
+    config, plan = deployment_config(args.config, engine_overrides(args), plan_flags, network)
     gateway = load_section(GatewayConfig, "gateway", args.config, gateway_switches(args))
+    deploy = load_section(DeployConfig, "deploy", args.config, section_overrides(args, DeployConfig))
     spec = deploy_spec(
-        config,
-        gateway,
-        command=shlex.join(["deepserve", *args.argv]),
-        replicas=args.replicas,
-        name=args.name,
-        engine_image=args.engine_image,
-        gateway_image=args.gateway_image,
-        plan=plan,
-        runtime_class=args.runtime_class,
-        node_selector=args.node_selector,
+        config, gateway, command=shlex.join(["deepserve", *args.argv]), deploy=deploy, plan=plan, network=network
     )
     written = render(spec, args.target, args.out, str(args.out))
     out = console()
@@ -105,7 +109,8 @@ def _render(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     config = load_section(EngineConfig, "engine", args.config, engine_overrides(args))
-    checks = run_checks(Expected(config), gather_facts())
+    network = load_section(NetworkConfig, "network", args.config, section_overrides(args, NetworkConfig))
+    checks = run_checks(Expected(config, network.profile()), gather_facts())
     if args.json:
         print(json.dumps([{**asdict(c), "verdict": c.verdict.value} for c in checks], indent=2))
         return 1 if failed(checks) else 0

@@ -16,11 +16,16 @@ from deepserve.gateway.config import GatewayConfig
 GATEWAY_SWITCHES = ("require_keys", "insecure_open")
 
 
-def add_section_flags(parser: argparse.ArgumentParser, section: type[BaseModel], skip: tuple[str, ...] = ()) -> None:
-    """One `--field-name` flag per field. Defaults are None ("not given") so that the config file and the
-    environment are only overridden by flags the user typed."""
+def add_section_flags(
+    parser: argparse.ArgumentParser,
+    section: type[BaseModel],
+    skip: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
+) -> None:
+    """One `--field-name` flag per field (of ONLY, when given). Defaults are None ("not given") so that the config
+    file and the environment are only overridden by flags the user typed."""
     for name, field in section.model_fields.items():
-        if name in skip:
+        if name in skip or (only is not None and name not in only):
             continue
         flag = "--" + name.replace("_", "-")
         kind, choices = _scalar_type(field.annotation)

@@ -12,6 +12,7 @@ from rich.table import Table
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
 from deepserve.errors import ConfigError
+from deepserve.plan.commands import render_command
 from deepserve.plan.fit import fit_profiles, fit_to_json, row_cases, write_fits
 from deepserve.plan.planner import Plan, make_plan
 from deepserve.plan.types import PlanConfig
@@ -76,7 +77,7 @@ def _plan(args: argparse.Namespace) -> int:
     config = load_section(PlanConfig, "plan", args.config, overrides)
     plan = make_plan(config)
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
+        print(json.dumps({**plan.to_json(), "render_command": render_command(config)}, indent=2))
     else:
         print_plan(Console(soft_wrap=True), plan)
     return 0
@@ -124,6 +125,7 @@ def print_plan(console: Console, plan: Plan) -> None:
     for engine, line in plan.commands.items():
         console.print(f"[bold]{engine}[/]: {line}", soft_wrap=True, highlight=False)
     _print_serve_lines(console, plan)
+    console.print(f"[bold]deploy[/]: {render_command(plan.config)}", soft_wrap=True, highlight=False)
 
 
 def _print_serve_lines(console: Console, plan: Plan) -> None:

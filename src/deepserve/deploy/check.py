@@ -5,6 +5,7 @@ plain verdict (ok, warn, fail, n/a) and, unless it is ok, the fix. The facts abo
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import socket
 from collections.abc import Callable, Mapping
@@ -27,6 +28,7 @@ from deepserve.engines.topology import MasterAddressError, check_master_address
 from deepserve.errors import ConfigError, ModelError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, match_device_name
 from deepserve.hardware.detect import LocalGpu, local_gpus, nvidia_driver_version
+from deepserve.hardware.network import NetworkProfile, get_network
 from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name
 from deepserve.models.resolve import load_spec
 from deepserve.plan.admission import check_gpu_fit
@@ -38,6 +40,8 @@ MIN_DRIVER = (525, 60)  # CUDA 12.x on Linux needs at least 525.60.13 (NVIDIA's 
 CURRENT_DRIVER = (570, 0)  # CUDA 12.8, which vLLM's wheels are built with, ships with 570.x
 DISK_HEADROOM = 1.05
 CONNECT_TIMEOUT_S = 3.0
+SYSFS_INFINIBAND = "/sys/class/infiniband"
+VERBS_DIR = "/dev/infiniband"
 
 
 class Verdict(str, Enum):
@@ -56,6 +60,16 @@ class Check:
 
 
 @dataclass(frozen=True)
+class HcaPort:
+    """One port of an RDMA adapter, as /sys/class/infiniband/<device>/ports/<port>/ describes it."""
+
+    device: str  # mlx5_0
+    port: int
+    state: str  # ACTIVE, DOWN, INIT, … (the word after "4: " in the state file)
+    link_layer: str  # InfiniBand or Ethernet (RoCE)
+
+
+@dataclass(frozen=True)
 class HostFacts:
     """What the checks look at on this machine."""
 
@@ -67,6 +81,9 @@ class HostFacts:
     free_bytes: Callable[[Path], int]  # free space on the filesystem that holds (or would hold) a path
     connect: Callable[[str, int], str]  # "open", "refused", "timeout" or another reason it failed
     home: Path = field(default_factory=Path.home)
+    hca_ports: tuple[HcaPort, ...] = ()
+    verbs_devices: bool = False  # /dev/infiniband holds the verbs devices (uverbs*) a process opens
+    memlock_bytes: int | None = None  # RLIMIT_MEMLOCK; None: unlimited
 
     @property
     def hf_home(self) -> Path:
@@ -90,7 +107,28 @@ def gather_facts() -> HostFacts:
         environ=dict(os.environ),
         free_bytes=_free_bytes,
         connect=_connect,
+        hca_ports=hca_ports(),
+        verbs_devices=any(Path(VERBS_DIR).glob("uverbs*")),
+        memlock_bytes=_memlock_bytes(),
     )
+
+
+def hca_ports(root: Path = Path(SYSFS_INFINIBAND)) -> tuple[HcaPort, ...]:
+    """Every port of every RDMA adapter the kernel lists (InfiniBand HCAs and RoCE NICs alike)."""
+    ports = []
+    for port_dir in sorted(root.glob("*/ports/*")):
+        try:
+            state = (port_dir / "state").read_text().split(":")[-1].strip()
+            link_layer = (port_dir / "link_layer").read_text().strip()
+        except OSError:
+            continue
+        ports.append(HcaPort(port_dir.parent.parent.name, int(port_dir.name), state, link_layer))
+    return tuple(ports)
+
+
+def _memlock_bytes() -> int | None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def _shm_bytes() -> int | None:
@@ -128,6 +166,7 @@ class Expected:
     for)."""
 
     config: EngineConfig
+    network: NetworkProfile = field(default_factory=lambda: get_network("ib"))
 
     @property
     def gpu(self) -> Accelerator | None:
@@ -389,6 +428,70 @@ def _interface_towards(config: EngineConfig, facts: HostFacts) -> str:
     return interface.name if interface else "<interface>"
 
 
+def check_rdma(expected: Expected, facts: HostFacts) -> Check:
+    """The HCAs the network profile names: present, with an active port of the profile's link layer, their verbs
+    devices visible, and memory lockable (RDMA registers memory)."""
+    name, config, network = "RDMA (network profile)", expected.config, expected.network
+    if not config.is_multi_node:
+        return Check(name, Verdict.NA, "one node: the collectives stay inside it")
+    if not network.rdma:
+        return Check(name, Verdict.NA, f"the {network.name} profile uses sockets (NCCL_IB_DISABLE=1)")
+    wanted = network.ib_hca or facts.environ.get("NCCL_IB_HCA")
+    selected = [port for port in facts.hca_ports if hca_selects(wanted, port)]
+    listed = ", ".join(f"{p.device}:{p.port} {p.state} {p.link_layer}" for p in facts.hca_ports) or "none"
+    other = "roce" if network.link_layer == "InfiniBand" else "ib"
+    if not selected:
+        what = f"NCCL_IB_HCA={wanted} selects none of the HCAs here" if wanted else "no RDMA adapter is listed"
+        return Check(
+            name,
+            Verdict.FAIL,
+            f"the {network.name} profile needs HCAs; {what} ({SYSFS_INFINIBAND}: {listed})",
+            "install the adapter's driver (MLNX_OFED/DOCA), name the HCAs with --ib-hca, or render and run with "
+            "--network tcp",
+        )
+    usable = [p for p in selected if p.state == "ACTIVE" and p.link_layer == network.link_layer]
+    if not usable:
+        return Check(
+            name,
+            Verdict.FAIL,
+            f"no selected port is ACTIVE with link layer {network.link_layer} ({listed})",
+            f"bring the ports up (ibstat), or use --network {other} if the ports are {other}",
+        )
+    if not facts.verbs_devices:
+        return Check(
+            name,
+            Verdict.FAIL,
+            f"{len(usable)} active port(s), but {VERBS_DIR} has no verbs devices: processes here cannot open them",
+            f"containers: pass --device={VERBS_DIR} (compose: devices), or the RDMA device plugin's resource",
+        )
+    ports = ", ".join(f"{p.device}:{p.port}" for p in usable)
+    if facts.memlock_bytes is not None:
+        return Check(
+            name,
+            Verdict.WARN,
+            f"{ports} active; memlock is limited to {facts.memlock_bytes // 1024} KiB, too little to register "
+            "NCCL's buffers",
+            "ulimit -l unlimited (docker: --ulimit memlock=-1; Kubernetes: the IPC_LOCK capability)",
+        )
+    return Check(name, Verdict.OK, f"{ports} active ({network.link_layer}); memlock unlimited")
+
+
+def hca_selects(spec: str | None, port: HcaPort) -> bool:
+    """Whether NCCL_IB_HCA=SPEC takes PORT (NCCL's syntax: comma-separated prefixes, `=` for exact names, `^` to
+    exclude, `:N` for one port; unset takes every HCA)."""
+    if not spec:
+        return True
+    exclude = spec.startswith("^")
+    exact = spec.lstrip("^").startswith("=")
+    matched = False
+    for item in spec.lstrip("^").lstrip("=").split(","):
+        device, _, number = item.strip().partition(":")
+        name_ok = port.device == device if exact else port.device.startswith(device)
+        if name_ok and (not number or int(number) == port.port):
+            matched = True
+    return matched != exclude
+
+
 def check_model_access(expected: Expected, facts: HostFacts) -> Check:
     name, kind, model = "model access", expected.model_kind, str(expected.config.model)
     if kind == "tiny":
@@ -429,5 +532,6 @@ CHECKS: tuple[Callable[[Expected, HostFacts], Check], ...] = (
     check_shm,
     check_master,
     check_interfaces,
+    check_rdma,
     check_model_access,
 )

@@ -1,10 +1,14 @@
 """docker compose: the engine in its official image with GPUs reserved, the gateway, Prometheus scraping both, and
 Grafana with the dashboard provisioned.
 
-One host: a single `docker-compose.yaml` on compose's own network; several replicas that fit on the host's GPUs
-become one engine service each, on GPUs of their own. Several hosts (a replica spanning nodes): one file per node
-(`docker-compose.node<R>.yaml`), every service on the host's network, because the engine's collectives and
-rendezvous need the nodes to reach each other directly; node 0's file also holds the gateway and monitoring."""
+One host: a single `docker-compose.yaml` on compose's own network, where only the gateway publishes a port (the
+engines answer the gateway and Prometheus, nothing else); several replicas that fit on the host's GPUs become one
+engine service each, on GPUs of their own, and so do a prefill and a decode pool. Several hosts (a replica spanning
+nodes): one file per node (`docker-compose.node<R>.yaml`), every service on the host's network, because the engine's
+collectives and rendezvous need the nodes to reach each other directly; node 0's engine API listens on loopback
+only, behind the gateway, and node 0's file also holds the gateway and monitoring. A running vLLM rendezvous does
+not take back one node restarted alone: the engines of several hosts never restart on their own, and
+`restart-group.sh` restarts the whole group, node 0 first."""
 
 from __future__ import annotations
 
@@ -15,10 +19,19 @@ from typing import Any
 import yaml
 
 from deepserve.deploy.monitoring import dashboard, rule_groups
-from deepserve.deploy.source import ENGINE_PORT, GATEWAY_PORT, MASTER_PLACEHOLDER, DeploySpec, substitute
+from deepserve.deploy.source import (
+    ENGINE_PORT,
+    GATEWAY_PORT,
+    KV_SHARED_PATH,
+    MASTER_PLACEHOLDER,
+    DeploySpec,
+    Pool,
+    gateway_command,
+    substitute,
+)
 from deepserve.engines.base import LaunchSpec
+from deepserve.engines.vllm import SYMMETRIC_CONNECTORS
 from deepserve.errors import ConfigError
-from deepserve.gateway.config import gateway_argv
 
 MODEL_CACHE = "~/.cache/huggingface:/root/.cache/huggingface"  # the host's Hugging Face cache, as seed 001 mounts it
 GATEWAY_HOME = "/var/lib/deepserve"
@@ -28,10 +41,15 @@ MASTER_VARIABLE = "${MASTER_ADDR:?set MASTER_ADDR to node 0's address, in .env b
 NETWORK_ENV = "network.env"
 NETWORK_ENV_TEXT = """\
 # The interface that carries the collectives between the nodes (`deepserve deploy check` names it on each node).
-# Uncomment and set both, on every node, when the host has more than one network interface:
+# Uncomment and set these, on every node, when the host has more than one network interface:
 # NCCL_SOCKET_IFNAME=eth0
 # GLOO_SOCKET_IFNAME=eth0
+# NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=eth0
 """
+RESTART_SCRIPT = "restart-group.sh"
+ENGINE_KEY_FILE = "engine-api-key"  # the engines' API key, which the gateway sends (--engine-api-key)
+ENGINE_KEY_SECRET = "/run/secrets/engine-api-key"
+ENGINE_KEY_VARIABLE = "${ENGINE_API_KEY:?set ENGINE_API_KEY (the contents of engine-api-key) in .env beside this file}"
 VOLUMES: dict[str, dict[str, Any]] = {"prometheus-data": {}, "grafana-data": {}}
 
 
@@ -43,8 +61,8 @@ class _Network:
     engine_port: int
     gateway_port: int
 
-    def engine_address(self, replica: int) -> str:
-        return f"127.0.0.1:{self.engine_port}" if self.host else f"{_engine_name(replica)}:{self.engine_port}"
+    def engine_address(self, service: str) -> str:
+        return f"127.0.0.1:{self.engine_port}" if self.host else f"{service}:{self.engine_port}"
 
     @property
     def gateway_address(self) -> str:
@@ -66,19 +84,28 @@ def compose_files(spec: DeploySpec) -> dict[str, dict[str, Any]]:
     """File name → compose document."""
     if spec.nodes == 1:
         return {"docker-compose.yaml": single_host(spec)}
-    if spec.replicas > 1:
+    if spec.replicas > 1 or spec.deploy.disaggregated:
         raise ConfigError(
-            f"compose renders one replica over {spec.nodes} hosts; for {spec.replicas} replicas of a multi-node "
-            "layout use --target kubernetes (a LeaderWorkerSet) or one Slurm job per replica"
+            f"compose renders one replica over {spec.nodes} hosts; for several replicas or prefill and decode pools "
+            "of a multi-node layout use --target kubernetes (LeaderWorkerSets), or one Slurm job per replica"
         )
     return {f"docker-compose.node{rank}.yaml": node_file(spec, rank) for rank in range(spec.nodes)}
 
 
+def service_names(spec: DeploySpec) -> list[tuple[Pool, int, str]]:
+    """(pool, replica, service name) of every engine on the host: engine, engine-1, … or prefill…, decode…."""
+    result = []
+    for pool in spec.pools:
+        for replica in range(pool.replicas):
+            result.append((pool, replica, pool.role if replica == 0 else f"{pool.role}-{replica}"))
+    return result
+
+
 def config_files(spec: DeploySpec) -> dict[str, str]:
     """Prometheus's and Grafana's files, which node 0's compose file mounts (and, over several hosts, the network
-    settings every node's engine reads)."""
+    settings every node's engine reads, and the script that restarts the group)."""
     network = network_of(spec)
-    engines = [network.engine_address(replica) for replica in range(spec.replicas)]
+    engines = [network.engine_address(name) for _, _, name in service_names(spec)]
     prometheus = {
         "global": {"scrape_interval": "15s", "evaluation_interval": "15s"},
         "rule_files": ["alerts.yml"],  # beside prometheus.yml, in the container as on disk
@@ -112,15 +139,12 @@ def config_files(spec: DeploySpec) -> dict[str, str]:
     }
     if network.host:
         files[NETWORK_ENV] = NETWORK_ENV_TEXT
+        files[RESTART_SCRIPT] = restart_script(spec)
     return files
 
 
 def _yaml(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False, width=1000)
-
-
-def _engine_name(replica: int) -> str:
-    return "engine" if replica == 0 else f"engine-{replica}"
 
 
 # ---- one host ---------------------------------------------------------------------------------------------------
@@ -129,23 +153,33 @@ def _engine_name(replica: int) -> str:
 def single_host(spec: DeploySpec) -> dict[str, Any]:
     network = network_of(spec)
     per_replica = spec.gpus_per_node
-    if spec.node_gpus is not None and spec.replicas * per_replica > spec.node_gpus:
+    engines = service_names(spec)
+    if spec.node_gpus is not None and len(engines) * per_replica > spec.node_gpus:
         raise ConfigError(
-            f"compose runs every replica on one host: {spec.replicas} replicas x {per_replica} GPUs need "
-            f"{spec.replicas * per_replica}, and the host has {spec.node_gpus}; lower --replicas, or use --target "
+            f"compose runs every replica on one host: {len(engines)} replicas x {per_replica} GPUs need "
+            f"{len(engines) * per_replica}, and the host has {spec.node_gpus}; lower --replicas, or use --target "
             "kubernetes to spread replicas over nodes"
         )
     services: dict[str, Any] = {}
-    for replica in range(spec.replicas):
-        gpus = [str(gpu) for gpu in range(replica * per_replica, (replica + 1) * per_replica)]
-        services[_engine_name(replica)] = engine_service(
-            spec, spec.launch(0), network.engine_port, gpus if spec.replicas > 1 else None
+    for index, (pool, _, name) in enumerate(engines):
+        gpus = [str(gpu) for gpu in range(index * per_replica, (index + 1) * per_replica)]
+        service = engine_service(
+            spec, spec.launch(0, pool=pool), network.engine_port, gpus if len(engines) > 1 else None
         )
-    upstreams = [f"http://{network.engine_address(replica)}/v1" for replica in range(spec.replicas)]
-    services["gateway"] = gateway_service(spec, network, upstreams, depends_on=list(services))
+        if pool.config.kv_connector in SYMMETRIC_CONNECTORS:  # NIXL's handshake address: this service's name
+            service["environment"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] = name
+        services[name] = service
+    upstreams = [f"http://{network.engine_address(name)}/v1" for pool, _, name in engines if pool.role != "prefill"]
+    prefill = [f"http://{network.engine_address(name)}/v1" for pool, _, name in engines if pool.role == "prefill"]
+    services["gateway"] = gateway_service(spec, network, upstreams, depends_on=list(services), prefill=prefill)
     services["gateway"]["ports"] = [f"{spec.config.port}:{GATEWAY_PORT}"]
     services.update(monitoring_services(host_network=False))
-    return {"services": services, "volumes": VOLUMES}
+    document: dict[str, Any] = {"services": services, "volumes": dict(VOLUMES)}
+    if spec.shares_kv_directory:  # ExampleConnector: prefill writes KV files that decode reads
+        document["volumes"]["kv-transfer"] = {}
+    if spec.deploy.engine_api_key:
+        document["secrets"] = {ENGINE_KEY_FILE: {"file": f"./{ENGINE_KEY_FILE}"}}
+    return document
 
 
 def engine_service(spec: DeploySpec, launch: LaunchSpec, port: int, device_ids: list[str] | None) -> dict[str, Any]:
@@ -154,16 +188,22 @@ def engine_service(spec: DeploySpec, launch: LaunchSpec, port: int, device_ids: 
         gpus["device_ids"] = device_ids
     else:
         gpus["count"] = spec.gpus_per_node
-    return {
+    environment = {"HF_TOKEN": "${HF_TOKEN:-}", **launch.env}
+    if spec.deploy.engine_api_key:  # vLLM requires it on /v1 (not on /health and /metrics)
+        environment["VLLM_API_KEY"] = ENGINE_KEY_VARIABLE
+    volumes = [MODEL_CACHE]
+    if spec.shares_kv_directory:
+        volumes.append(f"kv-transfer:{KV_SHARED_PATH}")
+    service: dict[str, Any] = {
         "image": spec.engine_image,
         # The whole command, as the engine's launcher writes it: it replaces the image's entrypoint.
         "entrypoint": _compose_words(launch.argv),
-        "environment": {"HF_TOKEN": "${HF_TOKEN:-}", **launch.env},
+        "environment": environment,
         "ipc": "host",  # shared memory for NCCL and vLLM's worker processes, as vLLM's docs run the image
-        "volumes": [MODEL_CACHE],
+        "volumes": volumes,
         "deploy": {"resources": {"reservations": {"devices": [gpus]}}},
         "healthcheck": {
-            "test": _http_check(f"http://127.0.0.1:{port}{launch.ready_path}", "python3"),
+            "test": _http_check(f"http://127.0.0.1:{port}{launch.health_path}", "python3"),
             "interval": "30s",
             "timeout": "10s",
             "retries": 3,
@@ -172,13 +212,22 @@ def engine_service(spec: DeploySpec, launch: LaunchSpec, port: int, device_ids: 
         },
         "restart": "unless-stopped",
     }
+    return service
 
 
-def gateway_service(spec: DeploySpec, network: _Network, upstreams: list[str], depends_on: list[str]) -> dict[str, Any]:
-    front = spec.gateway.model_copy(update={"upstream": upstreams, "host": "0.0.0.0", "port": network.gateway_port})
-    return {
+def gateway_service(
+    spec: DeploySpec, network: _Network, upstreams: list[str], depends_on: list[str], prefill: list[str] | None = None
+) -> dict[str, Any]:
+    argv = gateway_command(
+        spec,
+        upstreams,
+        network.gateway_port,
+        prefill_upstream=prefill or [],
+        upstream_api_key_file=ENGINE_KEY_SECRET if spec.deploy.engine_api_key else None,
+    )
+    service: dict[str, Any] = {
         "image": spec.gateway_image,
-        "entrypoint": _compose_words(gateway_argv(front, "python")),
+        "entrypoint": _compose_words(argv),
         "environment": {"DEEPSERVE_HOME": GATEWAY_HOME},
         # Keys and the usage ledger: `DEEPSERVE_HOME=./deepserve-home deepserve keys create NAME` beside this file.
         "volumes": [f"./deepserve-home:{GATEWAY_HOME}"],
@@ -191,6 +240,9 @@ def gateway_service(spec: DeploySpec, network: _Network, upstreams: list[str], d
         },
         "restart": "unless-stopped",
     }
+    if spec.deploy.engine_api_key:
+        service["secrets"] = [{"source": ENGINE_KEY_FILE, "target": ENGINE_KEY_FILE}]
+    return service
 
 
 def _http_check(url: str, python: str) -> list[str]:
@@ -244,22 +296,71 @@ def _compose_words(argv: list[str]) -> list[str]:
 def node_file(spec: DeploySpec, rank: int) -> dict[str, Any]:
     network = network_of(spec)
     given = spec.config.master_addr if spec.config.master_addr != MASTER_PLACEHOLDER else None
-    node = spec.node_config(rank).model_copy(update={"port": network.engine_port})
+    # Node 0's API on loopback: on the host's network 0.0.0.0 would open the unauthenticated engine API to every
+    # machine that reaches the host, next to the gateway that enforces keys.
+    node = spec.node_config(rank).model_copy(update={"port": network.engine_port, "host": "127.0.0.1"})
     launch = spec.engine.launch_spec(node, spec.model, None)
     engine = engine_service(spec, launch, network.engine_port, None)
     engine["entrypoint"] = substitute(engine["entrypoint"], {MASTER_PLACEHOLDER: given or MASTER_VARIABLE})
     engine["network_mode"] = "host"  # the nodes' collectives and rendezvous need each other's addresses and ports
     # On the host's network every interface of the host is visible: NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME in
     # network.env name the one that reaches the other nodes (commented out there until set: an empty value would
-    # name no interface).
+    # name no interface). The profile's other settings (HCAs, GID index, IB on or off) are the same on every node.
     engine["env_file"] = [NETWORK_ENV]
+    engine["environment"].update(spec.network.env())
+    engine.update(_rdma_access(spec))
+    # One node restarted alone cannot rejoin a running rendezvous: restart-group.sh restarts every node together.
+    engine["restart"] = "no"
     if rank > 0:
         del engine["healthcheck"]  # a headless node serves no HTTP
         return {"services": {"engine": engine}}
-    upstreams = [f"http://{network.engine_address(0)}/v1"]
+    upstreams = [f"http://{network.engine_address('engine')}/v1"]
     gateway = gateway_service(spec, network, upstreams, depends_on=["engine"])
     gateway["network_mode"] = "host"
-    return {
+    document: dict[str, Any] = {
         "services": {"engine": engine, "gateway": gateway, **monitoring_services(host_network=True)},
         "volumes": VOLUMES,
     }
+    if spec.deploy.engine_api_key:
+        document["secrets"] = {ENGINE_KEY_FILE: {"file": f"./{ENGINE_KEY_FILE}"}}
+    return document
+
+
+def _rdma_access(spec: DeploySpec) -> dict[str, Any]:
+    """What an RDMA profile needs in a container: the verbs devices, IPC_LOCK and an unlimited memlock for
+    registered memory (NCCL's and TensorRT-LLM's multi-node docker examples run with --ulimit memlock=-1)."""
+    if not spec.network.rdma:
+        return {}
+    return {
+        "devices": ["/dev/infiniband:/dev/infiniband"],
+        "cap_add": ["IPC_LOCK"],
+        "ulimits": {"memlock": {"soft": -1, "hard": -1}},
+    }
+
+
+def restart_script(spec: DeploySpec) -> str:
+    """Restart every node of the group together: stop all engines (the surviving nodes hold a rendezvous that a
+    restarted node cannot join), then start node 0 (it owns the rendezvous) and the others. Each node is reached
+    over ssh, in this directory at the same path."""
+    nodes = spec.nodes
+    return f"""#!/bin/sh
+# Usage: ./{RESTART_SCRIPT} NODE0_HOST NODE1_HOST ...   (the {nodes} hosts in node-rank order, reachable by ssh)
+# Restarts the whole group: a running vLLM rendezvous does not take back one node restarted alone.
+set -eu
+if [ "$#" -ne {nodes} ]; then
+    echo "usage: $0 NODE0_HOST ... (the {nodes} hosts, node 0 first)" >&2
+    exit 2
+fi
+dir="$(cd "$(dirname "$0")" && pwd)"
+rank=0
+for host in "$@"; do
+    ssh "$host" "cd '$dir' && docker compose -f docker-compose.node$rank.yaml stop engine"
+    rank=$((rank + 1))
+done
+master="$1"
+rank=0
+for host in "$@"; do
+    ssh "$host" "cd '$dir' && MASTER_ADDR='$master' docker compose -f docker-compose.node$rank.yaml up -d"
+    rank=$((rank + 1))
+done
+"""

@@ -189,12 +189,40 @@ PANELS: tuple[tuple[str, str, list[tuple[str, str]]], ...] = (
 )
 DASHBOARD_UID = "deepserve"
 
+# The GPUs, from NVIDIA's DCGM exporter (its default counters, NVIDIA/dcgm-exporter etc/default-counters.csv):
+# utilisation (%), framebuffer used (MiB), power (W), temperature (C), and the tensor pipes' activity (profiling
+# counter, 0-1). With Kubernetes pod mapping each series carries the pod it serves (`pod`, `namespace`).
+DCGM_GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
+DCGM_FB_USED = "DCGM_FI_DEV_FB_USED"
+DCGM_POWER = "DCGM_FI_DEV_POWER_USAGE"
+DCGM_TEMPERATURE = "DCGM_FI_DEV_GPU_TEMP"
+DCGM_TENSOR_ACTIVE = "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"
 
-def dashboard(title: str = "deepserve") -> dict[str, Any]:
-    """A Grafana dashboard (schema 39) of PANELS, two per row, on a Prometheus data source chosen by variable."""
+
+def gpu_panels(selector: str = "") -> tuple[tuple[str, str, list[tuple[str, str]]], ...]:
+    """Panels per GPU of the engines (SELECTOR picks their series, e.g. by pod name)."""
+    legend = "{{Hostname}} GPU {{gpu}}"
+    return (
+        ("GPU utilisation (DCGM)", "percent", [(legend, f"{DCGM_GPU_UTIL}{{{selector}}}")]),
+        ("Tensor-core activity (DCGM)", "percentunit", [(legend, f"{DCGM_TENSOR_ACTIVE}{{{selector}}}")]),
+        ("GPU memory used (DCGM)", "decmbytes", [(legend, f"{DCGM_FB_USED}{{{selector}}}")]),
+        (
+            "GPU power and temperature (DCGM)",
+            "short",
+            [
+                (f"{legend} W", f"{DCGM_POWER}{{{selector}}}"),
+                (f"{legend} C", f"{DCGM_TEMPERATURE}{{{selector}}}"),
+            ],
+        ),
+    )
+
+
+def dashboard(title: str = "deepserve", gpu_selector: str = "") -> dict[str, Any]:
+    """A Grafana dashboard (schema 39) of PANELS and the GPU panels, two per row, on a Prometheus data source chosen
+    by variable."""
     datasource = {"type": "prometheus", "uid": "${datasource}"}
     panels = []
-    for index, (panel_title, unit, queries) in enumerate(PANELS):
+    for index, (panel_title, unit, queries) in enumerate(PANELS + gpu_panels(gpu_selector)):
         panels.append(
             {
                 "id": index + 1,
@@ -227,5 +255,5 @@ def dashboard(title: str = "deepserve") -> dict[str, Any]:
 def queries() -> list[str]:
     """Every PromQL expression the alerts and the dashboard use (the metric-name test reads them)."""
     exprs = [alert.expr for alert in alerts(GatewayConfig())]
-    exprs += [expr for _, _, targets in PANELS for _, expr in targets]
+    exprs += [expr for _, _, targets in PANELS + gpu_panels() for _, expr in targets]
     return exprs

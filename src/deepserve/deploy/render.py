@@ -12,6 +12,7 @@ import yaml
 
 from deepserve import __version__
 from deepserve.deploy import compose, kubernetes, slurm
+from deepserve.deploy.config import check_target_options
 from deepserve.deploy.source import DeploySpec
 from deepserve.errors import ConfigError, unknown_name
 
@@ -80,18 +81,32 @@ class KubernetesTarget:
         apply = [
             f"kubectl create secret generic {n['hf_token']} --from-literal=HF_TOKEN=hf_...   (gated models only)",
             f"DEEPSERVE_HOME=./keys deepserve keys create NAME && kubectl create secret generic {n['keys']} "
-            "--from-file=keys.sqlite=./keys/gateway/keys.sqlite   (the gateway requires keys)",
+            "--from-file=keys.sqlite=./keys/gateway/keys.sqlite   (the gateway requires keys; update the Secret to "
+            "add or revoke keys, the gateway pods read the new file without a restart)",
             f"docker build -t {spec.gateway_image} <deepserve checkout> and push it where the cluster pulls from "
             "(--gateway-image REGISTRY/deepserve:TAG)",
         ]
+        if spec.deploy.engine_api_key:
+            apply.append(
+                f"kubectl create secret generic {n['engine_key']} --from-literal=api-key=$(openssl rand -hex 32)   "
+                "(the engines' API key, which the gateway sends)"
+            )
         if spec.nodes > 1:
             apply.append(
                 "the LeaderWorkerSet controller: kubectl apply --server-side -f "
                 "https://github.com/kubernetes-sigs/lws/releases/download/v0.10.0/manifests.yaml"
             )
+        if spec.uses_network and spec.network.rdma:
+            apply.append(
+                f"RDMA for the engine pods ({spec.network.rdma_resource}): NVIDIA's Network Operator with its RDMA "
+                "device plugin (or pass --rdma-resource / --network tcp)"
+            )
+        if spec.deploy.autoscaled:
+            apply.append("autoscaling.yaml needs KEDA (https://keda.sh) and the Prometheus it queries")
         apply += [
-            "monitoring.yaml needs the Prometheus Operator (its CRDs) and Grafana's dashboard sidecar",
-            f"kubectl apply -f {out}/",
+            "monitoring.yaml needs the Prometheus Operator (its CRDs), Grafana's dashboard sidecar and, for the GPU "
+            "panels, NVIDIA's DCGM exporter",
+            f"kubectl apply -f {out}/   (the Job {n['download']} downloads the model once; the engines wait for it)",
             f"kubectl port-forward svc/{n['gateway']} 8000   then   curl http://127.0.0.1:8000/v1/models "
             "-H 'Authorization: Bearer dsk-…'",
         ]
@@ -109,6 +124,11 @@ class ComposeTarget:
             f"{node0}docker build -t {spec.gateway_image} <deepserve checkout>   (the gateway's image)",
             f"{node0}DEEPSERVE_HOME={out}/deepserve-home deepserve keys create NAME   (the gateway requires keys)",
         ]
+        if spec.deploy.engine_api_key:
+            apply.append(
+                f"{node0}openssl rand -hex 32 > {out}/{compose.ENGINE_KEY_FILE} && echo "
+                f'"ENGINE_API_KEY=$(cat {out}/{compose.ENGINE_KEY_FILE})" >> {out}/.env   (the engines\' API key)'
+            )
         if spec.nodes == 1:
             apply.append(f"HF_TOKEN=hf_... docker compose -f {out}/docker-compose.yaml up -d   (HF_TOKEN: gated only)")
         else:
@@ -118,6 +138,8 @@ class ComposeTarget:
                 f"on every node: name the interface that reaches the others in {out}/{compose.NETWORK_ENV}",
                 f"on node R: MASTER_ADDR=<node 0's address> docker compose -f {out}/docker-compose.nodeR.yaml up -d",
                 "node 0 serves the API (and the gateway); the other nodes run headless",
+                f"when a node fails: {out}/{compose.RESTART_SCRIPT} NODE0 NODE1 ... restarts the whole group (a "
+                "running rendezvous does not take one node back alone; the engines never restart on their own)",
             ]
         apply.append("Grafana: http://127.0.0.1:3000 on node 0 (dashboard: deepserve); Prometheus: :9090")
         lines = header(spec, apply)
@@ -156,14 +178,16 @@ def get_target(name: str) -> Target:
 
 def render(spec: DeploySpec, target: str, out: Path, out_as_typed: str | None = None) -> list[Path]:
     """Write TARGET's files for SPEC under OUT; return their paths."""
-    files = get_target(target).files(spec, out_as_typed or str(out))
+    chosen = get_target(target)
+    check_target_options(spec.deploy, target)
+    files = chosen.files(spec, out_as_typed or str(out))
     written = []
     for rendered in files:
         path = out / rendered.path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(rendered.text)
-            if path.suffix == ".sbatch":
+            if path.suffix in (".sbatch", ".sh"):
                 path.chmod(0o755)
         except OSError as exc:
             raise ConfigError(f"cannot write {path} ({exc.strerror}); choose a writable directory with --out") from None

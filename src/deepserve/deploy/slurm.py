@@ -21,6 +21,12 @@ GATEWAY_CONFIG = "deepserve.yaml"  # the gateway section (limits, keys policy) t
 
 
 def check(spec: DeploySpec) -> None:
+    if spec.deploy.disaggregated:
+        raise ConfigError(
+            "a Slurm job serves one replica of one pool; for prefill and decode pools run one job per pool with "
+            "`deepserve serve --role prefill|decode --kv-connector NAME` and a gateway in front of both, or use "
+            "--target kubernetes"
+        )
     if spec.replicas > 1:
         raise ConfigError(
             f"a Slurm job serves one replica; submit {SCRIPT} {spec.replicas} times (each job's node 0 runs its "
@@ -68,17 +74,10 @@ def batch_script(spec: DeploySpec) -> str:
         else ""
     )
     port = spec.config.port
-    return f"""#SBATCH --job-name={spec.name}
-#SBATCH --nodes={spec.nodes}
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={spec.gpus_per_node}
-#SBATCH --exclusive
-#SBATCH --output={spec.name}-%j.log
+    return f"""{sbatch_header(spec)}
 set -euo pipefail
 
-# deepserve (with vLLM's GPU build) must be on PATH on every node, e.g.:
-#   source /shared/deepserve/.venv/bin/activate
-# Node 0 is the first host of the allocation; every node reaches it by address.
+{environment_lines(spec)}# Node 0 is the first host of the allocation; every node reaches it by address.
 head_host="$(scontrol show hostnames "${{SLURM_JOB_NODELIST}}" | head -n 1)"
 {MASTER_VARIABLE}="$(getent ahostsv4 "${{head_host}}" | awk 'NR == 1 {{print $1}}')"
 export {MASTER_VARIABLE}="${{{MASTER_VARIABLE}:-${{head_host}}}}"
@@ -88,5 +87,50 @@ export {MASTER_VARIABLE}="${{{MASTER_VARIABLE}:-${{head_host}}}}"
 read -r -d '' node_script <<'NODE' || true
 {chr(10).join(case)}
 NODE
-srun --nodes={spec.nodes} --ntasks={spec.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "${{node_script}}"
+{srun_line(spec)} bash -c "${{node_script}}"
 """
+
+
+def sbatch_header(spec: DeploySpec) -> str:
+    options = {
+        "job-name": spec.name,
+        "nodes": str(spec.nodes),
+        "ntasks-per-node": "1",
+        "gpus-per-node": str(spec.gpus_per_node),
+        "partition": spec.deploy.slurm_partition,
+        "time": spec.deploy.slurm_time,
+        "account": spec.deploy.slurm_account,
+    }
+    lines = [f"#SBATCH --{key}={value}" for key, value in options.items() if value]
+    return "\n".join([*lines, "#SBATCH --exclusive", f"#SBATCH --output={spec.name}-%j.log"])
+
+
+def environment_lines(spec: DeploySpec) -> str:
+    """The network profile's settings for every node (srun passes the environment on, into containers too)."""
+    lines = ["# The network between the nodes: " + spec.network.name]
+    if spec.nodes > 1:
+        lines += [f"export {key}={shlex.quote(value)}" for key, value in sorted(spec.network.env().items())]
+    container = (
+        "# deepserve and vLLM's GPU build come with the container image (srun --container-image)."
+        if spec.deploy.container_image
+        else "# deepserve (with vLLM's GPU build) must be on PATH on every node, e.g.:\n"
+        "#   source /shared/deepserve/.venv/bin/activate"
+    )
+    return "\n".join([*lines, container]) + "\n"
+
+
+def srun_line(spec: DeploySpec) -> str:
+    """One task per node, ending the job when any fails; with --container-image, each in that image (pyxis)."""
+    words = [
+        "srun",
+        f"--nodes={spec.nodes}",
+        f"--ntasks={spec.nodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+    ]
+    if spec.deploy.container_image:
+        words.append(f"--container-image={spec.deploy.container_image}")
+        if spec.deploy.container_mounts:
+            words.append("--container-mounts=" + ",".join(spec.deploy.container_mounts))
+        words.append("--container-workdir=${SLURM_SUBMIT_DIR}")
+    return " ".join(shlex.quote(word) if "$" not in word else f'"{word}"' for word in words)

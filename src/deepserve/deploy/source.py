@@ -15,19 +15,22 @@ from typing import Any
 from pydantic import Field
 
 from deepserve import __version__
-from deepserve.config import load_section, parse_key_values, validate_section
+from deepserve.config import load_section, parse_key_values
+from deepserve.deploy.config import DeployConfig
 from deepserve.engines.base import Engine, LaunchSpec
 from deepserve.engines.config import EngineConfig
 from deepserve.engines.registry import get_engine
 from deepserve.engines.topology import check_layout_fits_nodes
 from deepserve.errors import ConfigError, ModelError
-from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.hardware.catalog import Accelerator, get_accelerator
+from deepserve.hardware.network import NetworkConfig, NetworkProfile, get_network
 from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name
 from deepserve.models.resolve import ResolvedModel, load_spec
 from deepserve.models.spec import ModelSpec
+from deepserve.plan.admission import check_gpu_fit
 from deepserve.plan.commands import engine_config as planned_engine_config
-from deepserve.plan.formats import WeightFormat, checkpoint_format
+from deepserve.plan.formats import WeightFormat, checkpoint_format, get_format
 from deepserve.plan.planner import Plan, make_plan
 from deepserve.plan.types import PlanConfig
 
@@ -40,6 +43,14 @@ GATEWAY_IMAGE = f"deepserve:{__version__}"  # built from the repository's Docker
 MASTER_PLACEHOLDER = "__DEEPSERVE_MASTER_ADDR__"
 # Fields a plan decides; given on the command line too, they win over the plan's.
 _PLAN_FIELDS = frozenset(PlanConfig.model_fields) & frozenset(EngineConfig.model_fields)
+# Engine fields the planner takes under another name.
+_ENGINE_TO_PLAN = {
+    "tensor_parallel_size": "tp",
+    "pipeline_parallel_size": "pp",
+    "data_parallel_size": "dp",
+    "enable_expert_parallel": "ep",
+    "kv_cache_dtype": "kv_dtype",
+}
 
 
 class _UnplacedEngineConfig(EngineConfig):
@@ -58,26 +69,57 @@ def load_engine_config(file: Path | None, overrides: dict[str, Any]) -> EngineCo
     return EngineConfig.model_validate(values)
 
 
+ROLES = ("engine", "prefill", "decode")
+DEFAULT_KV_CONNECTOR = "NixlConnector"  # vLLM's P/D connector on GPUs (llm-d's and vLLM's P/D guides use it)
+SHARED_KV_CONNECTOR = "ExampleConnector"  # moves KV through a directory both pools mount
+KV_SHARED_PATH = "/var/cache/deepserve/kv-transfer"  # that directory, inside the engine containers
+# Connectors that move KV over the nodes' network (RDMA where there is one): the pools need the network profile.
+LOCAL_KV_CONNECTORS = frozenset({SHARED_KV_CONNECTOR, "OffloadingConnector", "SimpleCPUOffloadConnector"})
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Engine replicas of one role: whole requests (engine), prompts (prefill) or outputs (decode)."""
+
+    role: str
+    config: EngineConfig  # with its --role and connector for prefill and decode
+    replicas: int
+
+
 @dataclass(frozen=True)
 class DeploySpec:
     config: EngineConfig  # the deployment as node 0's `deepserve serve` takes it (public host and port)
     gateway: GatewayConfig  # limits and keys; each target sets its upstreams, host and port
     model: ResolvedModel
     command: str  # the `deepserve deploy render …` line that made it
-    replicas: int = 1
-    name: str = "deepserve"
+    deploy: DeployConfig = field(default_factory=DeployConfig)
+    network: NetworkProfile = field(default_factory=lambda: get_network("ib"))
     engine_image: str = ""
     gateway_image: str = GATEWAY_IMAGE
     checkpoint_bytes: int | None = None  # what the weights take on disk (volume sizes); None when unknown
     node_gpus: int | None = None  # GPUs each node has (--gpus-per-node, or --gpu-type's node); None when unknown
     plan: Plan | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
-    runtime_class: str | None = None  # Kubernetes: e.g. nvidia, where GPUs need the NVIDIA container runtime
-    node_selector: dict[str, str] = field(default_factory=dict)  # Kubernetes: which nodes the engine pods go to
 
     @property
     def engine(self) -> Engine:
         return get_engine(self.config.engine)
+
+    @property
+    def replicas(self) -> int:
+        return self.deploy.replicas
+
+    @property
+    def name(self) -> str:
+        return self.deploy.name
+
+    @property
+    def runtime_class(self) -> str | None:
+        return self.deploy.runtime_class
+
+    @property
+    def node_selector(self) -> dict[str, str]:
+        return parse_key_values("--node-selector", self.deploy.node_selector, "nvidia.com/gpu.product=H100")
 
     @property
     def nodes(self) -> int:
@@ -87,41 +129,87 @@ class DeploySpec:
     def gpus_per_node(self) -> int:
         return self.config.world_size // self.config.nnodes
 
-    def node_config(self, rank: int, master_addr: str = MASTER_PLACEHOLDER) -> EngineConfig:
-        """Node RANK's engine config inside a container: listening on every interface at ENGINE_PORT."""
-        update: dict[str, object] = {"host": "0.0.0.0", "port": ENGINE_PORT}
-        if self.config.is_multi_node:
-            update["master_addr"] = master_addr
-        return self.config.for_node(rank).model_copy(update=update)
+    @property
+    def pools(self) -> tuple[Pool, ...]:
+        """One pool of engines, or with --prefill-replicas a prefill pool and a decode pool joined by the
+        connector."""
+        if not self.deploy.disaggregated:
+            return (Pool("engine", self.config, self.replicas),)
+        return (
+            Pool("prefill", self._role_config("prefill"), self.deploy.prefill_replicas),
+            Pool("decode", self._role_config("decode"), self.replicas),
+        )
 
-    def launch(self, rank: int, master_addr: str = MASTER_PLACEHOLDER) -> LaunchSpec:
+    @property
+    def serving_pool(self) -> Pool:
+        """The pool whose engines answer the client (the gateway's --upstream): the engines, or the decode pool."""
+        return self.pools[-1]
+
+    @property
+    def kv_connector(self) -> str | None:
+        return self.serving_pool.config.kv_connector
+
+    @property
+    def shares_kv_directory(self) -> bool:
+        return self.kv_connector == SHARED_KV_CONNECTOR
+
+    @property
+    def uses_network(self) -> bool:
+        """Traffic between nodes: a replica over several nodes, or KV moving between the prefill and decode pods."""
+        return self.nodes > 1 or (self.deploy.disaggregated and self.kv_connector not in LOCAL_KV_CONNECTORS)
+
+    def _role_config(self, role: str) -> EngineConfig:
+        connector = self.config.kv_connector or DEFAULT_KV_CONNECTOR
+        settings = list(self.config.kv_connector_config)
+        if connector == SHARED_KV_CONNECTOR and not any(s.startswith("shared_storage_path=") for s in settings):
+            settings.append(f"shared_storage_path={KV_SHARED_PATH}")
+        return self.config.model_copy(update={"role": role, "kv_connector": connector, "kv_connector_config": settings})
+
+    def node_config(self, rank: int, master_addr: str = MASTER_PLACEHOLDER, pool: Pool | None = None) -> EngineConfig:
+        """Node RANK's engine config inside a container: listening on every interface at ENGINE_PORT."""
+        config = (pool or self.serving_pool).config
+        update: dict[str, object] = {"host": "0.0.0.0", "port": ENGINE_PORT}
+        if config.is_multi_node:
+            update["master_addr"] = master_addr
+        return config.for_node(rank).model_copy(update=update)
+
+    def launch(self, rank: int, master_addr: str = MASTER_PLACEHOLDER, pool: Pool | None = None) -> LaunchSpec:
         """Node RANK's engine command as users type it where the engine is installed (the engine's image)."""
-        return self.engine.launch_spec(self.node_config(rank, master_addr), self.model, None)
+        return self.engine.launch_spec(self.node_config(rank, master_addr, pool), self.model, None)
+
+    @property
+    def capacity_per_replica(self) -> int | None:
+        """Requests one replica serves at its target: --capacity-per-replica, else the plan's highest concurrency
+        within its ITL objective (or its running cap), else the engines' own cap (--max-num-seqs per DP rank)."""
+        if self.deploy.capacity_per_replica is not None:
+            return self.deploy.capacity_per_replica
+        if self.plan is not None and self.plan.fits:
+            return self.plan.max_concurrency_within_slo or self.plan.deployment.running_cap or None
+        if self.config.max_num_seqs is not None:
+            return self.config.max_num_seqs * self.config.data_parallel_size
+        return None
 
     def describe(self) -> str:
         c = self.config
         layout = f"TP {c.tensor_parallel_size} x PP {c.pipeline_parallel_size} x DP {c.data_parallel_size}"
         nodes = f"{self.nodes} node(s) x {self.gpus_per_node} GPU(s)"
-        return f"{self.model.served_name} on {nodes} ({layout}), {self.replicas} replica(s), {c.engine}"
+        replicas = f"{self.replicas} replica(s)"
+        if self.deploy.disaggregated:
+            pools = f"{self.deploy.prefill_replicas} prefill + {self.replicas} decode"
+            replicas = f"{pools} replica(s) ({self.kv_connector})"
+        return f"{self.model.served_name} on {nodes} ({layout}), {replicas}, {c.engine}, network {self.network.name}"
 
 
 def deploy_spec(
     config: EngineConfig,
     gateway: GatewayConfig,
     command: str,
-    replicas: int = 1,
-    name: str = "deepserve",
-    engine_image: str | None = None,
-    gateway_image: str | None = None,
+    deploy: DeployConfig | None = None,
     plan: Plan | None = None,
-    runtime_class: str | None = None,
-    node_selector: list[str] | None = None,
+    network: NetworkConfig | None = None,
 ) -> DeploySpec:
     """Check CONFIG as something to run on GPU nodes and resolve what every target needs."""
-    if replicas < 1:
-        raise ConfigError(f"--replicas {replicas} must be at least 1")
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?", name):
-        raise ConfigError(f"--name {name!r} must be a DNS label: lower-case letters, digits and '-', at most 42")
+    deploy = deploy or DeployConfig()
     if config.device == "cpu":
         raise ConfigError(
             "rendered deployments run the engine's GPU image; drop --device cpu (serve on CPU with `deepserve serve`)"
@@ -131,28 +219,47 @@ def deploy_spec(
             "rendered deployments use vLLM's own multi-node runtime (--nnodes), which needs no Ray cluster; drop "
             "--distributed-executor-backend ray (`deepserve cluster` sets up Ray by hand)"
         )
+    if config.role is not None:
+        raise ConfigError(
+            f"--role {config.role} is for one engine started by hand; a rendered deployment sets each pool's role: "
+            "give --prefill-replicas N (and --kv-connector) for a prefill pool beside the decode pool"
+        )
+    if deploy.engine_api_key and config.engine != "vllm":
+        raise ConfigError(
+            f"--engine-api-key sets vLLM's VLLM_API_KEY; {config.engine} would ignore it and serve without a key: "
+            "drop --engine-api-key (the NetworkPolicy still keeps the engines to the gateway)"
+        )
     node_gpus = _node_gpus(config)
     per_node = node_gpus or max(config.world_size // config.nnodes, 1)
     notes = tuple(check_layout_fits_nodes(config, per_node, on_this_machine=False))
-    notes += (_plan_note(plan),) if plan else ()
     model = render_model(config)
+    notes += (_plan_note(plan),) if plan else _fit_notes(config, model)
     engine = get_engine(config.engine)
     return DeploySpec(
         config=config,
         gateway=gateway,
         model=model,
         command=command,
-        replicas=replicas,
-        name=name,
-        engine_image=engine_image or engine.image,
-        gateway_image=gateway_image or GATEWAY_IMAGE,
+        deploy=deploy,
+        network=(network or NetworkConfig()).profile(),
+        engine_image=deploy.engine_image or engine.image,
+        gateway_image=deploy.gateway_image or GATEWAY_IMAGE,
         checkpoint_bytes=_checkpoint_bytes_of(config.model or ""),
         node_gpus=node_gpus,
         plan=plan,
         notes=notes,
-        runtime_class=runtime_class,
-        node_selector=parse_key_values("--node-selector", node_selector or [], "nvidia.com/gpu.product=H100"),
     )
+
+
+def _fit_notes(config: EngineConfig, model: ResolvedModel) -> tuple[str, ...]:
+    """Without a plan: the memory plan `serve` checks on the nodes, checked here whenever the GPU type is known
+    (--gpu-type), so that a deployment that cannot fit is refused before it is applied."""
+    if not config.gpu_type:
+        return ("memory fit not checked: give --gpu-type (or plan with --gpu/--gpus)",)
+    fit = check_gpu_fit(config, model.source, get_accelerator(config.gpu_type))
+    if fit.fits is False:
+        raise ConfigError(f"the memory plan says this cannot run: {fit.describe()}")
+    return (f"memory plan: {fit.summary}",)
 
 
 def _node_gpus(config: EngineConfig) -> int | None:
@@ -165,9 +272,10 @@ def _node_gpus(config: EngineConfig) -> int | None:
 def _plan_note(plan: Plan) -> str:
     d, memory = plan.deployment, plan.deployment.memory
     return (
-        f"planned on {d.layout.gpus} x {d.accelerator.name} ({d.fmt.name} weights): the KV cache holds "
-        f"{memory.kv_cache_tokens:,} tokens, {memory.max_concurrent_sequences:,} sequences of "
-        f"{plan.config.input_len}+{plan.config.output_len} tokens (`deepserve plan` for speed and cost)"
+        f"planned on {d.layout.gpus} x {d.accelerator.name} ({d.fmt.name} weights, KV cache {d.kv_dtype}, network "
+        f"{d.network.name}): the KV cache holds {memory.kv_cache_tokens:,} tokens, "
+        f"{memory.max_concurrent_sequences:,} sequences of {plan.config.input_len}+{plan.config.output_len} tokens "
+        "(`deepserve plan` for speed and cost)"
     )
 
 
@@ -202,24 +310,39 @@ def _checkpoint_bytes_of(model: str) -> int | None:
 
 
 def deployment_config(
-    file: Path | None, overrides: dict[str, Any], gpu: str | None, gpus: int | None, weights: str | None
+    file: Path | None,
+    overrides: dict[str, Any],
+    plan_overrides: dict[str, Any] | None = None,
+    network: NetworkConfig | None = None,
 ) -> tuple[EngineConfig, Plan | None]:
-    """The engine config to render: loaded as `serve` loads it, then, with GPU and GPUS (`--gpu h100 --gpus 16`),
-    laid out by the planner."""
+    """The engine config to render: loaded as `serve` loads it, then, with --gpu and --gpus in PLAN_OVERRIDES, laid
+    out by the planner with the config file's `plan` section (workload lengths, KV dtype, …) and NETWORK, exactly as
+    `deepserve plan` would plan it."""
     config = load_engine_config(file, overrides)
+    asked = {name: value for name, value in (plan_overrides or {}).items() if value is not None}
+    gpu, gpus = asked.pop("gpu", None), asked.pop("gpus", None)
     if gpu is None and gpus is None:
-        if weights is not None:
-            raise ConfigError("--weights chooses the plan's weight format: give it with --gpu and --gpus")
+        if asked:
+            flags = ", ".join("--" + name.replace("_", "-") for name in sorted(asked))
+            raise ConfigError(f"{flags} shape the plan's layout: give them with --gpu and --gpus")
         return config, None
     if gpu is None or gpus is None:
         raise ConfigError("--gpu and --gpus go together: the GPU type and the total GPU count to plan for")
-    return planned_config(config, gpu, gpus, weights)
+    return planned_config(config, gpu, gpus, file=file, plan_overrides=asked, network=network)
 
 
-def planned_config(config: EngineConfig, gpu: str, gpus: int, weights: str | None = None) -> tuple[EngineConfig, Plan]:
-    """CONFIG's model laid out by the planner on GPUS GPUs of type GPU (whole nodes: TP inside a node, PP across),
-    refused with the plan's numbers when it does not fit. Fields set in CONFIG (flags, file, environment) win over
-    the plan's."""
+def planned_config(
+    config: EngineConfig,
+    gpu: str,
+    gpus: int,
+    weights: str | None = None,
+    file: Path | None = None,
+    plan_overrides: dict[str, Any] | None = None,
+    network: NetworkConfig | None = None,
+) -> tuple[EngineConfig, Plan]:
+    """CONFIG's model laid out by the planner on GPUS GPUs of type GPU (TP inside a node, PP across, unless the
+    layout is given), refused with the plan's numbers when it does not fit, and refused when the checkpoint is not
+    stored in the weight format asked for. Fields set in CONFIG (flags, file, environment) win over the plan's."""
     if not config.model:
         raise ConfigError("--gpu/--gpus plan a model: name it with --model (presets: `deepserve model list`)")
     if gpus < 1:
@@ -231,7 +354,14 @@ def planned_config(config: EngineConfig, gpu: str, gpus: int, weights: str | Non
             f"--gpu-type {config.gpu_type} and --gpu {gpu} disagree: the plan is made for --gpu, and every node's "
             "serve checks the fit for it; drop --gpu-type"
         )
-    plan_config = validate_section(PlanConfig, "plan", _plan_request(config, accelerator, gpus, weights))
+    asked = dict(plan_overrides or {})
+    if weights:
+        asked["weights"] = weights
+    if network is not None:
+        asked["network"] = network.network
+    request = {**_plan_request(config, accelerator, gpus), **asked}
+    plan_config = load_section(PlanConfig, "plan", file, request)
+    check_loadable_format(plan_config)
     plan = make_plan(plan_config)
     if not plan.fits:
         raise ConfigError(_does_not_fit(plan, config.model, gpus, accelerator))
@@ -243,9 +373,29 @@ def planned_config(config: EngineConfig, gpu: str, gpus: int, weights: str | Non
     return EngineConfig.model_validate(planned), plan
 
 
-def _plan_request(config: EngineConfig, accelerator: Accelerator, gpus: int, weights: str | None) -> dict[str, object]:
-    """What the planner is asked: CONFIG's model and engine, the fields the user set that the planner also takes,
-    and the nodes (--nnodes when given, else as few as hold the GPUs)."""
+def check_loadable_format(plan: PlanConfig) -> None:
+    """A rendered engine loads the model's own checkpoint: --weights may only name its format, or FP8 quantized at
+    load from a 16-bit checkpoint (vLLM's --quantization fp8); a plan for another format would size the memory for
+    weights that never load."""
+    if plan.weights is None:
+        return
+    try:
+        spec = load_spec(plan.model)
+    except ModelError:
+        return  # a hub id we have no preset of: its format is not known here
+    stored, asked = checkpoint_format(spec), get_format(plan.weights)
+    on_the_fly = asked.vllm_quantization is not None and stored.name in ("bf16", "fp16")
+    if asked.name != stored.name and not on_the_fly:
+        raise ConfigError(
+            f"{plan.model}'s checkpoint is stored in {stored.name} ({stored.description}); --weights {plan.weights} "
+            f"would plan for weights the engine never loads: drop --weights, or name a checkpoint stored in "
+            f"{asked.name} with --model (e.g. an AWQ export such as cognitivecomputations/DeepSeek-V3-AWQ)"
+        )
+
+
+def _plan_request(config: EngineConfig, accelerator: Accelerator, gpus: int) -> dict[str, object]:
+    """What the planner is asked: CONFIG's model and engine, the fields the user set that the planner also takes
+    (the KV-cache dtype among them), and the nodes (--nnodes when given, else as few as hold the GPUs)."""
     given = config.model_fields_set
     nodes = config.nnodes if "nnodes" in given else max(math.ceil(gpus / accelerator.devices_per_node), 1)
     if gpus % nodes:
@@ -257,17 +407,12 @@ def _plan_request(config: EngineConfig, accelerator: Accelerator, gpus: int, wei
         "nodes": nodes,
         "engine": config.engine,
     }
-    if weights:
-        request["weights"] = weights
     for name in _PLAN_FIELDS - {"model", "engine"}:
         if name in given and getattr(config, name) is not None:
             request[name] = getattr(config, name)
-    layout = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp", "data_parallel_size": "dp"}
-    for field_name, plan_name in layout.items():
-        if field_name in given:
+    for field_name, plan_name in _ENGINE_TO_PLAN.items():
+        if field_name in given and getattr(config, field_name) is not None:
             request[plan_name] = getattr(config, field_name)
-    if "enable_expert_parallel" in given:
-        request["ep"] = config.enable_expert_parallel
     return request
 
 
@@ -310,3 +455,36 @@ def substitute(argv: list[str], replacements: dict[str, str]) -> list[str]:
             word = word.replace(placeholder, value)
         result.append(word)
     return result
+
+
+# ---- the gateway's command line ---------------------------------------------------------------------------------
+
+# Settings of the gateway that issue 21 adds on the gateway's side (replica discovery from a DNS name, prefill
+# routing, keys from a file that it reloads, the engines' API key): where GatewayConfig has the field, it is set
+# there and written by the gateway's own flag derivation; otherwise the flag is written here, spelled as the gateway
+# names it.
+GATEWAY_WIRING = ("discover_upstreams", "prefill_upstream", "keys_file", "upstream_api_key_file")
+
+
+def gateway_command(spec: DeploySpec, upstreams: list[str], port: int, **wiring: Any) -> list[str]:
+    """`python -m deepserve.cli.main gateway …` listening on every interface at PORT in front of UPSTREAMS, with
+    the config's limits and WIRING (GATEWAY_WIRING's names, plus redis_url)."""
+    unknown = set(wiring) - {*GATEWAY_WIRING, "redis_url"}
+    if unknown:
+        raise ValueError(f"unknown gateway wiring {sorted(unknown)}")
+    given = {name: value for name, value in wiring.items() if value not in (None, False, [])}
+    fields = {name: value for name, value in given.items() if name in GatewayConfig.model_fields}
+    front = spec.gateway.model_copy(update={"upstream": upstreams, "host": "0.0.0.0", "port": port, **fields})
+    argv = gateway_argv(front, "python")
+    for name, value in given.items():
+        if name not in fields:
+            argv += _flag_words("--" + name.replace("_", "-"), value)
+    return argv
+
+
+def _flag_words(flag: str, value: Any) -> list[str]:
+    if value is True:
+        return [flag]
+    if isinstance(value, list):
+        return [word for item in value for word in (flag, str(item))]
+    return [flag, str(value)]

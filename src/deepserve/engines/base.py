@@ -17,6 +17,7 @@ class LaunchSpec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # only the variables we set, on top of the caller's
     ready_path: str = "/v1/models"
+    health_path: str = "/health"  # 200 while the engine is alive (/v1/models keeps answering after it died)
     served_model_name: str = ""
     base_url: str = ""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 from typing import Literal
 
@@ -12,6 +13,7 @@ from deepserve.errors import unknown_name
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 DistributedBackend = Literal["mp", "ray"]
+Role = Literal["prefill", "decode"]
 JOIN_PORT_OFFSET = 100  # default join port: master port + 100, clear of the ports vLLM takes near the master port
 
 
@@ -31,7 +33,9 @@ class EngineConfig(Section):
     data_parallel_size: int = Field(1, ge=1, description="data-parallel replicas (attention DP with --enable-ep)")
     enable_expert_parallel: bool = Field(False, description="shard MoE experts across GPUs instead of splitting")
     max_model_len: int | None = Field(None, ge=16, description="context length (prompt + output) in tokens")
-    max_num_seqs: int | None = Field(None, ge=1, description="most sequences in one batch")
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="most sequences running at once per data-parallel rank (vLLM's meaning)"
+    )
     max_num_batched_tokens: int | None = Field(None, ge=1, description="most tokens in one scheduler step")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="fraction of GPU memory the engine may use"
@@ -70,6 +74,21 @@ class EngineConfig(Section):
     distributed_executor_backend: DistributedBackend | None = Field(
         None, description="mp (vLLM's own processes, across nodes too) or ray (a Ray cluster: `deepserve cluster`)"
     )
+    role: Role | None = Field(
+        None,
+        description="prefill or decode: one side of a disaggregated pair joined by --kv-connector (default: an "
+        "engine that serves whole requests)",
+    )
+    kv_connector: str | None = Field(
+        None,
+        description="vLLM's KV-transfer connector between prefill and decode engines, e.g. NixlConnector (GPUs) or "
+        "ExampleConnector (shared storage)",
+    )
+    kv_connector_config: list[str] = Field(
+        default_factory=list,
+        description="KEY=VALUE of the connector's own settings (kv_connector_extra_config), e.g. "
+        "shared_storage_path=/mnt/kv; repeat for several",
+    )
     extra_args: list[str] = Field(default_factory=list, description="passed to the engine unchanged (after --)")
     startup_timeout_s: float = Field(1800.0, gt=0, description="give up if the engine is not ready by then")
 
@@ -94,7 +113,34 @@ class EngineConfig(Section):
                 f"--nnodes {self.nnodes} needs --master-addr: node 0's address that every node can reach "
                 "(e.g. its IP on the cluster network)"
             )
+        if self.role is not None and not self.kv_connector:
+            raise ValueError(
+                f"--role {self.role} needs --kv-connector: the connector that moves the KV cache between the prefill "
+                "and decode engines (NixlConnector on GPUs; ExampleConnector through a shared directory)"
+            )
         return self
+
+    @field_validator("kv_connector_config")
+    @classmethod
+    def _key_values(cls, pairs: list[str]) -> list[str]:
+        for pair in pairs:
+            key, sep, _ = pair.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"connector setting {pair!r} must look like KEY=VALUE, e.g. shared_storage_path=/kv")
+        return pairs
+
+    @property
+    def kv_connector_settings(self) -> dict[str, object]:
+        """--kv-connector-config as the connector reads it: JSON values where they parse (numbers, booleans),
+        else strings."""
+        settings: dict[str, object] = {}
+        for pair in self.kv_connector_config:
+            key, _, raw = pair.partition("=")
+            try:
+                settings[key.strip()] = json.loads(raw)
+            except json.JSONDecodeError:
+                settings[key.strip()] = raw
+        return settings
 
     @property
     def is_multi_node(self) -> bool:

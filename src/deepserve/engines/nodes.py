@@ -48,6 +48,8 @@ SHARED_FIELDS = (
     "dtype",
     "block_size",
     "distributed_executor_backend",
+    "role",  # the nodes of one prefill or decode replica run the same side, with the same connector
+    "kv_connector",
 )
 
 

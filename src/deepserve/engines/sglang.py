@@ -13,6 +13,11 @@ from deepserve.engines.base import (
     url_host,
 )
 from deepserve.engines.config import EngineConfig
+from deepserve.errors import ConfigError, unknown_name
+
+# SGLang moves KV between its prefill and decode servers with its own transfer backends
+# (--disaggregation-transfer-backend, sglang/srt/server_args.py); the vLLM connectors they correspond to.
+TRANSFER_BACKENDS = {"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}
 
 _PHASES = (
     ("Load weight begin", "loading weights"),
@@ -55,7 +60,7 @@ class SglangEngine:
                 ("--enable-dp-attention", _dp_attention(config) or None),
                 ("--ep-size", tp if config.enable_expert_parallel else None),
                 ("--context-length", config.max_model_len),
-                ("--max-running-requests", config.max_num_seqs),
+                ("--max-running-requests", _max_running_requests(config)),
                 ("--chunked-prefill-size", _chunked_prefill_size(config)),
                 ("--mem-fraction-static", kv_fraction),
                 ("--page-size", config.block_size),
@@ -68,6 +73,8 @@ class SglangEngine:
                 ("--nnodes", unless_one(config.nnodes)),
                 ("--node-rank", config.node_rank if config.is_multi_node else None),
                 ("--dist-init-addr", f"{config.master_addr}:{config.master_port}" if config.is_multi_node else None),
+                ("--disaggregation-mode", config.role),
+                ("--disaggregation-transfer-backend", _transfer_backend(config)),
             ]
         )
         argv += config.extra_args
@@ -96,6 +103,26 @@ def _tp_size(config: EngineConfig) -> int:
     if _dp_attention(config):
         return config.tensor_parallel_size * config.data_parallel_size
     return config.tensor_parallel_size
+
+
+def _transfer_backend(config: EngineConfig) -> str | None:
+    if config.role is None:
+        return None
+    connector = config.kv_connector or ""
+    if connector not in TRANSFER_BACKENDS:
+        raise ConfigError(
+            unknown_name("SGLang KV transfer (as a vLLM connector name)", connector, list(TRANSFER_BACKENDS))
+        )
+    return TRANSFER_BACKENDS[connector]
+
+
+def _max_running_requests(config: EngineConfig) -> int | None:
+    """SGLang's cap counts every DP-attention rank together (its CUDA-graph runner shares it out:
+    `server_args.max_running_requests // server_args.dp_size`, sglang/srt/model_executor/cuda_graph_runner.py);
+    --max-num-seqs is per rank, as vLLM applies it."""
+    if config.max_num_seqs is None:
+        return None
+    return config.max_num_seqs * config.data_parallel_size if _dp_attention(config) else config.max_num_seqs
 
 
 def _chunked_prefill_size(config: EngineConfig) -> int | None:

@@ -4,6 +4,7 @@ through `python -m deepserve.engines.vllm_cli` (see that module)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from deepserve.engines.base import (
 from deepserve.engines.config import EngineConfig
 from deepserve.engines.topology import nodes_share_this_host
 from deepserve.engines.vllm_metrics import KV_CACHE_USAGE_NAMES, RUNNING, WAITING
+from deepserve.errors import ConfigError, unknown_name
 
 GIB = 1024**3
 CPU_DEFAULT_KV_CACHE_GIB = 1.0  # the tiny model needs 4.6 KB/token: 1 GiB holds about 230K tokens
@@ -34,6 +36,32 @@ DEFAULT_BLOCK_SIZE = 16
 # On CPU, vLLM checks --gpu-memory-utilization x RAM against free memory at start on every node; nodes sharing one
 # host (a loopback test) must split it.
 CPU_SHARED_HOST_MEMORY_FRACTION = 0.8
+
+# The KV connectors vLLM 0.32 registers (vllm/distributed/kv_transfer/kv_connector/factory.py; a test compares them
+# with the installed vLLM's registry). P2pNcclConnector is gone; SharedStorageConnector is now ExampleConnector.
+KV_CONNECTORS = (
+    "DecodeBenchConnector",
+    "ExampleConnector",
+    "ExampleHiddenStatesConnector",
+    "FlexKVConnectorV1",
+    "HF3FSKVConnector",
+    "HiSparseConnector",
+    "LMCacheConnectorV1",
+    "LMCacheMPConnector",
+    "MoRIIOConnector",
+    "MooncakeConnector",
+    "MooncakeStoreConnector",
+    "MultiConnector",
+    "NixlConnector",
+    "NixlPullConnector",
+    "NixlPushConnector",
+    "OffloadingConnector",
+    "SimpleCPUOffloadConnector",
+)
+# Connectors whose prefill and decode sides are peers that both send and receive (vLLM's NIXL examples and llm-d's
+# P/D guides run NixlConnector with kv_both on both pools); the others name the direction.
+SYMMETRIC_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", None: "kv_both"}
 
 # Start-up log markers, in the order vLLM prints them.
 _PHASES = (
@@ -145,7 +173,26 @@ def _model_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, 
         ("--enable-chunked-prefill", config.enable_chunked_prefill),
         ("--enable-prefix-caching", config.enable_prefix_caching),
         ("--trust-remote-code", config.trust_remote_code or None),
+        ("--kv-transfer-config", kv_transfer_config(config)),
     ]
+
+
+def kv_transfer_config(config: EngineConfig) -> str | None:
+    """vLLM's --kv-transfer-config JSON for a prefill or decode engine (its KVTransferConfig fields: kv_connector,
+    kv_role, kv_connector_extra_config); None without a connector."""
+    connector = config.kv_connector
+    if connector is None:
+        return None
+    if connector not in KV_CONNECTORS:
+        raise ConfigError(
+            unknown_name("vLLM KV connector", connector, list(KV_CONNECTORS))
+            + " (an out-of-tree connector: give the whole --kv-transfer-config after --)"
+        )
+    role = "kv_both" if connector in SYMMETRIC_CONNECTORS else KV_ROLES[config.role]
+    settings: dict[str, object] = {"kv_connector": connector, "kv_role": role}
+    if config.kv_connector_config:
+        settings["kv_connector_extra_config"] = config.kv_connector_settings
+    return json.dumps(settings, separators=(",", ":"))
 
 
 def _node_flags(config: EngineConfig) -> list[tuple[str, object]]:

@@ -9,13 +9,21 @@ values, and are marked as such.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from deepserve.errors import ConfigError, unknown_name
 
+# The network between nodes lives in hardware/network.py (one profile for the planner and the renderers); its
+# names stay importable from here, where the planner has always found them.
+from deepserve.hardware.network import NETWORKS as NETWORKS
+from deepserve.hardware.network import NetworkProfile
+from deepserve.hardware.network import get_network as get_network
+
 if TYPE_CHECKING:
     from deepserve.hardware.host import HostMeasurement
+
+Network = NetworkProfile  # the planner's name for the network between nodes
 
 
 @dataclass(frozen=True)
@@ -54,16 +62,6 @@ class Accelerator:
     @property
     def memory_bytes(self) -> int:
         return int(self.memory_gib * 1024**3)
-
-
-@dataclass(frozen=True)
-class Network:
-    """How nodes talk to each other: bandwidth per node per direction (all NICs of a node together)."""
-
-    name: str
-    bandwidth_gb_s_per_node: float
-    collective_latency_us: float
-    sources: tuple[str, ...] = field(default_factory=tuple)
 
 
 _NVLINK4 = Link("nvlink4", 450.0, 10.0)  # 900 GB/s bidirectional per GPU (18 links)
@@ -238,19 +236,6 @@ ACCELERATORS: tuple[Accelerator, ...] = (
     ),
 )
 
-NETWORKS: tuple[Network, ...] = (
-    Network(
-        "infiniband-ndr",
-        8 * 50.0,
-        25.0,
-        ("NVIDIA ConnectX-7 datasheet: 400 Gb/s NDR per adapter, one adapter per GPU",),
-    ),
-    Network("roce-400g", 8 * 50.0, 35.0, ("400 GbE RoCE, one NIC per GPU (as in HGX reference designs)",)),
-    Network("ethernet-100g", 12.5, 60.0, ("one 100 Gb/s Ethernet port per node, TCP sockets (seed 001's setup)",)),
-)
-
-_NETWORK_ALIASES = {"ib": "infiniband-ndr", "infiniband": "infiniband-ndr", "ethernet": "ethernet-100g"}
-
 
 def accelerator_names() -> list[str]:
     return [acc.name for acc in ACCELERATORS]
@@ -311,14 +296,6 @@ def get_accelerator(name: str) -> Accelerator:
     valid = [f"{acc.name} ({', '.join(acc.aliases)})" if acc.aliases else acc.name for acc in ACCELERATORS]
     valid.append(f"host ({', '.join(HOST_NAMES[1:])}: this machine's CPU, measured)")
     raise ConfigError(unknown_name("GPU", name, valid))
-
-
-def get_network(name: str) -> Network:
-    wanted = _NETWORK_ALIASES.get(name.strip().lower(), name.strip().lower())
-    for net in NETWORKS:
-        if net.name == wanted:
-            return net
-    raise ConfigError(unknown_name("network", name, [net.name for net in NETWORKS] + list(_NETWORK_ALIASES)))
 
 
 # Substrings of the names drivers report (torch.cuda.get_device_name, nvidia-smi, rocm-smi), most specific first.

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import shlex
+
+from deepserve.config import changed_fields
 from deepserve.engines.config import EngineConfig, serve_command
 from deepserve.engines.registry import ENGINES
 from deepserve.models.resolve import ResolvedModel
+from deepserve.models.spec import ModelSpec
 from deepserve.plan.types import Deployment, PlanConfig
 
 HEAD_NODE_ADDRESS = "HEAD_NODE_IP"  # a placeholder the user replaces with node 0's address
+# Model types whose config and model code ship with the engines (transformers/models/deepseek_v2, deepseek_v3,
+# deepseek_v32, deepseek_v4; vllm/transformers_utils/config.py registers deepseek_v32, deepseek_v4, deepseek_v41;
+# vllm/model_executor/models/deepseek_v2.py serves V2/V3): they load without the repository's own Python code.
+NATIVE_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_v41"})
+
+
+def needs_remote_code(spec: ModelSpec) -> bool:
+    """--trust-remote-code only for a model the engines do not implement themselves: it runs the repository's code."""
+    return spec.model_type not in NATIVE_MODEL_TYPES
 
 
 def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> EngineConfig:
     """The plan as an EngineConfig for ENGINE (each engine's launcher maps the layout to its own flags)."""
     layout = deployment.layout
     memory = deployment.memory
-    seqs = deployment.running_cap // layout.pp if deployment.running_cap else None
     return EngineConfig.model_validate(
         {
             "engine": engine,
@@ -24,11 +36,11 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
             "data_parallel_size": layout.dp,
             "enable_expert_parallel": layout.ep,
             "max_model_len": memory.max_model_len,
-            "max_num_seqs": max(seqs, 1) if seqs is not None else None,
+            "max_num_seqs": deployment.max_num_seqs_per_rank,
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "quantization": deployment.fmt.vllm_quantization,
             "kv_cache_dtype": "fp8" if deployment.kv_dtype == "fp8" else None,
-            "trust_remote_code": True,
+            "trust_remote_code": needs_remote_code(deployment.spec),
             "nnodes": deployment.nodes,
             "master_addr": HEAD_NODE_ADDRESS if deployment.nodes > 1 else None,
         }
@@ -51,3 +63,39 @@ def serve_commands(deployment: Deployment, config: PlanConfig) -> tuple[str, ...
         update={"gpu_type": deployment.accelerator.name, "host": "0.0.0.0" if deployment.nodes > 1 else "127.0.0.1"}
     )
     return tuple(serve_command(engine.for_node(rank)) for rank in range(deployment.nodes))
+
+
+# PlanConfig fields and the `deepserve deploy render` flags that carry them; the others (concurrency levels, the SLO,
+# prices, calibration) shape only the forecast, not the deployment.
+RENDER_FLAGS = {
+    "model": "--model",
+    "gpu": "--gpu",
+    "gpus": "--gpus",
+    "nodes": "--nnodes",
+    "weights": "--weights",
+    "kv_dtype": "--kv-cache-dtype",
+    "max_model_len": "--max-model-len",
+    "input_len": "--input-len",
+    "output_len": "--output-len",
+    "engine": "--engine",
+    "tp": "--tensor-parallel-size",
+    "pp": "--pipeline-parallel-size",
+    "dp": "--data-parallel-size",
+    "ep": "--enable-expert-parallel",
+    "network": "--network",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+}
+
+
+def render_command(config: PlanConfig, target: str = "kubernetes", out: str = "deploy") -> str:
+    """The `deepserve deploy render` line that deploys what CONFIG plans (render plans it again, the same way)."""
+    argv = ["deepserve", "deploy", "render", "--target", target, "--out", out]
+    argv += ["--model", config.model, "--gpu", config.gpu, "--gpus", str(config.gpus)]
+    for name, value in changed_fields(config, skip=("model", "gpu", "gpus")).items():
+        flag = RENDER_FLAGS.get(name)
+        if flag is None or value is None:
+            continue
+        argv += [flag] if value is True else [flag, str(value)]
+    return shlex.join(argv)

@@ -283,6 +283,17 @@ def _layout_from(config: PlanConfig) -> Layout | None:
     if config.tp is None and config.pp is None and config.dp == 1 and not config.ep:
         return None
     dp = config.dp
-    pp = config.pp or nodes_for(config)
+    pp = _pipeline_stages(config)
     tp = config.tp or max(config.gpus // (pp * dp), 1)
     return Layout(tp=tp, pp=pp, dp=dp, ep=config.ep)
+
+
+def _pipeline_stages(config: PlanConfig) -> int:
+    """--pp, else what --tp x --dp leave of the GPUs (wide EP, `--tp 1 --dp 16 --ep` on two nodes, spreads the
+    data-parallel ranks over the nodes with PP 1; `--tp 16` spans them), else one stage per node (TP inside a node,
+    PP across)."""
+    if config.pp is not None:
+        return config.pp
+    if config.tp is not None:
+        return max(config.gpus // (config.tp * config.dp), 1)
+    return 1 if config.dp > 1 else nodes_for(config)

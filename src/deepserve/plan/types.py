@@ -18,9 +18,10 @@ from deepserve.plan.kernels import KernelRates, kernel_rates
 from deepserve.plan.layout import Layout, layout_links
 from deepserve.plan.memory import MemoryPlan
 from deepserve.plan.perf import PerformanceModel
-from deepserve.plan.profiles import SelectedFactors, select_profile
+from deepserve.plan.profiles import SelectedFactors, select_profile, version_key
 
 DEFAULT_CONCURRENCY = (1, 8, 16, 32, 64, 128, 256)
+V1_ENGINE_VERSION = (0, 8)  # vLLM 0.8.0 made the V1 engine the default
 
 
 class PlanConfig(Section):
@@ -50,7 +51,9 @@ class PlanConfig(Section):
     pp: int | None = Field(None, ge=1, description="pipeline-parallel size; None = the number of nodes")
     dp: int = Field(1, ge=1, description="data-parallel attention replicas (with --ep)")
     ep: bool = Field(False, description="expert parallelism: whole experts per GPU instead of split experts")
-    network: str = Field("infiniband-ndr", description="between nodes: infiniband-ndr, roce-400g, ethernet-100g")
+    network: str = Field(
+        "infiniband-ndr", description="between nodes: ib, roce, tcp (or infiniband-ndr, roce-400g, ethernet-100g)"
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory the engine uses")
     max_num_seqs: int | None = Field(None, ge=1, description="running-batch cap; None = what the KV cache holds")
     max_num_batched_tokens: int = Field(8192, ge=1, description="tokens per step (sizes the activation reserve)")
@@ -94,12 +97,29 @@ class Deployment:
 
     @property
     def running_cap(self) -> int:
-        """Most requests running at once: what the KV cache holds at the planned lengths, and max_num_seqs per
-        pipeline micro-batch."""
+        """Most requests running at once over the whole deployment: what the KV cache holds at the planned lengths,
+        and max_num_seqs as the engine applies it (see seqs_schedulers)."""
         cap = self.memory.max_concurrent_sequences
         if self.max_num_seqs is not None:
-            cap = min(cap, self.max_num_seqs * self.layout.pp)
+            cap = min(cap, self.max_num_seqs * self.seqs_schedulers)
         return max(cap, 0)
+
+    @property
+    def seqs_schedulers(self) -> int:
+        """How many schedulers each apply max_num_seqs: vLLM's V1 engine (0.8 on) has one per data-parallel rank,
+        which caps all pipeline micro-batches together; the V0 engine before it had one per pipeline stage
+        ("virtual engine", vllm/engine/llm_engine.py of 0.7), each with max_num_seqs."""
+        if self.engine == "vllm" and self.engine_version and version_key(self.engine_version) < V1_ENGINE_VERSION:
+            return self.layout.pp
+        return self.layout.dp
+
+    @property
+    def max_num_seqs_per_rank(self) -> int | None:
+        """The engine's --max-num-seqs for this plan: the running cap shared out over the schedulers that apply it
+        (SGLang's launcher turns it back into its global --max-running-requests); None when nothing fits."""
+        if self.running_cap <= 0:
+            return None
+        return max(self.running_cap // self.seqs_schedulers, 1)
 
     def select_engine(self, across_engines: bool = True) -> SelectedFactors | None:
         """The engine profile for this deployment (see plan/profiles.py); None when none may stand in."""

@@ -12,7 +12,7 @@ import psutil
 
 from deepserve.config import changed_flags
 from deepserve.deploy.ray_backend import check_ray_backend
-from deepserve.engines.base import Engine, LaunchSpec
+from deepserve.engines.base import Engine, LaunchSpec, url_host
 from deepserve.engines.config import EngineConfig, serve_command
 from deepserve.engines.registry import get_engine
 from deepserve.engines.topology import check_layout_fits_nodes, check_master_address, nodes_share_this_host
@@ -81,7 +81,9 @@ def plan_service(
     fit = check_fit(config, model, on_this_machine)
     # GPU commands planned on a machine without one are for another machine: print them as users type them there.
     engine_python = python if on_cpu or has_gpu() else None
-    if not serve.gateway or not config.is_head:
+    if config.role is not None:
+        notes += (_pool_note(config),)
+    if not serve.gateway or not config.is_head or config.role is not None:
         launch = engine.launch_spec(config, model, engine_python)
         return ServicePlan(config, engine, model, launch, notes=notes, python=python, fit=fit, force=serve.force)
     engine_config = config.model_copy(update={"host": "127.0.0.1", "port": serve.engine_port or free_port()})
@@ -97,6 +99,17 @@ def plan_service(
         base_url=gateway_base_url(front),
     )
     return ServicePlan(engine_config, engine, model, launch, gateway_launch, front, notes, python, fit, serve.force)
+
+
+def _pool_note(config: EngineConfig) -> str:
+    """A prefill or decode engine is one member of a pool: the gateway in front of both pools sends each request to
+    a prefill engine, then to a decode engine, so this serve runs the engine alone."""
+    other = "decode" if config.role == "prefill" else "prefill"
+    flag = "--prefill-upstream" if config.role == "prefill" else "--upstream"
+    return (
+        f"a {config.role} engine ({config.kv_connector}) without a gateway of its own: run `deepserve gateway` with "
+        f"{flag} http://{url_host(config.host)}:{config.port}/v1 and the {other} engines beside it"
+    )
 
 
 def check_fit(config: EngineConfig, model: ResolvedModel, on_this_machine: bool) -> FitCheck:

@@ -20,7 +20,8 @@ TokenIdsPolicy = Literal["requested", "always", "ignore", "reject"]
 ENGINE_FIELDS_NOT_SIMULATED = (
     "device", "dtype", "trust_remote_code", "extra_args", "startup_timeout_s", "node_rank", "master_addr",
     "master_port", "join_port", "join_timeout_s", "gpus_per_node", "data_parallel_size_local", "nnodes", "gpu_type",
-    "data_parallel_address", "data_parallel_rpc_port", "distributed_executor_backend",
+    "data_parallel_address", "data_parallel_rpc_port", "distributed_executor_backend", "role", "kv_connector",
+    "kv_connector_config",
 )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from deepserve.deploy import compose, kubernetes
+from deepserve.deploy.config import DeployConfig
 from deepserve.deploy.render import render
 from deepserve.deploy.source import MASTER_PLACEHOLDER, DeploySpec, deploy_spec
 from deepserve.engines.config import EngineConfig
@@ -40,7 +41,8 @@ LAYOUTS = {
 
 def make(layout: str, **extra: Any) -> DeploySpec:
     config = EngineConfig.model_validate({"model": "deepseek-ai/DeepSeek-V3-0324", **LAYOUTS[layout]})
-    return deploy_spec(config, GatewayConfig(max_queue=1000), command=f"test {layout}", **extra)
+    deploy = DeployConfig.model_validate(extra)
+    return deploy_spec(config, GatewayConfig(max_queue=1000), command=f"test {layout}", deploy=deploy)
 
 
 def run(command: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -69,8 +71,8 @@ def test_docker_compose_accepts_every_file_and_runs_the_launchers_command(layout
         resolved = run([str(DOCKER_COMPOSE), "-f", path.name, "config"], tmp_path, MASTER_ADDR="10.0.0.7")
         engine = yaml.safe_load(resolved.stdout)["services"]["engine"]
         node = spec.node_config(rank, "10.0.0.7")
-        if spec.nodes > 1:
-            node = node.model_copy(update={"port": compose.network_of(spec).engine_port})
+        if spec.nodes > 1:  # on the host's network: node 0's API on loopback, behind the gateway
+            node = node.model_copy(update={"port": compose.network_of(spec).engine_port, "host": "127.0.0.1"})
         assert engine["entrypoint"] == spec.engine.launch_spec(node, spec.model, None).argv
 
 
@@ -84,11 +86,40 @@ def test_docker_compose_refuses_a_node_file_without_node_zeros_address(tmp_path:
 @needs_compose
 def test_docker_compose_accepts_replicas_on_one_host(tmp_path: Path) -> None:
     spec = deploy_spec(
-        EngineConfig(model="deepseek-ai/DeepSeek-V3-0324", tensor_parallel_size=4), GatewayConfig(), "x", replicas=2
+        EngineConfig(model="deepseek-ai/DeepSeek-V3-0324", tensor_parallel_size=4),
+        GatewayConfig(),
+        "x",
+        deploy=DeployConfig(replicas=2),
     )
     render(spec, "compose", tmp_path)
     done = run([str(DOCKER_COMPOSE), "-f", "docker-compose.yaml", "config", "-q"], tmp_path)
     assert done.returncode == 0, done.stderr
+
+
+@needs_compose
+def test_docker_compose_accepts_prefill_and_decode_pools_with_an_engine_key(tmp_path: Path) -> None:
+    config = EngineConfig(model="deepseek-ai/DeepSeek-V3-0324", tensor_parallel_size=4, kv_connector="ExampleConnector")
+    deploy = DeployConfig(prefill_replicas=1, engine_api_key=True)
+    render(deploy_spec(config, GatewayConfig(), "x", deploy=deploy), "compose", tmp_path)
+    (tmp_path / "engine-api-key").write_text("k")
+    refused = run([str(DOCKER_COMPOSE), "-f", "docker-compose.yaml", "config", "-q"], tmp_path)
+    assert refused.returncode != 0 and "set ENGINE_API_KEY" in refused.stderr  # the key is required
+    done = run([str(DOCKER_COMPOSE), "-f", "docker-compose.yaml", "config"], tmp_path, ENGINE_API_KEY="k")
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    assert services["prefill"]["environment"]["VLLM_API_KEY"] == "k"
+    assert "--prefill-upstream" in services["gateway"]["entrypoint"]
+
+
+@needs_compose
+def test_docker_compose_accepts_rdma_settings_on_several_hosts(tmp_path: Path) -> None:
+    spec = make("two-nodes")
+    render(spec, "compose", tmp_path)
+    done = run([str(DOCKER_COMPOSE), "-f", "docker-compose.node1.yaml", "config"], tmp_path, MASTER_ADDR="10.0.0.7")
+    assert done.returncode == 0, done.stderr
+    engine = yaml.safe_load(done.stdout)["services"]["engine"]
+    assert engine["cap_add"] == ["IPC_LOCK"] and engine["restart"] == "no"
+    assert engine["ulimits"]["memlock"] == {"soft": -1, "hard": -1}
 
 
 @needs_promtool
@@ -118,3 +149,13 @@ def test_promtool_catches_a_broken_rule(tmp_path: Path) -> None:
         yaml.safe_dump({"groups": [{"name": "x", "rules": [{"alert": "Broken", "expr": "sum(rate(x[5m])"}]}]})
     )
     assert run([str(PROMTOOL), "check", "rules", "rules.yml"], tmp_path).returncode != 0
+
+
+@needs_promtool
+def test_promtool_accepts_kedas_queries(tmp_path: Path) -> None:
+    spec = make("two-nodes", max_replicas=4, capacity_per_replica=32)
+    triggers = kubernetes.scaled_object(spec)["spec"]["triggers"]
+    rules = [{"record": f"deepserve:keda_{n}", "expr": t["metadata"]["query"]} for n, t in enumerate(triggers)]
+    (tmp_path / "keda.yml").write_text(yaml.safe_dump({"groups": [{"name": "keda", "rules": rules}]}))
+    done = run([str(PROMTOOL), "check", "rules", "keda.yml"], tmp_path)
+    assert done.returncode == 0 and "SUCCESS: 2 rules found" in done.stdout, done.stdout + done.stderr

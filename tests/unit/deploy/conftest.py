@@ -19,13 +19,15 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from deepserve.deploy.config import DeployConfig
 from deepserve.deploy.source import MASTER_PLACEHOLDER, DeploySpec, deploy_spec
 from deepserve.engines.config import EngineConfig
 from deepserve.gateway.config import GatewayConfig
+from deepserve.hardware.network import NetworkConfig
 
 CRDS = Path(__file__).parents[2] / "fixtures" / "crds"
 KUBERNETES_VERSION = "1.37.0"  # the newest schemas kubernetes-validate ships
-CORE_GROUPS = ("v1", "apps/v1", "autoscaling/v2")
+CORE_GROUPS = ("v1", "apps/v1", "autoscaling/v2", "batch/v1", "policy/v1", "networking.k8s.io/v1")
 
 MODEL = "deepseek-ai/DeepSeek-V3-0324"
 DEPLOYMENTS: dict[str, dict[str, Any]] = {
@@ -57,12 +59,19 @@ DEPLOYMENTS: dict[str, dict[str, Any]] = {
 
 
 def make_spec(name: str, **extra: Any) -> DeploySpec:
+    """DEPLOYMENTS[NAME] with engine FIELDS, a GATEWAY, a PLAN, NETWORK settings (a dict of NetworkConfig fields)
+    and any DeployConfig field (replicas=2, name=…) as keyword arguments."""
     fields = {**DEPLOYMENTS[name], **extra.pop("fields", {})}
+    gateway = extra.pop("gateway", GatewayConfig())
+    plan = extra.pop("plan", None)
+    network = NetworkConfig.model_validate(extra.pop("network", {}))
     return deploy_spec(
         EngineConfig.model_validate(fields),
-        extra.pop("gateway", GatewayConfig()),
+        gateway,
         command=f"deepserve deploy render --test {name}",
-        **extra,
+        deploy=DeployConfig.model_validate(extra),
+        plan=plan,
+        network=network,
     )
 
 

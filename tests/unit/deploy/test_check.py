@@ -14,6 +14,7 @@ from deepserve.deploy.check import (
     GIB,
     Check,
     Expected,
+    HcaPort,
     HostFacts,
     Verdict,
     check_disk,
@@ -23,14 +24,18 @@ from deepserve.deploy.check import (
     check_interfaces,
     check_master,
     check_model_access,
+    check_rdma,
     check_shm,
     failed,
     gather_facts,
+    hca_ports,
+    hca_selects,
     run_checks,
 )
 from deepserve.deploy.netif import Interface
 from deepserve.engines.config import EngineConfig
 from deepserve.hardware.detect import LocalGpu, local_gpus
+from deepserve.hardware.network import NetworkConfig
 
 H100 = LocalGpu(0, "NVIDIA H100 80GB HBM3", 81559)
 H200 = LocalGpu(0, "NVIDIA H200", 143771)
@@ -249,6 +254,66 @@ def test_local_model_must_be_readable(tmp_path: Path) -> None:
     assert check_model_access(expected(), facts(tmp_path)).verdict is Verdict.NA
 
 
+# ---- RDMA (the network profile's HCAs) ---------------------------------------------------------------------------
+
+TWO_NODES = {**V3, "pipeline_parallel_size": 2, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1"}
+IB_PORTS = (HcaPort("mlx5_0", 1, "ACTIVE", "InfiniBand"), HcaPort("mlx5_1", 1, "ACTIVE", "InfiniBand"))
+
+
+def rdma(tmp_path: Path, network: dict[str, Any], **changes: Any) -> Check:
+    profile = NetworkConfig.model_validate(network).profile()
+    ready = {"hca_ports": IB_PORTS, "verbs_devices": True, "memlock_bytes": None, **changes}
+    return check_rdma(Expected(EngineConfig.model_validate(TWO_NODES), profile), facts(tmp_path, **ready))
+
+
+def test_rdma_passes_with_the_profiles_hcas_active(tmp_path: Path) -> None:
+    ok = rdma(tmp_path, {"network": "ib", "ib_hca": "=mlx5_1"})
+    assert ok.verdict is Verdict.OK and ok.detail.startswith("mlx5_1:1 active")
+
+
+def test_rdma_fails_without_the_named_hcas(tmp_path: Path) -> None:
+    none = rdma(tmp_path, {"network": "ib"}, hca_ports=())
+    assert none.verdict is Verdict.FAIL and "no RDMA adapter" in none.detail and "--network tcp" in none.fix
+    named = rdma(tmp_path, {"network": "ib", "ib_hca": "=mlx5_7"})
+    assert named.verdict is Verdict.FAIL and "NCCL_IB_HCA==mlx5_7 selects none" in named.detail
+
+
+def test_rdma_fails_on_ports_down_or_of_the_wrong_link_layer(tmp_path: Path) -> None:
+    down = rdma(tmp_path, {"network": "ib"}, hca_ports=(HcaPort("mlx5_0", 1, "DOWN", "InfiniBand"),))
+    assert down.verdict is Verdict.FAIL and "ACTIVE" in down.detail
+    roce = rdma(tmp_path, {"network": "roce"})  # the ports are InfiniBand
+    assert roce.verdict is Verdict.FAIL and "--network ib" in roce.fix
+
+
+def test_rdma_fails_without_verbs_devices_and_warns_on_a_memlock_limit(tmp_path: Path) -> None:
+    hidden = rdma(tmp_path, {"network": "ib"}, verbs_devices=False)
+    assert hidden.verdict is Verdict.FAIL and "/dev/infiniband" in hidden.fix
+    locked = rdma(tmp_path, {"network": "ib"}, memlock_bytes=64 * 1024)
+    assert locked.verdict is Verdict.WARN and "memlock=-1" in locked.fix
+
+
+def test_rdma_not_applicable_on_sockets_or_one_node(tmp_path: Path) -> None:
+    assert rdma(tmp_path, {"network": "tcp"}).verdict is Verdict.NA
+    one = check_rdma(Expected(EngineConfig.model_validate(V3)), facts(tmp_path))
+    assert one.verdict is Verdict.NA
+
+
+def test_nccl_ib_hca_syntax() -> None:
+    port = HcaPort("mlx5_10", 1, "ACTIVE", "InfiniBand")
+    assert hca_selects(None, port) and hca_selects("mlx5", port) and hca_selects("mlx5_1", port)  # prefixes
+    assert not hca_selects("=mlx5_1", port) and hca_selects("=mlx5_10:1", port)
+    assert not hca_selects("=mlx5_10:2", port) and not hca_selects("^mlx5", port)
+
+
+def test_hca_ports_are_read_from_sysfs(tmp_path: Path) -> None:
+    port = tmp_path / "mlx5_0" / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "state").write_text("4: ACTIVE\n")
+    (port / "link_layer").write_text("Ethernet\n")
+    assert hca_ports(tmp_path) == (HcaPort("mlx5_0", 1, "ACTIVE", "Ethernet"),)
+    assert hca_ports(tmp_path / "none") == ()
+
+
 # ---- all together -----------------------------------------------------------------------------------------------
 
 
@@ -264,6 +329,7 @@ def test_a_node_ready_for_the_plan_fails_nothing(tmp_path: Path) -> None:
         "/dev/shm",
         "node 0's address and ports",
         "NCCL/Gloo interface",
+        "RDMA (network profile)",
         "model access",
     }
     assert failed([*checks, Check("x", Verdict.FAIL, "broken", "fix it")])

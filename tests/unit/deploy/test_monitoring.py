@@ -7,7 +7,7 @@ import re
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from deepserve.deploy.monitoring import PANELS, alerts, dashboard, queries, rule_groups
+from deepserve.deploy.monitoring import PANELS, alerts, dashboard, gpu_panels, queries, rule_groups
 from deepserve.gateway.balancing import make_policy
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.limits import AdmissionQueue
@@ -65,8 +65,22 @@ def test_rule_file_shape_is_prometheus_s() -> None:
 def test_dashboard_has_a_panel_per_entry_laid_out_without_overlap() -> None:
     board = dashboard("x")
     panels = board["panels"]
-    assert len(panels) == len(PANELS)
+    assert len(panels) == len(PANELS) + len(gpu_panels())
     cells = {(panel["gridPos"]["x"], panel["gridPos"]["y"]) for panel in panels}
     assert len(cells) == len(panels)
     assert all(target["expr"] for panel in panels for target in panel["targets"])
     assert board["templating"]["list"][0]["type"] == "datasource"
+
+
+def test_the_dashboard_has_gpu_panels_from_the_dcgm_exporter() -> None:
+    """DCGM exporter's default counters (NVIDIA/dcgm-exporter etc/default-counters.csv)."""
+    exprs = [target["expr"] for panel in dashboard("x", 'pod=~"a-.*"')["panels"] for target in panel["targets"]]
+    dcgm = {re.match(r"DCGM_[A-Z_]+", expr).group(0) for expr in exprs if expr.startswith("DCGM_")}  # type: ignore[union-attr]
+    assert dcgm == {
+        "DCGM_FI_DEV_GPU_UTIL",
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+        "DCGM_FI_DEV_FB_USED",
+        "DCGM_FI_DEV_POWER_USAGE",
+        "DCGM_FI_DEV_GPU_TEMP",
+    }
+    assert all('{pod=~"a-.*"}' in expr for expr in exprs if expr.startswith("DCGM_"))

@@ -36,9 +36,9 @@ def test_one_host_runs_the_launchers_command_with_gpus_shm_and_cache(make: Any) 
     assert engine["volumes"] == ["~/.cache/huggingface:/root/.cache/huggingface"]
     assert engine["environment"]["HF_TOKEN"] == "${HF_TOKEN:-}"
     health = engine["healthcheck"]
-    assert "http://127.0.0.1:8000/v1/models" in health["test"][-1]
+    assert "http://127.0.0.1:8000/health" in health["test"][-1]
     assert int(health["start_period"].removesuffix("s")) >= spec.config.startup_timeout_s
-    assert "network_mode" not in engine
+    assert "network_mode" not in engine and "ports" not in engine  # only the gateway is published
 
 
 def test_one_host_gateway_prometheus_and_grafana(make: Any) -> None:
@@ -90,7 +90,7 @@ def test_two_hosts_get_one_file_each_with_their_ranks_command(name: str, make: A
     for rank, document in enumerate(files.values()):
         engine = document["services"]["engine"]
         expected = spec.engine.launch_spec(
-            spec.node_config(rank, "10.0.0.7").model_copy(update={"port": 8001}), spec.model, None
+            spec.node_config(rank, "10.0.0.7").model_copy(update={"port": 8001, "host": "127.0.0.1"}), spec.model, None
         ).argv
         assert interpolated(engine["entrypoint"], "10.0.0.7") == expected
         assert MASTER_PLACEHOLDER not in json.dumps(document)
@@ -130,9 +130,10 @@ def test_files_start_with_how_they_were_made_and_how_to_apply_them(make: Any, tm
         "grafana/provisioning/datasources/prometheus.yaml",
         "network.env",
         "prometheus.yml",
+        "restart-group.sh",
     ]
     for path in written:
-        text = path.read_text()
+        text = path.read_text().removeprefix("#!/bin/sh\n")
         if path.suffix == ".json":
             comment = json.loads(text)["__comment"]
             assert comment[0] == f"Made by deepserve 0.1.0: {spec.command}"
@@ -141,3 +142,77 @@ def test_files_start_with_how_they_were_made_and_how_to_apply_them(make: Any, tm
         assert "docker compose -f out/docker-compose.nodeR.yaml up -d" in text
         if path.suffix in (".yaml", ".yml"):
             yaml.safe_load(text)
+
+
+def test_two_hosts_keep_the_engine_api_on_loopback_and_never_restart_one_node_alone(make: Any) -> None:
+    files = compose.compose_files(make("two-nodes-pp"))
+    for document in files.values():
+        assert document["services"]["engine"]["restart"] == "no"
+    node0 = files["docker-compose.node0.yaml"]["services"]["engine"]
+    assert node0["entrypoint"][node0["entrypoint"].index("--host") + 1] == "127.0.0.1"  # not 0.0.0.0 on the host
+    assert "127.0.0.1:8001/health" in node0["healthcheck"]["test"][-1]
+
+
+def test_two_hosts_get_the_network_profile(make: Any) -> None:
+    engine = compose.compose_files(make("two-nodes-pp", network={"ib_hca": "mlx5"}))["docker-compose.node1.yaml"]
+    service = engine["services"]["engine"]
+    assert service["devices"] == ["/dev/infiniband:/dev/infiniband"]
+    assert service["cap_add"] == ["IPC_LOCK"]
+    assert service["ulimits"] == {"memlock": {"soft": -1, "hard": -1}}
+    assert service["environment"]["NCCL_IB_HCA"] == "mlx5"
+    assert "NCCL_SOCKET_IFNAME" not in service["environment"]  # per host, in network.env
+    tcp = compose.compose_files(make("two-nodes-pp", network={"network": "tcp"}))["docker-compose.node1.yaml"]
+    assert "devices" not in tcp["services"]["engine"]
+    assert tcp["services"]["engine"]["environment"]["NCCL_IB_DISABLE"] == "1"
+
+
+def test_the_group_restart_stops_every_node_then_starts_node_0_first(make: Any, recorder: Any, tmp_path: Path) -> None:
+    spec = make("two-nodes-pp")
+    render(spec, "compose", tmp_path / "out", "out")
+    script = tmp_path / "out" / compose.RESTART_SCRIPT
+    assert script.stat().st_mode & 0o111  # executable
+    recorder.programs("ssh")
+    ran = recorder.run([str(script), "10.0.0.1", "10.0.0.2"])
+    commands = [(call["argv"][0], call["argv"][1]) for call in ran]
+    assert [host for host, _ in commands] == ["10.0.0.1", "10.0.0.2", "10.0.0.1", "10.0.0.2"]
+    assert "docker-compose.node0.yaml stop engine" in commands[0][1]
+    assert "docker-compose.node1.yaml stop engine" in commands[1][1]
+    assert "MASTER_ADDR='10.0.0.1' docker compose -f docker-compose.node0.yaml up -d" in commands[2][1]
+    assert "docker-compose.node1.yaml up -d" in commands[3][1]
+    with pytest.raises(AssertionError):  # the wrong number of hosts is refused
+        recorder.run([str(script), "10.0.0.1"])
+
+
+def test_one_host_prefill_and_decode_pools_behind_the_gateway(make: Any) -> None:
+    spec = make("one-node", fields={"tensor_parallel_size": 2, "gpus_per_node": 8}, prefill_replicas=1, replicas=2)
+    services = compose.compose_files(spec)["docker-compose.yaml"]["services"]
+    assert list(services)[:3] == ["prefill", "decode", "decode-1"]
+    devices = [services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for name in
+               ("prefill", "decode", "decode-1")]  # fmt: skip
+    assert devices == [["0", "1"], ["2", "3"], ["4", "5"]]
+    assert services["decode"]["environment"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "decode"
+    words = services["gateway"]["entrypoint"]
+    upstreams = [words[i + 1] for i, word in enumerate(words) if word == "--upstream"]
+    prefill = [words[i + 1] for i, word in enumerate(words) if word == "--prefill-upstream"]
+    assert upstreams == ["http://decode:8000/v1", "http://decode-1:8000/v1"]
+    assert prefill == ["http://prefill:8000/v1"]
+    roles = [json.loads(interpolated(services[n]["entrypoint"], "")[-1]) for n in ("prefill", "decode")]
+    assert [role["kv_role"] for role in roles] == ["kv_both", "kv_both"]  # NIXL's peers
+
+
+def test_one_host_shared_directory_pools_and_an_engine_api_key(make: Any) -> None:
+    spec = make("one-node", fields={"tensor_parallel_size": 4, "kv_connector": "ExampleConnector"},
+                prefill_replicas=1, engine_api_key=True)  # fmt: skip
+    document = compose.compose_files(spec)["docker-compose.yaml"]
+    prefill, decode = document["services"]["prefill"], document["services"]["decode"]
+    assert document["volumes"]["kv-transfer"] == {}
+    for service, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
+        assert "kv-transfer:/var/cache/deepserve/kv-transfer" in service["volumes"]
+        transfer = json.loads(interpolated(service["entrypoint"], "")[-1])
+        assert transfer["kv_role"] == role
+        assert service["environment"]["VLLM_API_KEY"] == compose.ENGINE_KEY_VARIABLE
+    gateway = document["services"]["gateway"]
+    words = gateway["entrypoint"]
+    assert words[words.index("--upstream-api-key-file") + 1] == "/run/secrets/engine-api-key"
+    assert gateway["secrets"] == [{"source": "engine-api-key", "target": "engine-api-key"}]
+    assert document["secrets"] == {"engine-api-key": {"file": "./engine-api-key"}}

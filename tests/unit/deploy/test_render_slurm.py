@@ -108,3 +108,34 @@ def test_an_unknown_node_id_fails_instead_of_running_something(make: Any, record
     recorder.script("scontrol", "echo a\n").script("getent", "echo 10.0.0.1 STREAM a\n")
     with pytest.raises(AssertionError, match="no command for node 5"):
         recorder.run(["bash", str(path)], SLURM_JOB_NODELIST="a")
+
+
+def test_partition_time_account_and_a_container_image(make: Any, recorder: Any, tmp_path: Path) -> None:
+    image, mount = "nvcr.io#myteam/deepserve-vllm:0.32", "/lustre/hf:/root/.cache/huggingface"
+    spec = make("two-nodes-pp", slurm_partition="gpu", slurm_time="2-00:00:00", slurm_account="llm",
+                container_image=image, container_mounts=[mount])  # fmt: skip
+    path = script_path(spec, tmp_path)
+    text = path.read_text()
+    options = sbatch_options(text)
+    assert (options["partition"], options["time"], options["account"]) == ("gpu", "2-00:00:00", "llm")
+    assert subprocess.run(["bash", "-n", str(path)], check=False).returncode == 0
+    recorder.programs("deepserve").script("srun", 'echo "$@" > "$RECORD_TO.srun"\n' + FAKE_SRUN)
+    recorder.script("scontrol", 'printf "a\\nb\\n"\n').script("getent", f"echo {HEAD_IP} STREAM a\n")
+    ran = recorder.run(["bash", str(path)], SLURM_JOB_NODELIST="a,b", SLURM_SUBMIT_DIR=str(path.parent))
+    assert len(ran) == 2
+    srun = Path(str(recorder.record) + ".srun").read_text()
+    assert "--container-image=nvcr.io#myteam/deepserve-vllm:0.32" in srun
+    assert "--container-mounts=/lustre/hf:/root/.cache/huggingface" in srun
+    assert f"--container-workdir={path.parent}" in srun
+    assert "partition" not in sbatch_options(script_path(make("one-node"), tmp_path / "plain").read_text())
+
+
+def test_every_node_gets_the_network_profile(make: Any, tmp_path: Path) -> None:
+    text = script_path(make("two-nodes-pp", network={"network": "roce", "ib_hca": "mlx5"}), tmp_path).read_text()
+    assert "export NCCL_IB_HCA=mlx5" in text and "export NCCL_IB_GID_INDEX=3" in text
+    assert "NCCL_IB_HCA" not in script_path(make("one-node"), tmp_path / "one").read_text()
+
+
+def test_prefill_and_decode_pools_are_not_one_job(make: Any) -> None:
+    with pytest.raises(ConfigError, match="--role prefill"):
+        slurm.batch_script(make("one-node", prefill_replicas=1))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from deepserve.deploy.config import DeployConfig
 from deepserve.deploy.source import (
     MASTER_PLACEHOLDER,
     checkpoint_bytes,
@@ -21,6 +22,7 @@ from deepserve.deploy.source import (
 from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError
 from deepserve.gateway.config import GatewayConfig
+from deepserve.hardware.network import NetworkConfig
 from deepserve.models.presets import preset_spec
 from deepserve.plan.formats import checkpoint_format
 
@@ -47,7 +49,7 @@ def test_a_plan_lays_16_h100s_out_as_two_nodes_of_tp8_pp2() -> None:
     assert plan.fits and plan.deployment.nodes == 2
     assert config.max_model_len == plan.deployment.memory.max_model_len
     spec = deploy_spec(config, GatewayConfig(), "x", plan=plan)
-    assert spec.notes[-1].startswith("planned on 16 x h100-sxm (fp8 weights): the KV cache holds ")
+    assert spec.notes[-1].startswith("planned on 16 x h100-sxm (fp8 weights, KV cache bfloat16, network ib): the KV ")
 
 
 def test_flags_given_with_a_plan_win_over_it() -> None:
@@ -84,18 +86,60 @@ def test_deploy_spec_refuses_what_a_gpu_cluster_cannot_run() -> None:
         deploy_spec(EngineConfig(model=V3, device="cpu"), gateway, "x")
     with pytest.raises(ConfigError, match="Ray"):
         deploy_spec(EngineConfig(model=V3, distributed_executor_backend="ray"), gateway, "x")
-    with pytest.raises(ConfigError, match="DNS label"):
-        deploy_spec(EngineConfig(model=V3), gateway, "x", name="Deep_Serve")
+    with pytest.raises(ValueError, match="DNS label"):
+        DeployConfig(name="Deep_Serve")
     with pytest.raises(ConfigError, match="needs 16 GPUs per node"):
         deploy_spec(EngineConfig(model=V3, tensor_parallel_size=16, gpus_per_node=8), gateway, "x")
     with pytest.raises(ConfigError, match="needs 16 GPUs per node over 1 node.*but each node has 8"):
         deploy_spec(EngineConfig(model=V3, tensor_parallel_size=16, gpu_type="h100"), gateway, "x")  # an 8-GPU node
     spec = deploy_spec(EngineConfig(model=V3, tensor_parallel_size=4, gpus_per_node=8), gateway, "x")
-    assert spec.notes == ("the layout uses 4 of the 8 GPUs on each node",)
-    with pytest.raises(ConfigError, match="--node-selector 'gpu' must look like KEY=VALUE"):
-        deploy_spec(EngineConfig(model=V3), gateway, "x", node_selector=["gpu"])
-    labelled = deploy_spec(EngineConfig(model=V3), gateway, "x", node_selector=["pool=h100", "zone=a=b"])
+    assert spec.notes[0] == "the layout uses 4 of the 8 GPUs on each node"
+    with pytest.raises(ValueError, match="'gpu' must look like KEY=VALUE"):
+        DeployConfig(node_selector=["gpu"])
+    labelled = deploy_spec(EngineConfig(model=V3), gateway, "x", DeployConfig(node_selector=["pool=h100", "zone=a=b"]))
     assert labelled.node_selector == {"pool": "h100", "zone": "a=b"}
+    with pytest.raises(ConfigError, match="--prefill-replicas"):
+        deploy_spec(EngineConfig(model=V3, role="prefill", kv_connector="NixlConnector"), gateway, "x")
+    with pytest.raises(ValueError, match="--max-replicas 1 is below --replicas 2"):
+        DeployConfig(replicas=2, max_replicas=1)
+
+
+def test_the_fit_is_checked_whenever_the_gpu_type_is_known() -> None:
+    """Without --gpu/--gpus: refused by the memory plan serve checks on the nodes; noted when it cannot be checked."""
+    gateway = GatewayConfig()
+    with pytest.raises(ConfigError, match="the memory plan says this cannot run: .* on 8 x h100-sxm"):
+        deploy_spec(EngineConfig(model=V3, tensor_parallel_size=8, gpu_type="h100"), gateway, "x")
+    fits = deploy_spec(EngineConfig(model=V3, tensor_parallel_size=8, gpu_type="h200"), gateway, "x")
+    assert fits.notes[-1].startswith("memory plan: deepseek-ai/DeepSeek-V3 (fp8) on 8 x h200, TP=8: fits")
+    unknown = deploy_spec(EngineConfig(model=V3, tensor_parallel_size=8), gateway, "x")
+    assert unknown.notes[-1].startswith("memory fit not checked: give --gpu-type")
+
+
+def test_a_weight_format_the_checkpoint_does_not_have_is_refused() -> None:
+    with pytest.raises(ConfigError, match="stored in fp8 .*--weights awq-int4 would plan for weights the engine never"):
+        planned_config(EngineConfig(model=V3), "h200", 8, weights="awq-int4")
+    _, plan = planned_config(EngineConfig(model=V3), "h200", 8, weights="fp8")
+    assert plan.deployment.fmt.name == "fp8"
+
+
+def test_the_plan_takes_the_kv_dtype_the_lengths_and_the_network(tmp_path: Path) -> None:
+    file = tmp_path / "deepserve.yaml"
+    file.write_text("plan:\n  input_len: 4000\n  output_len: 1000\n")
+    config, plan = planned_config(
+        EngineConfig(model=V3, kv_cache_dtype="fp8"), "h100", 16, file=file, network=NetworkConfig(network="tcp")
+    )
+    assert (plan.config.input_len, plan.config.output_len, plan.deployment.kv_dtype) == (4000, 1000, "fp8")
+    assert plan.deployment.network.name == "tcp"
+    assert config.max_num_seqs == plan.deployment.max_num_seqs_per_rank
+
+
+def test_wide_expert_parallelism_renders_through_the_plan() -> None:
+    given = EngineConfig.model_validate(
+        {"model": V3, "tensor_parallel_size": 1, "data_parallel_size": 16, "enable_expert_parallel": True}
+    )
+    config, plan = planned_config(given, "h100", 16)
+    assert (config.pipeline_parallel_size, config.data_parallel_size, config.nnodes) == (1, 16, 2)
+    assert config.max_num_seqs == plan.deployment.running_cap // 16
 
 
 def test_checkpoint_size_matches_the_published_one() -> None:

@@ -56,7 +56,9 @@ def test_fp8_on_a_gpu_without_fp8_units_runs_at_16_bit_rate() -> None:
 
 
 def test_networks() -> None:
-    assert get_network("ib").name == "infiniband-ndr"
+    assert get_network("ib").name == "ib"
+    assert get_network("infiniband-ndr").name == "ib" and get_network("roce-400g").name == "roce"  # old names
+    assert get_network("ethernet-100g").name == "tcp"
     assert get_network("ethernet").bandwidth_gb_s_per_node == pytest.approx(12.5)
     with pytest.raises(ConfigError, match="valid"):
         get_network("carrier-pigeon")
