@@ -25,8 +25,11 @@ from deepserve.plan.types import Deployment, PlanConfig
 PUBLISHED_ONLY_ENGINES = ("trtllm",)
 
 
-def resolve_kv_dtype(kv_dtype: str, fmt: WeightFormat) -> str:
-    """vLLM's `auto` caches in the activation dtype: FP16 for AWQ, BF16 otherwise (both 2 bytes)."""
+def resolve_kv_dtype(kv_dtype: str, fmt: WeightFormat, spec: ModelSpec | None = None) -> str:
+    """vLLM's `auto` caches in the activation dtype: FP16 for AWQ, BF16 otherwise (both 2 bytes); for V4 it is
+    FP8 (the packed fp8_ds_mla record its FlashMLA kernels read, models/kv_cache.py)."""
+    if kv_dtype == "auto" and spec is not None and spec.attention_kind == "compressed_sparse":
+        return "fp8"
     if kv_dtype == "auto":
         return "float16" if fmt.compute_dtype == "fp16" else "bfloat16"
     aliases = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "bf16": "bfloat16", "fp16": "float16"}
@@ -50,8 +53,12 @@ def build_deployment(
     max_num_batched_tokens: int = 8192,
     engine_version: str | None = None,
     accelerator: Accelerator | None = None,
+    draft_modules: bool = False,
+    fp4_indexer_cache: bool = False,
 ) -> Deployment:
-    """GPU names the catalog entry; ACCELERATOR, when given, is used instead (a measured host, for instance)."""
+    """GPU names the catalog entry; ACCELERATOR, when given, is used instead (a measured host, for instance).
+    DRAFT_MODULES: speculative decoding loads the checkpoint's MTP / DSpark modules (their weights and KV count);
+    FP4_INDEXER_CACHE: V4's indexer keys in MXFP4 (vLLM's --attention_config.use_fp4_indexer_cache)."""
     accelerator = accelerator or get_accelerator(gpu)
     check_engine_name(engine, also=PUBLISHED_ONLY_ENGINES)
     fmt = get_format(weights) if weights else checkpoint_format(spec)
@@ -61,7 +68,7 @@ def build_deployment(
         raise ConfigError(f"{gpus // nodes} GPUs per node exceeds the {accelerator.devices_per_node} a node holds")
     workload = workload or Workload(1024, 256)
     context = max_model_len or min(32768, spec.max_position_embeddings)
-    kv = resolve_kv_dtype(kv_dtype, fmt)
+    kv = resolve_kv_dtype(kv_dtype, fmt, spec)
     memory = plan_memory(
         spec,
         fmt,
@@ -72,6 +79,8 @@ def build_deployment(
         context,
         workload.input_len + workload.output_len,
         max_num_batched_tokens,
+        draft_modules=draft_modules,
+        fp4_indexer_cache=fp4_indexer_cache,
     )
     return Deployment(
         spec,
