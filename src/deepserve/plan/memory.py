@@ -60,6 +60,7 @@ class MemoryPlan:
     kv_sequences: int | None = None  # requests of sequence_len the cache holds (set where bytes are not linear)
     draft_modules: str | None = None  # "mtp" / "dspark" when speculative decoding loads them
     draft_bytes_per_gpu: int = 0  # their weights on the fullest GPU (included in weights_bytes_per_gpu)
+    in_flight_tokens: int = 16384  # tokens steps in flight may write (in_flight_tokens()): V4's admission reserve
 
     @property
     def fits(self) -> bool:
@@ -81,6 +82,17 @@ class MemoryPlan:
         if self.kv_layout is None:
             return self.kv_bytes_per_token_per_gpu * context_len
         return self.kv_layout.bytes_per_sequence(context_len)
+
+    def longest_context(self) -> int:
+        """The longest max_model_len whose one request the cache admits (what to lower --max-model-len to)."""
+        if self.kv_layout is None or self.kv_layout.is_linear:
+            return max(self.kv_cache_tokens, 0)
+        low, high = 0, max(self.max_model_len, 1)
+        while high - low > 1:
+            middle = (low + high) // 2
+            needed = self.kv_layout.admission_bytes_per_sequence(middle, self.in_flight_tokens)
+            low, high = (middle, high) if needed <= self.kv_cache_bytes_per_gpu else (low, middle)
+        return low
 
     @property
     def kv_block_tokens(self) -> int:
@@ -128,11 +140,12 @@ def plan_memory(
     cache = gpu_kv_cache(spec, layout, kv_dtype, draft_layers, fp4_indexer_cache)
     whole = kv_cache_layout(spec, kv_dtype, draft_layers=draft_layers, fp4_indexer_cache=fp4_indexer_cache)
     per_token_gpu, placement = kv_bytes_per_token_per_gpu(spec, layout, kv_dtype, cache)
+    in_flight = in_flight_tokens(max_num_batched_tokens, layout.pp)
     if cache.is_linear:
         tokens = max(kv_bytes, 0) // per_token_gpu * layout.dp
         sequences = None
     else:
-        tokens = cache.engine_reported_tokens(kv_bytes, max_model_len, max_num_batched_tokens) * layout.dp
+        tokens = cache.engine_reported_tokens(kv_bytes, max_model_len, in_flight) * layout.dp
         sequences = cache.sequences(kv_bytes, sequence_len) * layout.dp
     draft = next((c.bytes_per_gpu for c in components if c.component == DRAFT_COMPONENT), 0)
     return MemoryPlan(
@@ -152,7 +165,15 @@ def plan_memory(
         kv_sequences=sequences,
         draft_modules=spec.draft_method if draft_layers else None,
         draft_bytes_per_gpu=draft,
+        in_flight_tokens=in_flight,
     )
+
+
+def in_flight_tokens(max_num_batched_tokens: int, pp: int) -> int:
+    """Tokens scheduled but not yet settled, which V4's windowed caches reserve for: a step's worth per batch in
+    flight, two with vLLM 0.32's default async scheduling, PP with pipeline parallelism (where its V1 model runner
+    turns async scheduling off) (vllm/config/vllm.py: max_concurrent_batches, max_in_flight_tokens)."""
+    return max_num_batched_tokens * (2 if pp == 1 else pp)
 
 
 def shard_count(component: str, spec: ModelSpec, layout: Layout) -> int:

@@ -245,16 +245,17 @@ def nodes_for(config: PlanConfig) -> int:
 
 
 def smallest_fitting_gpus(config: PlanConfig) -> int | None:
-    """Fewest GPUs of the planned type, in whole nodes with TP inside a node and PP across nodes, on which the
-    model fits with the planned format, context and memory settings; None beyond MAX_NODES_SEARCHED nodes."""
+    """Fewest GPUs of the planned type on which the model fits with the planned format, context and memory
+    settings: part of a node first (1, 2, 4, ... GPUs with TP over all of them, as V4-Flash runs on 4 of a node's
+    8), then whole nodes with TP inside a node and PP across nodes; None beyond MAX_NODES_SEARCHED nodes."""
     spec = load_spec(config.model)
     per_node = get_accelerator(config.gpu).devices_per_node
-    for nodes in range(1, MAX_NODES_SEARCHED + 1):
+    for gpus, nodes in fitting_candidates(per_node):
         try:
             deployment = build_deployment(
                 spec,
                 config.gpu,
-                per_node * nodes,
+                gpus,
                 nodes=nodes,
                 weights=config.weights,
                 kv_dtype=config.kv_dtype,
@@ -267,8 +268,19 @@ def smallest_fitting_gpus(config: PlanConfig) -> int | None:
         except ConfigError:
             continue  # e.g. a node size whose TP does not divide the heads
         if deployment.memory.fits:
-            return per_node * nodes
+            return gpus
     return None
+
+
+def fitting_candidates(per_node: int) -> list[tuple[int, int]]:
+    """(GPUs, nodes) in the order smallest_fitting_gpus tries them: powers of two below a node, then whole nodes."""
+    partial = [(1 << k, 1) for k in range(per_node.bit_length()) if (1 << k) < per_node]
+    return partial + [(per_node * nodes, nodes) for nodes in range(1, MAX_NODES_SEARCHED + 1)]
+
+
+def nodes_holding(gpus: int, per_node: int) -> int:
+    """Whole nodes GPUS spans (at least one)."""
+    return max(-(-gpus // per_node), 1)
 
 
 def highest_concurrency_within(model: PerformanceModel, workload: Workload, cap: int, slo_itl_ms: float) -> int | None:
