@@ -387,6 +387,7 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str) -> ModelSpec:
         config = _text_config(config)
+        _refuse_unmodelled(config, name)
         missing = [key for key in _REQUIRED if key not in config]
         if missing:
             raise ModelError(
@@ -469,6 +470,22 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
         if key in config and key not in merged:
             merged[key] = config[key]
     return merged
+
+
+UNMODELLED = {
+    "DeepseekV41ForCausalLM": (
+        "DeepSeek-V4.1 shares compressed KV across layers (kv_source_layer_ids), compresses by 1 or 2 and adds "
+        "Engram n-gram memory tables; deepserve's parameter and KV-cache model covers V3, V3.2 and V4 only"
+    ),
+}
+
+
+def _refuse_unmodelled(config: dict[str, Any], name: str) -> None:
+    """Fail fast on an architecture whose memory the planner would get wrong, rather than plan it as another."""
+    architecture = str((config.get("architectures") or [""])[0])
+    if architecture in UNMODELLED or str(config.get("model_type", "")).startswith("deepseek_v41"):
+        reason = UNMODELLED["DeepseekV41ForCausalLM"]
+        raise ModelError(f"{name}: {reason}; plan, simulate and serve's memory check do not cover it")
 
 
 def _optional_int(value: Any) -> int | None:

@@ -125,3 +125,15 @@ def test_reconstructed_facts_say_so() -> None:
     sources = config_sources("deepseek-ai/DeepSeek-V4-Flash")
     assert sources["hidden_size"].startswith("reconstructed")
     assert "verbatim" in config_sources("deepseek-ai/DeepSeek-V4-Flash-Base")["compress_ratios"]
+
+
+def test_v41_checkpoints_are_refused_until_modelled() -> None:
+    """V4.1's KV sharing and Engram tables would be planned wrongly as V4's: a clear error instead (also for the
+    nested multimodal config.json it ships)."""
+    from deepserve.errors import ModelError
+    from deepserve.models.spec import ModelSpec
+
+    text = {**preset_config("v4-flash"), "model_type": "deepseek_v41_text", "kv_source_layer_ids": [2, 8, 14, 20]}
+    nested = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "text_config": text}
+    with pytest.raises(ModelError, match="V4.1 shares compressed KV"):
+        ModelSpec.from_hf_config(nested, name="local/DeepSeek-V4.1-Flash")
