@@ -87,7 +87,8 @@ def check_cpu_fit(config: EngineConfig, model_source: str, available_bytes: int,
         return FitCheck(None, _unchecked(True, ""))
     fmt = weight_format(config, spec)
     layout = _layout(config)
-    per_worker = sum(c.bytes_per_gpu for c in weights_per_gpu(spec, fmt, layout))
+    draft_layers = spec.num_mtp_layers if draft_modules_loaded(config) and spec.draft_method else 0
+    per_worker = sum(c.bytes_per_gpu for c in weights_per_gpu(spec, fmt, layout, draft_layers))
     workers = layout.gpus // config.nnodes * nodes_on_this_host
     kv_bytes = (config.kv_cache_memory_gib or CPU_DEFAULT_KV_CACHE_GIB) * GIB * workers
     need = per_worker * workers + kv_bytes + CPU_PROCESS_OVERHEAD_BYTES * workers
