@@ -138,6 +138,9 @@ class Plan:
             "fits": self.fits,
             "kv_bytes_per_token": memory.kv_bytes_per_token,
             "kv_bytes_per_token_per_gpu": memory.kv_bytes_per_token_per_gpu,
+            "kv_fixed_bytes_per_sequence": memory.kv_fixed_bytes_per_sequence,
+            "kv_bytes_per_sequence": memory.kv_bytes_per_sequence(memory.sequence_len),
+            "draft_modules": memory.draft_modules,
             "weights_bytes_per_gpu": memory.weights_bytes_per_gpu,
             "weights_by_component": {
                 c.component: {"bytes_per_gpu": c.bytes_per_gpu, "placement": c.placement} for c in memory.components
