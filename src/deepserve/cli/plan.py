@@ -13,6 +13,7 @@ from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
 from deepserve.errors import ConfigError
 from deepserve.plan.commands import render_command
+from deepserve.plan.explain import fitting_layout_text
 from deepserve.plan.fit import fit_profiles, fit_to_json, row_cases, write_fits
 from deepserve.plan.planner import Plan, make_plan
 from deepserve.plan.types import PlanConfig
@@ -110,7 +111,7 @@ def print_plan(console: Console, plan: Plan) -> None:
         if plan.smallest_fitting_gpus:
             console.print(
                 f"it fits on {plan.smallest_fitting_gpus} x {d.accelerator.name} "
-                f"({plan.smallest_fitting_gpus // d.accelerator.devices_per_node} node(s), TP in a node, PP across)",
+                f"({fitting_layout_text(plan.smallest_fitting_gpus, d.accelerator.devices_per_node)})",
                 highlight=False,
             )
         _print_explanations(console, plan)

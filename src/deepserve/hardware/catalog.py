@@ -4,12 +4,18 @@ Every figure is the vendor's datasheet value for one device, with sparsity remov
 "with sparsity" Tensor Core figures, which are twice the dense ones; serving never uses 2:4 sparsity). Memory is the
 datasheet's capacity read as GiB, which is what the HBM stacks hold (80 GB HBM3 = 5 x 16 GiB stacks). Link
 bandwidths are per device and per direction. Collective latencies are typical NCCL/RCCL figures, not datasheet
-values, and are marked as such.
+values, and are marked as such. The figures, each with its datasheet's URL, are in data/accelerators.json.
+
+A GB200 / GB300 NVL72 rack is one NVLink domain of 72 GPUs: its entry's devices_per_node is 72 (a tensor- or
+expert-parallel group anywhere in the rack talks over NVLink), devices_per_host 4 (the GPUs of one compute tray,
+which is what a multi-node launcher counts as a node).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from importlib import resources
 from typing import TYPE_CHECKING
 
 from deepserve.errors import ConfigError, unknown_name
@@ -51,6 +57,8 @@ class Accelerator:
     # Work kinds whose rate was measured on this very device, as a fraction of dense_tflops (the host's attention,
     # hardware/host.py); they replace the kernel table's figures for the device's class.
     measured_compute_efficiency: tuple[tuple[str, float], ...] = ()
+    architecture: str = ""  # sm80, sm90, sm100, sm103, sm120, gfx942, gfx950: decides native weight formats
+    devices_per_host: int = 0  # GPUs one machine holds, where the scale-up domain spans several (NVL72: 4)
 
     def peak_tflops(self, dtype: str) -> float:
         """Dense peak for DTYPE; a dtype the device has no units for runs at its 16-bit rate (e.g. FP8 weights on
@@ -64,177 +72,35 @@ class Accelerator:
         return int(self.memory_gib * 1024**3)
 
 
-_NVLINK4 = Link("nvlink4", 450.0, 10.0)  # 900 GB/s bidirectional per GPU (18 links)
-_NVLINK3 = Link("nvlink3", 300.0, 12.0)  # 600 GB/s bidirectional per GPU
-_NVLINK5 = Link("nvlink5", 900.0, 8.0)  # 1.8 TB/s bidirectional per GPU
-_PCIE5 = Link("pcie5", 64.0, 20.0)  # x16 Gen5: 128 GB/s bidirectional
-_PCIE4 = Link("pcie4", 32.0, 25.0)  # x16 Gen4: 64 GB/s bidirectional
-_XGMI = Link("xgmi", 448.0, 12.0)  # 7 Infinity Fabric links x 64 GB/s per direction
-_UPI = Link("upi", 62.0, 5.0)  # 4 UPI 2.0 links at 16 GT/s between two sockets
+def _load_accelerators() -> tuple[Accelerator, ...]:
+    """data/accelerators.json: every figure with the vendor page it comes from."""
+    text = resources.files("deepserve.hardware").joinpath("data/accelerators.json").read_text()
+    data = json.loads(text)
+    links = {
+        name: Link(entry["kind"], float(entry["bandwidth_gb_s"]), float(entry["collective_latency_us"]))
+        for name, entry in data["links"].items()
+    }
+    return tuple(
+        Accelerator(
+            name=entry["name"],
+            vendor=entry["vendor"],
+            hardware_class=entry["hardware_class"],
+            memory_gib=float(entry["memory_gib"]),
+            memory_bandwidth_gb_s=float(entry["memory_bandwidth_gb_s"]),
+            dense_tflops={dtype: float(value) for dtype, value in entry["dense_tflops"].items()},
+            intra_node=links[entry["intra_node"]],
+            devices_per_node=int(entry["devices_per_node"]),
+            sources=tuple(entry["sources"]),
+            aliases=tuple(entry.get("aliases", ())),
+            notes=entry.get("notes", ""),
+            architecture=entry.get("architecture", ""),
+            devices_per_host=int(entry.get("devices_per_host") or entry["devices_per_node"]),
+        )
+        for entry in data["accelerators"]
+    )
 
-_HOPPER_SXM_TFLOPS = {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "int8": 1978.9}
-_AMPERE_TFLOPS = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0, "int8": 624.0}
-_CDNA3_TFLOPS = {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9, "int8": 2614.9}
 
-ACCELERATORS: tuple[Accelerator, ...] = (
-    Accelerator(
-        name="a100-40gb",
-        vendor="nvidia",
-        hardware_class="ampere",
-        memory_gib=40,
-        memory_bandwidth_gb_s=1555,
-        dense_tflops=_AMPERE_TFLOPS,
-        intra_node=_NVLINK3,
-        devices_per_node=8,
-        sources=("NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",),
-        aliases=("a100-40", "a100-sxm4-40gb"),
-        notes="no FP8 units: FP8 weights run as W8A16",
-    ),
-    Accelerator(
-        name="a100-80gb",
-        vendor="nvidia",
-        hardware_class="ampere",
-        memory_gib=80,
-        memory_bandwidth_gb_s=2039,
-        dense_tflops=_AMPERE_TFLOPS,
-        intra_node=_NVLINK3,
-        devices_per_node=8,
-        sources=("NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",),
-        aliases=("a100", "a100-80", "a100-sxm4-80gb"),
-        notes="no FP8 units: FP8 weights run as W8A16",
-    ),
-    Accelerator(
-        name="h100-sxm",
-        vendor="nvidia",
-        hardware_class="hopper",
-        memory_gib=80,
-        memory_bandwidth_gb_s=3350,
-        dense_tflops=_HOPPER_SXM_TFLOPS,
-        intra_node=_NVLINK4,
-        devices_per_node=8,
-        sources=("NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)",),
-        aliases=("h100", "h100-sxm5", "h100-sxm5-80gb", "h100-80gb"),
-    ),
-    Accelerator(
-        name="h100-pcie",
-        vendor="nvidia",
-        hardware_class="hopper",
-        memory_gib=80,
-        memory_bandwidth_gb_s=2000,
-        dense_tflops={"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "int8": 1513.0},
-        intra_node=_PCIE5,
-        devices_per_node=8,
-        sources=("NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe)",),
-        aliases=("h100-pcie-80gb",),
-        notes="peers talk over PCIe Gen5 (no NVLink bridge assumed)",
-    ),
-    Accelerator(
-        name="h200",
-        vendor="nvidia",
-        hardware_class="hopper",
-        memory_gib=141,
-        memory_bandwidth_gb_s=4800,
-        dense_tflops=_HOPPER_SXM_TFLOPS,
-        intra_node=_NVLINK4,
-        devices_per_node=8,
-        sources=("NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)",),
-        aliases=("h200-sxm", "h200-sxm5", "h200-sxm5-141gb"),
-    ),
-    Accelerator(
-        name="h20",
-        vendor="nvidia",
-        hardware_class="hopper",
-        memory_gib=96,
-        memory_bandwidth_gb_s=4000,
-        dense_tflops={"fp32": 44.0, "tf32": 74.0, "bf16": 148.0, "fp16": 148.0, "fp8": 296.0, "int8": 296.0},
-        intra_node=_NVLINK4,
-        devices_per_node=8,
-        sources=("NVIDIA H20 product brief (figures as published by OEMs; NVIDIA posts no public datasheet)",),
-        aliases=("h20-96gb",),
-    ),
-    Accelerator(
-        name="b200",
-        vendor="nvidia",
-        hardware_class="blackwell",
-        memory_gib=180,
-        memory_bandwidth_gb_s=8000,
-        dense_tflops={"tf32": 1125.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "int8": 4500.0, "fp4": 9000.0},
-        intra_node=_NVLINK5,
-        devices_per_node=8,
-        sources=(
-            "NVIDIA DGX B200 datasheet (1,440 GB and 64 TB/s per 8 GPUs; 72 PFLOPS FP8 with sparsity per 8 GPUs)",
-            "NVIDIA HGX B200 datasheet",
-        ),
-        aliases=("b200-sxm", "hgx-b200"),
-    ),
-    Accelerator(
-        name="mi300x",
-        vendor="amd",
-        hardware_class="cdna3",
-        memory_gib=192,
-        memory_bandwidth_gb_s=5300,
-        dense_tflops=_CDNA3_TFLOPS,
-        intra_node=_XGMI,
-        devices_per_node=8,
-        sources=("AMD Instinct MI300X accelerator data sheet",),
-        aliases=("mi300x-192gb", "mi300"),
-    ),
-    Accelerator(
-        name="mi325x",
-        vendor="amd",
-        hardware_class="cdna3",
-        memory_gib=256,
-        memory_bandwidth_gb_s=6000,
-        dense_tflops=_CDNA3_TFLOPS,
-        intra_node=_XGMI,
-        devices_per_node=8,
-        sources=("AMD Instinct MI325X accelerator data sheet",),
-        aliases=("mi325x-256gb", "mi325"),
-    ),
-    Accelerator(
-        name="l40s",
-        vendor="nvidia",
-        hardware_class="ada",
-        memory_gib=48,
-        memory_bandwidth_gb_s=864,
-        dense_tflops={"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05, "fp8": 733.0, "int8": 733.0},
-        intra_node=_PCIE4,
-        devices_per_node=8,
-        sources=("NVIDIA L40S GPU datasheet",),
-        aliases=("l40s-48gb",),
-        notes="no NVLink: tensor parallelism all-reduces over PCIe Gen4",
-    ),
-    Accelerator(
-        name="rtx-6000-ada",
-        vendor="nvidia",
-        hardware_class="ada",
-        memory_gib=48,
-        memory_bandwidth_gb_s=960,
-        dense_tflops={"fp32": 91.1, "bf16": 364.25, "fp16": 364.25, "fp8": 728.5, "int8": 728.5},
-        intra_node=_PCIE4,
-        devices_per_node=8,
-        sources=("NVIDIA RTX 6000 Ada Generation datasheet (1,457 TFLOPS FP8 with sparsity)",),
-        aliases=("rtx6000-ada", "rtx-6000", "rtx6000"),
-        notes="no NVLink: tensor parallelism all-reduces over PCIe Gen4",
-    ),
-    Accelerator(
-        name="cpu-xeon-8480",
-        vendor="intel",
-        hardware_class="cpu",
-        memory_gib=512,
-        memory_bandwidth_gb_s=307.2,
-        # AMX: 1,024 BF16 FLOP per cycle per core, 56 cores, 2.0 GHz all-core; AVX-512 FP32: 64 FLOP/cycle/core.
-        dense_tflops={"fp32": 7.2, "bf16": 114.7, "fp16": 114.7, "int8": 229.4},
-        intra_node=_UPI,
-        devices_per_node=2,
-        sources=(
-            "Intel Xeon Platinum 8480+ processor specifications (ark.intel.com): 56 cores, 8 channels DDR5-4800",
-            "Intel Advanced Matrix Extensions (AMX) architecture guide: 1,024 BF16 FLOP per cycle per core",
-        ),
-        aliases=("cpu", "xeon-8480", "spr"),
-        notes="one device = one socket with 512 GiB DDR5 (8 x 64 GiB, an assumed configuration)",
-    ),
-)
+ACCELERATORS = _load_accelerators()
 
 
 def accelerator_names() -> list[str]:
@@ -304,10 +170,17 @@ _DEVICE_NAME_RULES = (
     ("h100", "h100-sxm"),
     ("h200", "h200"),
     ("h20", "h20"),
+    ("h800", "h800"),
+    ("gb300", "gb300"),
+    ("gb200", "gb200"),
+    ("b300", "b300"),
     ("b200", "b200"),
+    ("rtx pro 6000", "rtx-pro-6000"),
     ("a100-sxm4-40gb", "a100-40gb"),
     ("a100-pcie-40gb", "a100-40gb"),
     ("a100", "a100-80gb"),
+    ("mi355x", "mi355x"),
+    ("mi350x", "mi355x"),
     ("mi325x", "mi325x"),
     ("mi300x", "mi300x"),
     ("l40s", "l40s"),

@@ -23,7 +23,7 @@ from pydantic import Field, field_validator
 from deepserve.config import Section, parse_key_values
 from deepserve.errors import ConfigError, unknown_name
 
-ProfileName = Literal["ib", "roce", "tcp"]
+ProfileName = Literal["ib", "ib-xdr", "roce", "tcp"]
 DEFAULT_RDMA_RESOURCE = "rdma/rdma_shared_device_a"  # the Network Operator's shared RDMA device plugin's default
 ROCE_V2_GID_INDEX = 3  # the GID of RoCE v2 over IPv4 on a default ConnectX port (NCCL's docs' RoCE example)
 POD_INTERFACE = "eth0"  # a pod's own network (its first interface) carries bootstrap and Gloo traffic
@@ -85,6 +85,17 @@ NETWORKS: tuple[NetworkProfile, ...] = (
         rdma_resource=DEFAULT_RDMA_RESOURCE,
     ),
     NetworkProfile(
+        "ib-xdr",
+        8 * 100.0,
+        25.0,
+        (
+            "NVIDIA ConnectX-8 SuperNIC: 800 Gb/s per GPU in DGX B300 and GB300 NVL72 (https://www.nvidia.com/en-us/data-center/dgx-b300/)",
+        ),
+        rdma=True,
+        link_layer="InfiniBand",
+        rdma_resource=DEFAULT_RDMA_RESOURCE,
+    ),
+    NetworkProfile(
         "roce",
         8 * 50.0,
         35.0,
@@ -105,6 +116,8 @@ NETWORKS: tuple[NetworkProfile, ...] = (
 NETWORK_ALIASES = {
     "infiniband-ndr": "ib",
     "infiniband": "ib",
+    "infiniband-xdr": "ib-xdr",
+    "cx8": "ib-xdr",
     "roce-400g": "roce",
     "ethernet-100g": "tcp",
     "ethernet": "tcp",

@@ -1,182 +1,155 @@
-"""Built-in model presets: the config.json of published DeepSeek-V3-class checkpoints, usable with no network.
+"""Built-in model presets: the config.json of published DeepSeek checkpoints, usable with no network.
 
-DeepSeek-V3, V3-0324 and R1 share one architecture; they differ in weights only.
+The facts live in data/presets.json: per architecture a config.json (or a base config with keys set or removed)
+with the source of every key, and per preset the figures its publisher gives (parameters, context, checkpoint
+size), each with its source. DeepSeek-V3, V3-0324, R1 and R1-0528 share one architecture, as do V3.1 and
+V3.1-Terminus, V3.2-Exp, V3.2 and V3.2-Speciale; V4's releases differ in weight formats and draft modules. The
+generated tiny checkpoints (models/tiny.py) are presets too.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
 from typing import Any
 
 from deepserve.errors import ModelError, unknown_name
 from deepserve.models.spec import ModelSpec
 
-_FP8_BLOCKWISE = {
-    "activation_scheme": "dynamic",
-    "fmt": "e4m3",
-    "quant_method": "fp8",
-    "weight_block_size": [128, 128],
-}
-
-# YaRN: trained at 4K positions, stretched 40x to 160K.
-DEEPSEEK_V3_ROPE_SCALING: dict[str, Any] = {
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "factor": 40,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-    "original_max_position_embeddings": 4096,
-    "type": "yarn",
-}
-
-DEEPSEEK_V3_CONFIG: dict[str, Any] = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "aux_loss_alpha": 0.001,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "ep_size": 1,
-    "first_k_dense_replace": 3,
-    "hidden_act": "silu",
-    "hidden_size": 7168,
-    "initializer_range": 0.02,
-    "intermediate_size": 18432,
-    "kv_lora_rank": 512,
-    "max_position_embeddings": 163840,
-    "moe_intermediate_size": 2048,
-    "moe_layer_freq": 1,
-    "n_group": 8,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
-    "num_attention_heads": 128,
-    "num_experts_per_tok": 8,
-    "num_hidden_layers": 61,
-    "num_key_value_heads": 128,
-    "num_nextn_predict_layers": 1,
-    "pretraining_tp": 1,
-    "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "quantization_config": _FP8_BLOCKWISE,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": DEEPSEEK_V3_ROPE_SCALING,
-    "rope_theta": 10000,
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "seq_aux": True,
-    "tie_word_embeddings": False,
-    "topk_group": 4,
-    "topk_method": "noaux_tc",
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "v_head_dim": 128,
-    "vocab_size": 129280,
-}
-
-# cognitivecomputations' AWQ export: 4-bit weights in groups of 64, fp16 activations, no MTP module.
-_AWQ_CONFIG = {
-    **DEEPSEEK_V3_CONFIG,
-    "torch_dtype": "float16",
-    "num_nextn_predict_layers": 0,
-    "quantization_config": {
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": 64,
-        "zero_point": True,
-        "version": "gemm",
-    },
-}
-
-DEEPSEEK_V2_LITE_CONFIG: dict[str, Any] = {
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "model_type": "deepseek_v2",
-    "bos_token_id": 100000,
-    "eos_token_id": 100001,
-    "first_k_dense_replace": 1,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "intermediate_size": 10944,
-    "kv_lora_rank": 512,
-    "max_position_embeddings": 163840,
-    "moe_intermediate_size": 1408,
-    "moe_layer_freq": 1,
-    "n_group": 1,
-    "n_routed_experts": 64,
-    "n_shared_experts": 2,
-    "norm_topk_prob": False,
-    "num_attention_heads": 16,
-    "num_experts_per_tok": 6,
-    "num_hidden_layers": 27,
-    "num_key_value_heads": 16,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-    "rope_theta": 10000,
-    "routed_scaling_factor": 1.0,
-    "scoring_func": "softmax",
-    "tie_word_embeddings": False,
-    "topk_group": 1,
-    "topk_method": "greedy",
-    "torch_dtype": "bfloat16",
-    "v_head_dim": 128,
-    "vocab_size": 102400,
-}
-
 TINY_MODEL_NAME = "deepserve/tiny-deepseek-v3"
 
 
-def _preset_configs() -> dict[str, dict[str, Any]]:
+@dataclass(frozen=True)
+class PublishedFact:
+    """A figure the model's publisher gives, with where it says so."""
+
+    name: str  # total_params, active_params, context_length, checkpoint_gb, ...
+    value: float
+    source: str  # the source's text: a URL or repository + path, and what it says
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    config_name: str  # the architecture config in data/presets.json
+    aliases: tuple[str, ...]
+    published: tuple[PublishedFact, ...]
+    notes: str = ""
+
+    def fact(self, name: str) -> PublishedFact | None:
+        return next((f for f in self.published if f.name == name), None)
+
+
+@cache
+def _data() -> dict[str, Any]:
+    text = resources.files("deepserve.models").joinpath("data/presets.json").read_text()
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+def _resolved_config(name: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """Config NAME with its base's keys (set and removed as it says), and the source id of every key."""
+    entry = _data()["configs"][name]
+    if "base" in entry:
+        config, sources = _resolved_config(entry["base"])
+        config, sources = copy.deepcopy(config), dict(sources)
+        if "*" in entry["sources"]:  # the derived file is a reconstruction: inherited keys cite it
+            sources = dict.fromkeys(sources, entry["sources"]["*"])
+    else:
+        config, sources = copy.deepcopy(entry["config"]), {}
+    for key in entry.get("remove", ()):
+        config.pop(key, None)
+        sources.pop(key, None)
+    config.update(copy.deepcopy(entry.get("set", {})))
+    sources.update({key: value for key, value in entry["sources"].items() if key != "*"})
+    return config, sources
+
+
+def config_sources(name: str) -> dict[str, str]:
+    """Each config key of preset NAME → the text of its source."""
+    preset = _preset(name)
+    _, ids = _resolved_config(preset.config_name)
+    texts = _data()["sources"]
+    return {key: texts[source] for key, source in ids.items()}
+
+
+@cache
+def _presets() -> dict[str, Preset]:
+    texts = _data()["sources"]
+    presets = {}
+    for entry in _data()["presets"]:
+        facts = tuple(
+            PublishedFact(name, float(fact["value"]), texts[fact["source"]])
+            for name, fact in entry["published"].items()
+        )
+        presets[entry["name"]] = Preset(
+            entry["name"], entry["config"], tuple(entry.get("aliases", ())), facts, entry.get("notes", "")
+        )
+    return presets
+
+
+def _generated_configs() -> dict[str, dict[str, Any]]:
+    """Presets whose config.json deepserve writes itself (the tiny checkpoints)."""
     from deepserve.models.tiny import tiny_config
 
-    return {
-        "deepseek-ai/DeepSeek-V3": DEEPSEEK_V3_CONFIG,
-        "deepseek-ai/DeepSeek-V3-0324": DEEPSEEK_V3_CONFIG,
-        "deepseek-ai/DeepSeek-R1": DEEPSEEK_V3_CONFIG,
-        "deepseek-ai/DeepSeek-R1-0528": DEEPSEEK_V3_CONFIG,
-        "cognitivecomputations/DeepSeek-V3-AWQ": _AWQ_CONFIG,
-        "cognitivecomputations/DeepSeek-V3-0324-AWQ": _AWQ_CONFIG,
-        "cognitivecomputations/DeepSeek-R1-AWQ": _AWQ_CONFIG,
-        "deepseek-ai/DeepSeek-V2-Lite": DEEPSEEK_V2_LITE_CONFIG,
-        TINY_MODEL_NAME: tiny_config(),
-    }
+    return {TINY_MODEL_NAME: tiny_config()}
 
 
-_ALIASES = {"tiny": TINY_MODEL_NAME, "v3": "deepseek-ai/DeepSeek-V3", "r1": "deepseek-ai/DeepSeek-R1"}
+def _aliases() -> dict[str, str]:
+    aliases = {"tiny": TINY_MODEL_NAME}
+    for preset in _presets().values():
+        aliases.update({alias: preset.name for alias in preset.aliases})
+    return aliases
 
 
 def preset_names() -> list[str]:
-    return list(_preset_configs())
+    return [*_presets(), *_generated_configs()]
 
 
 def canonical_preset_name(name: str) -> str | None:
     """The preset's canonical name for NAME (case-insensitive, short aliases allowed), or None."""
-    name = _ALIASES.get(name.lower(), name)
-    by_lower = {key.lower(): key for key in _preset_configs()}
+    name = _aliases().get(name.lower(), name)
+    by_lower = {key.lower(): key for key in preset_names()}
     return by_lower.get(name.lower())
 
 
-def preset_config(name: str) -> dict[str, Any]:
+def _canonical(name: str) -> str:
     canonical = canonical_preset_name(name)
     if canonical is None:
         raise ModelError(unknown_name("model preset", name, preset_names()))
-    return copy.deepcopy(_preset_configs()[canonical])
+    return canonical
+
+
+def _preset(name: str) -> Preset:
+    canonical = _canonical(name)
+    if canonical not in _presets():
+        raise ModelError(f"{canonical} is generated by deepserve (`deepserve model tiny`); it has no published facts")
+    return _presets()[canonical]
+
+
+def preset_info(name: str) -> Preset | None:
+    """The published facts of preset NAME; None for a generated (tiny) preset."""
+    canonical = _canonical(name)
+    return _presets().get(canonical)
+
+
+def preset_config(name: str) -> dict[str, Any]:
+    canonical = _canonical(name)
+    generated = _generated_configs()
+    if canonical in generated:
+        return copy.deepcopy(generated[canonical])
+    config, _ = _resolved_config(_presets()[canonical].config_name)
+    return config
 
 
 def preset_spec(name: str) -> ModelSpec:
-    canonical = canonical_preset_name(name)
-    if canonical is None:
-        raise ModelError(unknown_name("model preset", name, preset_names()))
+    canonical = _canonical(name)
     return ModelSpec.from_hf_config(preset_config(canonical), name=canonical)
+
+
+DEEPSEEK_V3_CONFIG: dict[str, Any] = _resolved_config("deepseek-v3")[0]
+# YaRN: trained at 4K positions, stretched 40x to 160K.
+DEEPSEEK_V3_ROPE_SCALING: dict[str, Any] = DEEPSEEK_V3_CONFIG["rope_scaling"]

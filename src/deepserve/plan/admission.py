@@ -10,6 +10,7 @@ against the RAM available now.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from deepserve.engines.config import EngineConfig
@@ -57,6 +58,8 @@ def check_gpu_fit(config: EngineConfig, model_source: str, accelerator: Accelera
         gpu_memory_utilization=config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         max_model_len=context,
         max_num_batched_tokens=config.max_num_batched_tokens or _default_batched_tokens(accelerator),
+        draft_modules=draft_modules_loaded(config),
+        fp4_indexer_cache=fp4_indexer_cache(config),
     )
     memory = deployment.memory
     where = f"{spec.name} ({fmt.name}) on {layout.gpus} x {accelerator.name}, {layout.describe()}"
@@ -64,6 +67,8 @@ def check_gpu_fit(config: EngineConfig, model_source: str, accelerator: Accelera
         f"weights {memory.weights_bytes_per_gpu / GB:.1f} GB + reserve {memory.reserve_bytes_per_gpu / GB:.1f} GB "
         f"per GPU of a {memory.budget_bytes_per_gpu / GB:.1f} GB budget"
     )
+    if memory.draft_modules:
+        numbers += f" (with {memory.draft_bytes_per_gpu / GB:.1f} GB of {memory.draft_modules} draft weights)"
     if memory.fits:
         return FitCheck(True, f"{where}: fits; {numbers}, KV cache {memory.kv_cache_tokens:,} tokens")
     if memory.kv_cache_bytes_per_gpu <= 0:
@@ -71,7 +76,7 @@ def check_gpu_fit(config: EngineConfig, model_source: str, accelerator: Accelera
     else:
         why = (
             f"the KV cache holds {memory.kv_cache_tokens:,} tokens, fewer than --max-model-len {context:,} "
-            f"({numbers}); lower --max-model-len to {memory.kv_cache_tokens:,} or less"
+            f"({numbers}); lower --max-model-len to {memory.longest_context():,} or less"
         )
     return FitCheck(False, f"{where}: {why}", _nearest_fit(config, spec, fmt, accelerator, context))
 
@@ -82,7 +87,8 @@ def check_cpu_fit(config: EngineConfig, model_source: str, available_bytes: int,
         return FitCheck(None, _unchecked(True, ""))
     fmt = weight_format(config, spec)
     layout = _layout(config)
-    per_worker = sum(c.bytes_per_gpu for c in weights_per_gpu(spec, fmt, layout))
+    draft_layers = spec.num_mtp_layers if draft_modules_loaded(config) and spec.draft_method else 0
+    per_worker = sum(c.bytes_per_gpu for c in weights_per_gpu(spec, fmt, layout, draft_layers))
     workers = layout.gpus // config.nnodes * nodes_on_this_host
     kv_bytes = (config.kv_cache_memory_gib or CPU_DEFAULT_KV_CACHE_GIB) * GIB * workers
     need = per_worker * workers + kv_bytes + CPU_PROCESS_OVERHEAD_BYTES * workers
@@ -127,11 +133,49 @@ def _nearest_fit(
         gpus = None
     if gpus is None:
         return f"no layout of up to 8 nodes of {accelerator.name} holds it at this context; lower --max-model-len"
-    nodes = max(gpus // accelerator.devices_per_node, 1)
+    nodes = max(-(-gpus // accelerator.devices_per_node), 1)
     layout = f"--tensor-parallel-size {gpus // nodes}"
     if nodes > 1:
         layout += f" --pipeline-parallel-size {nodes} --nnodes {nodes} --master-addr NODE0_ADDRESS"
     return f"it fits on {gpus} x {accelerator.name} ({nodes} node(s)): {layout} (or pass --force to try anyway)"
+
+
+SPECULATIVE_FLAGS = ("--speculative-config", "--speculative_config")
+FP4_INDEXER_FLAG = "--attention_config.use_fp4_indexer_cache"
+DRAFT_METHODS = ("mtp", "dspark", "deepseek_mtp")  # methods that load the checkpoint's own draft modules
+
+
+def draft_modules_loaded(config: EngineConfig) -> bool:
+    """Whether the engine will load the checkpoint's MTP / DSpark modules: a --speculative-config (passed through
+    to vLLM) whose method is one of them. Other methods (n-gram, a separate draft model) load none."""
+    args = config.extra_args
+    for index, arg in enumerate(args):
+        for flag in SPECULATIVE_FLAGS:
+            if arg == flag and index + 1 < len(args):
+                return _speculative_method(args[index + 1]) in DRAFT_METHODS
+            if arg.startswith(flag + "="):
+                return _speculative_method(arg.split("=", 1)[1]) in DRAFT_METHODS
+    return False
+
+
+def fp4_indexer_cache(config: EngineConfig) -> bool:
+    """V4's indexer keys in MXFP4: vLLM's --attention_config.use_fp4_indexer_cache (passed through)."""
+    args = config.extra_args
+    for index, arg in enumerate(args):
+        if arg == FP4_INDEXER_FLAG:
+            following = args[index + 1].lower() if index + 1 < len(args) else "true"
+            return following not in ("false", "0")
+        if arg.startswith(FP4_INDEXER_FLAG + "="):
+            return arg.split("=", 1)[1].lower() not in ("false", "0")
+    return False
+
+
+def _speculative_method(value: str) -> str:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return ""
+    return str(parsed.get("method", "")).lower() if isinstance(parsed, dict) else ""
 
 
 def _default_batched_tokens(accelerator: Accelerator) -> int:

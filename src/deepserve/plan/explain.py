@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from deepserve.errors import ConfigError
 from deepserve.models.spec import dtype_bytes
-from deepserve.plan.formats import FORMATS, WeightFormat, checkpoint_format
+from deepserve.plan.formats import FORMATS, WeightFormat, checkpoint_format, format_support
 from deepserve.plan.kernels import KernelRates
 from deepserve.plan.layout import stage_layers
 from deepserve.plan.memory import (
@@ -78,6 +78,12 @@ def explain_format(config: PlanConfig, deployment: Deployment) -> str:
         )
     elif fmt.compute_dtype == "fp16" and fmt.quantized_bytes_per_param < 1:
         text += ". 4-bit weights are dequantized inside the GEMM (W4A16): compute runs at the 16-bit rate"
+    if fmt.expert_format:
+        support = format_support(fmt, acc)
+        text += f". {fmt.expert_format.upper()} experts on {acc.name}: {support.kind} ({support.kernel}"
+        text += f"; {support.source})" if support.source else ")"
+        if support.kind == "unsupported":
+            text += "; use an FP8-expert checkpoint (--weights fp8) on this GPU"
     return text
 
 
@@ -148,9 +154,16 @@ def explain_layout(config: PlanConfig, deployment: Deployment, smallest_fitting_
     if not deployment.memory.fits and smallest_fitting_gpus:
         text += (
             f". It does not fit: {smallest_fitting_gpus} x {acc.name} "
-            f"({smallest_fitting_gpus // acc.devices_per_node} node(s), TP in a node, PP across) would"
+            f"({fitting_layout_text(smallest_fitting_gpus, acc.devices_per_node)}) would"
         )
     return text
+
+
+def fitting_layout_text(gpus: int, per_node: int) -> str:
+    """How the planner lays out GPUS when it names the smallest deployment that fits."""
+    if gpus <= per_node:
+        return f"1 node, TP={gpus}"
+    return f"{-(-gpus // per_node)} node(s), TP in a node, PP across"
 
 
 def explain_kv_cache(config: PlanConfig, deployment: Deployment) -> str:
@@ -168,7 +181,9 @@ def explain_kv_cache(config: PlanConfig, deployment: Deployment) -> str:
     layers = len(stage_layers(spec, layout.pp)[0])
     values = spec.kv_values_per_token_per_layer
     width = dtype_bytes(deployment.kv_dtype)
-    if spec.is_mla:
+    if spec.attention_kind != "mla" and memory.kv_layout is not None:
+        text += _nonlinear_kv_text(memory, layout.tp)
+    elif spec.is_mla:
         text += (
             f"; a token costs {values} values (kv_lora_rank {spec.kv_lora_rank} + rope {spec.qk_rope_head_dim}) "
             f"x {layers} layers x {width} B = {memory.kv_bytes_per_token_per_gpu:,} B on every GPU: MLA's latent has "
@@ -191,6 +206,24 @@ def explain_kv_cache(config: PlanConfig, deployment: Deployment) -> str:
     else:
         text += f"; the running batch is limited by the KV cache at {cap} sequences"
     return text
+
+
+def _nonlinear_kv_text(memory: MemoryPlan, tp: int) -> str:
+    """V3.2 (latent + indexer key per token) and V4 (compressed entries, windows, compressor state)."""
+    cache = memory.kv_layout
+    assert cache is not None
+    text = (
+        f"; in {cache.kv_dtype} a token adds {memory.kv_bytes_per_token_per_gpu:,} B on every GPU "
+        f"({cache.content_bytes_per_token:,.0f} B of entries, the rest page padding)"
+    )
+    if memory.kv_fixed_bytes_per_sequence:
+        text += (
+            f" and every request holds {memory.kv_fixed_bytes_per_sequence / 1e6:,.1f} MB whatever its length "
+            f"(sliding windows and compressor state): {memory.kv_bytes_per_sequence(memory.sequence_len) / 1e6:,.1f} "
+            f"MB at {memory.sequence_len:,} tokens, {memory.kv_bytes_per_sequence(memory.max_model_len) / 1e6:,.1f} "
+            f"MB at max_model_len {memory.max_model_len:,}"
+        )
+    return text + f"; the cache has no head dimension, so each of the {tp} TP ranks holds all of it"
 
 
 def explain_performance(deployment: Deployment, selected: SelectedFactors, rates: KernelRates) -> str:

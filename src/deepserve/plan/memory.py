@@ -3,6 +3,11 @@ and what is left for the KV cache.
 
 The budget is what the engine may use: gpu_memory_utilization x device memory (vLLM's and SGLang's meaning). From
 it the engine takes the weights, its activation peak and CUDA graphs, and gives the rest to the KV cache.
+
+The KV cache is models/kv_cache.py's layout of the GPU's layers: for MLA and V3.2 a fixed number of bytes per
+token; for V4 bytes that grow with the compressed context plus a fixed amount per request (sliding window,
+compressor state), drawn from vLLM's pool of blocks. With speculative decoding the engine also loads the draft
+modules (MTP layers, or DSpark's draft layers) on the last pipeline stage, and caches their KV.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepserve.hardware.catalog import Accelerator
-from deepserve.models.spec import COMPONENTS, ModelSpec, dtype_bytes
+from deepserve.models.kv_cache import KVCacheLayout, kv_cache_layout
+from deepserve.models.spec import COMPONENTS, ModelSpec
 from deepserve.plan.formats import WeightFormat
 from deepserve.plan.layout import Layout, stage_layers
 
@@ -22,6 +28,9 @@ CUDA_GRAPH_RESERVE_BYTES = 1 * GIB
 # Live hidden-size activations during one forward pass of a prefill chunk (residual, norm output, attention
 # output, MoE input/output and the fused-MoE cache of top-k expert outputs), counted in hidden-size vectors.
 LIVE_HIDDEN_VECTORS_PER_TOKEN = 6
+# Of those, the residual stream and its update: V4's hyper-connections widen both to hc_mult streams.
+RESIDUAL_VECTORS_PER_TOKEN = 2
+DRAFT_COMPONENT = "draft_modules"
 
 
 @dataclass(frozen=True)
@@ -39,12 +48,19 @@ class MemoryPlan:
     reserve_bytes_per_gpu: int
     budget_bytes_per_gpu: int
     kv_cache_bytes_per_gpu: int  # negative when the weights do not fit
-    kv_bytes_per_token: int  # the whole model, one token (what a single GPU would hold)
+    kv_bytes_per_token: int  # the whole model, one more token of context (what a single GPU would hold)
     kv_bytes_per_token_per_gpu: int  # what one GPU holds per token it caches
     kv_placement: str
-    kv_cache_tokens: int  # tokens the deployment caches (all data-parallel replicas together)
+    kv_cache_tokens: int  # tokens the deployment caches (all data-parallel replicas together), as vLLM reports it
     max_model_len: int
     sequence_len: int  # input + output of the planned workload
+    # What a request holds whatever its length on one GPU: V4's sliding windows and compressor state (0 for MLA).
+    kv_fixed_bytes_per_sequence: int = 0
+    kv_layout: KVCacheLayout | None = None  # the cache of the GPU's layers, for bytes at any context length
+    kv_sequences: int | None = None  # requests of sequence_len the cache holds (set where bytes are not linear)
+    draft_modules: str | None = None  # "mtp" / "dspark" when speculative decoding loads them
+    draft_bytes_per_gpu: int = 0  # their weights on the fullest GPU (included in weights_bytes_per_gpu)
+    in_flight_tokens: int = 16384  # tokens steps in flight may write (in_flight_tokens()): V4's admission reserve
 
     @property
     def fits(self) -> bool:
@@ -53,11 +69,51 @@ class MemoryPlan:
 
     @property
     def max_concurrent_sequences(self) -> int:
+        if self.kv_sequences is not None:
+            return self.kv_sequences
         return max(self.kv_cache_tokens, 0) // max(self.sequence_len, 1)
 
     @property
     def free_bytes_per_gpu(self) -> int:
         return self.kv_cache_bytes_per_gpu
+
+    def kv_bytes_per_sequence(self, context_len: int) -> int:
+        """Bytes one GPU holds for a request at CONTEXT_LEN tokens (whole pool blocks)."""
+        if self.kv_layout is None:
+            return self.kv_bytes_per_token_per_gpu * context_len
+        return self.kv_layout.bytes_per_sequence(context_len)
+
+    def longest_context(self) -> int:
+        """The longest max_model_len whose one request the cache admits (what to lower --max-model-len to)."""
+        if self.kv_layout is None or self.kv_layout.is_linear:
+            return max(self.kv_cache_tokens, 0)
+        low, high = 0, max(self.max_model_len, 1)
+        while high - low > 1:
+            middle = (low + high) // 2
+            needed = self.kv_layout.admission_bytes_per_sequence(middle, self.in_flight_tokens)
+            low, high = (middle, high) if needed <= self.kv_cache_bytes_per_gpu else (low, middle)
+        return low
+
+    @property
+    def kv_block_tokens(self) -> int:
+        """Tokens per block of the growing cache (the engine's --block-size for this model)."""
+        if self.kv_layout is None or not self.kv_layout.groups:
+            return 0
+        return min(g.block_tokens for g in self.kv_layout.groups if g.window is None)
+
+    @property
+    def kv_pool_blocks(self) -> int:
+        """Blocks of the engine's pool on one GPU (every group's block is one of these)."""
+        if self.kv_layout is None or not self.kv_layout.block_bytes:
+            return 0
+        return max(self.kv_cache_bytes_per_gpu, 0) // self.kv_layout.block_bytes
+
+    @property
+    def kv_state_blocks_per_sequence(self) -> int:
+        """Pool blocks a decoding request holds besides its context's: windows and compressor state."""
+        if self.kv_layout is None or not self.kv_layout.block_bytes:
+            return 0
+        return self.kv_layout.fixed_bytes_per_sequence // self.kv_layout.block_bytes
 
 
 def plan_memory(
@@ -70,27 +126,54 @@ def plan_memory(
     max_model_len: int,
     sequence_len: int,
     max_num_batched_tokens: int,
+    draft_modules: bool = False,
+    fp4_indexer_cache: bool = False,
 ) -> MemoryPlan:
-    components = weights_per_gpu(spec, fmt, layout)
+    """DRAFT_MODULES: speculative decoding is on, so the engine loads the checkpoint's MTP or DSpark modules and
+    caches their KV. FP4_INDEXER_CACHE: V4's lightning-indexer keys in MXFP4 (Blackwell's recipe)."""
+    draft_layers = spec.num_mtp_layers if draft_modules and spec.draft_method else 0
+    components = weights_per_gpu(spec, fmt, layout, draft_layers)
     weights = sum(c.bytes_per_gpu for c in components)
     reserve = activation_reserve_bytes(spec, fmt, layout, max_num_batched_tokens)
     budget = int(gpu_memory_utilization * accelerator.memory_bytes)
     kv_bytes = budget - weights - reserve
-    per_token_gpu, placement = kv_bytes_per_token_per_gpu(spec, layout, kv_dtype)
-    tokens = max(kv_bytes, 0) // per_token_gpu * layout.dp
+    cache = gpu_kv_cache(spec, layout, kv_dtype, draft_layers, fp4_indexer_cache)
+    whole = kv_cache_layout(spec, kv_dtype, draft_layers=draft_layers, fp4_indexer_cache=fp4_indexer_cache)
+    per_token_gpu, placement = kv_bytes_per_token_per_gpu(spec, layout, kv_dtype, cache)
+    in_flight = in_flight_tokens(max_num_batched_tokens, layout.pp)
+    if cache.is_linear:
+        tokens = max(kv_bytes, 0) // per_token_gpu * layout.dp
+        sequences = None
+    else:
+        tokens = cache.engine_reported_tokens(kv_bytes, max_model_len, in_flight) * layout.dp
+        sequences = cache.sequences(kv_bytes, sequence_len) * layout.dp
+    draft = next((c.bytes_per_gpu for c in components if c.component == DRAFT_COMPONENT), 0)
     return MemoryPlan(
         components=components,
         weights_bytes_per_gpu=weights,
         reserve_bytes_per_gpu=reserve,
         budget_bytes_per_gpu=budget,
         kv_cache_bytes_per_gpu=kv_bytes,
-        kv_bytes_per_token=spec.kv_bytes_per_token(kv_dtype),
+        kv_bytes_per_token=round(whole.bytes_per_token),
         kv_bytes_per_token_per_gpu=per_token_gpu,
         kv_placement=placement,
         kv_cache_tokens=tokens,
         max_model_len=max_model_len,
         sequence_len=sequence_len,
+        kv_fixed_bytes_per_sequence=cache.fixed_bytes_per_sequence,
+        kv_layout=cache,
+        kv_sequences=sequences,
+        draft_modules=spec.draft_method if draft_layers else None,
+        draft_bytes_per_gpu=draft,
+        in_flight_tokens=in_flight,
     )
+
+
+def in_flight_tokens(max_num_batched_tokens: int, pp: int) -> int:
+    """Tokens scheduled but not yet settled, which V4's windowed caches reserve for: a step's worth per batch in
+    flight, two with vLLM 0.32's default async scheduling, PP with pipeline parallelism (where its V1 model runner
+    turns async scheduling off) (vllm/config/vllm.py: max_concurrent_batches, max_in_flight_tokens)."""
+    return max_num_batched_tokens * (2 if pp == 1 else pp)
 
 
 def shard_count(component: str, spec: ModelSpec, layout: Layout) -> int:
@@ -99,27 +182,38 @@ def shard_count(component: str, spec: ModelSpec, layout: Layout) -> int:
         return layout.expert_shards
     if component in ("attention_heads", "dense_mlp", "shared_experts", "embedding", "lm_head"):
         return layout.tp  # heads, intermediate columns and vocabulary rows split; DP replicas each hold a copy
-    return 1  # MLA's latent down-projections (q_a, kv_a), norms and the router are replicated
+    # MLA's latent down-projections (q_a, kv_a), V4's wq_a/wkv, the indexers, compressors, hyper-connections,
+    # norms and the router are replicated
+    return 1
 
 
-def weights_per_gpu(spec: ModelSpec, fmt: WeightFormat, layout: Layout) -> tuple[ComponentMemory, ...]:
-    """Weights on the fullest GPU: stage by stage (the first holds the embedding, the last the output head)."""
+def weights_per_gpu(
+    spec: ModelSpec, fmt: WeightFormat, layout: Layout, draft_layers: int = 0
+) -> tuple[ComponentMemory, ...]:
+    """Weights on the fullest GPU: stage by stage (the first holds the embedding, the last the output head and the
+    DRAFT_LAYERS speculative-decoding layers, which vLLM runs on the last pipeline rank)."""
     stages = stage_layers(spec, layout.pp)
     best: dict[str, int] | None = None
+    best_draft: dict[str, int] = {}
     best_bytes = -1.0
     for number, layers in enumerate(stages):
+        last = number == len(stages) - 1
         params = dict.fromkeys(COMPONENTS, 0)
         for index in layers:
             for key, count in spec.layer_parameter_breakdown(index).items():
                 params[key] += count
         whole = spec.parameter_breakdown()
         params["embedding"] = whole["embedding"] if number == 0 else 0
-        params["lm_head"] = whole["lm_head"] if number == len(stages) - 1 else 0
-        if number == len(stages) - 1:
+        params["lm_head"] = whole["lm_head"] if last else 0
+        if last:
             params["norms"] += spec.hidden_size
-        stage_bytes = sum(params[k] / shard_count(k, spec, layout) * fmt.bytes_per_param(k) for k in params)
+            params["hyper_connections"] += whole["hyper_connections"] - sum(
+                spec.layer_parameter_breakdown(i)["hyper_connections"] for i in range(spec.num_layers)
+            )
+        draft = draft_parameter_breakdown(spec, draft_layers) if last else {}
+        stage_bytes = _bytes(params, spec, fmt, layout) + _bytes(draft, spec, fmt, layout)
         if stage_bytes > best_bytes:
-            best, best_bytes = params, stage_bytes
+            best, best_draft, best_bytes = params, draft, stage_bytes
     assert best is not None
     rows = []
     for key in COMPONENTS:
@@ -127,33 +221,82 @@ def weights_per_gpu(spec: ModelSpec, fmt: WeightFormat, layout: Layout) -> tuple
         per_gpu = best[key] // shards
         placement = "absent" if best[key] == 0 else "replicated" if shards == 1 else f"sharded / {shards}"
         rows.append(ComponentMemory(key, per_gpu, int(per_gpu * fmt.bytes_per_param(key)), placement))
+    if draft_layers:
+        params_here = sum(count // shard_count(key, spec, layout) for key, count in best_draft.items())
+        placement = f"{draft_layers} {spec.draft_method} layer(s)" + (" on the last stage" if layout.pp > 1 else "")
+        rows.append(
+            ComponentMemory(DRAFT_COMPONENT, params_here, int(_bytes(best_draft, spec, fmt, layout)), placement)
+        )
     return tuple(rows)
 
 
-def kv_bytes_per_token_per_gpu(spec: ModelSpec, layout: Layout, kv_dtype: str) -> tuple[int, str]:
-    """Bytes one GPU holds per cached token. MLA's latent vector has no head dimension to split, so every TP rank
-    holds all of it; grouped-query attention splits its KV heads over TP ranks (replicating when TP > KV heads)."""
-    layers = max(len(r) for r in stage_layers(spec, layout.pp))
-    per_layer = spec.kv_values_per_token_per_layer * dtype_bytes(kv_dtype)
-    if spec.is_mla:
-        return layers * per_layer, "latent cache replicated on every TP rank"
+def draft_parameter_breakdown(spec: ModelSpec, draft_layers: int) -> dict[str, int]:
+    """The speculative-decoding layers' parameters by component: decoder layers (MoE; V4: window attention) plus
+    MTP's input projections (V3: eh_proj from 2 x hidden; V4: e_proj and h_proj) and norms. They share the main
+    model's embedding and output head."""
+    if not draft_layers:
+        return {}
+    parts = {key: count * draft_layers for key, count in spec.layer_parameter_breakdown(spec.num_layers).items()}
+    parts["attention_latent"] += draft_layers * 2 * spec.hidden_size * spec.hidden_size  # replicated projections
+    parts["norms"] += draft_layers * 3 * spec.hidden_size
+    return parts
+
+
+def _bytes(params: dict[str, int], spec: ModelSpec, fmt: WeightFormat, layout: Layout) -> float:
+    return sum(count / shard_count(key, spec, layout) * fmt.bytes_per_param(key) for key, count in params.items())
+
+
+def gpu_kv_cache(
+    spec: ModelSpec, layout: Layout, kv_dtype: str, draft_layers: int = 0, fp4_indexer_cache: bool = False
+) -> KVCacheLayout:
+    """The KV cache of the pipeline stage that needs most per request (the last one holds the draft layers)."""
+    stages = stage_layers(spec, layout.pp)
+    caches = [
+        kv_cache_layout(
+            spec,
+            kv_dtype,
+            layers=layers,
+            draft_layers=draft_layers if number == len(stages) - 1 else 0,
+            fp4_indexer_cache=fp4_indexer_cache,
+        )
+        for number, layers in enumerate(stages)
+    ]
+    return max(caches, key=lambda cache: (cache.bytes_per_sequence(spec.max_position_embeddings), cache.block_bytes))
+
+
+def kv_bytes_per_token_per_gpu(
+    spec: ModelSpec, layout: Layout, kv_dtype: str, cache: KVCacheLayout | None = None
+) -> tuple[int, str]:
+    """Bytes one GPU holds per cached token. MLA's latent vector (and V4's compressed entries) have no head
+    dimension to split, so every TP rank holds all of it; grouped-query attention splits its KV heads over TP
+    ranks (replicating when TP > KV heads)."""
+    cache = cache or gpu_kv_cache(spec, layout, kv_dtype)
+    per_token = round(cache.bytes_per_token)
+    if cache.replicated_over_tp:
+        what = "compressed cache" if spec.attention_kind == "compressed_sparse" else "latent cache"
+        return per_token, f"{what} replicated on every TP rank"
     split = min(layout.tp, spec.num_kv_heads)
-    return layers * per_layer // split, f"KV heads split over {split} ranks"
+    return per_token // split, f"KV heads split over {split} ranks"
 
 
 def activation_reserve_bytes(spec: ModelSpec, fmt: WeightFormat, layout: Layout, max_num_batched_tokens: int) -> int:
     """Peak activations of the largest prefill chunk, plus CUDA graphs and non-torch memory.
 
-    Per token: a few hidden-size vectors in 16-bit, the MoE intermediate of the top-k experts on this GPU, and the
-    attention's up-projected keys/values of the chunk (MLA prefill decompresses the latent per head)."""
+    Per token: a few hidden-size vectors in 16-bit (V4's residual stream is hc_mult of them), the MoE intermediate
+    of the top-k experts on this GPU, and the attention's per-head vectors of the chunk (MLA prefill decompresses
+    the latent per head; V4 holds a 512-wide query and output per head)."""
     hidden = spec.hidden_size
     act = 2  # 16-bit activations, whatever the weight format
-    per_token = LIVE_HIDDEN_VECTORS_PER_TOKEN * hidden * act
+    streams = max(spec.hc_mult, 1)
+    per_token = (LIVE_HIDDEN_VECTORS_PER_TOKEN + RESIDUAL_VECTORS_PER_TOKEN * (streams - 1)) * hidden * act
     if spec.is_moe:
         top_k = spec.num_experts_per_tok
         per_token += top_k * hidden * act  # fused-MoE output cache, one hidden vector per chosen expert
         per_token += top_k * 2 * spec.moe_intermediate_size // layout.tp * act
     heads = spec.num_attention_heads // layout.tp
-    per_token += heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim) * act
+    if spec.compress_ratios:
+        per_token += heads * 2 * spec.head_dim * act
+    else:
+        per_token += heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim) * act
     activations = max_num_batched_tokens * per_token
     return activations + CUDA_GRAPH_RESERVE_BYTES + NON_TORCH_RESERVE_BYTES

@@ -19,6 +19,7 @@ from functools import lru_cache
 
 from deepserve.hardware.catalog import Accelerator, Link
 from deepserve.models.spec import ModelSpec, dtype_bytes
+from deepserve.plan.attention_cost import SPARSE_ATTENTION_KINDS, decode_step_cost, prefill_step_cost
 from deepserve.plan.formats import WeightFormat
 from deepserve.plan.kernels import KernelRates, KindRate
 from deepserve.plan.layout import Layout, Links, stage_layers
@@ -247,6 +248,11 @@ class PerformanceModel:
         if not decode_tokens:
             return WorkCost("mla_decode", 0.0, 0.0)
         rate = self.rates.rate("mla_decode")
+        if spec.attention_kind in SPARSE_ATTENTION_KINDS:  # V3.2 / V4: attended and indexed entries, not ctx
+            stage = stage_layers(spec, layout.pp)[0]
+            cost = decode_step_cost(spec, stage, self.kv_dtype, layout.tp, layout.dp, decode_tokens, context_len)
+            compute = self._compute_s(cost.flops, 0.0, rate, ATTENTION_DTYPE)
+            return WorkCost("mla_decode", self._memory_s(cost.bytes, rate), compute, layers * self._launch_s())
         per_layer = float(spec.kv_values_per_token_per_layer * dtype_bytes(self.kv_dtype))
         heads = spec.num_attention_heads / layout.tp
         if spec.is_mla:
@@ -274,6 +280,13 @@ class PerformanceModel:
         if not prefill_tokens:
             return WorkCost("mla_prefill", 0.0, 0.0)
         rate = self.rates.rate("mla_prefill")
+        if spec.attention_kind in SPARSE_ATTENTION_KINDS:  # V3.2 / V4: top-k and compressed entries, the indexer
+            stage = stage_layers(spec, layout.pp)[0]
+            cost = prefill_step_cost(
+                spec, stage, self.kv_dtype, layout.tp, layout.dp, prefill_tokens, prefill_context, mean_position
+            )
+            compute = self._compute_s(0.0, cost.flops, rate, ATTENTION_DTYPE)
+            return WorkCost("mla_prefill", self._memory_s(cost.bytes, rate), compute, layers * self._launch_s())
         heads = spec.num_attention_heads / layout.tp
         if spec.is_mla:
             per_position = 2 * heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim)

@@ -25,8 +25,11 @@ from deepserve.plan.types import Deployment, PlanConfig
 PUBLISHED_ONLY_ENGINES = ("trtllm",)
 
 
-def resolve_kv_dtype(kv_dtype: str, fmt: WeightFormat) -> str:
-    """vLLM's `auto` caches in the activation dtype: FP16 for AWQ, BF16 otherwise (both 2 bytes)."""
+def resolve_kv_dtype(kv_dtype: str, fmt: WeightFormat, spec: ModelSpec | None = None) -> str:
+    """vLLM's `auto` caches in the activation dtype: FP16 for AWQ, BF16 otherwise (both 2 bytes); for V4 it is
+    FP8 (the packed fp8_ds_mla record its FlashMLA kernels read, models/kv_cache.py)."""
+    if kv_dtype == "auto" and spec is not None and spec.attention_kind == "compressed_sparse":
+        return "fp8"
     if kv_dtype == "auto":
         return "float16" if fmt.compute_dtype == "fp16" else "bfloat16"
     aliases = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "bf16": "bfloat16", "fp16": "float16"}
@@ -50,8 +53,12 @@ def build_deployment(
     max_num_batched_tokens: int = 8192,
     engine_version: str | None = None,
     accelerator: Accelerator | None = None,
+    draft_modules: bool = False,
+    fp4_indexer_cache: bool = False,
 ) -> Deployment:
-    """GPU names the catalog entry; ACCELERATOR, when given, is used instead (a measured host, for instance)."""
+    """GPU names the catalog entry; ACCELERATOR, when given, is used instead (a measured host, for instance).
+    DRAFT_MODULES: speculative decoding loads the checkpoint's MTP / DSpark modules (their weights and KV count);
+    FP4_INDEXER_CACHE: V4's indexer keys in MXFP4 (vLLM's --attention_config.use_fp4_indexer_cache)."""
     accelerator = accelerator or get_accelerator(gpu)
     check_engine_name(engine, also=PUBLISHED_ONLY_ENGINES)
     fmt = get_format(weights) if weights else checkpoint_format(spec)
@@ -61,7 +68,7 @@ def build_deployment(
         raise ConfigError(f"{gpus // nodes} GPUs per node exceeds the {accelerator.devices_per_node} a node holds")
     workload = workload or Workload(1024, 256)
     context = max_model_len or min(32768, spec.max_position_embeddings)
-    kv = resolve_kv_dtype(kv_dtype, fmt)
+    kv = resolve_kv_dtype(kv_dtype, fmt, spec)
     memory = plan_memory(
         spec,
         fmt,
@@ -72,6 +79,8 @@ def build_deployment(
         context,
         workload.input_len + workload.output_len,
         max_num_batched_tokens,
+        draft_modules=draft_modules,
+        fp4_indexer_cache=fp4_indexer_cache,
     )
     return Deployment(
         spec,
@@ -129,6 +138,9 @@ class Plan:
             "fits": self.fits,
             "kv_bytes_per_token": memory.kv_bytes_per_token,
             "kv_bytes_per_token_per_gpu": memory.kv_bytes_per_token_per_gpu,
+            "kv_fixed_bytes_per_sequence": memory.kv_fixed_bytes_per_sequence,
+            "kv_bytes_per_sequence": memory.kv_bytes_per_sequence(memory.sequence_len),
+            "draft_modules": memory.draft_modules,
             "weights_bytes_per_gpu": memory.weights_bytes_per_gpu,
             "weights_by_component": {
                 c.component: {"bytes_per_gpu": c.bytes_per_gpu, "placement": c.placement} for c in memory.components
@@ -236,16 +248,17 @@ def nodes_for(config: PlanConfig) -> int:
 
 
 def smallest_fitting_gpus(config: PlanConfig) -> int | None:
-    """Fewest GPUs of the planned type, in whole nodes with TP inside a node and PP across nodes, on which the
-    model fits with the planned format, context and memory settings; None beyond MAX_NODES_SEARCHED nodes."""
+    """Fewest GPUs of the planned type on which the model fits with the planned format, context and memory
+    settings: part of a node first (1, 2, 4, ... GPUs with TP over all of them, as V4-Flash runs on 4 of a node's
+    8), then whole nodes with TP inside a node and PP across nodes; None beyond MAX_NODES_SEARCHED nodes."""
     spec = load_spec(config.model)
     per_node = get_accelerator(config.gpu).devices_per_node
-    for nodes in range(1, MAX_NODES_SEARCHED + 1):
+    for gpus, nodes in fitting_candidates(per_node):
         try:
             deployment = build_deployment(
                 spec,
                 config.gpu,
-                per_node * nodes,
+                gpus,
                 nodes=nodes,
                 weights=config.weights,
                 kv_dtype=config.kv_dtype,
@@ -258,8 +271,19 @@ def smallest_fitting_gpus(config: PlanConfig) -> int | None:
         except ConfigError:
             continue  # e.g. a node size whose TP does not divide the heads
         if deployment.memory.fits:
-            return per_node * nodes
+            return gpus
     return None
+
+
+def fitting_candidates(per_node: int) -> list[tuple[int, int]]:
+    """(GPUs, nodes) in the order smallest_fitting_gpus tries them: powers of two below a node, then whole nodes."""
+    partial = [(1 << k, 1) for k in range(per_node.bit_length()) if (1 << k) < per_node]
+    return partial + [(per_node * nodes, nodes) for nodes in range(1, MAX_NODES_SEARCHED + 1)]
+
+
+def nodes_holding(gpus: int, per_node: int) -> int:
+    """Whole nodes GPUS spans (at least one)."""
+    return max(-(-gpus // per_node), 1)
 
 
 def highest_concurrency_within(model: PerformanceModel, workload: Workload, cap: int, slo_itl_ms: float) -> int | None:

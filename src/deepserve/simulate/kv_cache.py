@@ -10,6 +10,9 @@ hash chain over full blocks of tokens.
   least shareable) are evicted before its first ones.
 - A hit never covers a whole prompt: the last prompt token is always computed, so the model has logits to sample
   from (vLLM's max_cache_hit_length = num_tokens - 1).
+- A model with per-request state besides its context (DeepSeek-V4's sliding windows and compressor state, which
+  vLLM's hybrid manager draws from the same pool) holds STATE_BLOCKS_PER_SEQUENCE more blocks from its first
+  allocation until it finishes (plan/memory.py's kv_state_blocks_per_sequence).
 
 Written from vLLM's policy (vllm/v1/core/kv_cache_manager.py, block_pool.py); the code is deepserve's.
 """
@@ -118,11 +121,20 @@ class BlockPool:
 class KVCacheManager:
     """Blocks per request on top of a BlockPool; prefix caching when ENABLE_CACHING."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool,
+        state_blocks_per_sequence: int = 0,
+    ) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        self.state_blocks_per_sequence = state_blocks_per_sequence
+        self._state: dict[str, list[int]] = {}  # each request's fixed state blocks (never shared or cached)
         self._blocks: dict[str, list[int]] = {}
         self._committed: dict[str, int] = {}  # blocks of each request already in the prefix cache
 
@@ -164,15 +176,18 @@ class KVCacheManager:
         computed = request.num_computed_tokens + hits * self.block_size
         needed_tokens = min(computed + num_new_tokens, self.max_model_len)
         new_blocks = max(-(-needed_tokens // self.block_size) - len(held) - hits, 0)
+        state = 0 if request.request_id in self._state else self.state_blocks_per_sequence
         if cached:
             reclaimed = sum(1 for block in cached if self.pool.is_free(block))  # hits that leave the free queue
-            if new_blocks + reclaimed > self.pool.num_free:
+            if new_blocks + reclaimed + state > self.pool.num_free:
                 return False
             self.pool.share(cached)
             held.extend(cached)
             self._committed.setdefault(request.request_id, len(held))
-        elif new_blocks > self.pool.num_free:
+        elif new_blocks + state > self.pool.num_free:
             return False
+        if request.request_id not in self._state:
+            self._state[request.request_id] = self.pool.take(state)
         if new_blocks:
             held.extend(self.pool.take(new_blocks))
         if self.enable_caching:
@@ -184,6 +199,7 @@ class KVCacheManager:
         blocks = self._blocks.pop(request.request_id, [])
         self._committed.pop(request.request_id, None)
         self.pool.release(reversed(blocks))
+        self.pool.release(self._state.pop(request.request_id, []))
 
     def _commit_full_blocks(self, request: CachedSequence, tokens: int) -> None:
         full = tokens // self.block_size

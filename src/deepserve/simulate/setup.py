@@ -63,6 +63,7 @@ class SimulatedDeployment:
     gpu: str
     timing: str  # how step times are decided, in words
     data_parallel: int = 1  # attention replicas, each with its own max_num_seqs and token budget
+    state_blocks_per_sequence: int = 0  # V4: blocks of windows and compressor state every request holds
     plan: Plan | None = None  # the planner's view (None with fixed timings of a model it does not know)
     model_of_steps: PerformanceModel | None = None
 
@@ -72,8 +73,14 @@ class SimulatedDeployment:
                 f"{self.max_model_len:,}"
             )
         where = f"as if on {self._hardware()}" if self.plan is not None else f"with {self.timing}"
+        state = (
+            f" (each request also holds {self.state_blocks_per_sequence} for its sliding windows and compressor state)"
+            if self.state_blocks_per_sequence
+            else ""
+        )
         return (
-            f"{self.served_model_name} {where}; KV cache {self.num_blocks:,} blocks of {self.block_size} tokens; "
+            f"{self.served_model_name} {where}; KV cache {self.num_blocks:,} blocks of {self.block_size} tokens"
+            f"{state}; "
             f"max_num_seqs {self.max_num_seqs}, max_num_batched_tokens {self.max_num_batched_tokens}, chunked "
             f"prefill {_on(self.chunked_prefill)}, prefix caching {_on(self.prefix_caching)}, max_model_len "
             f"{self.max_model_len:,}"
@@ -93,6 +100,7 @@ class SimulatedDeployment:
         if self.model_of_steps is None:
             raise ConfigError("fixed timings have no step model to predict with; leave out --fixed-*")
         sequence_blocks = -(-(workload.input_len + workload.output_len) // self.block_size)
+        sequence_blocks += self.state_blocks_per_sequence
         cap = min(self.num_blocks // sequence_blocks, self.max_num_seqs * self.pipeline_stages)
         return self.model_of_steps.predict(concurrency, workload, cap)
 
@@ -134,9 +142,12 @@ def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
     max_model_len = engine.max_model_len or min(FIXED_MAX_MODEL_LEN, spec.max_position_embeddings)
     batched = engine.max_num_batched_tokens or (default_tokens if chunked else max(max_model_len, default_tokens))
     plan = make_plan(_plan_config(engine, sim, model, spec, max_model_len, batched, common["max_num_seqs"]))
-    block_size = engine.block_size or default_block_size(spec.is_mla)
+    memory = plan.deployment.memory
+    pooled = memory.kv_layout is not None and not memory.kv_layout.is_linear
+    block_size = engine.block_size or (memory.kv_block_tokens if pooled else default_block_size(spec.is_mla))
     num_blocks = _kv_blocks(plan, engine, block_size, accelerator)
-    if num_blocks * block_size < max_model_len:
+    state_blocks = memory.kv_state_blocks_per_sequence if pooled else 0
+    if (num_blocks - state_blocks) * block_size < max_model_len:
         raise ConfigError(
             f"the simulated KV cache holds {num_blocks * block_size:,} tokens, fewer than one sequence of "
             f"max_model_len {max_model_len:,} (vLLM refuses to start so); lower --max-model-len, raise "
@@ -148,6 +159,7 @@ def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
         max_model_len=max_model_len,
         block_size=block_size,
         num_blocks=num_blocks,
+        state_blocks_per_sequence=state_blocks,
         max_num_batched_tokens=batched,
         pipeline_stages=plan.deployment.layout.pp,
         data_parallel=plan.deployment.layout.dp,
@@ -275,6 +287,13 @@ def _kv_blocks(plan: Plan, engine: EngineConfig, block_size: int, accelerator: A
             f"{memory.budget_bytes_per_gpu / 1e9:,.1f} GB budget; `deepserve plan` with the same flags shows the "
             "breakdown (try --weights awq-int4, a larger --gpu, or more --gpus)"
         )
+    cache = memory.kv_layout
+    if cache is not None and not cache.is_linear:
+        # V4: vLLM's pool of blocks, each as large as the largest cache group's pages (models/kv_cache.py); a block
+        # of the growing cache holds block_size tokens
+        kv_bytes = int(engine.kv_cache_memory_gib * GIB) if engine.kv_cache_memory_gib is not None else None
+        pool = memory.kv_pool_blocks if kv_bytes is None else kv_bytes // cache.block_bytes
+        return max(pool * deployment.layout.dp * memory.kv_block_tokens // block_size, 0)
     if engine.kv_cache_memory_gib is not None:
         tokens = int(engine.kv_cache_memory_gib * GIB) // memory.kv_bytes_per_token_per_gpu * deployment.layout.dp
     else:
@@ -309,7 +328,11 @@ def build_core(deployment: SimulatedDeployment, sim: SimulateConfig) -> EngineCo
         chunked_prefill=deployment.chunked_prefill,
     )
     kv = KVCacheManager(
-        deployment.num_blocks, deployment.block_size, deployment.max_model_len, deployment.prefix_caching
+        deployment.num_blocks,
+        deployment.block_size,
+        deployment.max_model_len,
+        deployment.prefix_caching,
+        deployment.state_blocks_per_sequence,
     )
     try:
         scheduler = Scheduler(limits, kv)

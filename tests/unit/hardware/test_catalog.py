@@ -89,3 +89,65 @@ def test_unknown_device_name_matches_nothing() -> None:
     from deepserve.hardware.catalog import match_device_name
 
     assert match_device_name("Voodoo 3 3000") is None
+
+
+@pytest.mark.parametrize(
+    ("name", "memory_gib", "fp4"),
+    [("b200", 180, 9000), ("b300", 288, 13500), ("gb200", 186, 10000), ("gb300", 288, 15000), ("mi355x", 288, 10066.3)],
+)
+def test_fp4_dense_peaks_of_todays_gpus(name: str, memory_gib: float, fp4: float) -> None:
+    """Datasheets: HGX B200 144 PF FP4 with sparsity per 8 GPUs, HGX B300 108 PF dense per 8, GB200 NVL72 1,440 PF
+    with sparsity per 72, GB300 NVL72 1,440 PF dense per 72, MI355X 10 PF MXFP4 dense."""
+    acc = get_accelerator(name)
+    assert acc.memory_gib == memory_gib
+    assert acc.dense_tflops["fp4"] == pytest.approx(fp4)
+
+
+def test_gpus_without_fp4_units_have_no_fp4_peak() -> None:
+    for name in ("h100", "h200", "h800", "h20", "mi300x", "mi325x", "a100"):
+        assert "fp4" not in get_accelerator(name).dense_tflops
+
+
+def test_h800_is_an_h100_with_a_narrower_nvlink() -> None:
+    h800, h100 = get_accelerator("h800"), get_accelerator("h100")
+    assert h800.dense_tflops == h100.dense_tflops and h800.memory_bandwidth_gb_s == h100.memory_bandwidth_gb_s
+    assert h800.intra_node.bandwidth_gb_s == 200.0 < h100.intra_node.bandwidth_gb_s
+
+
+def test_nvl72_racks_are_one_72_gpu_nvlink_domain() -> None:
+    for name in ("gb200", "gb300"):
+        acc = get_accelerator(name)
+        assert acc.devices_per_node == 72 and acc.devices_per_host == 4
+        assert acc.intra_node.kind == "nvlink5"
+    assert get_accelerator("b200").devices_per_host == 8
+
+
+def test_rtx_pro_6000_is_a_pcie_blackwell() -> None:
+    acc = get_accelerator("rtx-pro-6000")
+    assert acc.architecture == "sm120" and acc.intra_node.kind == "pcie5" and acc.memory_gib == 96
+    assert "estimate" in acc.notes  # FP8/BF16 dense are not printed on the datasheet
+
+
+def test_every_datasheet_figure_cites_a_url() -> None:
+    no_public_datasheet = {"h20", "cpu-xeon-8480"}  # NVIDIA posts no H20 datasheet; the CPU's AMX figure is derived
+    for acc in ACCELERATORS:
+        if acc.name not in no_public_datasheet:
+            assert any("https://" in source for source in acc.sources), acc.name
+
+
+@pytest.mark.parametrize(
+    ("reported", "name"),
+    [
+        ("NVIDIA H800", "h800"),
+        ("NVIDIA B300 SXM6 AC", "b300"),
+        ("NVIDIA GB200", "gb200"),
+        ("NVIDIA GB300", "gb300"),
+        ("AMD Instinct MI355X", "mi355x"),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "rtx-pro-6000"),
+    ],
+)
+def test_driver_names_of_new_gpus(reported: str, name: str) -> None:
+    from deepserve.hardware.catalog import match_device_name
+
+    match = match_device_name(reported)
+    assert match is not None and match.name == name

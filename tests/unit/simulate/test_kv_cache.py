@@ -94,3 +94,16 @@ def test_a_huge_pool_costs_nothing_until_used_and_takes_unused_blocks_before_fre
     assert pool.num_free == 10**12
     assert pool.take(1) == [2]  # a never-used block, not the freed ones that still cache a prefix
     assert pool.cached_block(7) == first[0]
+
+
+def test_per_request_state_blocks_are_held_until_the_request_finishes() -> None:
+    """DeepSeek-V4: windows and compressor state come from the same pool, a fixed number of blocks per request."""
+    kv = KVCacheManager(
+        num_blocks=10, block_size=BLOCK, max_model_len=64, enable_caching=False, state_blocks_per_sequence=3
+    )
+    first, second, third = (request(name, list(range(BLOCK))) for name in "abc")
+    assert kv.allocate(first, BLOCK) and kv.pool.num_free == 10 - 3 - 1
+    assert kv.allocate(second, BLOCK) and kv.pool.num_free == 2
+    assert not kv.allocate(third, BLOCK) and kv.pool.num_free == 2  # 3 state + 1 block do not fit: nothing taken
+    kv.free(first)
+    assert kv.pool.num_free == 6 and kv.allocate(third, BLOCK)

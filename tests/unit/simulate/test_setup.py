@@ -9,6 +9,7 @@ from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError
 from deepserve.plan.planner import make_plan
 from deepserve.plan.types import PlanConfig
+from deepserve.simulate.closed_loop import simulate_closed_loop
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.setup import build_core, resolve
 
@@ -119,3 +120,21 @@ def test_on_this_cpu_an_mla_model_is_prefilled_whole_as_vllms_cpu_build_does(mon
     assert deployment.max_num_batched_tokens == 8192
     on_gpu = resolve(engine.model_copy(update={"model": "deepseek-ai/DeepSeek-V3"}), SimulateConfig(gpu="h200"))
     assert on_gpu.chunked_prefill
+
+
+def test_v4_flash_is_simulated_with_its_memory_model() -> None:
+    """`deepserve simulate --model deepseek-ai/DeepSeek-V4-Flash --gpu b200 --gpus 4`: the pool of vLLM's hybrid
+    cache (256-token blocks, each as large as the largest cache group's pages), and per request the blocks of its
+    sliding windows and compressor state (plan/memory.py)."""
+    engine, sim = EngineConfig(model="deepseek-ai/DeepSeek-V4-Flash"), SimulateConfig(gpu="b200", gpus=4)
+    deployment = resolve(engine, sim)
+    memory = deployment.plan.deployment.memory if deployment.plan else None
+    assert memory is not None and memory.kv_layout is not None
+    assert deployment.block_size == 256
+    assert deployment.num_blocks == memory.kv_pool_blocks
+    assert deployment.state_blocks_per_sequence == 26  # 2 x 3 window, 3 CSA-state and 17 HCA-state blocks
+    assert "sliding windows and compressor state" in deployment.describe()
+    core = build_core(deployment, sim)
+    assert core.scheduler.kv.state_blocks_per_sequence == 26
+    result = simulate_closed_loop(engine, sim, 4, 1024, 64, num_requests=8)
+    assert result.requests == 8 and result.mean_tpot_ms > 0
