@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from deepserve.deploy.accelerators import gpu_access
 from deepserve.deploy.monitoring import dashboard, rule_groups
 from deepserve.deploy.source import ENGINE_PORT, GATEWAY_PORT, MASTER_PLACEHOLDER, DeploySpec, substitute
 from deepserve.engines.base import LaunchSpec
@@ -149,19 +150,17 @@ def single_host(spec: DeploySpec) -> dict[str, Any]:
 
 
 def engine_service(spec: DeploySpec, launch: LaunchSpec, port: int, device_ids: list[str] | None) -> dict[str, Any]:
-    gpus: dict[str, Any] = {"driver": "nvidia", "capabilities": ["gpu"]}
-    if device_ids:
-        gpus["device_ids"] = device_ids
-    else:
-        gpus["count"] = spec.gpus_per_node
+    gpus = gpu_access(spec).compose_settings(spec.gpus_per_node, device_ids)
+    # A command that reads files of its own (TensorRT-LLM's options) writes them first, in one shell script.
+    command = ["/bin/sh", "-c", launch.shell_script()] if launch.files else launch.argv
     return {
         "image": spec.engine_image,
         # The whole command, as the engine's launcher writes it: it replaces the image's entrypoint.
-        "entrypoint": _compose_words(launch.argv),
-        "environment": {"HF_TOKEN": "${HF_TOKEN:-}", **launch.env},
+        "entrypoint": _compose_words(command),
+        "environment": {"HF_TOKEN": "${HF_TOKEN:-}", **launch.env, **gpus.pop("environment", {})},
         "ipc": "host",  # shared memory for NCCL and vLLM's worker processes, as vLLM's docs run the image
         "volumes": [MODEL_CACHE],
-        "deploy": {"resources": {"reservations": {"devices": [gpus]}}},
+        **gpus,
         "healthcheck": {
             "test": _http_check(f"http://127.0.0.1:{port}{launch.ready_path}", "python3"),
             "interval": "30s",

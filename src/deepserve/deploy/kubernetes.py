@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any
 
+from deepserve.deploy.accelerators import gpu_access
 from deepserve.deploy.monitoring import dashboard, rule_groups
 from deepserve.deploy.source import ENGINE_PORT, GATEWAY_PORT, MASTER_PLACEHOLDER, DeploySpec, shell_line
 from deepserve.engines.base import LaunchSpec
@@ -82,7 +83,7 @@ def model_cache_claim(spec: DeploySpec) -> dict[str, Any]:
 
 def engine_deployment(spec: DeploySpec) -> dict[str, Any]:
     launch = spec.launch(0)
-    pod = _engine_pod(spec, launch, command=_k8s_words(launch.argv), serves_api=True)
+    pod = _engine_pod(spec, launch, command=_k8s_words(_container_command(launch)), serves_api=True)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -139,6 +140,11 @@ def rank_script(spec: DeploySpec, ranks: range) -> list[str]:
     return ["/bin/sh", "-c", "\n".join(lines).replace("$(", "$$(")]
 
 
+def _container_command(launch: LaunchSpec) -> list[str]:
+    """The launcher's argv; a command that reads files of its own (TensorRT-LLM's options) writes them first."""
+    return ["/bin/sh", "-c", launch.shell_script()] if launch.files else launch.argv
+
+
 def _k8s_words(argv: list[str]) -> list[str]:
     return [word.replace("$(", "$$(") for word in argv]
 
@@ -155,27 +161,27 @@ def _engine_pod(spec: DeploySpec, launch: LaunchSpec, command: list[str], serves
     if spec.nodes > 1:  # a pod has lo and eth0; pin the collectives' sockets to the pod network
         env += [{"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}, {"name": "GLOO_SOCKET_IFNAME", "value": "eth0"}]
     env += [{"name": key, "value": value} for key, value in sorted(launch.env.items())]
+    access = gpu_access(spec)
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.engine_image,
         "command": command,
         "env": env,
-        "resources": {
-            "limits": {"nvidia.com/gpu": str(spec.gpus_per_node)},
-            "requests": {"nvidia.com/gpu": str(spec.gpus_per_node)},
-        },
+        "resources": access.k8s_resources(spec.gpus_per_node),
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "model-cache", "mountPath": MODEL_CACHE_PATH},
         ],
     }
+    if access.k8s_security:
+        container["securityContext"] = access.k8s_security
     if serves_api:
         container["ports"] = [{"name": "http", "containerPort": ENGINE_PORT}]
         container.update(_probes(launch.ready_path, spec.config.startup_timeout_s))
     pod: dict[str, Any] = {
         "terminationGracePeriodSeconds": 60,
         # GPU node pools are usually tainted so that only pods asking for GPUs land there.
-        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "tolerations": [access.k8s_toleration()],
         "containers": [container],
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},

@@ -18,6 +18,7 @@ from deepserve import __version__
 from deepserve.config import load_section, parse_key_values, validate_section
 from deepserve.engines.base import Engine, LaunchSpec
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.platform import ROCM, gpu_platform
 from deepserve.engines.registry import get_engine
 from deepserve.engines.topology import check_layout_fits_nodes
 from deepserve.errors import ConfigError, ModelError
@@ -137,6 +138,7 @@ def deploy_spec(
     notes += (_plan_note(plan),) if plan else ()
     model = render_model(config)
     engine = get_engine(config.engine)
+    engine.launch_spec(config, model, None)  # what the engine cannot run on these nodes fails here, with why
     return DeploySpec(
         config=config,
         gateway=gateway,
@@ -144,7 +146,7 @@ def deploy_spec(
         command=command,
         replicas=replicas,
         name=name,
-        engine_image=engine_image or engine.image,
+        engine_image=engine_image or _engine_image(engine, config),
         gateway_image=gateway_image or GATEWAY_IMAGE,
         checkpoint_bytes=_checkpoint_bytes_of(config.model or ""),
         node_gpus=node_gpus,
@@ -153,6 +155,15 @@ def deploy_spec(
         runtime_class=runtime_class,
         node_selector=parse_key_values("--node-selector", node_selector or [], "nvidia.com/gpu.product=H100"),
     )
+
+
+def _engine_image(engine: Engine, config: EngineConfig) -> str:
+    """The engine's image for the nodes' GPUs: its ROCm build's on AMD GPUs."""
+    if gpu_platform(config) != ROCM:
+        return engine.image
+    if engine.rocm_image is None:
+        raise ConfigError(f"{engine.name} has no ROCm image for AMD GPUs; use --engine vllm or --engine sglang")
+    return engine.rocm_image
 
 
 def _node_gpus(config: EngineConfig) -> int | None:
