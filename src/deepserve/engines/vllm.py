@@ -5,6 +5,7 @@ through `python -m deepserve.engines.vllm_cli` (see that module)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from deepserve.engines.base import (
@@ -120,7 +121,10 @@ def _program(model: ResolvedModel, python: str | None) -> list[str]:
         return ["vllm", "serve"]
     if model.on_cpu:
         return [python, "-m", "deepserve.engines.vllm_cli", "serve"]
-    return [str(Path(python).parent / "vllm"), "serve"]
+    beside = Path(python).parent / "vllm"
+    # A virtualenv that sees a system-wide vLLM (vLLM's ROCm image; scripts/bootstrap.sh makes one) has no script of
+    # its own: the system's, on PATH.
+    return [str(beside) if beside.exists() or not shutil.which("vllm") else "vllm", "serve"]
 
 
 def _api_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, object]]:

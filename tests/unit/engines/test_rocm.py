@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,22 @@ def test_stream_interval_reaches_every_engine() -> None:
     sglang = get_engine("sglang").launch_spec(config.model_copy(update={"engine": "sglang"}), R1, None).argv
     assert vllm[vllm.index("--stream-interval") + 1] == "4"
     assert sglang[sglang.index("--stream-interval") + 1] == "4"
+
+
+def test_a_virtualenv_seeing_a_system_vllm_runs_the_systems_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's ROCm image installs vLLM system-wide; bootstrap's virtualenv there sees its packages but has no
+    `vllm` script of its own."""
+    venv_python = tmp_path / "venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    system = tmp_path / "usr-local-bin"
+    system.mkdir()
+    (system / "vllm").write_text("#!/bin/sh\n")
+    (system / "vllm").chmod(0o755)
+    monkeypatch.setenv("PATH", str(system))
+    argv = get_engine("vllm").launch_spec(EngineConfig(device="rocm"), R1, str(venv_python)).argv
+    assert argv[:2] == ["vllm", "serve"]
+    (venv_python.parent / "vllm").write_text("#!/bin/sh\n")
+    argv = get_engine("vllm").launch_spec(EngineConfig(device="rocm"), R1, str(venv_python)).argv
+    assert argv[0] == str(venv_python.parent / "vllm")
