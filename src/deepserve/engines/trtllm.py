@@ -100,6 +100,13 @@ def _check_supported(config: EngineConfig, model: ResolvedModel) -> None:
             "trtllm-llmapi-launch), which deepserve does not drive; serve it on one node, or use --engine vllm or "
             "--engine sglang across nodes"
         )
+    # Prefill/decode disaggregation (EngineConfig's role and KV connector, from the deploy work) runs on
+    # TensorRT-LLM's own cache transceiver and `trtllm-serve disaggregated` router, which deepserve does not drive.
+    if getattr(config, "role", None) or getattr(config, "kv_connector", None):
+        raise ConfigError(
+            "prefill/decode roles with TensorRT-LLM (its cache_transceiver_config and `trtllm-serve disaggregated`) "
+            "are not driven by deepserve; serve prefill and decode with --engine vllm, or drop --role/--kv-connector"
+        )
     if config.distributed_executor_backend == "ray":
         raise ConfigError("TensorRT-LLM does not run on Ray: drop --distributed-executor-backend ray")
     if config.quantization:

@@ -288,3 +288,16 @@ def test_the_self_contained_script_writes_the_file_then_runs(tmp_path: Path) -> 
 def test_what_tensorrt_llm_cannot_take_is_refused(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         launch(**fields)
+
+
+class _WithRole(EngineConfig):
+    """EngineConfig as it is after the deploy work (prefill/decode roles), which this branch predates."""
+
+    role: str | None = None
+    kv_connector: str | None = None
+
+
+@pytest.mark.parametrize("fields", [{"role": "prefill"}, {"kv_connector": "NixlConnector"}])
+def test_prefill_decode_roles_are_refused_not_dropped(fields: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="prefill/decode roles with TensorRT-LLM"):
+        get_engine("trtllm").launch_spec(_WithRole(engine="trtllm", **fields), R1, None)
