@@ -15,11 +15,12 @@ from deepserve.cli.bench import add_bench_flags, config_from_args
 from deepserve.errors import ConfigError
 from deepserve.results.slo import parse_slos
 from deepserve.results.sweepdir import read_index
+from deepserve.sweep.compare import Target, common_context, common_plan, parse_targets, target_config
 from deepserve.sweep.grid import LIST_FIELDS, SweepSpec, grid_spec, parse_list, signature, suite_spec
 from deepserve.sweep.probe import probe_speed, server_facts
 from deepserve.sweep.resume import stored_points
-from deepserve.sweep.run import SweepOptions, run_sweep
-from deepserve.sweep.suites import DEFAULT_TIME_BUDGET_S, SUITES, get_suite, plan_suite
+from deepserve.sweep.run import SweepOptions, SweepOutcome, run_sweep
+from deepserve.sweep.suites import DEFAULT_TIME_BUDGET_S, SUITES, SuitePlan, get_suite, plan_suite
 
 LIST_TYPES: dict[str, type] = {
     "max_concurrency": int,
@@ -48,6 +49,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         group.add_argument(flag, default=None, metavar="V[,V...]", help=f"one value or a comma-separated list ({name})")
     group.add_argument("--suite", default=None, help=f"a named suite: {', '.join(SUITES)}")
     group.add_argument("--list-suites", action="store_true", help="list the suites and exit")
+    group.add_argument(
+        "--target",
+        action="append",
+        default=None,
+        metavar="NAME=URL",
+        help="a server to compare (repeat for each: engines or machines); every target runs the same points into "
+        "RESULT_DIR/NAME and one report draws them side by side (e.g. --suite seed004 --target sglang=http://… "
+        "--target vllm=http://… --target trtllm=http://…); a suite's --time-budget-s is per target",
+    )
     group.add_argument(
         "--time-budget-s",
         type=float,
@@ -80,19 +90,14 @@ def _sweep(args: argparse.Namespace) -> int:
     slos = parse_slos(args.slo)
     base = config_from_args(args, ["deepserve", *sys.argv[1:]])
     base = base.model_copy(update={"output": base.output.model_copy(update={"disable_tqdm": True})})
+    if args.target:
+        return _compare(args, base, lists, parse_targets(args.target), console)
     facts = server_facts(base)
     asked = _asked(args, base, lists)
     directory = Path(base.output.result_dir or Path.cwd() / "sweeps" / _default_dir_name(args, asked))
     spec = _spec(args, base, lists, facts, asked, directory, console)
-    options = SweepOptions(
-        stop_at_saturation=args.stop_at_saturation,
-        patience=args.saturation_patience,
-        time_budget_s=_runtime_budget_s(args),
-        record=not args.no_record,
-        db_path=args.db,
-    )
     console.print(f"Sweep '{spec.label}': {len(spec.points)} points → {directory}")
-    outcome = run_sweep(directory, spec, base, _run_point, options, progress=console.print)
+    outcome = run_sweep(directory, spec, base, _run_point, _options(args), progress=console.print)
     console.print(
         f"Sweep finished in {outcome.elapsed_s:.0f} s: {outcome.ran} ran, {outcome.kept} kept from before, "
         f"{outcome.skipped} skipped, {outcome.failed} failed. Index: {directory / 'index.json'}"
@@ -105,6 +110,107 @@ def _sweep(args: argparse.Namespace) -> int:
             console.print(answer)
         console.print(f"Report: {report.html_path}")
     return 1 if outcome.failed else 0
+
+
+def _options(args: argparse.Namespace) -> SweepOptions:
+    return SweepOptions(
+        stop_at_saturation=args.stop_at_saturation,
+        patience=args.saturation_patience,
+        time_budget_s=_runtime_budget_s(args),
+        record=not args.no_record,
+        db_path=args.db,
+    )
+
+
+def _compare(
+    args: argparse.Namespace,
+    base: BenchConfig,
+    lists: dict[str, list[Any] | None],
+    targets: list[Target],
+    console: Console,
+) -> int:
+    """The same sweep against every target, each into its own directory, then one report over all of them."""
+    if base.target.base_url:
+        raise ConfigError("--target names every server to compare: drop --base-url")
+    asked = _asked(args, base, lists) | {"targets": [target.name for target in targets]}
+    directory = Path(base.output.result_dir or Path.cwd() / "sweeps" / f"compare-{_default_dir_name(args, asked)}")
+    configs = {target.name: target_config(base, target, directory) for target in targets}
+    facts = {name: server_facts(config) for name, config in configs.items()}
+    label = f"{args.suite or 'sweep'}: {' vs '.join(configs)}"
+    spec = _comparison_spec(args, configs, facts, lists, asked, directory, console)
+    outcomes: list[SweepOutcome] = []
+    for target in targets:
+        target_spec = SweepSpec(target.name, spec.points, spec.sweep_axis, spec.signature, spec.suite)
+        target_spec.metadata = {**spec.metadata, **facts[target.name], "comparison": label}
+        console.print(
+            f"Target '{target.name}' ({target.url}): {len(spec.points)} points → {target.directory(directory)}"
+        )
+        outcome = run_sweep(
+            target.directory(directory), target_spec, configs[target.name], _run_point, _options(args), console.print
+        )
+        console.print(
+            f"  {target.name}: {outcome.ran} ran, {outcome.kept} kept from before, {outcome.skipped} skipped, "
+            f"{outcome.failed} failed"
+        )
+        outcomes.append(outcome)
+    if not args.no_report:
+        from deepserve.report.build import build_report, load_sets  # matplotlib: only when a report is drawn
+
+        dirs = [target.directory(directory) for target in targets]
+        report = build_report(load_sets(dirs), directory / "report", parse_slos(args.slo), f"deepserve sweep {label}")
+        for answer in report.answer_texts():
+            console.print(answer)
+        console.print(f"Report: {report.html_path}")
+    return 1 if any(outcome.failed for outcome in outcomes) else 0
+
+
+def _comparison_spec(
+    args: argparse.Namespace,
+    configs: dict[str, BenchConfig],
+    facts: dict[str, dict[str, Any]],
+    lists: dict[str, list[Any] | None],
+    asked: dict[str, Any],
+    directory: Path,
+    console: Console,
+) -> SweepSpec:
+    """The points every target runs: a grid as given, or the suite planned for the slowest target (each probed),
+    or, when every target's directory already holds this comparison, the points stored there (a resume)."""
+    if args.suite is None:
+        return grid_spec({name: values for name, values in lists.items() if values}, "comparison", asked)
+    suite = get_suite(args.suite)
+    _check_suite_lists(lists)
+    wanted = signature({"suite": suite.name, **asked})
+    indexes = [read_index(directory / name) for name in configs]
+    if all(index is not None and index.signature == wanted for index in indexes):
+        console.print(f"Resuming the planned comparison in {directory} (no new speed probes)")
+        first = indexes[0]
+        assert first is not None
+        return SweepSpec("comparison", stored_points(first), suite.sweep_axis, wanted, suite.name)
+    budget_s = DEFAULT_TIME_BUDGET_S if args.time_budget_s is None else args.time_budget_s
+    context = common_context([target_facts.get("max_model_len") for target_facts in facts.values()])
+    given = {name: values[0] for name, values in lists.items() if values}
+    plans: list[SuitePlan] = []
+    for name, config in configs.items():
+        probe = probe_speed(config, _run_point, facts[name].get("max_model_len")) if budget_s else None
+        if probe is not None:
+            console.print(
+                f"Speed probe of '{name}': {probe.tpot_s * 1000:.1f} ms/token alone, peak "
+                f"{probe.peak_output_tok_s:,.0f} output tok/s"
+            )
+        plans.append(plan_suite(suite, context, budget_s or None, probe, _fixed_fields(args) | given))
+    plan = common_plan(plans)
+    for note in plan.notes:
+        console.print(f"  scaled (for the slowest target): {note}")
+    spec = suite_spec(plan, "comparison", asked)
+    spec.metadata["scale"]["time_budget_s"] = budget_s
+    return spec
+
+
+def _check_suite_lists(lists: dict[str, list[Any] | None]) -> None:
+    several = [name for name, values in lists.items() if values and len(values) > 1]
+    if several:
+        flags = ", ".join("--" + name.replace("_", "-") for name in several)
+        raise ConfigError(f"with --suite, {flags} take one value (it applies to every point); drop --suite for a grid")
 
 
 def _runtime_budget_s(args: argparse.Namespace) -> float | None:
@@ -148,10 +254,7 @@ def _spec(
         spec.metadata.update(metadata)
         return spec
     suite = get_suite(args.suite)
-    several = [name for name, values in lists.items() if values and len(values) > 1]
-    if several:
-        flags = ", ".join("--" + name.replace("_", "-") for name in several)
-        raise ConfigError(f"with --suite, {flags} take one value (it applies to every point); drop --suite for a grid")
+    _check_suite_lists(lists)
     given = {name: values[0] for name, values in lists.items() if values}
     index = read_index(directory)
     if index is not None and index.signature == signature({"suite": suite.name, **asked}):

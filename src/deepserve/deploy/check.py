@@ -4,6 +4,7 @@ plain verdict (ok, warn, fail, n/a) and, unless it is ok, the fix. The facts abo
 
 from __future__ import annotations
 
+import glob
 import os
 import resource
 import shutil
@@ -27,7 +28,7 @@ from deepserve.engines.config import EngineConfig
 from deepserve.engines.topology import MasterAddressError, check_master_address
 from deepserve.errors import ConfigError, ModelError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, match_device_name
-from deepserve.hardware.detect import LocalGpu, local_gpus, nvidia_driver_version
+from deepserve.hardware.detect import AMD, LocalGpu, local_gpus, nvidia_driver_version, rocm_version
 from deepserve.hardware.network import NetworkProfile, get_network
 from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name
 from deepserve.models.resolve import load_spec
@@ -42,6 +43,13 @@ DISK_HEADROOM = 1.05
 CONNECT_TIMEOUT_S = 3.0
 SYSFS_INFINIBAND = "/sys/class/infiniband"
 VERBS_DIR = "/dev/infiniband"
+# vLLM supports ROCm 6.3 and newer; MI350-series GPUs (gfx950) need ROCm 7.0 (vllm
+# docs/getting_started/installation/gpu.rocm.inc.md @ 06d0369d, "Requirements").
+MIN_ROCM = (6, 3)
+MIN_ROCM_GFX950 = (7, 0)
+KFD = "/dev/kfd"  # ROCm's compute interface: one for the host
+RENDER_NODES = "/dev/dri/renderD*"  # one per GPU
+VISIBLE_DEVICES_VARIABLES = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
 
 class Verdict(str, Enum):
@@ -84,6 +92,17 @@ class HostFacts:
     hca_ports: tuple[HcaPort, ...] = ()
     verbs_devices: bool = False  # /dev/infiniband holds the verbs devices (uverbs*) a process opens
     memlock_bytes: int | None = None  # RLIMIT_MEMLOCK; None: unlimited
+    rocm_version: str | None = None  # AMD hosts: ROCm's version (amd-smi, /opt/rocm/.info/version)
+    device_files: dict[str, str] = field(default_factory=dict)  # AMD hosts: /dev/kfd and render nodes → ok, …
+
+    @property
+    def rdma_devices(self) -> tuple[str, ...]:
+        """The RDMA NICs (InfiniBand HCAs or RoCE NICs) whose collectives NCCL or RCCL can use."""
+        return tuple(sorted({port.device for port in self.hca_ports}))
+
+    @property
+    def amd(self) -> bool:
+        return bool(self.gpus) and self.gpus[0].vendor == AMD
 
     @property
     def hf_home(self) -> Path:
@@ -99,9 +118,11 @@ class HostFacts:
 
 
 def gather_facts() -> HostFacts:
+    gpus = local_gpus()
+    amd = bool(gpus) and gpus[0].vendor == AMD
     return HostFacts(
-        gpus=local_gpus(),
-        driver_version=nvidia_driver_version(),
+        gpus=gpus,
+        driver_version=None if amd else nvidia_driver_version(),
         shm_bytes=_shm_bytes(),
         interfaces=local_interfaces(),
         environ=dict(os.environ),
@@ -110,6 +131,8 @@ def gather_facts() -> HostFacts:
         hca_ports=hca_ports(),
         verbs_devices=any(Path(VERBS_DIR).glob("uverbs*")),
         memlock_bytes=_memlock_bytes(),
+        rocm_version=rocm_version() if amd else None,
+        device_files=_device_files() if amd else {},
     )
 
 
@@ -129,6 +152,17 @@ def hca_ports(root: Path = Path(SYSFS_INFINIBAND)) -> tuple[HcaPort, ...]:
 def _memlock_bytes() -> int | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _device_files() -> dict[str, str]:
+    """ROCm's device files and whether this user may open them: ok, missing, or no access."""
+    files = {}
+    for path in [KFD, *sorted(glob.glob(RENDER_NODES))]:
+        if not os.path.exists(path):
+            files[path] = "missing"
+        else:
+            files[path] = "ok" if os.access(path, os.R_OK | os.W_OK) else "no access"
+    return files
 
 
 def _shm_bytes() -> int | None:
@@ -180,7 +214,7 @@ class Expected:
 
     @property
     def wants_gpus(self) -> bool:
-        return self.config.device == "cuda" or self.gpu is not None
+        return self.config.device in ("cuda", "rocm") or self.gpu is not None
 
     @property
     def model_kind(self) -> str:
@@ -211,13 +245,14 @@ def _on_cpu(expected: Expected, facts: HostFacts) -> bool:
 def check_gpus(expected: Expected, facts: HostFacts) -> Check:
     name, needed = "GPUs", expected.gpus_on_this_node
     if _on_cpu(expected, facts):
-        return Check(name, Verdict.NA, "no NVIDIA GPU (nvidia-smi lists none): the engine runs on CPU here")
+        return Check(name, Verdict.NA, "no GPU (nvidia-smi and amd-smi list none): the engine runs on CPU here")
     if not facts.gpus:
         return Check(
             name,
             Verdict.FAIL,
-            f"the deployment needs {needed} GPU(s) on this node and nvidia-smi lists none",
-            "install the NVIDIA driver (nvidia-smi must list the GPUs), or run this node on a GPU machine",
+            f"the deployment needs {needed} GPU(s) on this node and neither nvidia-smi nor amd-smi lists one",
+            "install the GPU driver (NVIDIA's, with nvidia-smi; or AMD's amdgpu with ROCm, whose amd-smi lists "
+            "the GPUs), or run this node on a GPU machine",
         )
     names = sorted({gpu.name for gpu in facts.gpus})
     have = f"{len(facts.gpus)} x {' + '.join(names)}"
@@ -269,6 +304,8 @@ def check_driver(expected: Expected, facts: HostFacts) -> Check:
     name = "NVIDIA driver"
     if _on_cpu(expected, facts):
         return Check(name, Verdict.NA, "no NVIDIA GPU on this node")
+    if facts.amd:
+        return Check(name, Verdict.NA, "AMD GPUs: see the ROCm checks")
     if facts.driver_version is None:
         return Check(name, Verdict.FAIL, "nvidia-smi reports no driver version", "install the NVIDIA driver")
     version = _version_tuple(facts.driver_version)
@@ -292,6 +329,112 @@ def check_driver(expected: Expected, facts: HostFacts) -> Check:
 
 def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+
+# ---- AMD (ROCm) ---------------------------------------------------------------------------------------------------
+
+
+def check_rocm(expected: Expected, facts: HostFacts) -> Check:
+    name = "ROCm"
+    if not facts.amd:
+        return Check(name, Verdict.NA, "no AMD GPU on this node")
+    gfx950 = any(gpu.arch == "gfx950" for gpu in facts.gpus)
+    needed = MIN_ROCM_GFX950 if gfx950 else MIN_ROCM
+    wanted = ".".join(map(str, needed))
+    if facts.rocm_version is None:
+        return Check(
+            name,
+            Verdict.WARN,
+            "ROCm's version is unknown here (amd-smi reports none, no /opt/rocm/.info/version): fine when the engine "
+            "runs in vLLM's ROCm image, which brings its own ROCm, on the host's amdgpu driver",
+            f"to run the engine on the host itself, install ROCm {wanted} or newer",
+        )
+    if _version_tuple(facts.rocm_version) < needed:
+        why = "MI350-series GPUs (gfx950) need ROCm 7.0" if gfx950 else "vLLM supports ROCm 6.3 and newer"
+        return Check(
+            name,
+            Verdict.FAIL,
+            f"ROCm {facts.rocm_version}: {why}",
+            f"upgrade ROCm to {wanted} or newer, or run the engine in the vllm/vllm-openai-rocm image",
+        )
+    return Check(name, Verdict.OK, f"ROCm {facts.rocm_version}")
+
+
+def check_rocm_devices(expected: Expected, facts: HostFacts) -> Check:
+    """ROCm's device files: /dev/kfd (compute) and one /dev/dri render node per GPU, open to this user (the
+    video and render groups) or passed into the container (--device /dev/kfd --device /dev/dri)."""
+    name = "ROCm devices"
+    if not facts.amd:
+        return Check(name, Verdict.NA, "no AMD GPU on this node")
+    fix_access = (
+        "add the user to the video and render groups (sudo usermod -aG video,render $USER, then log in again), or "
+        "run the container with --device /dev/kfd --device /dev/dri --group-add video"
+    )
+    if facts.device_files.get(KFD, "missing") == "missing":
+        return Check(
+            name,
+            Verdict.FAIL,
+            f"{KFD} is missing: the amdgpu kernel driver is not loaded, or the container was not given the device",
+            "load the amdgpu driver (modprobe amdgpu), or run the container with --device /dev/kfd --device /dev/dri",
+        )
+    render = {path: state for path, state in facts.device_files.items() if path != KFD}
+    denied = [path for path, state in facts.device_files.items() if state == "no access"]
+    if denied:
+        return Check(name, Verdict.FAIL, f"no read/write access to {', '.join(denied[:3])}", fix_access)
+    if len(render) < expected.gpus_on_this_node:
+        return Check(
+            name,
+            Verdict.FAIL,
+            f"{len(render)} render node(s) under /dev/dri for the {expected.gpus_on_this_node} GPU(s) the layout "
+            "needs on this node",
+            "run the container with --device /dev/dri (all of it), or on Kubernetes ask for amd.com/gpu",
+        )
+    return Check(name, Verdict.OK, f"{KFD} and {len(render)} render node(s) accessible")
+
+
+def check_rccl(expected: Expected, facts: HostFacts) -> Check:
+    """RCCL (ROCm's NCCL) reads the NCCL_* variables. What breaks a deployment: visible-device variables hiding GPUs
+    the layout needs, and on several nodes an RDMA fabric left unused or RoCE without a GID index."""
+    name = "RCCL environment"
+    if not facts.amd:
+        return Check(name, Verdict.NA, "no AMD GPU on this node")
+    needed = expected.gpus_on_this_node
+    for variable in VISIBLE_DEVICES_VARIABLES:
+        value = facts.environ.get(variable)
+        if value is not None and len([d for d in value.split(",") if d.strip()]) < needed:
+            return Check(
+                name,
+                Verdict.FAIL,
+                f"{variable}={value} shows fewer than the {needed} GPU(s) the layout needs on this node",
+                f"unset {variable}, or list {needed} GPUs in it",
+            )
+    if not expected.config.is_multi_node:
+        return Check(name, Verdict.OK, "one node: the collectives stay on Infinity Fabric inside it")
+    if not facts.rdma_devices:
+        return Check(
+            name,
+            Verdict.WARN,
+            "no RDMA NIC (/sys/class/infiniband is empty): the nodes' collectives go over TCP sockets",
+            "fine for pipeline parallelism over a few nodes; for expert or tensor parallelism across nodes use "
+            "RoCE or InfiniBand NICs",
+        )
+    if facts.environ.get("NCCL_IB_DISABLE") == "1":
+        return Check(
+            name,
+            Verdict.WARN,
+            f"NCCL_IB_DISABLE=1 with RDMA NICs present ({', '.join(facts.rdma_devices)}): RCCL will not use them",
+            "unset NCCL_IB_DISABLE unless the NICs are not on the nodes' fabric",
+        )
+    if not facts.environ.get("NCCL_IB_GID_INDEX"):
+        return Check(
+            name,
+            Verdict.WARN,
+            f"RDMA NICs {', '.join(facts.rdma_devices)} and NCCL_IB_GID_INDEX unset: over RoCE, RCCL may pick a "
+            "GID that does not route between the nodes",
+            "export NCCL_IB_GID_INDEX=3 (RoCE v2 on most hosts; `show_gids` lists them), and NCCL_IB_HCA to "
+            "the NICs of the fabric",
+        )
+    return Check(name, Verdict.OK, f"RDMA NICs {', '.join(facts.rdma_devices)}, NCCL_IB_GID_INDEX set")
 
 
 def check_disk(expected: Expected, facts: HostFacts) -> Check:
@@ -528,6 +671,9 @@ CHECKS: tuple[Callable[[Expected, HostFacts], Check], ...] = (
     check_gpus,
     check_gpu_memory,
     check_driver,
+    check_rocm,
+    check_rocm_devices,
+    check_rccl,
     check_disk,
     check_shm,
     check_master,

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from deepserve.deploy.accelerators import gpu_access
 from deepserve.deploy.monitoring import dashboard, rule_groups
 from deepserve.deploy.source import (
     ENGINE_PORT,
@@ -183,12 +184,10 @@ def single_host(spec: DeploySpec) -> dict[str, Any]:
 
 
 def engine_service(spec: DeploySpec, launch: LaunchSpec, port: int, device_ids: list[str] | None) -> dict[str, Any]:
-    gpus: dict[str, Any] = {"driver": "nvidia", "capabilities": ["gpu"]}
-    if device_ids:
-        gpus["device_ids"] = device_ids
-    else:
-        gpus["count"] = spec.gpus_per_node
-    environment = {"HF_TOKEN": "${HF_TOKEN:-}", **launch.env}
+    gpus = gpu_access(spec).compose_settings(spec.gpus_per_node, device_ids)
+    # A command that reads files of its own (TensorRT-LLM's options) writes them first, in one shell script.
+    command = ["/bin/sh", "-c", launch.shell_script()] if launch.files else launch.argv
+    environment = {"HF_TOKEN": "${HF_TOKEN:-}", **launch.env, **gpus.pop("environment", {})}
     if spec.deploy.engine_api_key:  # vLLM requires it on /v1 (not on /health and /metrics)
         environment["VLLM_API_KEY"] = ENGINE_KEY_VARIABLE
     volumes = [MODEL_CACHE]
@@ -197,11 +196,11 @@ def engine_service(spec: DeploySpec, launch: LaunchSpec, port: int, device_ids: 
     service: dict[str, Any] = {
         "image": spec.engine_image,
         # The whole command, as the engine's launcher writes it: it replaces the image's entrypoint.
-        "entrypoint": _compose_words(launch.argv),
+        "entrypoint": _compose_words(command),
         "environment": environment,
         "ipc": "host",  # shared memory for NCCL and vLLM's worker processes, as vLLM's docs run the image
         "volumes": volumes,
-        "deploy": {"resources": {"reservations": {"devices": [gpus]}}},
+        **gpus,
         "healthcheck": {
             "test": _http_check(f"http://127.0.0.1:{port}{launch.health_path}", "python3"),
             "interval": "30s",

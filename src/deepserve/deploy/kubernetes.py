@@ -21,6 +21,7 @@ import math
 import shlex
 from typing import Any
 
+from deepserve.deploy.accelerators import gpu_access
 from deepserve.deploy.monitoring import dashboard, rule_groups
 from deepserve.deploy.source import (
     ENGINE_PORT,
@@ -203,7 +204,7 @@ def engine_workload(spec: DeploySpec, pool: Pool) -> dict[str, Any]:
 
 def engine_deployment(spec: DeploySpec, pool: Pool) -> dict[str, Any]:
     launch = spec.launch(0, pool=pool)
-    pod = _engine_pod(spec, pool, launch, command=_k8s_words(launch.argv), serves_api=True)
+    pod = _engine_pod(spec, pool, launch, command=_k8s_words(_container_command(launch)), serves_api=True)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -306,6 +307,11 @@ def rank_script(spec: DeploySpec, pool: Pool, ranks: range) -> list[str]:
     return ["/bin/sh", "-c", "\n".join(lines).replace("$(", "$$(")]
 
 
+def _container_command(launch: LaunchSpec) -> list[str]:
+    """The launcher's argv; a command that reads files of its own (TensorRT-LLM's options) writes them first."""
+    return ["/bin/sh", "-c", launch.shell_script()] if launch.files else launch.argv
+
+
 def _k8s_words(argv: list[str]) -> list[str]:
     return [word.replace("$(", "$$(") for word in argv]
 
@@ -313,6 +319,7 @@ def _k8s_words(argv: list[str]) -> list[str]:
 def _engine_pod(
     spec: DeploySpec, pool: Pool, launch: LaunchSpec, command: list[str], serves_api: bool
 ) -> dict[str, Any]:
+    access = gpu_access(spec)
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.engine_image,
@@ -321,16 +328,16 @@ def _engine_pod(
         "resources": engine_resources(spec),
         "volumeMounts": _engine_mounts(spec),
     }
-    if spec.uses_network and spec.network.rdma:
-        # Registered (pinned) memory for RDMA: IPC_LOCK lifts the memlock limit a container cannot raise itself.
-        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    security = _security_context(spec, access.k8s_security)
+    if security:
+        container["securityContext"] = security
     if serves_api:
         container["ports"] = [{"name": "http", "containerPort": ENGINE_PORT}]
         container.update(_probes(launch.health_path, spec.config.startup_timeout_s))
     pod: dict[str, Any] = {
         "terminationGracePeriodSeconds": 60,
         # GPU node pools are usually tainted so that only pods asking for GPUs land there.
-        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "tolerations": [access.k8s_toleration()],
         "containers": [container],
         "volumes": _engine_volumes(spec),
     }
@@ -372,11 +379,23 @@ def engine_resources(spec: DeploySpec) -> dict[str, dict[str, str]]:
     gpus = spec.gpus_per_node
     memory = f"{engine_memory_bytes(gpus) // GIB}Gi"
     cpus = str(CPUS_BASE + CPUS_PER_GPU * gpus)
-    extended = {"nvidia.com/gpu": str(gpus), **(spec.network.resources() if spec.uses_network else {})}
+    extended = {gpu_access(spec).resource: str(gpus), **(spec.network.resources() if spec.uses_network else {})}
     limits = {"memory": memory, **extended}
     if spec.deploy.qos == "guaranteed":
         limits["cpu"] = cpus
     return {"requests": {"cpu": cpus, "memory": memory, **extended}, "limits": limits}
+
+
+def _security_context(spec: DeploySpec, vendor_security: dict[str, Any]) -> dict[str, Any]:
+    """The GPU vendor's settings (AMD: the video group, SYS_PTRACE, unconfined seccomp), plus IPC_LOCK over RDMA:
+    registered (pinned) memory needs the memlock limit lifted, which a container cannot do itself."""
+    security = {**vendor_security}
+    capabilities = list(vendor_security.get("capabilities", {}).get("add", []))
+    if spec.uses_network and spec.network.rdma:
+        capabilities.append("IPC_LOCK")
+    if capabilities:
+        security["capabilities"] = {"add": capabilities}
+    return security
 
 
 def engine_memory_bytes(gpus: int) -> int:

@@ -19,6 +19,7 @@ from deepserve.config import load_section, parse_key_values
 from deepserve.deploy.config import DeployConfig
 from deepserve.engines.base import Engine, LaunchSpec
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.platform import ROCM, gpu_platform
 from deepserve.engines.registry import get_engine
 from deepserve.engines.topology import check_layout_fits_nodes
 from deepserve.errors import ConfigError, ModelError
@@ -235,6 +236,7 @@ def deploy_spec(
     model = render_model(config)
     notes += (_plan_note(plan),) if plan else _fit_notes(config, model)
     engine = get_engine(config.engine)
+    engine.launch_spec(config, model, None)  # what the engine cannot run on these nodes fails here, with why
     return DeploySpec(
         config=config,
         gateway=gateway,
@@ -242,7 +244,7 @@ def deploy_spec(
         command=command,
         deploy=deploy,
         network=(network or NetworkConfig()).profile(),
-        engine_image=deploy.engine_image or engine.image,
+        engine_image=deploy.engine_image or _engine_image(engine, config),
         gateway_image=deploy.gateway_image or GATEWAY_IMAGE,
         checkpoint_bytes=_checkpoint_bytes_of(config.model or ""),
         node_gpus=node_gpus,
@@ -260,6 +262,15 @@ def _fit_notes(config: EngineConfig, model: ResolvedModel) -> tuple[str, ...]:
     if fit.fits is False:
         raise ConfigError(f"the memory plan says this cannot run: {fit.describe()}")
     return (f"memory plan: {fit.summary}",)
+
+
+def _engine_image(engine: Engine, config: EngineConfig) -> str:
+    """The engine's image for the nodes' GPUs: its ROCm build's on AMD GPUs."""
+    if gpu_platform(config) != ROCM:
+        return engine.image
+    if engine.rocm_image is None:
+        raise ConfigError(f"{engine.name} has no ROCm image for AMD GPUs; use --engine vllm or --engine sglang")
+    return engine.rocm_image
 
 
 def _node_gpus(config: EngineConfig) -> int | None:

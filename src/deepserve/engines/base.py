@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from deepserve.engines.config import EngineConfig
@@ -20,10 +21,36 @@ class LaunchSpec:
     health_path: str = "/health"  # 200 while the engine is alive (/v1/models keeps answering after it died)
     served_model_name: str = ""
     base_url: str = ""
+    # Files the command reads, path → text, written before it starts (TensorRT-LLM's extra LLM-API options YAML).
+    files: dict[str, str] = field(default_factory=dict)
 
     def shell_line(self) -> str:
         env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(self.env.items()))
         return (env + " " if env else "") + shlex.join(self.argv)
+
+    def write_files(self) -> None:
+        for path, text in self.files.items():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+
+    def file_writing_lines(self) -> list[str]:
+        """Shell lines that write the command's files (a here-document each): what a container or a user on
+        another machine runs before the command."""
+        lines = []
+        for path, text in self.files.items():
+            if FILE_MARKER in text.splitlines():
+                raise ValueError(f"{path}'s text holds the here-document marker {FILE_MARKER}")
+            body = text if text.endswith("\n") else text + "\n"
+            parent = shlex.quote(str(Path(path).parent))
+            lines.append(f"mkdir -p {parent} && cat > {shlex.quote(path)} <<'{FILE_MARKER}'\n{body}{FILE_MARKER}")
+        return lines
+
+    def shell_script(self) -> str:
+        """The command as one self-contained script: its files written, then the command (exec'd)."""
+        return "\n".join([*self.file_writing_lines(), "exec " + self.shell_line()])
+
+
+FILE_MARKER = "DEEPSERVE_FILE_END"
 
 
 @dataclass(frozen=True)
@@ -34,6 +61,7 @@ class LoadMetricNames:
     waiting: tuple[str, ...]  # requests queued, not yet scheduled
     running: tuple[str, ...]  # requests in the running batch
     kv_cache_usage: tuple[str, ...]  # fraction (0..1) of the KV cache in use
+    path: str = "/metrics"  # where the engine serves them in Prometheus's text format
 
 
 class Engine(Protocol):
@@ -41,6 +69,7 @@ class Engine(Protocol):
     package: str  # the Python module whose presence means the engine is installed
     install_hint: str
     image: str  # the engine's official container image, for rendered deployments (`deepserve deploy render`)
+    rocm_image: str | None  # its image for AMD GPUs (ROCm); None when the engine has no ROCm build
     load_metrics: LoadMetricNames
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:

@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from deepserve.config import Section, changed_flags
 from deepserve.errors import unknown_name
 
-DeviceName = Literal["auto", "cpu", "cuda"]
+DeviceName = Literal["auto", "cpu", "cuda", "rocm"]
 DistributedBackend = Literal["mp", "ray"]
 Role = Literal["prefill", "decode"]
 JOIN_PORT_OFFSET = 100  # default join port: master port + 100, clear of the ports vLLM takes near the master port
@@ -27,7 +27,10 @@ class EngineConfig(Section):
     served_model_name: str | None = Field(None, description="model name clients use (default: the model's)")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
-    device: DeviceName = Field("auto", description="cpu, cuda, or auto (cuda when a GPU is found)")
+    device: DeviceName = Field(
+        "auto",
+        description="cpu, cuda (NVIDIA GPUs), rocm (AMD Instinct GPUs), or auto (what nvidia-smi or amd-smi finds)",
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs each layer is split over")
     pipeline_parallel_size: int = Field(1, ge=1, description="pipeline stages (layers split across GPUs/nodes)")
     data_parallel_size: int = Field(1, ge=1, description="data-parallel replicas (attention DP with --enable-ep)")
@@ -49,6 +52,9 @@ class EngineConfig(Section):
     dtype: str | None = Field(None, description="activation dtype: auto, bfloat16, float16")
     enable_chunked_prefill: bool | None = Field(None, description="split long prefills into chunks")
     enable_prefix_caching: bool | None = Field(None, description="reuse KV cache of shared prompt prefixes")
+    stream_interval: int | None = Field(
+        None, ge=1, description="tokens per streamed chunk (fewer, larger SSE events; the engine's default is 1)"
+    )
     trust_remote_code: bool = Field(False, description="allow the model repository's own Python code")
     nnodes: int = Field(1, ge=1, description="nodes the engine spans (vLLM's native multi-node runtime)")
     node_rank: int = Field(0, ge=0, description="this node: 0 runs the API and gateway, others headless workers")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from deepserve.engines.base import Engine
 from deepserve.engines.sglang import SglangEngine
+from deepserve.engines.trtllm import TrtllmEngine
 from deepserve.engines.vllm import VllmEngine
 from deepserve.errors import ConfigError, unknown_name
 
-ENGINES: dict[str, Engine] = {"vllm": VllmEngine(), "sglang": SglangEngine()}
+ENGINES: dict[str, Engine] = {"vllm": VllmEngine(), "sglang": SglangEngine(), "trtllm": TrtllmEngine()}
 
 
 def get_engine(name: str) -> Engine:

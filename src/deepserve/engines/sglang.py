@@ -13,6 +13,7 @@ from deepserve.engines.base import (
     url_host,
 )
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.platform import ROCM, SGLANG_ROCM_ATTENTION_BACKEND, SGLANG_ROCM_ENV, gpu_platform
 from deepserve.errors import ConfigError, unknown_name
 
 # SGLang moves KV between its prefill and decode servers with its own transfer backends
@@ -44,11 +45,15 @@ class SglangEngine:
         "(it has no build for a CPU-only machine like this one; `--dry-run` still prints its command line)"
     )
     image = "lmsysorg/sglang:latest"  # SGLang's official image; pin a release with --engine-image
+    # SGLang's ROCm images are tagged <version>-rocm<NNN>-mi30x (MI300X/MI325X; MI355X images end in -mi35x), built
+    # from docker/Dockerfile.rocm (sglang docs/platforms/amd_gpu.md); this tag as seen in use, pin with --engine-image.
+    rocm_image: str | None = "lmsysorg/sglang:v0.5.7-rocm700-mi30x"
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         argv = [python or "python3", "-m", "sglang.launch_server", "--model-path", model.source]
         kv_fraction = config.gpu_memory_utilization
         tp = _tp_size(config)
+        rocm = not model.on_cpu and gpu_platform(config) == ROCM
         argv += flag_args(
             [
                 ("--served-model-name", model.served_name),
@@ -68,6 +73,8 @@ class SglangEngine:
                 ("--kv-cache-dtype", config.kv_cache_dtype),
                 ("--dtype", config.dtype),
                 ("--disable-radix-cache", True if config.enable_prefix_caching is False else None),
+                ("--stream-interval", config.stream_interval),
+                ("--attention-backend", SGLANG_ROCM_ATTENTION_BACKEND if rocm else None),
                 ("--trust-remote-code", config.trust_remote_code or None),
                 ("--device", "cpu" if model.on_cpu else None),
                 ("--nnodes", unless_one(config.nnodes)),
@@ -80,6 +87,7 @@ class SglangEngine:
         argv += config.extra_args
         return LaunchSpec(
             argv=argv,
+            env=dict(SGLANG_ROCM_ENV) if rocm else {},
             ready_path="/v1/models" if config.is_head else "",
             served_model_name=model.served_name,
             base_url=f"http://{url_host(config.host)}:{config.port}/v1" if config.is_head else "",

@@ -54,6 +54,7 @@ class SupervisedProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.spec.write_files()  # e.g. TensorRT-LLM's options file, which its command line names
         self._proc = subprocess.Popen(
             self.spec.argv,
             env={**os.environ, **self.spec.env},

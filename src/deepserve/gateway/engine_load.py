@@ -4,7 +4,10 @@ Prometheus /metrics every `interval_s` (for the engine_aware balancing policy).
 Only the few series named in each engine's `load_metrics` (engines/) are looked for, by searching the text for their
 names rather than parsing every line: vLLM's /metrics is about 100 KB of mostly histograms, scraped several times a
 second per replica. Series with several label sets (several engines behind one server, e.g. data parallel) are
-combined: waiting and running add up, the KV-cache fraction takes the fullest engine's."""
+combined: waiting and running add up, the KV-cache fraction takes the fullest engine's.
+
+Engines serve their series at different paths (vLLM and SGLang at /metrics; TensorRT-LLM at /prometheus/metrics,
+its /metrics being JSON): each replica's path is found once, by trying the engines' paths in turn, and kept."""
 
 from __future__ import annotations
 
@@ -31,13 +34,26 @@ SCRAPE_TIMEOUT_INTERVALS = 5
 
 def parse_engine_load(text: str, scraped_at_s: float, engines: tuple[LoadMetricNames, ...] | None = None) -> EngineLoad:
     """The load in TEXT (Prometheus text format), by the first engine whose series are present; zeros when none."""
+    return find_engine_load(text, scraped_at_s, engines) or EngineLoad(0.0, 0.0, 0.0, scraped_at_s)
+
+
+def find_engine_load(
+    text: str, scraped_at_s: float, engines: tuple[LoadMetricNames, ...] | None = None
+) -> EngineLoad | None:
+    """As parse_engine_load, but None when TEXT holds no engine's series."""
     for names in engines or tuple(engine.load_metrics for engine in ENGINES.values()):
         waiting = _first_present(text, names.waiting, _sum)
         running = _first_present(text, names.running, _sum)
         kv_cache = _first_present(text, names.kv_cache_usage, max)
         if waiting is not None or running is not None or kv_cache is not None:
             return EngineLoad(waiting or 0.0, running or 0.0, min(1.0, max(0.0, kv_cache or 0.0)), scraped_at_s)
-    return EngineLoad(0.0, 0.0, 0.0, scraped_at_s)
+    return None
+
+
+def metrics_paths() -> tuple[str, ...]:
+    """Where the registered engines serve their load series, /metrics first."""
+    paths = [engine.load_metrics.path for engine in ENGINES.values()]
+    return tuple(sorted(set(paths), key=lambda path: (path != "/metrics", paths.index(path))))
 
 
 def _sum(values: list[float]) -> float:
@@ -84,6 +100,7 @@ class EngineLoadScraper:
         self.interval_s = interval_s
         self._clock = clock  # stamps each load; the policy judges its age by the same clock
         self._task: asyncio.Task[None] | None = None
+        self._paths: dict[str, str] = {}  # replica URL → the path its engine's series were found at
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="engine-load-scrape")
@@ -109,13 +126,33 @@ class EngineLoadScraper:
             await asyncio.sleep(self.interval_s)
 
     async def _scrape(self, replica: UpstreamReplica) -> None:
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s * SCRAPE_TIMEOUT_INTERVALS))
-        try:
-            async with self.pool.session.get(replica.root + "/metrics", timeout=timeout) as response:
-                if response.status != 200:
-                    raise aiohttp.ClientResponseError(response.request_info, (), status=response.status)
-                text = (await response.read()).decode("utf-8", errors="replace")
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        """The replica's load from the path found before; else from each engine's path in turn, keeping the first
+        that has an engine's series (an answer without any counts as an idle engine)."""
+        known = self._paths.get(replica.url)
+        paths = (known,) if known else metrics_paths()
+        answered: str | None = None
+        for path in paths:
+            text = await self._fetch(replica, path)
+            if text is None:
+                continue
+            load = find_engine_load(text, self._clock())
+            if load is not None:
+                self._paths[replica.url] = path
+                self.loads[replica.url] = load
+                return
+            answered = answered if answered is not None else text
+        if answered is None:
+            self._paths.pop(replica.url, None)  # gone, or restarted as another engine: look again next time
             self.loads.pop(replica.url, None)
             return
-        self.loads[replica.url] = parse_engine_load(text, self._clock())
+        self.loads[replica.url] = EngineLoad(0.0, 0.0, 0.0, self._clock())
+
+    async def _fetch(self, replica: UpstreamReplica, path: str) -> str | None:
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s * SCRAPE_TIMEOUT_INTERVALS))
+        try:
+            async with self.pool.session.get(replica.root + path, timeout=timeout) as response:
+                if response.status != 200:
+                    return None
+                return (await response.read()).decode("utf-8", errors="replace")
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None

@@ -7,6 +7,7 @@ import shlex
 from deepserve.config import changed_fields
 from deepserve.engines.config import EngineConfig, serve_command
 from deepserve.engines.registry import ENGINES
+from deepserve.errors import ConfigError
 from deepserve.models.resolve import ResolvedModel
 from deepserve.models.spec import ModelSpec
 from deepserve.plan.types import Deployment, PlanConfig
@@ -43,16 +44,24 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
             "trust_remote_code": needs_remote_code(deployment.spec),
             "nnodes": deployment.nodes,
             "master_addr": HEAD_NODE_ADDRESS if deployment.nodes > 1 else None,
+            # the GPU type picks the platform's settings (ROCm's environment on AMD, TensorRT-LLM's MoE backend)
+            "gpu_type": deployment.accelerator.name if deployment.accelerator.vendor != "host" else None,
         }
     )
 
 
 def engine_commands(deployment: Deployment, config: PlanConfig) -> dict[str, str]:
+    """Each engine's command for the plan (preceded by the files it reads, e.g. TensorRT-LLM's options), or why the
+    engine cannot run it (TensorRT-LLM on AMD GPUs or across nodes)."""
     model = ResolvedModel(source=config.model, served_name=config.model, on_cpu=False)
     lines = {}
     for name, engine in ENGINES.items():
-        launch = engine.launch_spec(engine_config(deployment, config, name), model, None)
-        lines[name] = launch.shell_line()
+        try:
+            launch = engine.launch_spec(engine_config(deployment, config, name), model, None)
+        except ConfigError as exc:
+            lines[name] = f"n/a: {exc}"
+            continue
+        lines[name] = "\n".join([*launch.file_writing_lines(), launch.shell_line()])
     return lines
 
 

@@ -58,7 +58,11 @@ class ProfileFit:
 def fit_parameters(base: SelectedFactors, targets: Sequence[Target]) -> ProfileFit:
     """The values of BASE's fitted parameters that minimise the squared log errors over TARGETS."""
     names = base.engine.fitted
-    if len(targets) < MIN_TARGETS_PER_PARAMETER * max(len(names), 1):
+    if not names:  # a profile with nothing fitted (its values carried over): scored as it is, never searched
+        squared = [math.log(t.predicted(base.parameters) / t.value) ** 2 for t in targets]
+        rms = math.sqrt(sum(squared) / max(len(squared), 1))
+        return ProfileFit(base.profile, base.parameters, (), tuple(t.label for t in targets), rms)
+    if len(targets) < MIN_TARGETS_PER_PARAMETER * len(names):
         raise ValueError(f"{len(targets)} targets cannot determine {len(names)} parameters of {base.profile}")
 
     def parameters_at(x: np.ndarray) -> EngineParameters:
@@ -261,7 +265,7 @@ def fit_to_json(fit: ProfileFit, cases: list[RowCase]) -> dict[str, Any]:
 
 
 def write_fits(fits: list[ProfileFit], cases: list[RowCase], path: Path = PROFILES_PATH) -> Path:
-    for fit in fits:
+    for fit in (f for f in fits if f.fitted):
         values = {name: getattr(fit.parameters, name) for name in fit.fitted}
         write_parameters(fit.profile, values, fit_to_json(fit, cases), path)
     return path

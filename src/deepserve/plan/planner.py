@@ -21,8 +21,9 @@ from deepserve.plan.perf import PerformanceModel, Prediction, Workload
 from deepserve.plan.profiles import SelectedFactors
 from deepserve.plan.types import Deployment, PlanConfig
 
-# Engines that published figures name but deepserve cannot launch: the planner reads their rows, nothing else.
-PUBLISHED_ONLY_ENGINES = ("trtllm",)
+# Engines that published figures name but deepserve cannot launch: the planner reads their rows, nothing else
+# (TensorRT-LLM was one until it got a launcher, engines/trtllm.py).
+PUBLISHED_ONLY_ENGINES: tuple[str, ...] = ()
 
 
 def resolve_kv_dtype(kv_dtype: str, fmt: WeightFormat, spec: ModelSpec | None = None) -> str:

@@ -188,7 +188,7 @@ def select_profile(
 
 def _own_provenance(profile: EngineProfile) -> str:
     if not profile.fitted:
-        return "not fitted"
+        return f"nothing fitted: {profile.fit.get('provenance', 'values set by hand')}"
     where = profile.fit.get("fitted_on", "")
     return f"fitted ({', '.join(profile.fitted)}{'; ' + where if where else ''})"
 

@@ -1,9 +1,11 @@
 """The published serving figures (calibration set) and how each row becomes a prediction of the model.
 
-Rows come from ../shared/published/serving_figures.csv, copied to data/serving_figures.json. A row is predictable
-when its workload (input and output lengths) is known, its engine has a profile and its hardware has measured
-kernel figures. Setup facts the CSV leaves out but the seeds state (the engine's max_num_seqs, the network between
-nodes, the concurrency sweep) are listed in SOURCE_SETUPS.
+Rows come from ../shared/published/serving_figures.csv, copied to data/serving_figures.json, and from the research
+notes' collection (data/serving_figures_research.json: the rows on AMD Instinct GPUs and with TensorRT-LLM, with
+its extra columns: data-parallel attention, expert parallelism, speculative decoding). A row is predictable when its
+workload (input and output lengths) is known, its engine has a profile and its hardware has measured kernel figures.
+Setup facts the CSV leaves out but the sources state (the engine's max_num_seqs, the network between nodes, the
+concurrency sweep) are listed in SOURCE_SETUPS.
 """
 
 from __future__ import annotations
@@ -13,16 +15,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from deepserve.errors import ConfigError
 from deepserve.models.presets import preset_spec
 from deepserve.models.spec import ModelSpec
 from deepserve.plan.calibration import calibrated_class
+from deepserve.plan.formats import get_format
 from deepserve.plan.layout import Layout
 from deepserve.plan.perf import PerformanceModel, Prediction, Workload
 from deepserve.plan.planner import build_deployment
-from deepserve.plan.profiles import EngineParameters
+from deepserve.plan.profiles import EngineParameters, version_key
 from deepserve.plan.types import Deployment
 
 FIGURES_PATH = Path(__file__).with_name("data") / "serving_figures.json"
+RESEARCH_FIGURES_PATH = Path(__file__).with_name("data") / "serving_figures_research.json"
+TRTLLM_BLOG = (
+    "github:NVIDIA/TensorRT-LLM docs/source/blogs/Best_perf_practice_on_DeepSeek-R1_in_TensorRT-LLM.md @01c4ece"
+)
+SGLANG_AMD_MTP_BLOG = (
+    "https://lmsys.org/blog/2025-09-02-sglang-amd-deepseek-v3-mtp/ "
+    "(github:lm-sys/lm-sys.github.io blog/2025-09-02-sglang-amd-deepseek-v3-mtp.md)"
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,7 @@ class SourceSetup:
     network: str = "infiniband-ndr"
     concurrency_sweep: tuple[int, ...] = ()  # a "best over the sweep" row is the best of these levels
     rate_sweep: bool = False  # rows without a concurrency are peaks over a request-rate sweep
+    throughput_tokens_stated: bool = True  # False: "tokens/s" without saying output or all tokens
 
 
 SOURCE_SETUPS = {
@@ -46,8 +59,19 @@ SOURCE_SETUPS = {
     # 002: vLLM 0.16 on B200, --max-model-len 32768 --gpu-memory-utilization 0.90; vLLM's default max_num_seqs
     # for large GPUs (1024).
     "002_9b8c54d8c5a2373d.txt": SourceSetup(max_num_seqs=1024, max_model_len=32768),
-    # 004: online sweep at concurrency 4, 8, ..., 128 with 3200 input and 800 output tokens.
-    "004_857d13a67e4d6d20.txt": SourceSetup(concurrency_sweep=(4, 8, 16, 32, 64, 128)),
+    # 004: online sweep at concurrency 4, 8, ..., 128 with 3200 input and 800 output tokens. Its throughputs are
+    # "tokens/s" with no word on which tokens: its client (SGLang's bench_serving) prints both output and total
+    # (input + output) throughput, and the H200 row's own note reads "all tokens/s as reported". As output rates the
+    # MI300X and H200 figures would need a TPOT near 28-31 ms at 128 requests of 4,000 tokens on TP8, below what
+    # reading the weights and the replicated latent cache takes at full bandwidth (docs/PLANNING.md, section 6).
+    "004_857d13a67e4d6d20.txt": SourceSetup(concurrency_sweep=(4, 8, 16, 32, 64, 128), throughput_tokens_stated=False),
+    # TensorRT-LLM's DeepSeek-R1 guide: the H200 max-throughput run caps each of the 8 attention-DP ranks at 128
+    # requests (max_batch_size 128 per rank) with 1K/2K requests; trtllm-bench keeps 1,024 in flight.
+    TRTLLM_BLOG: SourceSetup(max_num_seqs=1024, max_model_len=3072),
+    # LMSYS/AMD, DeepSeek-V3 on 8 x MI300X with SGLang: --mem-fraction-static 0.85; the client sent 300 prompts at
+    # 1 request/s under each max concurrency, so from 32 up fewer than the cap were in flight (1/s x E2E: about 31
+    # at 32, 44 at 64).
+    SGLANG_AMD_MTP_BLOG: SourceSetup(gpu_memory_utilization=0.85, max_model_len=2048),
 }
 
 
@@ -71,11 +95,15 @@ class PublishedRow:
     value: float
     unit: str
     note: str
+    dp: int = 1  # data-parallel attention ranks (the research rows' column); tp is then TP inside one rank
+    ep: bool = False  # routed experts spread over the stage's GPUs
+    spec: str = "none"  # speculative decoding: none, or mtp:K
 
     def label(self) -> str:
         setup = f"{self.hardware} x{self.gpus} {self.engine} {self.weights} TP{self.tp}" + (
             f" PP{self.pp}" if self.pp > 1 else ""
         )
+        setup += (f" DP{self.dp}" if self.dp > 1 else "") + (" EP" if self.ep else "")
         lengths = f"{self.input_len}/{self.output_len}" if self.input_len else "?/?"
         level = f"c={self.concurrency}" if self.concurrency else "peak"
         return f"#{self.number} {setup} {lengths} {level} {self.metric}"
@@ -85,9 +113,11 @@ class PublishedRow:
         return SOURCE_SETUPS.get(self.source, SourceSetup())
 
 
-def load_rows(path: Path = FIGURES_PATH) -> list[PublishedRow]:
+def load_rows(paths: tuple[Path, ...] = (FIGURES_PATH, RESEARCH_FIGURES_PATH)) -> list[PublishedRow]:
+    """Every row of PATHS, numbered on from one file to the next."""
+    raws = [raw for path in paths for raw in json.loads(path.read_text())["rows"]]
     rows = []
-    for number, raw in enumerate(json.loads(path.read_text())["rows"], start=1):
+    for number, raw in enumerate(raws, start=1):
         rows.append(
             PublishedRow(
                 number=number,
@@ -108,6 +138,9 @@ def load_rows(path: Path = FIGURES_PATH) -> list[PublishedRow]:
                 value=float(raw["value"]),
                 unit=raw["unit"],
                 note=raw["note"],
+                dp=int(raw.get("dp") or 1),
+                ep=bool((raw.get("ep") or "").strip()),
+                spec=(raw.get("spec") or "none").strip() or "none",
             )
         )
     return rows
@@ -120,7 +153,10 @@ METRICS: dict[str, Callable[[Prediction, Workload], float]] = {
     "request_throughput": lambda p, w: p.output_throughput_tok_s / w.output_len,
     "tpot_mean": lambda p, w: p.tpot_ms,
     "ttft_mean": lambda p, w: p.ttft_ms,
+    "e2el_mean": lambda p, w: p.e2el_ms,
+    "e2el": lambda p, w: p.e2el_ms,  # "end-to-end latency" with no statistic named: read as the mean
 }
+THROUGHPUT_METRICS = ("output_throughput", "total_throughput", "request_throughput")
 
 
 def row_spec(row: PublishedRow) -> ModelSpec:
@@ -133,7 +169,13 @@ def row_spec(row: PublishedRow) -> ModelSpec:
 def unpredictable_reason(row: PublishedRow) -> str | None:
     """Why the model cannot predict ROW from its columns alone, or None."""
     if row.metric not in METRICS:
-        return f"metric {row.metric}: an offline batch run (all requests submitted at once), not online serving"
+        return f"metric {row.metric}: not one the model predicts (an offline batch run, or a per-GPU/per-user form)"
+    if row.spec != "none":
+        return f"speculative decoding ({row.spec}): not modelled yet"
+    if row.metric in THROUGHPUT_METRICS and not row.setup.throughput_tokens_stated:
+        return "the source's tokens/s does not say whether it counts output or all tokens"
+    if not _known_weights(row.weights):
+        return f"weights {row.weights}: a format the planner does not model"
     if row.input_len is None or row.output_len is None:
         return "input/output lengths and concurrency not given (a figure quoted from a third-party report)"
     if row.concurrency is None and not row.setup.concurrency_sweep and not row.setup.rate_sweep:
@@ -153,7 +195,7 @@ def row_deployment(row: PublishedRow, calibration: Path | None = None) -> Deploy
         row.gpus,
         nodes=nodes,
         weights=row.weights,
-        layout=Layout(tp=row.tp, pp=row.pp),
+        layout=Layout(tp=row.tp, pp=row.pp, dp=row.dp, ep=row.ep),
         engine=row.engine,
         kv_dtype="auto" if row.kv_dtype == "auto" else row.kv_dtype,
         network=setup.network,
@@ -161,7 +203,7 @@ def row_deployment(row: PublishedRow, calibration: Path | None = None) -> Deploy
         max_model_len=setup.max_model_len or row.input_len + row.output_len,
         workload=Workload(row.input_len, row.output_len),
         max_num_seqs=setup.max_num_seqs,
-        engine_version=row.engine_version or None,
+        engine_version=row.engine_version if version_key(row.engine_version) else None,  # "PyTorch backend (…)"
     )
     if calibration is not None and calibrated_class(calibration) == deployment.accelerator.hardware_class:
         return replace(deployment, calibration=calibration)
@@ -188,6 +230,14 @@ def with_parameters(deployment: Deployment, parameters: EngineParameters) -> Per
     if selected is None:
         raise ValueError(f"no engine profile for {deployment.engine} on {deployment.accelerator.name}")
     return deployment.performance_model(selected.with_parameters(parameters, "fit"))
+
+
+def _known_weights(weights: str) -> bool:
+    try:
+        get_format(weights)
+    except ConfigError:
+        return False
+    return True
 
 
 def _int_or_none(text: str) -> int | None:

@@ -183,6 +183,42 @@ def throughput_vs_output_len(sets: list[ResultSet], slos: Sequence[Slo], out_dir
     )
 
 
+def latency_vs_output_len(sets: list[ResultSet], slos: Sequence[Slo], out_dir: Path) -> Chart | None:
+    lines = sr.build_series(sets, sr.is_closed_loop, sr.output_len_x, "output_len")
+    return _line_chart(
+        "latency_vs_output_len",
+        "Time to first and last token vs output length",
+        lines,
+        TTFT_TTLT,
+        "output length (tokens per request)",
+        "latency (ms)",
+        out_dir,
+        caption="Median TTFT and time to last token as each request generates more tokens: TTFT should stay flat "
+        "unless the longer outputs crowd the KV cache.",
+    )
+
+
+def throughput_vs_latency(sets: list[ResultSet], slos: Sequence[Slo], out_dir: Path) -> Chart | None:
+    """Seed 004's headline view: what each concurrency level gives (throughput) against what it costs each request
+    (end-to-end latency); up and to the left is better."""
+    lines = sr.build_series(sets, sr.is_concurrency_point, _median_e2el_x, "max_concurrency")
+    return _line_chart(
+        "throughput_vs_latency",
+        "Throughput vs end-to-end latency",
+        lines,
+        THROUGHPUT,
+        "median end-to-end latency (ms), one point per concurrency level",
+        "throughput (tokens/s)",
+        out_dir,
+        caption="Output and total tokens per second against the median time to last token, one point per "
+        "concurrency level: a line further up and to the left serves more for the same wait.",
+    )
+
+
+def _median_e2el_x(point: sr.ResultPoint) -> float | None:
+    return point.metric("median_e2el_ms")
+
+
 def latency_vs_input_len(sets: list[ResultSet], slos: Sequence[Slo], out_dir: Path) -> Chart | None:
     lines = sr.build_series(sets, sr.is_closed_loop, sr.input_len_x, "input_len")
     return _line_chart(
@@ -353,7 +389,9 @@ CHARTS: tuple[ChartFunction, ...] = (
     completed_vs_offered_rate,
     ttft_ttlt_vs_rate,
     throughput_vs_completed_rate,
+    throughput_vs_latency,
     throughput_vs_output_len,
+    latency_vs_output_len,
     latency_vs_input_len,
     throughput_vs_batch_size,
     prefix_sharing,

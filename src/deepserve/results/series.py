@@ -89,11 +89,12 @@ def build_series(
         for point in result_set.points:
             if keep(point) and x_of(point) is not None:
                 groups.setdefault(_other_params(point, x_name), []).append(point)
-        for key, points in groups.items():
+        # Lines are named by what tells them apart from the set's other lines drawn (a suite of several
+        # experiments has one-point groups that are no line: they must not lengthen the names).
+        kept = {key: points for key, points in groups.items() if len(points) >= min_points}
+        for key, points in kept.items():
             points.sort(key=lambda point: x_of(point) or 0.0)
-            if len(points) < min_points:
-                continue
-            label = _series_label(result_set.label, key, list(groups), x_name)
+            label = _series_label(result_set.label, key, list(kept), x_name)
             lines.append(Series(label, [x_of(point) or 0.0 for point in points], points))
     return lines
 

@@ -14,6 +14,7 @@ from deepserve.config import changed_flags
 from deepserve.deploy.ray_backend import check_ray_backend
 from deepserve.engines.base import Engine, LaunchSpec, url_host
 from deepserve.engines.config import EngineConfig, serve_command
+from deepserve.engines.platform import gpu_platform
 from deepserve.engines.registry import get_engine
 from deepserve.engines.topology import check_layout_fits_nodes, check_master_address, nodes_share_this_host
 from deepserve.errors import ConfigError, EngineError
@@ -43,7 +44,7 @@ class ServicePlan:
 
     @property
     def device(self) -> str:
-        return "cpu" if self.model.on_cpu else "cuda"
+        return "cpu" if self.model.on_cpu else gpu_platform(self.config)
 
     @property
     def role(self) -> str:
@@ -70,6 +71,7 @@ def plan_service(
     another machine (`--dry-run` with any --device): nothing about this one is looked at."""
     serve = serve or ServeConfig(gateway=False)
     on_cpu = _uses_cpu(config, on_this_machine)
+    config = _with_platform(config, on_cpu, on_this_machine)
     check_ray_backend(config, on_cpu)
     if on_cpu:
         _reject_gpu_only_flags(config)
@@ -168,10 +170,20 @@ def _node_lines(plan: ServicePlan) -> list[str]:
         f"# environment added: {env}",
         *(f"# note: {note}" for note in plan.notes),
         *([f"# memory plan: {plan.fit.describe()}"] if plan.fit is not None else []),
+        *_file_lines(plan.launch),
         plan.launch.shell_line(),
     ]
     if plan.gateway is not None:
         lines += [f"# gateway in front, serving {plan.gateway.base_url}", plan.gateway.shell_line()]
+    return lines
+
+
+def _file_lines(launch: LaunchSpec) -> list[str]:
+    """The files the command reads (TensorRT-LLM's options), as comments: written there when serve starts."""
+    lines = []
+    for path, text in launch.files.items():
+        lines.append(f"# file written before the engine starts: {path}")
+        lines += [f"#   {line}" for line in text.splitlines()]
     return lines
 
 
@@ -192,16 +204,37 @@ def _user_config(node: ServicePlan) -> EngineConfig:
 def _uses_cpu(config: EngineConfig, on_this_machine: bool = True) -> bool:
     if config.device == "auto":
         return not has_gpu()
-    if config.device == "cuda" and not has_gpu() and on_this_machine:  # a dry run may plan for a GPU machine
-        raise ConfigError("--device cuda was given but no NVIDIA GPU was found (nvidia-smi lists none)")
+    if config.device in ("cuda", "rocm") and not has_gpu() and on_this_machine:  # a dry run may plan for GPUs
+        vendor = "NVIDIA" if config.device == "cuda" else "AMD"
+        raise ConfigError(
+            f"--device {config.device} was given but no {vendor} GPU was found (nvidia-smi and amd-smi/rocm-smi "
+            "list none); install the driver, or add --dry-run to print the commands for a GPU machine"
+        )
     return config.device == "cpu"
+
+
+def _with_platform(config: EngineConfig, on_cpu: bool, on_this_machine: bool) -> EngineConfig:
+    """--device auto on a machine with AMD GPUs becomes rocm (the launchers write ROCm's settings, and every node's
+    serve line carries it); a --device naming the other vendor than this machine's GPUs is refused."""
+    gpus = local_gpus() if on_this_machine and not on_cpu else ()
+    if not gpus:
+        return config
+    platform = "rocm" if gpus[0].vendor == "amd" else "cuda"
+    if config.device == "auto":
+        return config.model_copy(update={"device": platform}) if platform == "rocm" else config
+    if config.device != platform:
+        raise ConfigError(
+            f"--device {config.device} was given, but this machine's GPUs are {gpus[0].name} ({platform}): "
+            f"use --device {platform} or auto"
+        )
+    return config
 
 
 def _reject_gpu_only_flags(config: EngineConfig) -> None:
     refused = get_engine(config.engine).cpu_refusals(config)
     if refused:
         raise ConfigError(
-            "these flags need a GPU, and this machine has none (nvidia-smi lists no device): "
+            "these flags need a GPU, and this machine has none (nvidia-smi and amd-smi list no device): "
             + ", ".join(refused)
             + ". Remove them to serve on CPU, or run on a GPU machine."
         )

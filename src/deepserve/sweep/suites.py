@@ -27,6 +27,7 @@ from deepserve.errors import ConfigError, unknown_name
 from deepserve.results.series import OFFLINE, PREFIX_NONE, PREFIX_SHARED
 
 DEFAULT_TIME_BUDGET_S = 900.0  # every suite finishes on the tiny CPU model within 15 minutes
+MIN_POINT_DURATION_S = 3.0  # a time-bounded point issues requests for at least this long
 CONTEXT_FILL = 0.9  # the longest request may use this much of the context
 MIN_INPUT_LEN = 16
 MIN_OUTPUT_LEN = 4
@@ -101,8 +102,11 @@ class Suite:
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)  # name → overrides, crossed with the grid
     sweep_axis: str | None = None  # saturation is tracked along this parameter
     charts: tuple[str, ...] = ()
+    parts: tuple[Suite, ...] = ()  # a suite made of several experiments: their points, one after the other
 
     def points(self) -> list[SuitePoint]:
+        if self.parts:
+            return [point for part in self.parts for point in part.points()]
         variants: Iterable[tuple[str | None, dict[str, Any]]] = self.variants.items() or [(None, {})]
         names = list(self.grid)
         points = []
@@ -128,6 +132,75 @@ _RANDOM_1K = {"dataset_name": "random", "random_input_len": 1024, "random_output
 _CONCURRENCY_CHARTS = ("throughput_vs_concurrency", "itl_vs_concurrency", "ttft_ttlt_vs_concurrency")
 _RATE_CHARTS = ("completed_vs_offered_rate", "ttft_ttlt_vs_rate", "throughput_vs_completed_rate")
 _RATES = [1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 18, 20]
+
+# Seed 004 (DeepSeek-R1 on 8 x H200 and 8 x MI300X with SGLang, vLLM and TensorRT-LLM): every online run has
+# 3,200-token inputs; its offline runs are batches submitted at once.
+_SEED004_ONLINE = {"dataset_name": "random", "random_input_len": 3200, "random_output_len": 800, "ignore_eos": True}
+SEED004 = Suite(
+    name="seed004",
+    title="Seed 004's comparison: online, output lengths, prefix caching, offline batches",
+    seed="H200/MI300X comparison (seed 004): input 3,200; concurrency 4-128 at output 800; output 1,600-6,400 at "
+    "concurrency 128; 2,000 of 3,200 tokens shared as a prefix at 128; offline batches of 32-1,024 at output 800 and "
+    "256-1,024 at 1,600 and 3,200",
+    description="Every experiment of seed 004 in one run, for one server or, with --target NAME=URL, several "
+    "(engines or machines) into one report with a line per target: throughput and end-to-end latency against "
+    "concurrency and output length, TTFT and ITL, throughput against latency, prefix sharing on and off, offline "
+    "throughput against batch size.",
+    base=_SEED004_ONLINE,
+    grid={},
+    sweep_axis="max_concurrency",
+    charts=(
+        "throughput_vs_concurrency",
+        "ttft_ttlt_vs_concurrency",
+        "itl_vs_concurrency",
+        "throughput_vs_latency",
+        "throughput_vs_output_len",
+        "latency_vs_output_len",
+        "prefix_sharing",
+        "throughput_vs_batch_size",
+    ),
+    parts=(
+        Suite("seed004-online", "", "", "", _SEED004_ONLINE, {"max_concurrency": [4, 8, 16, 32, 64, 128]}),
+        Suite(
+            "seed004-output-length",
+            "",
+            "",
+            "",
+            _SEED004_ONLINE | {"max_concurrency": 128},
+            {"random_output_len": [1600, 3200, 6400]},
+        ),
+        Suite(
+            "seed004-prefix",
+            "",
+            "",
+            "",
+            _SEED004_ONLINE | {"max_concurrency": 128},
+            {},
+            variants={
+                PREFIX_NONE: {"dataset_name": "random"},
+                PREFIX_SHARED: {"dataset_name": "shared_prefix", "shared_prefix_len": 2000, "num_prefix_groups": 1},
+            },
+        ),
+        Suite(
+            "seed004-offline-800",
+            "",
+            "",
+            "",
+            _SEED004_ONLINE,
+            {"num_prompts": [32, 64, 128, 256, 512, 1024]},
+            variants={OFFLINE: {}},
+        ),
+        Suite(
+            "seed004-offline-long",
+            "",
+            "",
+            "",
+            _SEED004_ONLINE,
+            {"random_output_len": [1600, 3200], "num_prompts": [256, 512, 1024]},
+            variants={OFFLINE: {}},
+        ),
+    ),
+)
 
 SUITES: dict[str, Suite] = {
     suite.name: suite
@@ -240,6 +313,7 @@ SUITES: dict[str, Suite] = {
             variants={OFFLINE: {}},
             charts=("throughput_vs_batch_size",),
         ),
+        SEED004,
     )
 }
 
@@ -358,7 +432,7 @@ def plan_suite(
             factor = CONTEXT_FILL * context_len / longest
             notes.append(f"lengths × {factor:.3f} to fit the {context_len}-token context")
     if not time_budget_s or probe is None:
-        return SuitePlan(suite, _scaled(points, factor, overrides), factor, None, notes)
+        return SuitePlan(suite, _distinct(_scaled(points, factor, overrides)), factor, None, notes)
     timed = [point for point in points if point.time_bounded]
     counted = [point for point in points if not point.time_bounded]
     # Fixed-count points get their estimated time: at most half the budget (40% when timed points share it). The
@@ -369,13 +443,13 @@ def plan_suite(
     duration_s = None
     if timed:
         # Each point's share, less room for the in-flight requests to finish after issuing stops.
-        duration_s = max(3.0, (time_budget_s * 0.85 - counted_s) / len(timed) * 0.6)
+        duration_s = max(MIN_POINT_DURATION_S, (time_budget_s * 0.85 - counted_s) / len(timed) * 0.6)
         factor = _fit_timed(timed, factor, duration_s, probe, overrides, notes)
         notes.append(f"each concurrency/rate point issues requests for {duration_s:.0f} s")
     scaled = _scaled(points, factor, overrides)
     if duration_s is not None:
         scaled = [_bound_by_time(point, duration_s, probe) for point in scaled]
-    return SuitePlan(suite, scaled, factor, duration_s, notes)
+    return SuitePlan(suite, _distinct(scaled), factor, duration_s, notes)
 
 
 def _fit_counted(
@@ -442,6 +516,19 @@ def _bound_by_time(point: SuitePoint, duration_s: float, probe: SpeedProbe) -> S
     wanted = math.ceil(rate * duration_s) + (point.concurrency or 0)
     num_prompts = max(1, min(point.num_prompts, wanted))
     return replace(point, params={**point.params, "duration_s": round(duration_s, 1), "num_prompts": num_prompts})
+
+
+def _distinct(points: list[SuitePoint]) -> list[SuitePoint]:
+    """POINTS without repeats: lengths shrunk to their floors can make two points of a suite the same (seed 004's
+    outputs of 800 and 1,600 both become 4 tokens), and one benchmark answers both."""
+    seen: list[tuple[dict[str, Any], str | None]] = []
+    kept = []
+    for point in points:
+        key = (point.params, point.variant)
+        if key not in seen:
+            seen.append(key)
+            kept.append(point)
+    return kept
 
 
 def _scaled(points: list[SuitePoint], factor: float, overrides: dict[str, Any] | None) -> list[SuitePoint]:

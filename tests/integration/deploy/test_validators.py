@@ -159,3 +159,27 @@ def test_promtool_accepts_kedas_queries(tmp_path: Path) -> None:
     (tmp_path / "keda.yml").write_text(yaml.safe_dump({"groups": [{"name": "keda", "rules": rules}]}))
     done = run([str(PROMTOOL), "check", "rules", "keda.yml"], tmp_path)
     assert done.returncode == 0 and "SUCCESS: 2 rules found" in done.stdout, done.stdout + done.stderr
+
+
+@needs_compose
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"gpu_type": "mi300x"},  # AMD: devices, groups, capabilities, seccomp, vLLM's ROCm image
+        {"gpu_type": "mi300x", "tensor_parallel_size": 4, "replicas": 2},
+        {"engine": "trtllm", "gpu_type": "h200"},  # the options file written by the entrypoint's script
+    ],
+)
+def test_docker_compose_accepts_amd_and_trtllm_files(fields: dict[str, Any], tmp_path: Path) -> None:
+    fields = dict(fields)
+    replicas = fields.pop("replicas", 1)
+    config = EngineConfig.model_validate({"model": "deepseek-ai/DeepSeek-R1", "tensor_parallel_size": 8, **fields})
+    spec = deploy_spec(config, GatewayConfig(), command="test", deploy=DeployConfig(replicas=replicas))
+    render(spec, "compose", tmp_path)
+    quiet = run([str(DOCKER_COMPOSE), "-f", "docker-compose.yaml", "config", "-q"], tmp_path)
+    assert quiet.returncode == 0, quiet.stderr
+    resolved = run([str(DOCKER_COMPOSE), "-f", "docker-compose.yaml", "config"], tmp_path)
+    engine = yaml.safe_load(resolved.stdout)["services"]["engine"]
+    launch = spec.launch(0)
+    expected = ["/bin/sh", "-c", launch.shell_script()] if launch.files else launch.argv
+    assert engine["entrypoint"] == expected

@@ -24,7 +24,10 @@ from deepserve.deploy.check import (
     check_interfaces,
     check_master,
     check_model_access,
+    check_rccl,
     check_rdma,
+    check_rocm,
+    check_rocm_devices,
     check_shm,
     failed,
     gather_facts,
@@ -325,6 +328,9 @@ def test_a_node_ready_for_the_plan_fails_nothing(tmp_path: Path) -> None:
         "GPUs",
         "GPU memory",
         "NVIDIA driver",
+        "ROCm",
+        "ROCm devices",
+        "RCCL environment",
         "disk for the weights",
         "/dev/shm",
         "node 0's address and ports",
@@ -339,7 +345,7 @@ def test_real_run_on_this_machine_reports_what_does_not_apply() -> None:
     checks = run_checks(expected(), gather_facts())
     by_name = {check.name: check for check in checks}
     if not local_gpus():
-        for name in ("GPUs", "GPU memory", "NVIDIA driver"):
+        for name in ("GPUs", "GPU memory", "NVIDIA driver", "ROCm", "ROCm devices", "RCCL environment"):
             assert by_name[name].verdict is Verdict.NA, by_name[name]
     assert by_name["node 0's address and ports"].verdict is Verdict.NA
     assert by_name["/dev/shm"].verdict in (Verdict.OK, Verdict.WARN)
@@ -354,3 +360,88 @@ def test_cli_exits_non_zero_when_a_check_fails(capsys: pytest.CaptureFixture[str
     if not local_gpus():
         assert main(wants_gpus) == 1
         assert '"verdict": "fail"' in capsys.readouterr().out
+
+
+# ---- AMD Instinct nodes ---------------------------------------------------------------------------------------------
+
+MI300X = LocalGpu(0, "AMD Instinct MI300X", 196592, "amd", "gfx942")
+MI355X = LocalGpu(0, "AMD Instinct MI355X", 294896, "amd", "gfx950")
+RENDER = {f"/dev/dri/renderD{128 + 8 * i}": "ok" for i in range(8)}
+
+
+def amd_facts(tmp_path: Path, gpu: LocalGpu = MI300X, **changes: Any) -> HostFacts:
+    base = facts(
+        tmp_path,
+        gpus=tuple(dataclasses.replace(gpu, index=i) for i in range(8)),
+        driver_version=None,
+        rocm_version="7.0.2",
+        device_files={"/dev/kfd": "ok", **RENDER},
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_an_amd_node_ready_for_the_plan_fails_nothing(tmp_path: Path) -> None:
+    node = amd_facts(tmp_path, environ={"HF_TOKEN": "x"})
+    checks = {check.name: check for check in run_checks(expected("mi300x", **V3), node)}
+    assert not failed(list(checks.values()))
+    assert checks["GPUs"].verdict is Verdict.OK and "AMD Instinct MI300X" in checks["GPUs"].detail
+    assert checks["GPU memory"].verdict is Verdict.OK
+    assert checks["NVIDIA driver"].verdict is Verdict.NA
+    assert checks["ROCm"].verdict is Verdict.OK and checks["ROCm devices"].verdict is Verdict.OK
+    assert checks["RCCL environment"].verdict is Verdict.OK
+
+
+def test_the_rocm_checks_do_not_apply_to_nvidia_nodes(tmp_path: Path) -> None:
+    for check in (check_rocm, check_rocm_devices, check_rccl):
+        assert check(expected("h100", **V3), facts(tmp_path)).verdict is Verdict.NA
+
+
+@pytest.mark.parametrize(
+    "gpu, version, wanted",
+    [
+        (MI300X, "6.4.1", Verdict.OK),
+        (MI300X, "6.2.4", Verdict.FAIL),
+        (MI355X, "6.4.1", Verdict.FAIL),  # gfx950 needs ROCm 7.0
+        (MI355X, "7.0.2", Verdict.OK),
+        (MI300X, None, Verdict.WARN),  # in vLLM's ROCm image the host needs only the driver
+    ],
+)
+def test_rocm_version(gpu: LocalGpu, version: str | None, wanted: Verdict, tmp_path: Path) -> None:
+    check = check_rocm(expected(**V3), amd_facts(tmp_path, gpu, rocm_version=version))
+    assert check.verdict is wanted
+    assert check.verdict is Verdict.OK or check.fix
+
+
+def test_rocm_device_files(tmp_path: Path) -> None:
+    needs_eight = expected(**V3)
+    missing = check_rocm_devices(needs_eight, amd_facts(tmp_path, device_files=RENDER))
+    assert (
+        missing.verdict is Verdict.FAIL
+        and "/dev/kfd is missing" in missing.detail
+        and "--device /dev/kfd" in missing.fix
+    )
+    denied = check_rocm_devices(needs_eight, amd_facts(tmp_path, device_files={"/dev/kfd": "no access", **RENDER}))
+    assert denied.verdict is Verdict.FAIL and "video and render groups" in denied.fix
+    four = dict(list(RENDER.items())[:4])
+    short = check_rocm_devices(needs_eight, amd_facts(tmp_path, device_files={"/dev/kfd": "ok", **four}))
+    assert short.verdict is Verdict.FAIL and "4 render node(s)" in short.detail
+
+
+def test_rccl_environment(tmp_path: Path) -> None:
+    hidden = check_rccl(expected(**V3), amd_facts(tmp_path, environ={"HIP_VISIBLE_DEVICES": "0,1,2,3"}))
+    assert hidden.verdict is Verdict.FAIL and "HIP_VISIBLE_DEVICES=0,1,2,3" in hidden.detail
+    two_nodes = expected(**V3, pipeline_parallel_size=2, nnodes=2, node_rank=1, master_addr="10.0.0.1")
+    assert check_rccl(two_nodes, amd_facts(tmp_path)).verdict is Verdict.WARN  # no RDMA NIC: TCP sockets
+    ports = tuple(HcaPort(name, 1, "ACTIVE", "Ethernet") for name in ("rdma0", "rdma1"))
+    rdma = amd_facts(tmp_path, hca_ports=ports)
+    no_gid = check_rccl(two_nodes, rdma)
+    assert no_gid.verdict is Verdict.WARN and "NCCL_IB_GID_INDEX=3" in no_gid.fix
+    disabled = check_rccl(two_nodes, dataclasses.replace(rdma, environ={"NCCL_IB_DISABLE": "1"}))
+    assert disabled.verdict is Verdict.WARN and "will not use them" in disabled.detail
+    ready = check_rccl(two_nodes, dataclasses.replace(rdma, environ={"NCCL_IB_GID_INDEX": "3"}))
+    assert ready.verdict is Verdict.OK
+
+
+def test_an_amd_node_without_its_gpus_says_which_tools_looked(tmp_path: Path) -> None:
+    check = check_gpus(expected(device="rocm", tensor_parallel_size=8), facts(tmp_path, gpus=()))
+    assert check.verdict is Verdict.FAIL and "amd-smi" in check.detail and "ROCm" in check.fix

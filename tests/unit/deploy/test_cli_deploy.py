@@ -91,7 +91,7 @@ def test_unknown_target_lists_the_valid_ones(capsys: pytest.CaptureFixture[str])
 def test_check_json_lists_every_check(capsys: pytest.CaptureFixture[str]) -> None:
     main(["deploy", "check", "--json"])
     checks = json.loads(capsys.readouterr().out)
-    assert len(checks) == 9 and all(set(c) == {"name", "verdict", "detail", "fix"} for c in checks)
+    assert len(checks) == 12 and all(set(c) == {"name", "verdict", "detail", "fix"} for c in checks)
 
 
 def test_cluster_status_fails_fast_when_nothing_listens(capsys: pytest.CaptureFixture[str]) -> None:

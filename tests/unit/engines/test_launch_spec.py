@@ -115,7 +115,7 @@ def test_sglang_maps_the_same_config_to_its_own_flags() -> None:
 
 
 def test_unknown_engine_lists_the_valid_ones() -> None:
-    with pytest.raises(ConfigError, match="valid: sglang, vllm"):
+    with pytest.raises(ConfigError, match="valid: sglang, trtllm, vllm"):
         get_engine("tgi")
 
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from deepserve.gateway.app import DEFAULT_CHARGE_CAP_TOKENS, GatewayApp
 from deepserve.gateway.config import GatewayConfig
-from deepserve.gateway.engine_load import parse_engine_load
+from deepserve.gateway.engine_load import EngineLoadScraper, metrics_paths, parse_engine_load
+from deepserve.gateway.upstreams import UpstreamReplica
 from deepserve.gateway.validation import COMPLETIONS, parse_request
+from deepserve.net import free_port
 
 VLLM = """# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge
@@ -58,3 +64,55 @@ def test_a_tpm_charge_never_exceeds_the_models_context(context: int | None, char
     parsed = parse_request(COMPLETIONS, raw, {"m": None}, {})  # the gateway's own check needs a known context
     parsed.max_tokens = 10**12
     assert app._charge(parsed) == min(parsed.charged_tokens, charged)
+
+
+# ---- where each engine serves its series ---------------------------------------------------------------------------
+
+# TensorRT-LLM's series (tensorrt_llm/metrics/collector.py, prefix trtllm_) at /prometheus/metrics; its /metrics is JSON
+TRTLLM = (
+    'trtllm_num_requests_waiting{model_name="m",engine_type="trtllm"} 6.0\n'
+    'trtllm_num_requests_running{model_name="m",engine_type="trtllm"} 32.0\n'
+    'trtllm_kv_cache_utilization{model_name="m",engine_type="trtllm"} 0.5\n'
+)
+
+
+def test_trtllms_series_are_read() -> None:
+    load = parse_engine_load(TRTLLM, 0.0)
+    assert (load.waiting, load.running, load.kv_cache_usage) == (6.0, 32.0, 0.5)
+    assert metrics_paths() == ("/metrics", "/prometheus/metrics")
+
+
+async def test_the_scraper_finds_each_engines_path_once() -> None:
+    """A TensorRT-LLM stand-in (JSON at /metrics, Prometheus text at /prometheus/metrics) and a server with no
+    metrics at all: the first is read at its path from then on, the second is dropped."""
+    hits: list[str] = []
+
+    async def iteration_stats(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.json_response([{"iter": 1, "numActiveRequests": 32}])
+
+    async def prometheus(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.Response(text=TRTLLM)
+
+    app = web.Application()
+    app.router.add_get("/metrics", iteration_stats)
+    app.router.add_get("/prometheus/metrics", prometheus)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    gone = f"http://127.0.0.1:{free_port()}/v1"
+    trtllm = f"http://127.0.0.1:{port}/v1"
+    async with aiohttp.ClientSession() as session:
+        pool = SimpleNamespace(replicas=[UpstreamReplica(trtllm, healthy=True), UpstreamReplica(gone, healthy=True)])
+        pool.session = session
+        loads: dict[str, Any] = {}
+        scraper = EngineLoadScraper(pool, loads, interval_s=0.2)  # type: ignore[arg-type]
+        await scraper.scrape_once()
+        assert (loads[trtllm].waiting, loads[trtllm].running) == (6.0, 32.0) and gone not in loads
+        assert hits == ["/metrics", "/prometheus/metrics"]
+        await scraper.scrape_once()
+        assert hits[2:] == ["/prometheus/metrics"]  # found once, then read there only
+    await runner.cleanup()

@@ -47,6 +47,8 @@ def test_every_chart_the_issue_asks_for_is_drawn(tmp_path: Path):
         "completed_vs_offered_rate",
         "ttft_ttlt_vs_rate",
         "throughput_vs_output_len",
+        "latency_vs_output_len",
+        "throughput_vs_latency",
         "prefix_sharing",
     } <= names
     for chart in charts:

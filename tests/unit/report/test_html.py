@@ -64,6 +64,7 @@ def test_cli_report_writes_html_and_pngs(tmp_path: Path, capsys):
         "throughput_vs_concurrency.png",
         "itl_vs_concurrency.png",
         "ttft_ttlt_vs_concurrency.png",
+        "throughput_vs_latency.png",
         "pareto.png",
         "cost_per_million_tokens.png",
         "decode_vs_hardware_limit.png",

@@ -176,3 +176,50 @@ def test_worker_node_plans_no_gateway_and_checks_its_rank(no_gpu: None) -> None:
     worker = EngineConfig(pipeline_parallel_size=2, nnodes=2, node_rank=1, master_addr="127.0.0.1")
     plan = service.plan_service(worker, ServeConfig())
     assert plan.role == "worker" and plan.gateway is None and "--headless" in plan.launch.argv
+
+
+# ---- AMD Instinct GPUs and TensorRT-LLM ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def eight_mi300x(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service, "has_gpu", lambda: True)
+    monkeypatch.setattr(
+        service,
+        "local_gpus",
+        lambda: tuple(LocalGpu(i, "AMD Instinct MI300X", 196592, "amd", "gfx942") for i in range(8)),
+    )
+
+
+def test_an_amd_machine_serves_with_rocm_settings(eight_mi300x: None) -> None:
+    plan = service.plan_service(
+        EngineConfig(model="deepseek-ai/DeepSeek-R1", tensor_parallel_size=8, max_model_len=32768)
+    )
+    assert plan.device == "rocm" and plan.config.device == "rocm"
+    assert plan.launch.env == {"VLLM_ROCM_USE_AITER": "1"}
+    assert plan.fit is not None and plan.fit.fits  # the memory plan on the detected MI300X
+    text = service.dry_run_text(plan)
+    assert "on rocm" in text and '"VLLM_ROCM_USE_AITER": "1"' in text
+
+
+def test_a_device_of_the_other_vendor_is_refused(eight_mi300x: None) -> None:
+    with pytest.raises(ConfigError, match="--device cuda was given, but this machine's GPUs are AMD Instinct MI300X"):
+        service.plan_service(EngineConfig(model="deepseek-ai/DeepSeek-R1", device="cuda", tensor_parallel_size=8))
+
+
+def test_device_rocm_without_gpu_is_refused(no_gpu: None) -> None:
+    with pytest.raises(ConfigError, match="no AMD GPU"):
+        service.plan_service(EngineConfig(device="rocm"))
+
+
+def test_trtllm_on_cpu_stops_at_the_command_line_and_says_how_to_get_it(
+    no_gpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = service.plan_service(EngineConfig(engine="trtllm"))
+    text = service.dry_run_text(plan)
+    assert "trtllm-serve" in text and "--extra_llm_api_options" in text
+    (path,) = plan.launch.files
+    assert f"# file written before the engine starts: {path}" in text and "#   enable_iter_perf_stats: true" in text
+    monkeypatch.setattr(service.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(EngineError, match=r"trtllm is not installed .*nvcr.io/nvidia/tensorrt-llm/release"):
+        service.preflight(plan)

@@ -43,7 +43,7 @@ def test_unknown_field_lists_the_valid_ones():
         ("max_num_seqs=2,abc", "'abc' is not a valid max_num_seqs"),
         ("max_num_seqs=0", "'0' is not a valid max_num_seqs (Input should be greater than or equal to 1)"),
         ("gpu_memory_utilization=1.5", "not a valid gpu_memory_utilization"),
-        ("engine=trtllm", "not a valid engine"),
+        ("engine=tgi", "not a valid engine"),
         ("max_num_seqs", "must look like FIELD=V1,V2"),
         ("max_num_seqs=", "needs at least one value"),
         ("max_num_seqs=4,4", "lists a value twice"),
