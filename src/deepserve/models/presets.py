@@ -139,7 +139,7 @@ TINY_MODEL_NAME = "deepserve/tiny-deepseek-v3"
 
 
 def _preset_configs() -> dict[str, dict[str, Any]]:
-    from deepserve.models.tiny import tiny_config
+    from deepserve.models.tiny import TINY_MODELS
 
     return {
         "deepseek-ai/DeepSeek-V3": DEEPSEEK_V3_CONFIG,
@@ -150,11 +150,17 @@ def _preset_configs() -> dict[str, dict[str, Any]]:
         "cognitivecomputations/DeepSeek-V3-0324-AWQ": _AWQ_CONFIG,
         "cognitivecomputations/DeepSeek-R1-AWQ": _AWQ_CONFIG,
         "deepseek-ai/DeepSeek-V2-Lite": DEEPSEEK_V2_LITE_CONFIG,
-        TINY_MODEL_NAME: tiny_config(),
+        **{name: model.config() for name, model in TINY_MODELS.items()},
     }
 
 
-_ALIASES = {"tiny": TINY_MODEL_NAME, "v3": "deepseek-ai/DeepSeek-V3", "r1": "deepseek-ai/DeepSeek-R1"}
+_ALIASES = {"v3": "deepseek-ai/DeepSeek-V3", "r1": "deepseek-ai/DeepSeek-R1"}
+
+
+def _aliases() -> dict[str, str]:
+    from deepserve.models.tiny import TINY_ALIASES
+
+    return {**_ALIASES, **TINY_ALIASES}
 
 
 def preset_names() -> list[str]:
@@ -163,7 +169,7 @@ def preset_names() -> list[str]:
 
 def canonical_preset_name(name: str) -> str | None:
     """The preset's canonical name for NAME (case-insensitive, short aliases allowed), or None."""
-    name = _ALIASES.get(name.lower(), name)
+    name = _aliases().get(name.lower(), name)
     by_lower = {key.lower(): key for key in _preset_configs()}
     return by_lower.get(name.lower())
 
