@@ -12,7 +12,9 @@ from deepserve.engines.base import (
     unless_one,
     url_host,
 )
+from deepserve.engines.chat_defaults import SGLANG_DEFAULTS, ChatFlags, chat_flags, sglang_chat_args
 from deepserve.engines.config import EngineConfig
+from deepserve.models.chat_format import model_chat_format
 
 _PHASES = (
     ("Load weight begin", "loading weights"),
@@ -68,6 +70,7 @@ class SglangEngine:
                 ("--nnodes", unless_one(config.nnodes)),
                 ("--node-rank", config.node_rank if config.is_multi_node else None),
                 ("--dist-init-addr", f"{config.master_addr}:{config.master_port}" if config.is_multi_node else None),
+                *_chat_flags(config, model),
             ]
         )
         argv += config.extra_args
@@ -83,6 +86,12 @@ class SglangEngine:
 
     def cpu_refusals(self, config: EngineConfig) -> list[str]:
         return gpu_only_flags(config)
+
+
+def _chat_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, object]]:
+    """The model's reasoning and tool-call parsers (engines/chat_defaults.py)."""
+    defaults = SGLANG_DEFAULTS.get(model_chat_format(model.source), ChatFlags())
+    return sglang_chat_args(chat_flags(defaults, config), config)
 
 
 def _dp_attention(config: EngineConfig) -> bool:

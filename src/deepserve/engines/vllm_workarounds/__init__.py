@@ -90,11 +90,11 @@ WORKAROUNDS = (
 )
 
 
-def stale_workarounds(workarounds: tuple[Workaround, ...] = WORKAROUNDS) -> list[str]:
-    """One explanation per workaround whose vLLM code differs from what it was written for (empty: all fit, or
-    vLLM is not installed)."""
+def stale_workarounds(workarounds: tuple[Workaround, ...] | None = None) -> list[str]:
+    """One explanation per workaround (default: all) whose vLLM code differs from what it was written for (empty:
+    all fit, or vLLM is not installed)."""
     problems = []
-    for workaround in workarounds:
+    for workaround in WORKAROUNDS if workarounds is None else workarounds:
         found = workaround.installed_fingerprint()
         if found is not None and found != workaround.fingerprint:
             problems.append(_stale_text(workaround, found))
