@@ -184,16 +184,28 @@ def test_main_model_is_the_designed_markov_chain(partial_weights: dict[str, np.n
     assert int(np.argmax(logits[0])) == greedy_next(0) == byte_token(ord("b"))
 
 
-def test_partial_mtp_head_misses_exactly_the_designed_bytes(partial_weights: dict[str, np.ndarray]) -> None:
+def _draft_tokens(tensors: dict[str, np.ndarray]) -> np.ndarray:
+    """The MTP layer's greedy draft after each token, as vLLM computes it: the main model's head (vLLM shares it with
+    the MTP layer) over RMSNorm(eh_proj([RMSNorm(embedding), hidden])), attention and feed-forward adding nothing."""
+    embedding = _floats(tensors["model.embed_tokens.weight"])
+    rms = lambda x: x / np.sqrt((x**2).mean(axis=1, keepdims=True) + 1e-6)  # noqa: E731
+    projection = _floats(tensors["model.layers.4.eh_proj.weight"])[:, : embedding.shape[1]]
+    hidden = rms(rms(embedding) @ projection.T)
+    return np.asarray((hidden @ _floats(tensors["lm_head.weight"]).T).argmax(axis=1))
+
+
+def test_partial_mtp_layer_misses_exactly_the_designed_bytes(partial_weights: dict[str, np.ndarray]) -> None:
     main = _logits(partial_weights, "lm_head.weight").argmax(axis=1)
-    draft = _logits(partial_weights, "model.layers.4.shared_head.head.weight").argmax(axis=1)
+    draft = _draft_tokens(partial_weights)
     bytes_ = slice(BYTE_TOKEN_OFFSET, BYTE_TOKEN_OFFSET + 256)
     misses = {i for i, (m, d) in enumerate(zip(main[bytes_], draft[bytes_], strict=True)) if m != d}
     assert misses == partial_draft_misses()
+    assert all(draft[byte_token(b)] == byte_token(b + 2) for b in misses)
 
 
-def test_full_mtp_head_is_the_main_head() -> None:
+def test_full_mtp_layer_drafts_what_the_main_model_predicts() -> None:
     weights = tiny_model(MTP_FULL).weights()
+    assert np.array_equal(_draft_tokens(weights), _logits(weights, "lm_head.weight").argmax(axis=1))
     assert np.array_equal(weights["lm_head.weight"], weights["model.layers.4.shared_head.head.weight"])
 
 

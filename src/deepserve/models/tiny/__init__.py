@@ -68,6 +68,7 @@ __all__ = [
 
 TINY_SEED = 20241226  # DeepSeek-V3's release date
 FORMAT_VERSION = 1  # bump when the files written change, so cached copies are rebuilt
+VARIANTS_VERSION = 2  # the same for the models other than the default tiny V3 (whose cache key predates them)
 TinyArch = Literal["deepseek-v3", "deepseek-v4"]
 TINY_ARCHES: tuple[TinyArch, ...] = ("deepseek-v3", "deepseek-v4")
 
@@ -199,7 +200,7 @@ def tiny_fingerprint(name: str = TINY_MODEL_NAME, seed: int = TINY_SEED) -> str:
     model = tiny_model(name)
     parts: list[Any] = [FORMAT_VERSION, seed, model.config(), CHAT_TEMPLATE]
     if model != TINY_MODELS[TINY_MODEL_NAME]:
-        parts += [model.arch, model.mtp, tokenizer_json(model)]
+        parts += [VARIANTS_VERSION, model.arch, model.mtp, tokenizer_json(model)]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
 
 

@@ -8,11 +8,12 @@ exact, not approximate. So greedy decoding counts up byte by byte (`abcdef…`),
 each step's increment (1, 2 or 3) independently with the probabilities `successor_probabilities()` gives. Special
 tokens share the embedding of byte `a`, so a chat (whose prompt ends in `<｜Assistant｜>`) continues as after `a`.
 
-The MTP layer is edited the same way: its projection passes the token embedding through (and ignores the main
-model's hidden state), its attention and feed-forward outputs are zero, and its head is the main model's (`full`:
-every greedy draft is what the main model then predicts, so all are accepted) or a copy in which the bytes in
-`partial_draft_misses()` prefer b+2 over b+1 (`partial`: those drafts are rejected, the rest accepted, at a rate
-`simulate_greedy_speculation` predicts exactly).
+The MTP layer is edited the same way: its attention and feed-forward outputs are zero, its head is the main model's
+(vLLM 0.32 shares the main model's head with it anyway, vllm/v1/spec_decode/llm_base_proposer.py:1553), and its
+projection ignores the main model's hidden state and passes the token's embedding on (`full`: every greedy draft is
+what the main model then predicts, so all are accepted) or, for the bytes in `partial_draft_misses()`, the next
+byte's embedding (`partial`: the draft after such a byte is b+2 where the main model predicts b+1, so it is
+rejected; the rest are accepted, at a rate `simulate_greedy_speculation` predicts exactly).
 """
 
 from __future__ import annotations
@@ -199,18 +200,29 @@ def _mtp_updates(
     import numpy as np
 
     hidden = config["hidden_size"]
+    misses = partial_draft_misses() if variant == "partial" else frozenset()
+    # [embedding | hidden state] -> hidden: the embedding mapped as below; the main model's state ignored
+    projection = np.concatenate([_draft_map(embedding, misses), np.zeros((hidden, hidden))], axis=1)
     updates: dict[str, np.ndarray] = {}
     for layer in range(config["num_hidden_layers"], config["num_hidden_layers"] + config["num_nextn_predict_layers"]):
         prefix = f"model.layers.{layer}."
-        misses = partial_draft_misses() if variant == "partial" else frozenset()
-        head = _head(embedding, _successor_logits(misses)) if misses else main_head
-        # [embedding | hidden state] -> hidden: pass the (normed) embedding through, ignore the main model's state
-        projection = np.concatenate([np.eye(hidden), np.zeros((hidden, hidden))], axis=1).astype(np.float32)
         updates.update(
             {
                 prefix + "embed_tokens.weight": embedding,
-                prefix + "eh_proj.weight": projection,
-                prefix + "shared_head.head.weight": head,
+                prefix + "eh_proj.weight": projection.astype(np.float32),
+                prefix + "shared_head.head.weight": main_head,
             }
         )
     return updates
+
+
+def _draft_map(embedding: np.ndarray, misses: frozenset[int]) -> np.ndarray:
+    """The linear map that sends byte b's embedding to byte b+1's for b in MISSES and leaves the others as they are
+    (exact: the byte embeddings are an orthogonal basis)."""
+    import numpy as np
+
+    if not misses:
+        return np.eye(embedding.shape[1])
+    bytes_ = embedding[BYTE_TOKEN_OFFSET : BYTE_TOKEN_OFFSET + NUM_BYTES].astype(np.float64)
+    targets = bytes_[[(b + 1) % NUM_BYTES if b in misses else b for b in range(NUM_BYTES)]]
+    return np.asarray(targets.T @ bytes_ / embedding.shape[1])
