@@ -3,7 +3,7 @@ ratios and the lightning indexer; manifold-constrained hyper-connections; hash-r
 shared expert) at a size that vLLM 0.32's CPU build serves, in DeepSeek's own checkpoint layout (`layers.N.attn.wq_a`,
 `layers.N.ffn.experts.E.w1`, `embed`, `head`), which vLLM's V4 loader maps itself.
 
-What must stay DeepSeek's (measured on vLLM 0.32's CPU build, see docs/MODELS.md "The tiny models"): head_dim 512,
+What must stay DeepSeek's (measured on vLLM 0.32's CPU build, see docs/TINY_MODELS.md): head_dim 512,
 qk_rope_head_dim 64, index_head_dim 128, index_topk 512; its CPU top-k kernels exist for 64/128/256/384 experts with
 top-6 or top-8 only. Everything else shrinks. Weights are random but seeded.
 
