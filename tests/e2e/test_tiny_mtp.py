@@ -77,7 +77,9 @@ def test_partial_mtp_acceptance_is_what_the_model_predicts(served_partial: Serve
     measured = {name: after[name] - before[name] for name in SPEC_METRICS}
     rate = measured["num_accepted_tokens"] / measured["num_draft_tokens"]
     assert 0 < rate < 1
-    assert rate == pytest.approx(predicted.acceptance_rate, abs=0.05), (measured, predicted)
+    # measured equal to the prediction for K = 1, 2, 3 (docs/TINY_MODELS.md); a draft more or less per request allowed
+    assert rate == pytest.approx(predicted.acceptance_rate, abs=0.03), (measured, predicted)
+    assert measured["num_drafts"] == pytest.approx(3 * predicted.drafts, abs=3)
     for position in range(PARTIAL_K):
         accepted = after[f"position {position}"] - before.get(f"position {position}", 0)
         assert accepted == pytest.approx(3 * predicted.accepted_per_position[position], abs=3)
