@@ -56,6 +56,8 @@ def changed_flags(section: BaseModel, skip: tuple[str, ...] = ()) -> list[str]:
         elif isinstance(value, list):
             for item in value:
                 argv += [flag, str(item)]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
         else:
             argv += [flag, str(value)]
     return argv

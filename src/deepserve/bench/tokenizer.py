@@ -116,13 +116,12 @@ def load_token_counter(
 def _tiny_tokenizer_dir(model: str) -> Path | None:
     """The tokenizer of deepserve's own tiny model when MODEL names it: generated here exactly as the server's was,
     so a front end without /tokenize (deepserve's gateway) does not stop a benchmark of it."""
-    from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name
     from deepserve.models.resolve import models_cache_dir
-    from deepserve.models.tiny import ensure_tiny_model
+    from deepserve.models.tiny import ensure_tiny_model, is_tiny_model, tiny_model
 
-    if not model or canonical_preset_name(model) != TINY_MODEL_NAME:
+    if not is_tiny_model(model):
         return None
-    return ensure_tiny_model(models_cache_dir())
+    return ensure_tiny_model(models_cache_dir(), tiny_model(model).name)
 
 
 # Texts whose token counts differ between tokenizers that load or add specials differently: spaces, digits,

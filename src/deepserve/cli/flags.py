@@ -71,4 +71,6 @@ def _scalar_type(annotation: Any) -> tuple[Any, list[str] | None]:
         return str, [str(choice) for choice in typing.get_args(annotation)]
     if origin is list:
         return list, None
+    if origin is dict:
+        return str, None  # JSON text; the field parses it
     return annotation, None

@@ -1,4 +1,4 @@
-"""`deepserve model`: architecture facts of presets and local checkpoints; write the tiny checkpoint."""
+"""`deepserve model`: architecture facts of presets and local checkpoints; write a tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from deepserve.models.kv_cache import KVCacheLayout, kv_cache_layout
 from deepserve.models.presets import Preset, preset_info, preset_names, preset_spec
 from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
-from deepserve.models.tiny import write_tiny_model
+from deepserve.models.tiny import TINY_ARCHES, tiny_model_for, write_tiny_model
+from deepserve.models.tiny.markov import MTP_VARIANTS
 from deepserve.plan.formats import checkpoint_format
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("model", help="show model architecture facts; write the tiny checkpoint")
+    parser = subparsers.add_parser("model", help="show model architecture facts; write a tiny checkpoint")
     commands = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
 
     show = commands.add_parser("show", help="layers, experts, parameters and KV-cache bytes of a preset or path")
@@ -31,8 +32,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     listing = commands.add_parser("list", help="list the built-in presets")
     listing.set_defaults(handler=_list)
 
-    tiny = commands.add_parser("tiny", help="write the tiny DeepSeek-V3-architecture checkpoint")
+    tiny = commands.add_parser(
+        "tiny",
+        help="write a tiny DeepSeek checkpoint (real architecture, seeded weights) that vLLM's CPU build serves",
+        description="Write a tiny checkpoint. The same models are presets, generated on first use: "
+        "deepserve/tiny-deepseek-v3 (tiny), deepserve/tiny-deepseek-v4 (tiny-v4), "
+        "deepserve/tiny-deepseek-v3-mtp (tiny-mtp), deepserve/tiny-deepseek-v3-mtp-partial (tiny-mtp-partial).",
+    )
     tiny.add_argument("--out", type=Path, required=True, help="directory to write (created if missing)")
+    tiny.add_argument("--arch", choices=TINY_ARCHES, default="deepseek-v3", help="architecture (default: %(default)s)")
+    tiny.add_argument(
+        "--mtp",
+        choices=MTP_VARIANTS,
+        default="none",
+        help="deepseek-v3 only: add one MTP layer whose drafts are all accepted (full) or about two in three "
+        "(partial) under greedy decoding; the main model then counts up byte by byte (default: %(default)s)",
+    )
     tiny.set_defaults(handler=_tiny)
 
 
@@ -231,6 +246,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _tiny(args: argparse.Namespace) -> int:
-    out = write_tiny_model(args.out)
-    print(f"wrote the tiny DeepSeek-V3-architecture checkpoint to {out}")
+    model = tiny_model_for(args.arch, args.mtp)
+    out = write_tiny_model(args.out, model.name)
+    print(f"wrote {model.name} ({args.arch}, MTP: {args.mtp}) to {out}; serve it with `deepserve serve --model {out}`")
     return 0

@@ -30,8 +30,8 @@ from deepserve.errors import ConfigError, ModelError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, match_device_name
 from deepserve.hardware.detect import AMD, LocalGpu, local_gpus, nvidia_driver_version, rocm_version
 from deepserve.hardware.network import NetworkProfile, get_network
-from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name
 from deepserve.models.resolve import load_spec
+from deepserve.models.tiny import is_tiny_model
 from deepserve.plan.admission import check_gpu_fit
 from deepserve.plan.formats import checkpoint_format
 
@@ -220,7 +220,7 @@ class Expected:
     def model_kind(self) -> str:
         """tiny (generated here), local (a directory), or hub (downloaded by the engine)."""
         model = self.config.model
-        if model is None or canonical_preset_name(model) == TINY_MODEL_NAME:
+        if model is None or is_tiny_model(model):
             return "tiny"
         if model.startswith(("/", "./", "../", "~")) or Path(model).expanduser().exists():
             return "local"

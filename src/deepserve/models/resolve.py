@@ -9,7 +9,7 @@ from deepserve.config import deepserve_home
 from deepserve.errors import ModelError
 from deepserve.models.presets import TINY_MODEL_NAME, canonical_preset_name, preset_names, preset_spec
 from deepserve.models.spec import ModelSpec
-from deepserve.models.tiny import ensure_tiny_model
+from deepserve.models.tiny import ensure_tiny_model, is_tiny_model, tiny_model
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,9 @@ def resolve_model(name: str | None, on_cpu: bool) -> ResolvedModel:
                 "or --model tiny for a smoke test"
             )
         name = TINY_MODEL_NAME
-    if canonical_preset_name(name) == TINY_MODEL_NAME:
-        return ResolvedModel(str(ensure_tiny_model(models_cache_dir())), TINY_MODEL_NAME, on_cpu)
+    if is_tiny_model(name):
+        tiny = tiny_model(name)
+        return ResolvedModel(str(ensure_tiny_model(models_cache_dir(), tiny.name)), tiny.name, on_cpu)
     path = Path(name).expanduser()
     if path.exists() or _looks_like_path(name):
         _check_model_dir(path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-_ST_DTYPES = {np.dtype(np.uint16): "BF16", np.dtype(np.float32): "F32"}
+_ST_DTYPES = {np.dtype(np.uint16): "BF16", np.dtype(np.float32): "F32", np.dtype(np.int32): "I32"}
 
 
 def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -23,7 +23,8 @@ def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
 
 
 def save_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
-    """Write TENSORS (uint16 arrays are taken as bf16 bit patterns) in sorted name order."""
+    """Write TENSORS (uint16 arrays are taken as bf16 bit patterns; float32 and int32 as they are) in sorted name
+    order."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name in sorted(tensors):

@@ -17,6 +17,7 @@ from deepserve.engines.config import EngineConfig, serve_command
 from deepserve.engines.platform import gpu_platform
 from deepserve.engines.registry import get_engine
 from deepserve.engines.topology import check_layout_fits_nodes, check_master_address, nodes_share_this_host
+from deepserve.engines.vllm_workarounds import check_workarounds
 from deepserve.errors import ConfigError, EngineError
 from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.config import base_url as gateway_base_url
@@ -137,6 +138,8 @@ def preflight(plan: ServicePlan) -> None:
         raise ConfigError(f"the memory plan says this cannot run: {plan.fit.describe()}")
     if importlib.util.find_spec(plan.engine.package) is None:
         raise EngineError(f"{plan.engine.name} is not installed in {sys.prefix}: {plan.engine.install_hint}")
+    if plan.engine.name == "vllm" and plan.model.on_cpu:
+        check_workarounds()  # deepserve's fixes for vLLM's CPU build fit the installed vLLM
     config = plan.config
     check_master_address(config)
     if config.is_head:

@@ -183,6 +183,13 @@ def test_the_group_restart_stops_every_node_then_starts_node_0_first(make: Any, 
         recorder.run([str(script), "10.0.0.1"])
 
 
+def kv_transfer_config(service: dict[str, Any]) -> dict[str, Any]:
+    """The JSON after --kv-transfer-config in a rendered engine's command."""
+    words = interpolated(service["entrypoint"], "")
+    parsed: dict[str, Any] = json.loads(words[words.index("--kv-transfer-config") + 1])
+    return parsed
+
+
 def test_one_host_prefill_and_decode_pools_behind_the_gateway(make: Any) -> None:
     spec = make("one-node", fields={"tensor_parallel_size": 2, "gpus_per_node": 8}, prefill_replicas=1, replicas=2)
     services = compose.compose_files(spec)["docker-compose.yaml"]["services"]
@@ -196,7 +203,7 @@ def test_one_host_prefill_and_decode_pools_behind_the_gateway(make: Any) -> None
     prefill = [words[i + 1] for i, word in enumerate(words) if word == "--prefill-upstream"]
     assert upstreams == ["http://decode:8000/v1", "http://decode-1:8000/v1"]
     assert prefill == ["http://prefill:8000/v1"]
-    roles = [json.loads(interpolated(services[n]["entrypoint"], "")[-1]) for n in ("prefill", "decode")]
+    roles = [kv_transfer_config(services[n]) for n in ("prefill", "decode")]
     assert [role["kv_role"] for role in roles] == ["kv_both", "kv_both"]  # NIXL's peers
 
 
@@ -208,7 +215,7 @@ def test_one_host_shared_directory_pools_and_an_engine_api_key(make: Any) -> Non
     assert document["volumes"]["kv-transfer"] == {}
     for service, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
         assert "kv-transfer:/var/cache/deepserve/kv-transfer" in service["volumes"]
-        transfer = json.loads(interpolated(service["entrypoint"], "")[-1])
+        transfer = kv_transfer_config(service)
         assert transfer["kv_role"] == role
         assert service["environment"]["VLLM_API_KEY"] == compose.ENGINE_KEY_VARIABLE
     gateway = document["services"]["gateway"]
