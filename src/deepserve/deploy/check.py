@@ -23,17 +23,15 @@ from deepserve.deploy.netif import (
     routable_interfaces,
     route_source,
 )
-from deepserve.deploy.source import checkpoint_bytes
+from deepserve.deploy.source import checkpoint_bytes_of
 from deepserve.engines.config import EngineConfig
 from deepserve.engines.topology import MasterAddressError, check_master_address
 from deepserve.errors import ConfigError, ModelError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, match_device_name
 from deepserve.hardware.detect import AMD, LocalGpu, local_gpus, nvidia_driver_version, rocm_version
 from deepserve.hardware.network import NetworkProfile, get_network
-from deepserve.models.resolve import load_spec
 from deepserve.models.tiny import is_tiny_model
 from deepserve.plan.admission import check_gpu_fit
-from deepserve.plan.formats import checkpoint_format
 
 GIB = 1024**3
 MIN_SHM_BYTES = 1 * GIB  # NCCL's troubleshooting guide: Docker's 64 MiB default breaks it; give at least 1 GiB
@@ -444,7 +442,7 @@ def check_disk(expected: Expected, facts: HostFacts) -> Check:
     if kind == "local":
         return Check(name, Verdict.NA, "the weights are already on disk (a local model directory)")
     model = str(expected.config.model)
-    size = _checkpoint_size(model)
+    size = checkpoint_bytes_of(model)
     cached = facts.hf_hub_cache / ("models--" + model.replace("/", "--"))
     if cached.is_dir() and any(cached.glob("snapshots/*/*.safetensors")):
         return Check(name, Verdict.OK, f"{model} is in the Hugging Face cache ({cached})")
@@ -465,15 +463,6 @@ def check_disk(expected: Expected, facts: HostFacts) -> Check:
             "free space there, or point HF_HOME (or HF_HUB_CACHE) at a larger disk",
         )
     return Check(name, Verdict.OK, f"{where}; the checkpoint takes about {size / GIB:,.0f} GiB")
-
-
-def _checkpoint_size(model: str) -> int | None:
-    """What the download takes: the checkpoint's own format (an on-the-fly --quantization happens at load)."""
-    try:
-        spec = load_spec(model)
-    except (ModelError, ConfigError):
-        return None
-    return checkpoint_bytes(spec, checkpoint_format(spec))
 
 
 def check_shm(expected: Expected, facts: HostFacts) -> Check:

@@ -28,11 +28,11 @@ from deepserve.hardware.catalog import Accelerator, get_accelerator
 from deepserve.hardware.network import NetworkConfig, NetworkProfile, get_network
 from deepserve.models.presets import canonical_preset_name
 from deepserve.models.resolve import ResolvedModel, load_spec
-from deepserve.models.spec import ModelSpec
 from deepserve.models.tiny import is_tiny_model
 from deepserve.plan.admission import check_gpu_fit
 from deepserve.plan.commands import engine_config as planned_engine_config
-from deepserve.plan.formats import WeightFormat, checkpoint_format, get_format
+from deepserve.plan.formats import checkpoint_format, get_format
+from deepserve.plan.memory import checkpoint_bytes
 from deepserve.plan.planner import Plan, make_plan
 from deepserve.plan.types import PlanConfig
 
@@ -247,7 +247,7 @@ def deploy_spec(
         network=(network or NetworkConfig()).profile(),
         engine_image=deploy.engine_image or _engine_image(engine, config),
         gateway_image=deploy.gateway_image or GATEWAY_IMAGE,
-        checkpoint_bytes=_checkpoint_bytes_of(config.model or ""),
+        checkpoint_bytes=checkpoint_bytes_of(config.model or ""),
         node_gpus=node_gpus,
         plan=plan,
         notes=notes,
@@ -305,15 +305,9 @@ def render_model(config: EngineConfig) -> ResolvedModel:
     return ResolvedModel(source, config.served_model_name or source, on_cpu=False)
 
 
-def checkpoint_bytes(spec: ModelSpec, fmt: WeightFormat) -> int:
-    """Bytes the checkpoint's weights take on disk: each component at its format's width, plus the MTP module that
-    DeepSeek's own releases ship (at the quantized width)."""
-    breakdown = spec.parameter_breakdown()
-    weights = sum(count * fmt.bytes_per_param(component) for component, count in breakdown.items())
-    return int(weights + spec.mtp_params() * fmt.quantized_bytes_per_param)
-
-
-def _checkpoint_bytes_of(model: str) -> int | None:
+def checkpoint_bytes_of(model: str) -> int | None:
+    """What the download of MODEL takes: its checkpoint's own format (an on-the-fly --quantization happens at
+    load); None for a hub id that is no preset."""
     try:
         spec = load_spec(model)
         return checkpoint_bytes(spec, checkpoint_format(spec))

@@ -187,6 +187,12 @@ def shard_count(component: str, spec: ModelSpec, layout: Layout) -> int:
     return 1
 
 
+def checkpoint_bytes(spec: ModelSpec, fmt: WeightFormat) -> int:
+    """What the checkpoint's weights take on disk (a download, a volume): the main model and its draft modules, each
+    component at FMT's width with its scales (the published V4 checkpoint sizes within 1%, V3's ~685 GB)."""
+    return int(sum(part.bytes_per_gpu for part in weights_per_gpu(spec, fmt, Layout(tp=1), spec.num_mtp_layers)))
+
+
 def weights_per_gpu(
     spec: ModelSpec, fmt: WeightFormat, layout: Layout, draft_layers: int = 0
 ) -> tuple[ComponentMemory, ...]:

@@ -12,7 +12,6 @@ import pytest
 from deepserve.deploy.config import DeployConfig
 from deepserve.deploy.source import (
     MASTER_PLACEHOLDER,
-    checkpoint_bytes,
     deploy_spec,
     load_engine_config,
     planned_config,
@@ -25,6 +24,7 @@ from deepserve.gateway.config import GatewayConfig
 from deepserve.hardware.network import NetworkConfig
 from deepserve.models.presets import preset_spec
 from deepserve.plan.formats import checkpoint_format
+from deepserve.plan.memory import checkpoint_bytes
 
 V3 = "deepseek-ai/DeepSeek-V3"
 
