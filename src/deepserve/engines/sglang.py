@@ -13,6 +13,7 @@ from deepserve.engines.base import (
     url_host,
 )
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.speculative import sglang_speculative_flags
 
 _PHASES = (
     ("Load weight begin", "loading weights"),
@@ -68,6 +69,7 @@ class SglangEngine:
                 ("--nnodes", unless_one(config.nnodes)),
                 ("--node-rank", config.node_rank if config.is_multi_node else None),
                 ("--dist-init-addr", f"{config.master_addr}:{config.master_port}" if config.is_multi_node else None),
+                *_speculative_flags(config),
             ]
         )
         argv += config.extra_args
@@ -83,6 +85,11 @@ class SglangEngine:
 
     def cpu_refusals(self, config: EngineConfig) -> list[str]:
         return gpu_only_flags(config)
+
+
+def _speculative_flags(config: EngineConfig) -> list[tuple[str, object]]:
+    speculation = config.explicit_speculation()
+    return [] if speculation is None else sglang_speculative_flags(speculation)
 
 
 def _dp_attention(config: EngineConfig) -> bool:

@@ -17,6 +17,7 @@ from deepserve.engines.base import (
     url_host,
 )
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.speculative import vllm_speculative_json
 from deepserve.engines.topology import nodes_share_this_host
 from deepserve.engines.vllm_metrics import KV_CACHE_USAGE_NAMES, RUNNING, WAITING
 
@@ -145,7 +146,13 @@ def _model_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, 
         ("--enable-chunked-prefill", config.enable_chunked_prefill),
         ("--enable-prefix-caching", config.enable_prefix_caching),
         ("--trust-remote-code", config.trust_remote_code or None),
+        ("--speculative-config", _speculative_config(config)),
     ]
+
+
+def _speculative_config(config: EngineConfig) -> str | None:
+    speculation = config.explicit_speculation()
+    return None if speculation is None else vllm_speculative_json(speculation)
 
 
 def _node_flags(config: EngineConfig) -> list[tuple[str, object]]:
