@@ -20,8 +20,9 @@ from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
 from deepserve.plan.formats import FORMATS, WeightFormat, checkpoint_format, get_format
 from deepserve.plan.layout import Layout
-from deepserve.plan.memory import weights_per_gpu
+from deepserve.plan.memory import mtp_weights_per_gpu, weights_per_gpu
 from deepserve.plan.planner import build_deployment, smallest_fitting_gpus
+from deepserve.plan.speculative import SpeculativeDecoding, speculative_decoding
 from deepserve.plan.types import PlanConfig
 
 GB = 1e9
@@ -40,12 +41,13 @@ class FitCheck:
 
 
 def check_gpu_fit(config: EngineConfig, model_source: str, accelerator: Accelerator | None) -> FitCheck:
-    spec = _spec_or_none(model_source)
+    spec = spec_or_none(model_source)
     if spec is None or accelerator is None:
         return FitCheck(None, _unchecked(spec is None, "the GPU type is unknown (give --gpu-type)"))
     fmt = weight_format(config, spec)
     layout = _layout(config)
     context = config.max_model_len or spec.max_position_embeddings
+    speculation, uncounted = _speculation(config, spec)
     deployment = build_deployment(
         spec,
         accelerator.name,
@@ -57,9 +59,10 @@ def check_gpu_fit(config: EngineConfig, model_source: str, accelerator: Accelera
         gpu_memory_utilization=config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         max_model_len=context,
         max_num_batched_tokens=config.max_num_batched_tokens or _default_batched_tokens(accelerator),
+        speculation=speculation,
     )
     memory = deployment.memory
-    where = f"{spec.name} ({fmt.name}) on {layout.gpus} x {accelerator.name}, {layout.describe()}"
+    where = f"{spec.name} ({fmt.name}) on {layout.gpus} x {accelerator.name}, {layout.describe()}{uncounted}"
     numbers = (
         f"weights {memory.weights_bytes_per_gpu / GB:.1f} GB + reserve {memory.reserve_bytes_per_gpu / GB:.1f} GB "
         f"per GPU of a {memory.budget_bytes_per_gpu / GB:.1f} GB budget"
@@ -77,19 +80,23 @@ def check_gpu_fit(config: EngineConfig, model_source: str, accelerator: Accelera
 
 
 def check_cpu_fit(config: EngineConfig, model_source: str, available_bytes: int, nodes_on_this_host: int) -> FitCheck:
-    spec = _spec_or_none(model_source)
+    spec = spec_or_none(model_source)
     if spec is None:
         return FitCheck(None, _unchecked(True, ""))
     fmt = weight_format(config, spec)
     layout = _layout(config)
+    speculation, uncounted = _speculation(config, spec)
+    draft_layers = speculation.draft_layers if speculation else 0
     per_worker = sum(c.bytes_per_gpu for c in weights_per_gpu(spec, fmt, layout))
+    per_worker += sum(c.bytes_per_gpu for c in mtp_weights_per_gpu(spec, fmt, layout, draft_layers))
     workers = layout.gpus // config.nnodes * nodes_on_this_host
     kv_bytes = (config.kv_cache_memory_gib or CPU_DEFAULT_KV_CACHE_GIB) * GIB * workers
     need = per_worker * workers + kv_bytes + CPU_PROCESS_OVERHEAD_BYTES * workers
+    with_mtp = " with its MTP module" if draft_layers else ""
     numbers = (
         f"{spec.name} ({fmt.name}) needs {need / GB:,.1f} GB of RAM on this host ({per_worker * workers / GB:,.1f} "
-        f"GB of weights, {kv_bytes / GB:.1f} GB of KV cache, {workers} engine process(es)); "
-        f"{available_bytes / GB:,.1f} GB is available"
+        f"GB of weights{with_mtp}, {kv_bytes / GB:.1f} GB of KV cache, {workers} engine process(es)); "
+        f"{available_bytes / GB:,.1f} GB is available{uncounted}"
     )
     if need <= available_bytes:
         return FitCheck(True, "fits: " + numbers)
@@ -98,6 +105,17 @@ def check_cpu_fit(config: EngineConfig, model_source: str, available_bytes: int,
         "does not fit: " + numbers,
         f"serve it on GPUs (`deepserve plan --model {model_source}` says how many), or spread it over more nodes",
     )
+
+
+def _speculation(config: EngineConfig, spec: ModelSpec) -> tuple[SpeculativeDecoding | None, str]:
+    """Speculative decoding as the memory plan counts it (the MTP/DSpark layers and their KV cache; acceptance
+    does not matter here), and a note when something it loads is not counted (a separate draft model)."""
+    speculation = config.explicit_speculation() if config.speculation_requested else None
+    if speculation is None:
+        return None, ""
+    if speculation.method == "draft_model":
+        return None, f"; the draft model {speculation.draft_model} is not counted"
+    return speculative_decoding(speculation.method, speculation.num_tokens, (0.0,), spec), ""
 
 
 def weight_format(config: EngineConfig, spec: ModelSpec) -> WeightFormat:
@@ -148,7 +166,8 @@ def _layout(config: EngineConfig) -> Layout:
     )
 
 
-def _spec_or_none(model_source: str) -> ModelSpec | None:
+def spec_or_none(model_source: str) -> ModelSpec | None:
+    """The model's architecture from a preset or a local config.json; None for a hub id we have no preset for."""
     try:
         return load_spec(model_source)
     except ModelError:

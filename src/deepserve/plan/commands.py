@@ -15,6 +15,7 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
     layout = deployment.layout
     memory = deployment.memory
     seqs = deployment.running_cap // layout.pp if deployment.running_cap else None
+    speculation = deployment.speculation
     return EngineConfig.model_validate(
         {
             "engine": engine,
@@ -31,6 +32,8 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
             "trust_remote_code": True,
             "nnodes": deployment.nodes,
             "master_addr": HEAD_NODE_ADDRESS if deployment.nodes > 1 else None,
+            "speculative_method": speculation.method if speculation else None,
+            "num_speculative_tokens": speculation.num_tokens if speculation else None,
         }
     )
 

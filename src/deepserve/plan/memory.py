@@ -70,13 +70,16 @@ def plan_memory(
     max_model_len: int,
     sequence_len: int,
     max_num_batched_tokens: int,
+    draft_layers: int = 0,
 ) -> MemoryPlan:
-    components = weights_per_gpu(spec, fmt, layout)
+    """DRAFT_LAYERS: the checkpoint's MTP (or DSpark) layers that speculative decoding loads, each with its own
+    weights and its own KV cache (0: not loaded)."""
+    components = weights_per_gpu(spec, fmt, layout) + mtp_weights_per_gpu(spec, fmt, layout, draft_layers)
     weights = sum(c.bytes_per_gpu for c in components)
     reserve = activation_reserve_bytes(spec, fmt, layout, max_num_batched_tokens)
     budget = int(gpu_memory_utilization * accelerator.memory_bytes)
     kv_bytes = budget - weights - reserve
-    per_token_gpu, placement = kv_bytes_per_token_per_gpu(spec, layout, kv_dtype)
+    per_token_gpu, placement = kv_bytes_per_token_per_gpu(spec, layout, kv_dtype, draft_layers)
     tokens = max(kv_bytes, 0) // per_token_gpu * layout.dp
     return MemoryPlan(
         components=components,
@@ -84,7 +87,7 @@ def plan_memory(
         reserve_bytes_per_gpu=reserve,
         budget_bytes_per_gpu=budget,
         kv_cache_bytes_per_gpu=kv_bytes,
-        kv_bytes_per_token=spec.kv_bytes_per_token(kv_dtype),
+        kv_bytes_per_token=spec.kv_bytes_per_token(kv_dtype) // spec.num_layers * (spec.num_layers + draft_layers),
         kv_bytes_per_token_per_gpu=per_token_gpu,
         kv_placement=placement,
         kv_cache_tokens=tokens,
@@ -130,15 +133,42 @@ def weights_per_gpu(spec: ModelSpec, fmt: WeightFormat, layout: Layout) -> tuple
     return tuple(rows)
 
 
-def kv_bytes_per_token_per_gpu(spec: ModelSpec, layout: Layout, kv_dtype: str) -> tuple[int, str]:
+def kv_bytes_per_token_per_gpu(
+    spec: ModelSpec, layout: Layout, kv_dtype: str, draft_layers: int = 0
+) -> tuple[int, str]:
     """Bytes one GPU holds per cached token. MLA's latent vector has no head dimension to split, so every TP rank
-    holds all of it; grouped-query attention splits its KV heads over TP ranks (replicating when TP > KV heads)."""
-    layers = max(len(r) for r in stage_layers(spec, layout.pp))
+    holds all of it; grouped-query attention splits its KV heads over TP ranks (replicating when TP > KV heads).
+    Draft layers (MTP) cache their own latent on the last stage, which holds the output head they share."""
+    stages = stage_layers(spec, layout.pp)
+    layers = max(len(r) + (draft_layers if number == len(stages) - 1 else 0) for number, r in enumerate(stages))
     per_layer = spec.kv_values_per_token_per_layer * dtype_bytes(kv_dtype)
     if spec.is_mla:
         return layers * per_layer, "latent cache replicated on every TP rank"
     split = min(layout.tp, spec.num_kv_heads)
     return layers * per_layer // split, f"KV heads split over {split} ranks"
+
+
+def mtp_weights_per_gpu(
+    spec: ModelSpec, fmt: WeightFormat, layout: Layout, draft_layers: int
+) -> tuple[ComponentMemory, ...]:
+    """The MTP module as vLLM loads it (vllm/model_executor/models/deepseek_mtp.py): per draft layer a decoder
+    layer (MoE, split like the main layers), `eh_proj` (2 x hidden -> hidden, an unquantized nn.Linear on every
+    rank) and three norms; the embedding and output head are the main model's, shared (llm_base_proposer.py).
+    Added to the fullest GPU's weights (with PP it sits on the last stage: an upper bound). Nothing when
+    DRAFT_LAYERS is 0."""
+    if draft_layers == 0:
+        return ()
+    params = 0.0
+    nbytes = 0.0
+    for key, count in spec.layer_parameter_breakdown(spec.num_layers).items():
+        share = count / shard_count(key, spec, layout)
+        params += share
+        nbytes += share * fmt.bytes_per_param(key)
+    own = 2 * spec.hidden_size * spec.hidden_size + 3 * spec.hidden_size  # eh_proj and enorm/hnorm/shared_head.norm
+    params += own
+    nbytes += own * fmt.bytes_per_param("norms")  # 16-bit, as the norms
+    placement = f"{draft_layers} layer(s), split as the main layers; eh_proj replicated"
+    return (ComponentMemory("mtp_module", int(params * draft_layers), int(nbytes * draft_layers), placement),)
 
 
 def activation_reserve_bytes(spec: ModelSpec, fmt: WeightFormat, layout: Layout, max_num_batched_tokens: int) -> int:
