@@ -31,11 +31,13 @@ from deepserve.simulate.core import EngineCore
 from deepserve.simulate.engine import Engine, FixedLatencyEngine, SteppedEngine
 from deepserve.simulate.kv_cache import KVCacheManager
 from deepserve.simulate.scheduler import Scheduler, SchedulerLimits
+from deepserve.simulate.speculation import AcceptanceSampler, Drafting
 from deepserve.simulate.timing import FixedStepTimer, PlannerStepTimer, StepTimer
 
 if TYPE_CHECKING:
     from deepserve.plan.perf import PerformanceModel, Prediction, Workload
     from deepserve.plan.planner import Plan
+    from deepserve.plan.speculative import SpeculativeDecoding
     from deepserve.plan.types import PlanConfig
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V3"
@@ -65,6 +67,7 @@ class SimulatedDeployment:
     data_parallel: int = 1  # attention replicas, each with its own max_num_seqs and token budget
     plan: Plan | None = None  # the planner's view (None with fixed timings of a model it does not know)
     model_of_steps: PerformanceModel | None = None
+    speculation: SpeculativeDecoding | None = None  # speculative decoding: K drafts a step, acceptance per position
 
     def describe(self) -> str:
         if self.plan is None and self.timing.startswith("fixed TTFT"):
@@ -72,11 +75,12 @@ class SimulatedDeployment:
                 f"{self.max_model_len:,}"
             )
         where = f"as if on {self._hardware()}" if self.plan is not None else f"with {self.timing}"
+        speculation = f"; speculative decoding: {self.speculation.describe()}" if self.speculation else ""
         return (
             f"{self.served_model_name} {where}; KV cache {self.num_blocks:,} blocks of {self.block_size} tokens; "
             f"max_num_seqs {self.max_num_seqs}, max_num_batched_tokens {self.max_num_batched_tokens}, chunked "
             f"prefill {_on(self.chunked_prefill)}, prefix caching {_on(self.prefix_caching)}, max_model_len "
-            f"{self.max_model_len:,}"
+            f"{self.max_model_len:,}{speculation}"
         )
 
     def _hardware(self) -> str:
@@ -124,6 +128,11 @@ def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
         "prefix_caching": engine.enable_prefix_caching is not False,
         "gpu": accelerator.name,
     }
+    if sim.spec_acceptance and not engine.speculation_requested:
+        raise ConfigError(
+            "--spec-acceptance sets how drafts are accepted: turn speculative decoding on with "
+            "--num-speculative-tokens K (or --speculative-method)"
+        )
     if sim.fixed_latency or sim.fixed_step_ms is not None:
         return _fixed(engine, sim, model, common, default_tokens)
     from deepserve.plan.planner import make_plan
@@ -154,6 +163,7 @@ def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
         timing=f"step times from the planner (profile {factors.profile}, {factors.provenance})",
         plan=plan,
         model_of_steps=plan.deployment.performance_model(factors, plan.rates),
+        speculation=plan.deployment.speculation,
         **common,
     )
 
@@ -190,6 +200,7 @@ def _fixed(
         timing = f"every step {sim.fixed_step_ms:g} ms"
     else:
         timing = f"fixed TTFT {sim.fixed_ttft_ms or 0:g} ms, ITL {sim.fixed_itl_ms or 0:g} ms per stream"
+    speculation = _fixed_speculation(engine, sim)
     return SimulatedDeployment(
         model=model,
         max_model_len=max_model_len,
@@ -198,8 +209,35 @@ def _fixed(
         max_num_batched_tokens=batched,
         pipeline_stages=1,
         timing=timing,
+        speculation=speculation,
         **common,
     )
+
+
+def _fixed_speculation(engine: EngineConfig, sim: SimulateConfig) -> SpeculativeDecoding | None:
+    """Speculative decoding with fixed step times: drafts and their acceptance as asked (no model to consult, so
+    the method is only a name and the number of draft tokens must be given)."""
+    from deepserve.plan.speculative import SpeculativeDecoding, acceptance_per_position, published_acceptance
+
+    if not engine.speculation_requested:
+        return None
+    if sim.fixed_latency:
+        raise ConfigError(
+            "--fixed-ttft-ms/--fixed-itl-ms stream each request on its own, one token at a time: simulate "
+            "speculative decoding with --fixed-step-ms (engine steps) or the step model"
+        )
+    method = engine.speculative_method if engine.speculative_method not in (None, "auto") else "mtp"
+    if engine.num_speculative_tokens is None:
+        raise ConfigError("with fixed step times give the number of drafts: --num-speculative-tokens K")
+    k = engine.num_speculative_tokens
+    published = published_acceptance(method, k)
+    if sim.spec_acceptance:
+        rates, source = acceptance_per_position(sim.spec_acceptance, k), "given"
+    elif published is not None:
+        rates, source = published
+    else:
+        raise ConfigError(f"give the acceptance of {method} drafts: --spec-acceptance 0.6 or 0.7,0.5,0.3")
+    return SpeculativeDecoding(method, k, rates, 0, source)
 
 
 def _plan_config(
@@ -233,6 +271,9 @@ def _plan_config(
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": batched,
         "calibration": sim.calibration,
+        "speculative_method": engine.speculative_method,
+        "num_speculative_tokens": engine.num_speculative_tokens,
+        "spec_acceptance": sim.spec_acceptance or None,
     }
     # Fields left unset take the planner's defaults: fewer names tie this module to PlanConfig's.
     return validate_section(PlanConfig, "plan", {key: value for key, value in values.items() if value is not None})
@@ -311,8 +352,12 @@ def build_core(deployment: SimulatedDeployment, sim: SimulateConfig) -> EngineCo
     kv = KVCacheManager(
         deployment.num_blocks, deployment.block_size, deployment.max_model_len, deployment.prefix_caching
     )
+    speculation = deployment.speculation
+    drafting = None
+    if speculation is not None:
+        drafting = Drafting(speculation.num_tokens, AcceptanceSampler(speculation.acceptance, seed=sim.spec_seed))
     try:
-        scheduler = Scheduler(limits, kv)
+        scheduler = Scheduler(limits, kv, drafting)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return EngineCore(scheduler, timer, deployment.pipeline_stages)
