@@ -13,6 +13,7 @@ from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
 from deepserve.errors import ConfigError
 from deepserve.plan.fit import fit_profiles, fit_to_json, row_cases, write_fits
+from deepserve.plan.memory import DRAFT_COMPONENT
 from deepserve.plan.planner import Plan, make_plan
 from deepserve.plan.types import PlanConfig
 from deepserve.plan.validate import MAX_RATIO, TARGET_MAPE_PCT, Score, Validation, validate
@@ -127,7 +128,7 @@ def _print_speculation(console: Console, plan: Plan) -> None:
     if speculation is not None:
         console.print(f"speculative decoding: {speculation.describe()}", highlight=False)
     if speculation is not None and speculation.draft_layers:
-        module = next((c for c in d.memory.components if c.component == "mtp_module"), None)
+        module = next((c for c in d.memory.components if c.component == DRAFT_COMPONENT), None)
         size = f"{module.bytes_per_gpu / GB:.2f} GB per GPU: " if module else ""
         console.print(
             f"loaded for speculative decoding: the {speculation.method.upper()} module ({size}its decoder layer and "

@@ -22,6 +22,7 @@ CUDA_GRAPH_RESERVE_BYTES = 1 * GIB
 # Live hidden-size activations during one forward pass of a prefill chunk (residual, norm output, attention
 # output, MoE input/output and the fused-MoE cache of top-k expert outputs), counted in hidden-size vectors.
 LIVE_HIDDEN_VECTORS_PER_TOKEN = 6
+DRAFT_COMPONENT = "draft_modules"  # the MTP/DSpark layers speculative decoding loads
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,11 @@ def plan_memory(
     max_model_len: int,
     sequence_len: int,
     max_num_batched_tokens: int,
-    draft_layers: int = 0,
+    draft_modules: bool = False,
 ) -> MemoryPlan:
-    """DRAFT_LAYERS: the checkpoint's MTP (or DSpark) layers that speculative decoding loads, each with its own
-    weights and its own KV cache (0: not loaded)."""
+    """DRAFT_MODULES: speculative decoding loads the checkpoint's MTP (or DSpark) layers, each with its own weights
+    and its own KV cache."""
+    draft_layers = spec.num_mtp_layers if draft_modules else 0
     components = weights_per_gpu(spec, fmt, layout) + mtp_weights_per_gpu(spec, fmt, layout, draft_layers)
     weights = sum(c.bytes_per_gpu for c in components)
     reserve = activation_reserve_bytes(spec, fmt, layout, max_num_batched_tokens)
@@ -168,7 +170,7 @@ def mtp_weights_per_gpu(
     params += own
     nbytes += own * fmt.bytes_per_param("norms")  # 16-bit, as the norms
     placement = f"{draft_layers} layer(s), split as the main layers; eh_proj replicated"
-    return (ComponentMemory("mtp_module", int(params * draft_layers), int(nbytes * draft_layers), placement),)
+    return (ComponentMemory(DRAFT_COMPONENT, int(params * draft_layers), int(nbytes * draft_layers), placement),)
 
 
 def activation_reserve_bytes(spec: ModelSpec, fmt: WeightFormat, layout: Layout, max_num_batched_tokens: int) -> int:

@@ -76,7 +76,7 @@ def build_deployment(
         context,
         workload.input_len + workload.output_len,
         max_num_batched_tokens,
-        draft_layers=speculation.draft_layers if speculation else 0,
+        draft_modules=speculation is not None and speculation.draft_layers > 0,
     )
     return Deployment(
         spec,

@@ -199,7 +199,7 @@ def test_plan_json_and_commands_carry_it() -> None:
     data = plan.to_json()
     assert data["speculative_decoding"]["tokens_per_step"] == pytest.approx(3.1)
     assert data["mtp_params_not_loaded"] == 0
-    assert "mtp_module" in data["weights_by_component"]
+    assert "draft_modules" in data["weights_by_component"]
     vllm = plan.commands["vllm"]
     config_json = json.loads(vllm.split("--speculative-config ")[1].strip("'"))
     assert config_json == {"method": "mtp", "num_speculative_tokens": 3}
