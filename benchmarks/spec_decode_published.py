@@ -210,8 +210,8 @@ def table(comparisons: list[Comparison], markdown: bool, everything: bool) -> st
         gain_published = f"{_speedup(c, c.published, c.published_without):.2f}" if c.published_without else "-"
         gain_plan = f"{_speedup(c, c.with_mtp, c.without_mtp):.2f}"
         lines.append(
-            f"| {c.row.number} | {c.row.label} | {c.published:,.4g} | {c.with_mtp:,.4g} ({c.ratio:.2f}) | "
-            f"{c.without_mtp:,.4g} | {c.published_without or '-'} | {gain_published} / {gain_plan} | "
+            f"| {c.row.number} | {c.row.label} | {_number(c.published)} | {_number(c.with_mtp)} ({c.ratio:.2f}) | "
+            f"{_number(c.without_mtp)} | {_number(c.published_without)} | {gain_published} / {gain_plan} | "
             f"{c.acceptance} |"
         )
     expressed = [c for c in comparisons if c.with_mtp is not None]
@@ -226,6 +226,14 @@ def table(comparisons: list[Comparison], markdown: bool, everything: bool) -> st
         lines += [f"  - row {c.row.number}: {c.row.label}: {c.why_not}" for c in comparisons if c.why_not]
     text = "\n".join(lines)
     return text if markdown else text.replace("| ", "").replace(" |", "  ")
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.1f}" if value >= 1 else f"{value:.4f}"
 
 
 def _speedup(c: Comparison, with_mtp: float, without_mtp: float) -> float:
