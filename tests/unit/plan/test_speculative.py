@@ -145,7 +145,8 @@ def test_the_gain_falls_as_the_batch_grows(v3) -> None:
 def test_speculation_is_slower_on_this_cpu_even_at_full_acceptance(monkeypatch: pytest.MonkeyPatch) -> None:
     """shared/DESIGN.md (2026-11-26): on the tiny model vLLM's CPU build was slower with MTP than without, even with
     every draft accepted. On the CPU profile a draft pass costs an engine step of its own (the CPU build's
-    overhead per forward) while the tiny model's verification is compute-bound: K+1 tokens cost K+1 times."""
+    overhead per forward), and on a host without bf16 units (15 GFLOP/s: the machine the profile was fitted on)
+    the tiny model's verification is compute-bound: K+1 tokens cost K+1 times."""
     measured = host.HostMeasurement("box", "Test CPU", 2, 26.0, 140.0, 15.2, "2026-11-23T00:00:00Z")
     monkeypatch.setattr(host, "measured_host", lambda refresh=False: measured)
     tiny = replace(load_spec("deepserve/tiny-deepseek-v3"), num_mtp_layers=1)
