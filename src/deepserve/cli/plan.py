@@ -15,6 +15,7 @@ from deepserve.errors import ConfigError
 from deepserve.plan.commands import render_command
 from deepserve.plan.explain import fitting_layout_text
 from deepserve.plan.fit import fit_profiles, fit_to_json, row_cases, write_fits
+from deepserve.plan.memory import DRAFT_COMPONENT
 from deepserve.plan.planner import Plan, make_plan
 from deepserve.plan.types import PlanConfig
 from deepserve.plan.validate import MAX_RATIO, TARGET_MAPE_PCT, Score, Validation, validate
@@ -92,12 +93,7 @@ def print_plan(console: Console, plan: Plan) -> None:
         highlight=False,
     )
     console.print(_memory_table(plan))
-    mtp = d.spec.mtp_params()
-    if mtp:
-        console.print(
-            f"not loaded: the MTP module ({mtp / 1e9:.1f}B parameters); engines load it only for speculative decoding",
-            highlight=False,
-        )
+    _print_speculation(console, plan)
     if plan.fits:
         console.print(
             f"[bold green]fits[/]: the KV cache holds {memory.kv_cache_tokens:,} tokens "
@@ -127,6 +123,27 @@ def print_plan(console: Console, plan: Plan) -> None:
         console.print(f"[bold]{engine}[/]: {line}", soft_wrap=True, highlight=False)
     _print_serve_lines(console, plan)
     console.print(f"[bold]deploy[/]: {render_command(plan.config)}", soft_wrap=True, highlight=False)
+
+
+def _print_speculation(console: Console, plan: Plan) -> None:
+    d = plan.deployment
+    speculation, mtp = d.speculation, d.spec.mtp_params()
+    if speculation is not None:
+        console.print(f"speculative decoding: {speculation.describe()}", highlight=False)
+    if speculation is not None and speculation.draft_layers:
+        module = next((c for c in d.memory.components if c.component == DRAFT_COMPONENT), None)
+        size = f"{module.bytes_per_gpu / GB:.2f} GB per GPU: " if module else ""
+        console.print(
+            f"loaded for speculative decoding: the {speculation.method.upper()} module ({size}its decoder layer and "
+            "eh_proj; the embedding and output head are the main model's) and its KV cache (one more layer per token)",
+            highlight=False,
+        )
+    elif mtp:
+        console.print(
+            f"not loaded: the MTP module ({mtp / 1e9:.1f}B parameters); engines load it only for speculative decoding "
+            "(--speculative-method mtp)",
+            highlight=False,
+        )
 
 
 def _print_serve_lines(console: Console, plan: Plan) -> None:

@@ -14,6 +14,7 @@ from deepserve.cli.bench import add_bench_flags, config_from_args
 from deepserve.config import load_section
 from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError
+from deepserve.plan.speculative import parse_acceptance
 from deepserve.results.slo import DEFAULT_SLOS, parse_slos
 from deepserve.serve.run import stop_on_sigterm
 from deepserve.serve.service_plan import preflight
@@ -75,6 +76,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=2.0,
         help="skip a point the planner predicts beyond this many times an SLO's limit (0: never skip for SLOs)",
+    )
+    group.add_argument(
+        "--spec-acceptance",
+        default=None,
+        metavar="RATES",
+        help="for points with speculative decoding: the acceptance the planner assumes, per draft position "
+        "(0.8,0.6,0.4) or one rate for each draft given the ones before (default: published MTP/DSpark figures)",
     )
     group.add_argument("--no-planner", action="store_true", help="no predictions: run every point, in grid order")
     group.add_argument(
@@ -164,6 +172,7 @@ def _request(args: argparse.Namespace) -> TuneRequest:
         prune_margin=args.prune_margin or None,
         label=bench.output.label,
         python=args.engine_python,
+        spec_acceptance=parse_acceptance(args.spec_acceptance),
     )
 
 

@@ -9,7 +9,15 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from deepserve.config import Section, changed_flags
-from deepserve.errors import unknown_name
+from deepserve.engines.speculative import (
+    Speculation,
+    SpeculativeMethod,
+    check_consistent,
+    requested,
+    resolve_speculation,
+)
+from deepserve.errors import ConfigError, unknown_name
+from deepserve.models.spec import ModelSpec
 
 DeviceName = Literal["auto", "cpu", "cuda", "rocm"]
 DistributedBackend = Literal["mp", "ray"]
@@ -56,6 +64,20 @@ class EngineConfig(Section):
         None, ge=1, description="tokens per streamed chunk (fewer, larger SSE events; the engine's default is 1)"
     )
     trust_remote_code: bool = Field(False, description="allow the model repository's own Python code")
+    speculative_method: SpeculativeMethod | None = Field(
+        None,
+        description="speculative decoding: mtp or dspark (the model's own draft module), ngram (drafts from the "
+        "prompt), draft_model (--speculative-draft-model), auto (the vendor's recommendation for the model), none "
+        "(off; the default unless --num-speculative-tokens is given)",
+    )
+    num_speculative_tokens: int | None = Field(
+        None, ge=0, description="draft tokens per step (0: off; alone: the model's own module; default: vendor's)"
+    )
+    speculative_draft_model: str | None = Field(
+        None, description="the draft model's weights for --speculative-method draft_model (path or hub id)"
+    )
+    prompt_lookup_min: int | None = Field(None, ge=1, description="n-gram speculation: shortest prompt match")
+    prompt_lookup_max: int | None = Field(None, ge=1, description="n-gram speculation: longest prompt match")
     nnodes: int = Field(1, ge=1, description="nodes the engine spans (vLLM's native multi-node runtime)")
     node_rank: int = Field(0, ge=0, description="this node: 0 runs the API and gateway, others headless workers")
     master_addr: str | None = Field(
@@ -141,6 +163,10 @@ class EngineConfig(Section):
                 f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}: "
                 f"give each node a rank from 0 to {self.nnodes - 1}"
             )
+        try:
+            check_consistent(self.speculative_method, self.num_speculative_tokens)
+        except ConfigError as exc:  # as a ValueError, pydantic reports it with the other problems
+            raise ValueError(str(exc)) from None
         if self.nnodes > 1 and not self.master_addr:
             raise ValueError(
                 f"--nnodes {self.nnodes} needs --master-addr: node 0's address that every node can reach "
@@ -196,6 +222,49 @@ class EngineConfig(Section):
     def for_node(self, rank: int) -> EngineConfig:
         """The same deployment as node RANK runs it."""
         return self.model_copy(update={"node_rank": rank})
+
+    @property
+    def speculation_requested(self) -> bool:
+        return requested(self.speculative_method, self.num_speculative_tokens)
+
+    def speculation(
+        self, spec: ModelSpec | None, on_cpu: bool, hardware_class: str | None = None
+    ) -> Speculation | None:
+        """Speculative decoding as the engine will run it on SPEC (the vendor's recommendation filling what is not
+        given), None when off; a ConfigError when this model or device cannot run it (engines/speculative.py)."""
+        return resolve_speculation(
+            self.speculative_method,
+            self.num_speculative_tokens,
+            spec,
+            engine=self.engine,
+            on_cpu=on_cpu,
+            hardware_class=hardware_class,
+            draft_model=self.speculative_draft_model,
+            prompt_lookup_min=self.prompt_lookup_min,
+            prompt_lookup_max=self.prompt_lookup_max,
+            max_model_len=self.max_model_len,
+        )
+
+    def with_speculation(self, speculation: Speculation | None) -> EngineConfig:
+        """This config with SPECULATION written out (method and token count explicit, as launchers need them)."""
+        if speculation is None:
+            off = "none" if self.speculative_method is not None or self.num_speculative_tokens else None
+            return self.model_copy(update={"speculative_method": off, "num_speculative_tokens": None})
+        return self.model_copy(
+            update={"speculative_method": speculation.method, "num_speculative_tokens": speculation.num_tokens}
+        )
+
+    def explicit_speculation(self) -> Speculation | None:
+        """The speculation a launcher writes: only explicit settings (`auto`, or a token count without a method,
+        needs the model's config: `with_speculation(speculation(spec, ...))` first, as serve does)."""
+        if not self.speculation_requested:
+            return None
+        if self.speculative_method in (None, "auto"):
+            raise ConfigError(
+                "speculative decoding settings are not resolved for this model (method "
+                f"{self.speculative_method or 'unset'}): give --speculative-method and --num-speculative-tokens"
+            )
+        return self.speculation(None, on_cpu=False)
 
 
 def serve_command(config: EngineConfig, extra_flags: list[str] | tuple[str, ...] = ()) -> str:

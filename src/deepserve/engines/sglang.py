@@ -15,6 +15,7 @@ from deepserve.engines.base import (
 from deepserve.engines.chat_defaults import SGLANG_DEFAULTS, ChatFlags, chat_flags, sglang_chat_args
 from deepserve.engines.config import EngineConfig
 from deepserve.engines.platform import ROCM, SGLANG_ROCM_ATTENTION_BACKEND, SGLANG_ROCM_ENV, gpu_platform
+from deepserve.engines.speculative import sglang_speculative_flags
 from deepserve.errors import ConfigError, unknown_name
 from deepserve.models.chat_format import model_chat_format
 
@@ -85,6 +86,7 @@ class SglangEngine:
                 ("--disaggregation-mode", config.role),
                 ("--disaggregation-transfer-backend", _transfer_backend(config)),
                 *_chat_flags(config, model),
+                *_speculative_flags(config),
             ]
         )
         argv += config.extra_args
@@ -107,6 +109,11 @@ def _chat_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, o
     """The model's reasoning and tool-call parsers (engines/chat_defaults.py)."""
     defaults = SGLANG_DEFAULTS.get(model_chat_format(model.source), ChatFlags())
     return sglang_chat_args(chat_flags(defaults, config), config)
+
+
+def _speculative_flags(config: EngineConfig) -> list[tuple[str, object]]:
+    speculation = config.explicit_speculation()
+    return [] if speculation is None else sglang_speculative_flags(speculation)
 
 
 def _dp_attention(config: EngineConfig) -> bool:

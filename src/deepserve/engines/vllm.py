@@ -21,6 +21,7 @@ from deepserve.engines.base import (
 from deepserve.engines.chat_defaults import VLLM_DEFAULTS, ChatFlags, chat_flags, vllm_chat_args
 from deepserve.engines.config import EngineConfig
 from deepserve.engines.platform import ROCM, gpu_platform, vllm_rocm_env
+from deepserve.engines.speculative import vllm_speculative_json
 from deepserve.engines.topology import nodes_share_this_host
 from deepserve.engines.vllm_metrics import KV_CACHE_USAGE_NAMES, RUNNING, WAITING
 from deepserve.errors import ConfigError, unknown_name
@@ -196,6 +197,7 @@ def _model_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, 
         ("--stream-interval", config.stream_interval),
         ("--trust-remote-code", config.trust_remote_code or None),
         ("--kv-transfer-config", kv_transfer_config(config)),
+        ("--speculative-config", _speculative_config(config)),
     ]
 
 
@@ -224,6 +226,11 @@ def _chat_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, o
         return []
     defaults = VLLM_DEFAULTS.get(model_chat_format(model.source), ChatFlags())
     return vllm_chat_args(chat_flags(defaults, config), config)
+
+
+def _speculative_config(config: EngineConfig) -> str | None:
+    speculation = config.explicit_speculation()
+    return None if speculation is None else vllm_speculative_json(speculation)
 
 
 def _node_flags(config: EngineConfig) -> list[tuple[str, object]]:

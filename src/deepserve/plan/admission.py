@@ -23,6 +23,7 @@ from deepserve.plan.formats import FORMATS, WeightFormat, checkpoint_format, get
 from deepserve.plan.layout import Layout
 from deepserve.plan.memory import weights_per_gpu
 from deepserve.plan.planner import build_deployment, smallest_fitting_gpus
+from deepserve.plan.speculative import SpeculativeDecoding, speculative_decoding
 from deepserve.plan.types import PlanConfig
 
 GB = 1e9
@@ -41,12 +42,13 @@ class FitCheck:
 
 
 def check_gpu_fit(config: EngineConfig, model_source: str, accelerator: Accelerator | None) -> FitCheck:
-    spec = _spec_or_none(model_source)
+    spec = spec_or_none(model_source)
     if spec is None or accelerator is None:
         return FitCheck(None, _unchecked(spec is None, "the GPU type is unknown (give --gpu-type)"))
     fmt = weight_format(config, spec)
     layout = _layout(config)
     context = config.max_model_len or spec.max_position_embeddings
+    speculation, uncounted = _speculation(config, spec)
     deployment = build_deployment(
         spec,
         accelerator.name,
@@ -60,9 +62,10 @@ def check_gpu_fit(config: EngineConfig, model_source: str, accelerator: Accelera
         max_num_batched_tokens=config.max_num_batched_tokens or _default_batched_tokens(accelerator),
         draft_modules=draft_modules_loaded(config),
         fp4_indexer_cache=fp4_indexer_cache(config),
+        speculation=speculation,
     )
     memory = deployment.memory
-    where = f"{spec.name} ({fmt.name}) on {layout.gpus} x {accelerator.name}, {layout.describe()}"
+    where = f"{spec.name} ({fmt.name}) on {layout.gpus} x {accelerator.name}, {layout.describe()}{uncounted}"
     numbers = (
         f"weights {memory.weights_bytes_per_gpu / GB:.1f} GB + reserve {memory.reserve_bytes_per_gpu / GB:.1f} GB "
         f"per GPU of a {memory.budget_bytes_per_gpu / GB:.1f} GB budget"
@@ -82,20 +85,22 @@ def check_gpu_fit(config: EngineConfig, model_source: str, accelerator: Accelera
 
 
 def check_cpu_fit(config: EngineConfig, model_source: str, available_bytes: int, nodes_on_this_host: int) -> FitCheck:
-    spec = _spec_or_none(model_source)
+    spec = spec_or_none(model_source)
     if spec is None:
         return FitCheck(None, _unchecked(True, ""))
     fmt = weight_format(config, spec)
     layout = _layout(config)
-    draft_layers = spec.num_mtp_layers if draft_modules_loaded(config) and spec.draft_method else 0
+    speculation, uncounted = _speculation(config, spec)
+    loads_drafts = draft_modules_loaded(config) or (speculation is not None and speculation.draft_layers > 0)
+    draft_layers = spec.num_mtp_layers if loads_drafts and spec.draft_method else 0
     per_worker = sum(c.bytes_per_gpu for c in weights_per_gpu(spec, fmt, layout, draft_layers))
     workers = layout.gpus // config.nnodes * nodes_on_this_host
     kv_bytes = (config.kv_cache_memory_gib or CPU_DEFAULT_KV_CACHE_GIB) * GIB * workers
     need = per_worker * workers + kv_bytes + CPU_PROCESS_OVERHEAD_BYTES * workers
     numbers = (
         f"{spec.name} ({fmt.name}) needs {need / GB:,.1f} GB of RAM on this host ({per_worker * workers / GB:,.1f} "
-        f"GB of weights, {kv_bytes / GB:.1f} GB of KV cache, {workers} engine process(es)); "
-        f"{available_bytes / GB:,.1f} GB is available"
+        f"GB of weights{' with its MTP module' if draft_layers else ''}, {kv_bytes / GB:.1f} GB of KV cache, "
+        f"{workers} engine process(es)); {available_bytes / GB:,.1f} GB is available{uncounted}"
     )
     if need <= available_bytes:
         return FitCheck(True, "fits: " + numbers)
@@ -104,6 +109,17 @@ def check_cpu_fit(config: EngineConfig, model_source: str, available_bytes: int,
         "does not fit: " + numbers,
         f"serve it on GPUs (`deepserve plan --model {model_source}` says how many), or spread it over more nodes",
     )
+
+
+def _speculation(config: EngineConfig, spec: ModelSpec) -> tuple[SpeculativeDecoding | None, str]:
+    """Speculative decoding as the memory plan counts it (the MTP/DSpark layers and their KV cache; acceptance
+    does not matter here), and a note when something it loads is not counted (a separate draft model)."""
+    speculation = config.explicit_speculation() if config.speculation_requested else None
+    if speculation is None:
+        return None, ""
+    if speculation.method == "draft_model":
+        return None, f"; the draft model {speculation.draft_model} is not counted"
+    return speculative_decoding(speculation.method, speculation.num_tokens, (0.0,), spec), ""
 
 
 def weight_format(config: EngineConfig, spec: ModelSpec) -> WeightFormat:
@@ -192,7 +208,8 @@ def _layout(config: EngineConfig) -> Layout:
     )
 
 
-def _spec_or_none(model_source: str) -> ModelSpec | None:
+def spec_or_none(model_source: str) -> ModelSpec | None:
+    """The model's architecture from a preset or a local config.json; None for a hub id we have no preset for."""
     try:
         return load_spec(model_source)
     except ModelError:

@@ -28,6 +28,7 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
     """The plan as an EngineConfig for ENGINE (each engine's launcher maps the layout to its own flags)."""
     layout = deployment.layout
     memory = deployment.memory
+    speculation = deployment.speculation
     return EngineConfig.model_validate(
         {
             "engine": engine,
@@ -46,6 +47,8 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
             "master_addr": HEAD_NODE_ADDRESS if deployment.nodes > 1 else None,
             # the GPU type picks the platform's settings (ROCm's environment on AMD, TensorRT-LLM's MoE backend)
             "gpu_type": deployment.accelerator.name if deployment.accelerator.vendor != "host" else None,
+            "speculative_method": speculation.method if speculation else None,
+            "num_speculative_tokens": speculation.num_tokens if speculation else None,
         }
     )
 

@@ -171,21 +171,28 @@ class PerformanceModel:
         context_len: float,
         prefill_context: float = 0.0,
         prefill_mean_position: float | None = None,
+        queries_per_sequence: float = 1.0,
     ) -> StepCost:
         """One step of the first stage: DECODE_TOKENS sequences at CONTEXT_LEN, plus PREFILL_TOKENS of prompt
         (a chunk whose sequence already has PREFILL_CONTEXT tokens cached), counted over the whole stage (all
         data-parallel ranks together). A step that prefills several prompts gives PREFILL_MEAN_POSITION, the mean
         over its prompt tokens of the positions each attends to: attention is per sequence, so several short
-        prompts cost far less than one prompt of their summed length."""
+        prompts cost far less than one prompt of their summed length. QUERIES_PER_SEQUENCE: tokens each decoding
+        sequence computes (speculative decoding verifies K drafts and the last token: K+1, plan/speculative.py);
+        they share one read of the weights and of the sequence's cache."""
+        queries = decode_tokens * queries_per_sequence
         work = (
-            self._dense(decode_tokens, prefill_tokens),
-            self._moe(decode_tokens, prefill_tokens),
-            self._decode_attention(decode_tokens, context_len),
+            self._dense(queries, prefill_tokens),
+            self._moe(queries, prefill_tokens),
+            self._decode_attention(decode_tokens, context_len, queries_per_sequence),
             self._prefill_attention(prefill_tokens, prefill_context, prefill_mean_position),
         )
-        return StepCost(
-            self._overhead_s(decode_tokens, prefill_tokens), work, self._comm(decode_tokens + prefill_tokens)
-        )
+        return StepCost(self._overhead_s(decode_tokens, prefill_tokens), work, self._comm(queries + prefill_tokens))
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Output tokens a decoding sequence gains per step: 1 here; more with speculative decoding."""
+        return 1.0
 
     def _launch_s(self, mode: str | None = None) -> float:
         mode = mode or self.launch_mode
@@ -241,9 +248,12 @@ class PerformanceModel:
             floor = shape.moe_layers * rate.floor_us * 1e-6
         return WorkCost("moe_gemm", self._memory_s(nbytes, rate), compute, floor)
 
-    def _decode_attention(self, decode_tokens: float, context_len: float) -> WorkCost:
+    def _decode_attention(
+        self, decode_tokens: float, context_len: float, queries_per_sequence: float = 1.0
+    ) -> WorkCost:
         """Each decode token reads its sequence's cache on every layer of the stage; under TP every rank reads the
-        whole MLA latent (it is replicated), under DP attention a rank reads only its own sequences."""
+        whole MLA latent (it is replicated), under DP attention a rank reads only its own sequences. Several query
+        tokens of one sequence (verification) read its cache once and each compute their scores."""
         spec, layout, layers = self.spec, self.layout, self._shape.layers
         if not decode_tokens:
             return WorkCost("mla_decode", 0.0, 0.0)
@@ -263,7 +273,7 @@ class PerformanceModel:
             flops_per_position = 4 * heads * spec.head_dim
         sequences = decode_tokens / layout.dp
         nbytes = sequences * context_len * per_layer * layers
-        flops = sequences * context_len * flops_per_position * layers
+        flops = sequences * queries_per_sequence * context_len * flops_per_position * layers
         return WorkCost(
             "mla_decode",
             self._memory_s(nbytes, rate),
@@ -342,9 +352,10 @@ class PerformanceModel:
         decode = self.step(micro, 0, context).total_s
         with_prompt = self.step(micro, inp, context).total_s
         prompt_extra = max(with_prompt - decode, 0.0)
-        prompts_per_step = (micro - 1) / max(out - 1, 1)  # other requests' prompts arriving during my decode
+        decode_steps = max(out - 1, 1) / self.tokens_per_step  # a request's steps after its first token
+        prompts_per_step = (micro - 1) / decode_steps  # other requests' prompts arriving during my decode
         stage_step = decode + prompts_per_step * prompt_extra
-        tpot_s = pp * stage_step
+        tpot_s = pp * stage_step / self.tokens_per_step
         busy = min(prompts_per_step * prompt_extra / stage_step, MAX_PREFILL_UTILISATION)
         prefill_wait = busy / (2 * (1 - busy)) * prompt_extra + 0.5 * stage_step * (micro - 1) / micro
         solo = self.step(micro - 1, inp, context).total_s if micro > 1 else self.step(0, inp, inp / 2).total_s

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from deepserve.engines.registry import check_engine_name
+from deepserve.engines.speculative import resolve_speculation
 from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, get_network
 from deepserve.models.resolve import load_spec
@@ -19,6 +20,7 @@ from deepserve.plan.layout import Layout, check_layout, default_layout
 from deepserve.plan.memory import plan_memory
 from deepserve.plan.perf import PerformanceModel, Prediction, Workload
 from deepserve.plan.profiles import SelectedFactors
+from deepserve.plan.speculative import SpeculativeDecoding, speculative_decoding
 from deepserve.plan.types import Deployment, PlanConfig
 
 # Engines that published figures name but deepserve cannot launch: the planner reads their rows, nothing else
@@ -56,9 +58,11 @@ def build_deployment(
     accelerator: Accelerator | None = None,
     draft_modules: bool = False,
     fp4_indexer_cache: bool = False,
+    speculation: SpeculativeDecoding | None = None,
 ) -> Deployment:
     """GPU names the catalog entry; ACCELERATOR, when given, is used instead (a measured host, for instance).
-    DRAFT_MODULES: speculative decoding loads the checkpoint's MTP / DSpark modules (their weights and KV count);
+    DRAFT_MODULES: the checkpoint's MTP / DSpark modules are loaded (their weights and KV count), as SPECULATION's
+    draft layers are; SPECULATION: speculative decoding, whose draft layers the step model also runs;
     FP4_INDEXER_CACHE: V4's indexer keys in MXFP4 (vLLM's --attention_config.use_fp4_indexer_cache)."""
     accelerator = accelerator or get_accelerator(gpu)
     check_engine_name(engine, also=PUBLISHED_ONLY_ENGINES)
@@ -80,7 +84,7 @@ def build_deployment(
         context,
         workload.input_len + workload.output_len,
         max_num_batched_tokens,
-        draft_modules=draft_modules,
+        draft_modules=draft_modules or (speculation is not None and speculation.draft_layers > 0),
         fp4_indexer_cache=fp4_indexer_cache,
     )
     return Deployment(
@@ -96,7 +100,30 @@ def build_deployment(
         max_num_seqs,
         engine_version,
         max_num_batched_tokens,
+        speculation=speculation,
     )
+
+
+def plan_speculation(config: PlanConfig, spec: ModelSpec) -> SpeculativeDecoding | None:
+    """The plan's speculative decoding: the method and draft tokens as the engine resolves them for this model
+    and device (the vendor's recommendation filling what is not given; engines/speculative.py), and the acceptance
+    per position (given, or published for the method)."""
+    hardware_class = get_accelerator(config.gpu).hardware_class
+    engine = "sglang" if config.engine == "sglang" else "vllm"
+    resolved = resolve_speculation(
+        config.speculative_method,
+        config.num_speculative_tokens,
+        spec,
+        engine=engine,
+        on_cpu=hardware_class == "cpu",
+        hardware_class=hardware_class,
+        max_model_len=config.max_model_len,
+    )
+    if resolved is None:
+        if config.spec_acceptance:
+            raise ConfigError("--spec-acceptance needs speculative decoding: give --speculative-method or tokens")
+        return None
+    return speculative_decoding(resolved.method, resolved.num_tokens, config.spec_acceptance, spec)
 
 
 @dataclass(frozen=True)
@@ -165,7 +192,8 @@ class Plan:
             "slo_itl_ms": self.config.slo_itl_ms,
             "max_concurrency_within_slo": self.max_concurrency_within_slo,
             "smallest_fitting_gpus": self.smallest_fitting_gpus,
-            "mtp_params_not_loaded": d.spec.mtp_params(),
+            "mtp_params_not_loaded": 0 if d.speculation and d.speculation.draft_layers else d.spec.mtp_params(),
+            "speculative_decoding": _speculation_json(d.speculation),
             "commands": self.commands,
             "serve_commands": list(self.serve_commands),
         }
@@ -194,6 +222,19 @@ class Plan:
         }
 
 
+def _speculation_json(speculation: SpeculativeDecoding | None) -> dict[str, Any] | None:
+    if speculation is None:
+        return None
+    return {
+        "method": speculation.method,
+        "num_speculative_tokens": speculation.num_tokens,
+        "acceptance_per_position": [round(rate, 4) for rate in speculation.acceptance],
+        "acceptance_source": speculation.acceptance_source,
+        "tokens_per_step": round(speculation.tokens_per_step, 4),
+        "draft_layers": speculation.draft_layers,
+    }
+
+
 def make_plan(config: PlanConfig) -> Plan:
 
     spec = load_spec(config.model)
@@ -215,6 +256,7 @@ def make_plan(config: PlanConfig) -> Plan:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         engine_version=config.engine_version,
+        speculation=plan_speculation(config, spec),
     )
     deployment = replace(deployment, calibration=config.calibration)
     selected = deployment.select_engine()
@@ -254,6 +296,7 @@ def smallest_fitting_gpus(config: PlanConfig) -> int | None:
     8), then whole nodes with TP inside a node and PP across nodes; None beyond MAX_NODES_SEARCHED nodes."""
     spec = load_spec(config.model)
     per_node = get_accelerator(config.gpu).devices_per_node
+    speculation = plan_speculation(config, spec)
     for gpus, nodes in fitting_candidates(per_node):
         try:
             deployment = build_deployment(
@@ -268,6 +311,7 @@ def smallest_fitting_gpus(config: PlanConfig) -> int | None:
                 max_model_len=config.max_model_len,
                 workload=Workload(config.input_len, config.output_len),
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                speculation=speculation,
             )
         except ConfigError:
             continue  # e.g. a node size whose TP does not divide the heads

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator
 
 from deepserve.config import Section
 from deepserve.engines.registry import check_engine_name
+from deepserve.engines.speculative import SpeculativeMethod
 from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import Accelerator, Network
 from deepserve.models.spec import ModelSpec
@@ -19,6 +20,7 @@ from deepserve.plan.layout import Layout, layout_links
 from deepserve.plan.memory import MemoryPlan
 from deepserve.plan.perf import PerformanceModel
 from deepserve.plan.profiles import SelectedFactors, select_profile, version_key
+from deepserve.plan.speculative import SpeculativeDecoding, parse_acceptance, speculative_model
 
 DEFAULT_CONCURRENCY = (1, 8, 16, 32, 64, 128, 256)
 V1_ENGINE_VERSION = (0, 8)  # vLLM 0.8.0 made the V1 engine the default
@@ -60,6 +62,25 @@ class PlanConfig(Section):
     calibration: Path | None = Field(
         None, description="JSON from benchmarks/calibrate_gpu.py: measured kernel efficiencies replace the table's"
     )
+    speculative_method: SpeculativeMethod | None = Field(
+        None, description="speculative decoding: mtp, dspark, ngram, auto (the vendor's), none (default: off)"
+    )
+    num_speculative_tokens: int | None = Field(None, ge=0, description="draft tokens per step (0: off)")
+    spec_acceptance: list[float] = Field(
+        default_factory=list,
+        description="acceptance per draft position (0.8,0.6,0.4, vLLM's per-position rates) or one rate for each "
+        "draft given the ones before; default: published MTP/DSpark figures",
+    )
+
+    @field_validator("spec_acceptance", mode="before")
+    @classmethod
+    def _acceptance_list(cls, value: object) -> object:
+        """ "0.8,0.6" from a flag or a file, also repeated (--spec-acceptance 0.8 --spec-acceptance 0.6)."""
+        if isinstance(value, str):
+            return list(parse_acceptance(value))
+        if isinstance(value, list) and any(isinstance(item, str) for item in value):
+            return [rate for item in value for rate in parse_acceptance(str(item))]
+        return value
 
     @field_validator("engine")
     @classmethod
@@ -94,6 +115,7 @@ class Deployment:
     engine_version: str | None = None
     max_num_batched_tokens: int = 8192
     calibration: Path | None = None  # kernel figures measured on this GPU class (benchmarks/calibrate_gpu.py)
+    speculation: SpeculativeDecoding | None = None  # speculative decoding (its MTP layers are in the memory plan)
 
     @property
     def running_cap(self) -> int:
@@ -141,7 +163,7 @@ class Deployment:
         engine = selected or self.select_engine()
         assert engine is not None  # across_engines=True always finds the device's profile
         links = layout_links(self.layout, self.accelerator, self.nodes, self.network)
-        return PerformanceModel(
+        model = PerformanceModel(
             self.spec,
             self.fmt,
             self.layout,
@@ -151,3 +173,4 @@ class Deployment:
             engine,
             self.kv_dtype,
         )
+        return speculative_model(model, self.speculation)

@@ -24,7 +24,7 @@ from deepserve.gateway.config import base_url as gateway_base_url
 from deepserve.hardware.detect import has_gpu, local_gpus
 from deepserve.models.resolve import ResolvedModel, resolve_model
 from deepserve.net import ensure_port_free, free_port
-from deepserve.plan.admission import FitCheck, accelerator_for, check_cpu_fit, check_gpu_fit
+from deepserve.plan.admission import FitCheck, accelerator_for, check_cpu_fit, check_gpu_fit, spec_or_none
 from deepserve.serve.config import ServeConfig
 
 
@@ -81,6 +81,8 @@ def plan_service(
     model = resolve_model(config.model, on_cpu)
     if config.served_model_name:
         model = ResolvedModel(model.source, config.served_model_name, model.on_cpu)
+    config, speculation_note = resolve_speculation(config, model, on_this_machine)
+    notes += speculation_note
     fit = check_fit(config, model, on_this_machine)
     # GPU commands planned on a machine without one are for another machine: print them as users type them there.
     engine_python = python if on_cpu or has_gpu() else None
@@ -113,6 +115,28 @@ def _pool_note(config: EngineConfig) -> str:
         f"a {config.role} engine ({config.kv_connector}) without a gateway of its own: run `deepserve gateway` with "
         f"{flag} http://{url_host(config.host)}:{config.port}/v1 and the {other} engines beside it"
     )
+
+
+def resolve_speculation(
+    config: EngineConfig, model: ResolvedModel, on_this_machine: bool
+) -> tuple[EngineConfig, tuple[str, ...]]:
+    """CONFIG with its speculative decoding written out for this model and device (the vendor's recommendation
+    filling what is not given; engines/speculative.py), and a note saying what was chosen; unchanged when off."""
+    if not config.speculation_requested:
+        return config, ()
+    spec = spec_or_none(model.source)
+    hardware_class = "cpu" if model.on_cpu else _gpu_class(config, on_this_machine)
+    speculation = config.speculation(spec, model.on_cpu, hardware_class)
+    resolved = config.with_speculation(speculation)
+    if speculation is None:
+        return resolved, ("speculative decoding: off",)
+    return resolved, (f"speculative decoding: {speculation.describe()}",)
+
+
+def _gpu_class(config: EngineConfig, on_this_machine: bool) -> str | None:
+    gpus = local_gpus() if on_this_machine else ()
+    accelerator = accelerator_for(config.gpu_type, gpus[0].name if gpus else None)
+    return accelerator.hardware_class if accelerator else None
 
 
 def check_fit(config: EngineConfig, model: ResolvedModel, on_this_machine: bool) -> FitCheck:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from deepserve.config import Section, parse_key_values
 from deepserve.errors import ConfigError
@@ -21,7 +21,8 @@ ENGINE_FIELDS_NOT_SIMULATED = (
     "device", "dtype", "trust_remote_code", "extra_args", "startup_timeout_s", "node_rank", "master_addr",
     "master_port", "join_port", "join_timeout_s", "gpus_per_node", "data_parallel_size_local", "nnodes", "gpu_type",
     "data_parallel_address", "data_parallel_rpc_port", "distributed_executor_backend", "role", "kv_connector",
-    "kv_connector_config",
+    "kv_connector_config", "speculative_draft_model",
+    "prompt_lookup_min", "prompt_lookup_max",
 )  # fmt: skip
 
 
@@ -57,6 +58,13 @@ class SimulateConfig(Section):
     tokens_per_chunk: int = Field(
         1, ge=1, description="tokens per streamed chunk after the first (vLLM's --stream-interval)"
     )
+    spec_acceptance: list[float] = Field(
+        default_factory=list,
+        description="with speculative decoding (--speculative-method/--num-speculative-tokens): acceptance per draft "
+        "position, vLLM's per-position rates (0.8,0.6,0.4), or one rate for each draft given the ones before it "
+        "(default: published MTP/DSpark figures)",
+    )
+    spec_seed: int = Field(0, description="seed of the draws that accept or reject drafts (a run is reproducible)")
     natural_output_len: int | None = Field(
         None, ge=1, description="replies end with EOS after this many tokens unless ignore_eos (None: never)"
     )
@@ -112,6 +120,16 @@ class SimulateConfig(Section):
         "clean-up of the whole process group can be tested",
     )
     max_seconds: float | None = Field(None, gt=0, description="exit after this long, whatever happens (CI safety)")
+
+    @field_validator("spec_acceptance", mode="before")
+    @classmethod
+    def _acceptance_list(cls, value: object) -> object:
+        """ "0.8,0.6,0.4" from a flag or a file, also repeated."""
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            return [float(part) for item in value for part in str(item).replace(" ", "").split(",") if part]
+        return value
 
     @model_validator(mode="after")
     def _one_timing_mode(self) -> SimulateConfig:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deepserve.simulate.metrics import CounterReading, EngineMetrics, GaugeReading
 from deepserve.simulate.scheduler import ScheduledBatch, Scheduler, SimRequest, StepOutput
@@ -122,5 +122,14 @@ class EngineCore:
         return GaugeReading(len(scheduler.running), len(scheduler.waiting), scheduler.kv.usage)
 
     def counters(self) -> CounterReading:
-        c = self.scheduler.counters
-        return CounterReading(c.prompt_tokens, c.generation_tokens, c.preemptions, c.prefix_queries, c.prefix_hits)
+        c, spec = self.scheduler.counters, self.scheduler.spec_counters
+        reading = CounterReading(c.prompt_tokens, c.generation_tokens, c.preemptions, c.prefix_queries, c.prefix_hits)
+        if spec is None:
+            return reading
+        return replace(
+            reading,
+            spec_drafts=spec.drafts,
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
+        )

@@ -164,7 +164,7 @@ def _deliver(outputs: list[StepOutput], now_s: float) -> None:
     for output in outputs:
         request = output.request
         if request.sink is not None:
-            request.sink.on_tokens(request, [output.token_id], output.finish_reason, now_s)
+            request.sink.on_tokens(request, output.token_ids, output.finish_reason, now_s)
 
 
 class FixedLatencyEngine:

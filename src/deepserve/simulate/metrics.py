@@ -97,6 +97,11 @@ class CounterReading:
     preemptions: int
     prefix_queries: int
     prefix_hits: int
+    # speculative decoding (None when it is off: vLLM then exports none of its series)
+    spec_drafts: int | None = None
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
+    spec_accepted_per_position: tuple[int, ...] | None = None
 
 
 def render(
@@ -124,6 +129,7 @@ def render(
     out.labelled_counter(
         names.REQUEST_SUCCESS, "Count of successfully processed requests.", "finished_reason", metrics.finished
     )
+    _spec_decode(out, counters)
     out.histogram(names.TTFT, "Histogram of time to first token in seconds.", metrics.ttft)
     out.histogram(names.ITL, "Histogram of inter-token latency in seconds.", metrics.itl)
     out.histogram(names.E2E_LATENCY, "Histogram of e2e request latency in seconds.", metrics.e2e)
@@ -138,6 +144,19 @@ def render(
                   metrics.iteration_tokens)  # fmt: skip
     out.info(names.CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", cache_info)
     return out.text()
+
+
+def _spec_decode(out: _Exposition, counters: CounterReading) -> None:
+    if counters.spec_accepted_per_position is None:
+        return
+    out.counter(names.SPEC_DECODE_NUM_DRAFTS, "Number of spec decoding drafts.", counters.spec_drafts or 0)
+    out.counter(names.SPEC_DECODE_NUM_DRAFT_TOKENS, "Number of draft tokens.", counters.spec_draft_tokens or 0)
+    out.counter(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "Number of accepted tokens.", counters.spec_accepted_tokens or 0)
+    per_position = {str(position): count for position, count in enumerate(counters.spec_accepted_per_position)}
+    out.labelled_counter(
+        names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS, "Accepted tokens per draft position.", names.POSITION_LABEL,
+        per_position,
+    )  # fmt: skip
 
 
 class _Exposition:

@@ -15,6 +15,11 @@ tokens, and every step gives requests tokens to compute, within a token budget (
 After the step, every request whose scheduled tokens reached the end of its sequence samples one token; a prompt
 cut short (a chunk) samples nothing. A request stops at max_tokens, at max_model_len, or at the model's end of
 sequence (unless ignore_eos, and never before min_tokens).
+
+With speculative decoding (`Drafting`), every request that sampled gets K drafts for its next step (fewer near
+its end): that step computes its last token and the drafts (1 + K tokens, as vLLM schedules
+`num_tokens_with_spec`), the sampler decides how many drafts are accepted, the rejected ones are taken back from
+the computed tokens, and the request gains the accepted drafts plus one token, all in one output.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from deepserve.simulate.kv_cache import KVCacheManager
+from deepserve.simulate.speculation import Drafting, SpecDecodeCounters
 from deepserve.simulate.tokenizer import EOS_ID, generated_token
 
 
@@ -48,6 +54,7 @@ class SimRequest:
     __slots__ = (
         "arrival_s",
         "block_hashes",
+        "draft_tokens",
         "eos_after",
         "finish_reason",
         "first_scheduled_s",
@@ -63,6 +70,7 @@ class SimRequest:
         "output_token_ids",
         "prompt_token_ids",
         "request_id",
+        "scheduled_drafts",
         "sink",
         "status",
     )
@@ -98,6 +106,8 @@ class SimRequest:
         self.block_hashes: list[int] = []
         self.num_cached_tokens = -1  # prompt tokens the prefix cache covered when first admitted (-1: not yet)
         self.num_preemptions = 0
+        self.draft_tokens = 0  # drafts proposed for its next step (speculative decoding)
+        self.scheduled_drafts = 0  # of which the step in flight verifies
         self.finish_reason: str | None = None
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None
@@ -160,7 +170,8 @@ class ScheduledBatch:
     """One engine step: each entry is a request and how many of its tokens this step computes."""
 
     entries: list[tuple[SimRequest, int, int]] = field(default_factory=list)  # request, tokens, preemptions then
-    decode_tokens: int = 0  # requests computing exactly their one newest token
+    decode_tokens: int = 0  # requests computing their one newest token (and its drafts, if any)
+    draft_tokens: int = 0  # drafts the decoding requests verify (speculative decoding)
     prefill_tokens: int = 0  # tokens of prompts (or of recomputed sequences), chunks included
     decode_context_tokens: int = 0  # sum of the contexts the decode tokens attend to
     prefill_positions: float = 0.0  # sum over prefill tokens of their positions (for the mean without decodes)
@@ -172,7 +183,12 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return self.decode_tokens + self.prefill_tokens
+        return self.decode_tokens + self.draft_tokens + self.prefill_tokens
+
+    @property
+    def queries_per_sequence(self) -> float:
+        """Tokens each decoding request computes: its newest and the drafts it verifies (1 without drafts)."""
+        return 1.0 + self.draft_tokens / self.decode_tokens if self.decode_tokens else 1.0
 
     @property
     def context_len(self) -> float:
@@ -185,10 +201,14 @@ class ScheduledBatch:
     def add(self, request: SimRequest, tokens: int) -> None:
         self.entries.append((request, tokens, request.num_preemptions))
         start = request.num_computed_tokens
-        if tokens == 1 and start == request.num_tokens - 1 and request.output_token_ids:
+        drafts = tokens - 1
+        if start == request.num_tokens - 1 and request.output_token_ids and 0 <= drafts <= request.draft_tokens:
+            request.scheduled_drafts = drafts
             self.decode_tokens += 1
+            self.draft_tokens += drafts
             self.decode_context_tokens += start + 1
         else:
+            request.scheduled_drafts = 0
             self.prefill_tokens += tokens
             self.prefill_positions += tokens * (start + tokens / 2)
 
@@ -208,13 +228,13 @@ class SchedulerCounters:
 @dataclass
 class StepOutput:
     request: SimRequest
-    token_id: int
+    token_ids: list[int]  # one, or with speculative decoding the accepted drafts and one more
     finish_reason: str | None
     previous_token_s: float | None  # when the request's previous token appeared (None: this is its first)
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager) -> None:
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, drafting: Drafting | None = None) -> None:
         if not limits.chunked_prefill and limits.max_num_batched_tokens < limits.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({limits.max_num_batched_tokens}) is smaller than max_model_len "
@@ -226,6 +246,8 @@ class Scheduler:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.counters = SchedulerCounters()
+        self.drafting = drafting
+        self.spec_counters = SpecDecodeCounters(drafting.num_tokens) if drafting else None
 
     @property
     def has_unfinished(self) -> bool:
@@ -271,6 +293,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             wanted = request.num_tokens - request.num_computed_tokens
+            if wanted == 1:
+                wanted += request.draft_tokens  # verify its drafts with its newest token
             tokens = min(wanted, budget, self.limits.max_model_len - 1 - request.num_computed_tokens)
             if tokens <= 0:  # its tokens are in a step still in flight (pipeline parallelism)
                 index += 1
@@ -316,12 +340,14 @@ class Scheduler:
         self.kv.free(request)
         request.status = Status.PREEMPTED
         request.num_computed_tokens = 0
+        request.draft_tokens = request.scheduled_drafts = 0
         request.num_preemptions += 1
         self.counters.preemptions += 1
         self.waiting.appendleft(request)
 
     def update(self, batch: ScheduledBatch, now_s: float = 0.0) -> list[StepOutput]:
-        """The step ran: requests that reached the end of their sequence sample a token; some finish."""
+        """The step ran: requests that reached the end of their sequence sample (with drafts: the accepted drafts
+        and one more token); some finish."""
         outputs: list[StepOutput] = []
         finished = False
         counters = self.counters
@@ -330,22 +356,45 @@ class Scheduler:
                 continue  # aborted, or preempted while this step was in flight: its work was thrown away
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a chunk of a longer prompt: nothing to sample yet
-            token = request.next_token()
-            request.append_output(token)
-            counters.generation_tokens += 1
+            tokens, reason = self._sample(request)
+            counters.generation_tokens += len(tokens)
             previous_s = request.last_token_s
             if request.first_token_s is None:
                 request.first_token_s = now_s
                 counters.prompt_tokens += request.num_prompt_tokens
             request.last_token_s = now_s
-            reason = stop_reason(request, token, self.limits.max_model_len)
             if reason is not None:
                 self._finish(request, reason)
                 finished = True
-            outputs.append(StepOutput(request, token, reason, previous_s))
+            else:
+                self._propose_drafts(request)
+            outputs.append(StepOutput(request, tokens, reason, previous_s))
         if finished:
             self.running = [request for request in self.running if not request.finished]
         return outputs
+
+    def _sample(self, request: SimRequest) -> tuple[list[int], str | None]:
+        """The tokens REQUEST gains from its step: the accepted drafts and one more (stopping where it ends)."""
+        drafts, request.scheduled_drafts, request.draft_tokens = request.scheduled_drafts, 0, 0
+        accepted = 0
+        if drafts and self.drafting is not None and self.spec_counters is not None:
+            accepted = self.drafting.sampler.accepted(drafts)
+            self.spec_counters.observe(drafts, accepted)
+            request.num_computed_tokens -= drafts - accepted  # the rejected drafts' slots are recomputed later
+        tokens: list[int] = []
+        reason = None
+        while reason is None and len(tokens) <= accepted:
+            token = request.next_token()
+            request.append_output(token)
+            tokens.append(token)
+            reason = stop_reason(request, token, self.limits.max_model_len)
+        return tokens, reason
+
+    def _propose_drafts(self, request: SimRequest) -> None:
+        """K drafts for the next step: vLLM runs the drafter for every request that sampled and schedules all K
+        (the step's token budget and max_model_len may cut them; a stop inside them truncates the output)."""
+        if self.drafting is not None:
+            request.draft_tokens = self.drafting.num_tokens
 
     def _finish(self, request: SimRequest, reason: str) -> None:
         self.kv.free(request)

@@ -104,6 +104,9 @@ class SimulatorApp:
         self.models = (deployment.served_model_name, *config.lora_modules)
         self.text_of = varied_text if config.token_text == "varied" else generated_text
         self.send_log = SendLog() if config.log_sends else None
+        # A stepped engine delivers one engine output per call (with speculative decoding several tokens), which
+        # vLLM streams as one chunk; the fixed-latency engine's bursts are separate outputs written together.
+        self.outputs_are_chunks = not config.fixed_latency
         self.connections: set[_Connection] = set()
         self.created = int(time.time())
         self._started = time.monotonic()
@@ -425,6 +428,8 @@ class _Reply:
         FLUSH, when its stream is cut."""
         events: list[bytes] = []
         per_chunk = self.app.config.tokens_per_chunk
+        if self.app.outputs_are_chunks:
+            return self._output_events(finish_reason, flush)
         if per_chunk == 1 and self.sent and self.format.plain_chunks and len(self.pending) > 1:
             bulk = len(self.pending) - 1  # a burst of tokens, one per chunk: all but the last in one pass
             events = self.format.plain_token_events(self.sent, bulk)
@@ -439,6 +444,16 @@ class _Reply:
                 break
             events += self._token_event(self.pending[:size], finish_reason if last else None)
         return events
+
+    def _output_events(self, finish_reason: str | None, flush: bool) -> list[bytes]:
+        """vLLM's output processor (vllm/v1/engine/output_processor.py): every engine output's tokens in one
+        chunk; with --stream-interval K, the first token at once, then whatever has gathered once it is K or more,
+        and the rest when the request finishes."""
+        if not self.pending:
+            return []
+        if finish_reason is None and not flush and self.sent and len(self.pending) < self.app.config.tokens_per_chunk:
+            return []
+        return self._token_event(list(self.pending), finish_reason)
 
     def _usage(self, new_tokens: int) -> bytes:
         """The usage of every chunk (continuous_usage_stats), else nothing."""

@@ -31,11 +31,13 @@ from deepserve.simulate.core import EngineCore
 from deepserve.simulate.engine import Engine, FixedLatencyEngine, SteppedEngine
 from deepserve.simulate.kv_cache import KVCacheManager
 from deepserve.simulate.scheduler import Scheduler, SchedulerLimits
+from deepserve.simulate.speculation import AcceptanceSampler, Drafting
 from deepserve.simulate.timing import FixedStepTimer, PlannerStepTimer, StepTimer
 
 if TYPE_CHECKING:
     from deepserve.plan.perf import PerformanceModel, Prediction, Workload
     from deepserve.plan.planner import Plan
+    from deepserve.plan.speculative import SpeculativeDecoding
     from deepserve.plan.types import PlanConfig
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V3"
@@ -66,6 +68,7 @@ class SimulatedDeployment:
     state_blocks_per_sequence: int = 0  # V4: blocks of windows and compressor state every request holds
     plan: Plan | None = None  # the planner's view (None with fixed timings of a model it does not know)
     model_of_steps: PerformanceModel | None = None
+    speculation: SpeculativeDecoding | None = None  # speculative decoding: K drafts a step, acceptance per position
 
     def describe(self) -> str:
         if self.plan is None and self.timing.startswith("fixed TTFT"):
@@ -78,12 +81,13 @@ class SimulatedDeployment:
             if self.state_blocks_per_sequence
             else ""
         )
+        speculation = f"; speculative decoding: {self.speculation.describe()}" if self.speculation else ""
         return (
             f"{self.served_model_name} {where}; KV cache {self.num_blocks:,} blocks of {self.block_size} tokens"
             f"{state}; "
             f"max_num_seqs {self.max_num_seqs}, max_num_batched_tokens {self.max_num_batched_tokens}, chunked "
             f"prefill {_on(self.chunked_prefill)}, prefix caching {_on(self.prefix_caching)}, max_model_len "
-            f"{self.max_model_len:,}"
+            f"{self.max_model_len:,}{speculation}"
         )
 
     def _hardware(self) -> str:
@@ -132,6 +136,11 @@ def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
         "prefix_caching": engine.enable_prefix_caching is not False,
         "gpu": accelerator.name,
     }
+    if sim.spec_acceptance and not engine.speculation_requested:
+        raise ConfigError(
+            "--spec-acceptance sets how drafts are accepted: turn speculative decoding on with "
+            "--num-speculative-tokens K (or --speculative-method)"
+        )
     if sim.fixed_latency or sim.fixed_step_ms is not None:
         return _fixed(engine, sim, model, common, default_tokens)
     from deepserve.plan.planner import make_plan
@@ -166,6 +175,7 @@ def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
         timing=f"step times from the planner (profile {factors.profile}, {factors.provenance})",
         plan=plan,
         model_of_steps=plan.deployment.performance_model(factors, plan.rates),
+        speculation=plan.deployment.speculation,
         **common,
     )
 
@@ -202,6 +212,7 @@ def _fixed(
         timing = f"every step {sim.fixed_step_ms:g} ms"
     else:
         timing = f"fixed TTFT {sim.fixed_ttft_ms or 0:g} ms, ITL {sim.fixed_itl_ms or 0:g} ms per stream"
+    speculation = _fixed_speculation(engine, sim)
     return SimulatedDeployment(
         model=model,
         max_model_len=max_model_len,
@@ -210,8 +221,35 @@ def _fixed(
         max_num_batched_tokens=batched,
         pipeline_stages=1,
         timing=timing,
+        speculation=speculation,
         **common,
     )
+
+
+def _fixed_speculation(engine: EngineConfig, sim: SimulateConfig) -> SpeculativeDecoding | None:
+    """Speculative decoding with fixed step times: drafts and their acceptance as asked (no model to consult, so
+    the method is only a name and the number of draft tokens must be given)."""
+    from deepserve.plan.speculative import SpeculativeDecoding, acceptance_per_position, published_acceptance
+
+    if not engine.speculation_requested:
+        return None
+    if sim.fixed_latency:
+        raise ConfigError(
+            "--fixed-ttft-ms/--fixed-itl-ms stream each request on its own, one token at a time: simulate "
+            "speculative decoding with --fixed-step-ms (engine steps) or the step model"
+        )
+    method = engine.speculative_method if engine.speculative_method not in (None, "auto") else "mtp"
+    if engine.num_speculative_tokens is None:
+        raise ConfigError("with fixed step times give the number of drafts: --num-speculative-tokens K")
+    k = engine.num_speculative_tokens
+    published = published_acceptance(method, k)
+    if sim.spec_acceptance:
+        rates, source = acceptance_per_position(sim.spec_acceptance, k), "given"
+    elif published is not None:
+        rates, source = published
+    else:
+        raise ConfigError(f"give the acceptance of {method} drafts: --spec-acceptance 0.6 or 0.7,0.5,0.3")
+    return SpeculativeDecoding(method, k, rates, 0, source)
 
 
 def _plan_config(
@@ -245,6 +283,9 @@ def _plan_config(
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": batched,
         "calibration": sim.calibration,
+        "speculative_method": engine.speculative_method,
+        "num_speculative_tokens": engine.num_speculative_tokens,
+        "spec_acceptance": sim.spec_acceptance or None,
     }
     # Fields left unset take the planner's defaults: fewer names tie this module to PlanConfig's.
     return validate_section(PlanConfig, "plan", {key: value for key, value in values.items() if value is not None})
@@ -334,8 +375,12 @@ def build_core(deployment: SimulatedDeployment, sim: SimulateConfig) -> EngineCo
         deployment.prefix_caching,
         deployment.state_blocks_per_sequence,
     )
+    speculation = deployment.speculation
+    drafting = None
+    if speculation is not None:
+        drafting = Drafting(speculation.num_tokens, AcceptanceSampler(speculation.acceptance, seed=sim.spec_seed))
     try:
-        scheduler = Scheduler(limits, kv)
+        scheduler = Scheduler(limits, kv, drafting)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return EngineCore(scheduler, timer, deployment.pipeline_stages)

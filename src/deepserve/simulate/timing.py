@@ -30,7 +30,11 @@ class PlannerStepTimer:
         # each prompt attends to its own positions: the mean over the step's prompt tokens, not half their sum
         mean_position = batch.prefill_positions / batch.prefill_tokens if batch.prefill_tokens else None
         cost = self.model.step(
-            batch.decode_tokens, batch.prefill_tokens, batch.context_len, prefill_mean_position=mean_position
+            batch.decode_tokens,
+            batch.prefill_tokens,
+            batch.context_len,
+            prefill_mean_position=mean_position,
+            queries_per_sequence=batch.queries_per_sequence,  # with drafts: verification, then drafting
         )
         return float(cost.total_s)
 

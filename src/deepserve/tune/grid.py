@@ -87,7 +87,9 @@ def parse_value(field: str, raw: str, where: str) -> Any:
     optional field the engine should choose, and a shell-quoted argument list for list fields."""
     annotation = EngineConfig.model_fields[field].annotation
     value: Any = raw
-    if raw.lower() in DEFAULT_WORDS:
+    if raw in _choices(annotation):
+        pass  # a choice of the field's own (speculative_method=none: off), not a word for its default
+    elif raw.lower() in DEFAULT_WORDS:
         if not _optional(annotation):
             default = EngineConfig.model_fields[field].get_default(call_default_factory=True)
             raise ConfigError(f"{where}: {field} has no engine default to fall back on (its default is {default!r})")
@@ -149,6 +151,14 @@ def _initials(field: str) -> str:
 def _slug(value: Any) -> str:
     text = format_value(value)
     return "".join(ch if ch.isalnum() or ch in ".+" else "_" for ch in text)[:24]
+
+
+def _choices(annotation: Any) -> tuple[Any, ...]:
+    """The Literal values a field takes (through Optional), or none."""
+    for arg in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(arg) is typing.Literal:
+            return typing.get_args(arg)
+    return ()
 
 
 def _optional(annotation: Any) -> bool:

@@ -132,8 +132,11 @@ def default_planner_gpu(on_cpu: bool) -> tuple[str | None, str]:
     return accelerator.name, ""
 
 
-def plan_config_for(config: EngineConfig, model: str, gpu: str, shape: LoadShape) -> PlanConfig:
-    """One engine-config point as the planner's question (the one place that maps EngineConfig to PlanConfig)."""
+def plan_config_for(
+    config: EngineConfig, model: str, gpu: str, shape: LoadShape, spec_acceptance: Sequence[float] = ()
+) -> PlanConfig:
+    """One engine-config point as the planner's question (the one place that maps EngineConfig to PlanConfig).
+    SPEC_ACCEPTANCE: the drafts' acceptance per position when the point speculates (default: published)."""
     return PlanConfig(
         model=model,
         gpu=gpu,
@@ -153,16 +156,26 @@ def plan_config_for(config: EngineConfig, model: str, gpu: str, shape: LoadShape
         gpu_memory_utilization=config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens or PLANNER_DEFAULT_BATCHED_TOKENS,
+        speculative_method=config.speculative_method,
+        num_speculative_tokens=config.num_speculative_tokens,
+        spec_acceptance=list(spec_acceptance) if config.speculation_requested else [],
     )
 
 
-def forecast(config: EngineConfig, model: str, gpu: str | None, shape: LoadShape | None, why_not: str) -> Forecast:
+def forecast(
+    config: EngineConfig,
+    model: str,
+    gpu: str | None,
+    shape: LoadShape | None,
+    why_not: str,
+    spec_acceptance: Sequence[float] = (),
+) -> Forecast:
     """What the planner predicts for CONFIG (serving MODEL on GPU) under SHAPE; WHY_NOT says why there is no GPU
     or shape to predict with."""
     if gpu is None or shape is None:
         return Forecast(fits=None, note=why_not)
     try:
-        plan = _plan(plan_config_for(config, model, gpu, shape), config)
+        plan = _plan(plan_config_for(config, model, gpu, shape, spec_acceptance), config)
     except (DeepserveError, ValueError) as exc:
         return Forecast(fits=None, note=f"the planner cannot model this point: {exc}")
     caveat = _caveat(plan)

@@ -40,6 +40,7 @@ class TuneRequest:
     prune_margin: float | None = 2.0
     label: str | None = None
     python: str = sys.executable  # the interpreter the launcher starts engines with
+    spec_acceptance: tuple[float, ...] = ()  # drafts' acceptance the planner assumes (default: published figures)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,14 @@ def build_spec(request: TuneRequest) -> TuneSpec:
     gpu, why_not = _planner_gpu(request, plans)
     shape, shape_why_not = load_shape(request.bench)
     forecasts = [
-        forecast(point.config, plans[point.point_id].model.source, gpu, shape, why_not or shape_why_not)
+        forecast(
+            point.config,
+            plans[point.point_id].model.source,
+            gpu,
+            shape,
+            why_not or shape_why_not,
+            request.spec_acceptance,
+        )
         if point.point_id in plans
         else Forecast(fits=None, note="not planned: the engine refuses this config")
         for point in points

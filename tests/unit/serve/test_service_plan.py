@@ -223,3 +223,47 @@ def test_trtllm_on_cpu_stops_at_the_command_line_and_says_how_to_get_it(
     monkeypatch.setattr(service.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(EngineError, match=r"trtllm is not installed .*nvcr.io/nvidia/tensorrt-llm/release"):
         service.preflight(plan)
+
+
+# ---- speculative decoding ------------------------------------------------------------------------------------------
+
+
+def test_speculation_is_resolved_for_the_model_and_shown_in_the_dry_run(eight_gpus: None) -> None:
+    config = EngineConfig(
+        model="deepseek-ai/DeepSeek-V3", tensor_parallel_size=8, gpu_type="h200", speculative_method="auto"
+    )
+    plan = service.plan_service(config)
+    assert (plan.config.speculative_method, plan.config.num_speculative_tokens) == ("mtp", 1)
+    text = service.dry_run_text(plan)
+    assert "# note: speculative decoding: mtp, 1 draft token(s) per step (vLLM's own default" in text
+    assert """--speculative-config '{"method":"mtp","num_speculative_tokens":1}'""" in text
+    assert plan.fit is not None and plan.fit.fits
+    without = service.plan_service(config.model_copy(update={"speculative_method": None}))
+    assert "speculative" not in service.dry_run_text(without)
+    assert without.fit is not None
+    # the MTP layer's weights and cache come out of the KV cache the memory plan reports
+    assert _kv_tokens(plan.fit.summary) < _kv_tokens(without.fit.summary)
+
+
+def _kv_tokens(summary: str) -> int:
+    return int(summary.rsplit("KV cache ", 1)[1].split(" tokens")[0].replace(",", ""))
+
+
+def test_a_model_without_an_mtp_module_is_refused_with_the_alternative(eight_gpus: None) -> None:
+    config = EngineConfig(
+        model="cognitivecomputations/DeepSeek-V3-AWQ", tensor_parallel_size=8, num_speculative_tokens=2
+    )
+    with pytest.raises(ConfigError, match="ships no draft module.*ngram"):
+        service.plan_service(config)
+
+
+def test_cpu_mtp_on_the_tiny_model_counts_the_module(no_gpu: None, tmp_path: Path) -> None:
+    import json
+
+    from deepserve.models.tiny import tiny_config
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config() | {"num_nextn_predict_layers": 1}))
+    plan = service.plan_service(EngineConfig(model=str(tmp_path), num_speculative_tokens=2))
+    assert plan.config.speculative_method == "mtp"
+    assert plan.fit is not None and "with its MTP module" in plan.fit.summary
+    assert '"num_speculative_tokens":2' in plan.launch.shell_line()

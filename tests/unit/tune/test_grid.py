@@ -95,3 +95,13 @@ def test_multi_node_fields_are_not_tuned():
         parse_axis("nnodes=1,2")
     with pytest.raises(ConfigError, match="on this machine alone"):
         parse_setting("master_addr=10.0.0.1")
+
+
+def test_a_fields_own_choice_named_none_is_not_its_default():
+    """speculative_method=none turns speculation off; only for fields without such a choice does `none` mean the
+    engine's default."""
+    from deepserve.tune.grid import parse_axis
+
+    assert parse_axis("speculative_method=none,mtp,auto").values == ("none", "mtp", "auto")
+    assert parse_axis("num_speculative_tokens=0,1,2,3").values == (0, 1, 2, 3)
+    assert parse_axis("max_num_seqs=none,8").values == (None, 8)

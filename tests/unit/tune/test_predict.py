@@ -115,3 +115,56 @@ def test_skipped_points_go_last_with_their_reason():
 
 def test_on_a_cpu_machine_the_planner_models_this_host():
     assert default_planner_gpu(on_cpu=True) == ("host", "")
+
+
+# ---- speculative decoding as a grid dimension -----------------------------------------------------------------------
+
+
+def test_the_number_of_draft_tokens_is_a_grid_dimension_the_planner_forecasts():
+    """`--grid num_speculative_tokens=0,1,2,3`: 0 is off, K the model's own MTP with K drafts; the forecast of each
+    point comes from the plan's speculative step (one user gains, a full batch gains less)."""
+    axis = parse_axis("num_speculative_tokens=0,1,2,3")
+    points = expand([axis], EngineConfig(model="deepseek-ai/DeepSeek-R1", tensor_parallel_size=8))
+    question = plan_config_for(points[2].config, "deepseek-ai/DeepSeek-R1", "h200", SHAPE, (0.9, 0.7, 0.5))
+    assert (question.num_speculative_tokens, question.spec_acceptance) == (2, [0.9, 0.7, 0.5])
+    one_user = LoadShape(1024, 256, 8, 1, math.inf)
+    tpots = [forecast(p.config, "deepseek-ai/DeepSeek-R1", "h200", one_user, "").tpot_ms for p in points]
+    assert all(t is not None for t in tpots)
+    assert tpots[0] > tpots[1] > tpots[2]  # 1.92, 2.58 tokens a step (published MTP acceptance)
+    ngram = EngineConfig(
+        model="deepseek-ai/DeepSeek-R1", tensor_parallel_size=8, speculative_method="ngram", num_speculative_tokens=3
+    )
+    unknown = forecast(ngram, "deepseek-ai/DeepSeek-R1", "h200", one_user, "")
+    assert unknown.fits is None and "--spec-acceptance" in unknown.note  # never pruned for lack of a forecast
+    assert forecast(ngram, "deepseek-ai/DeepSeek-R1", "h200", one_user, "", (0.5,)).predicted
+
+
+def test_a_speculating_point_the_plan_shows_missing_the_slo_is_pruned(monkeypatch):
+    """On this CPU's profile speculation is slower than none (shared/DESIGN.md): with a TPOT SLO between the two,
+    the speculating points are skipped and the plain one runs first."""
+    from deepserve.hardware import host
+
+    measured = host.HostMeasurement("box", "Test CPU", 2, 26.0, 140.0, 15.2, "2026-11-23T00:00:00Z")
+    monkeypatch.setattr(host, "measured_host", lambda refresh=False: measured)
+    points = expand([parse_axis("num_speculative_tokens=0,3")], EngineConfig(max_model_len=512))
+    shape = LoadShape(128, 64, 8, 1, math.inf)
+    tiny_forecasts = [forecast(p.config, _tiny_mtp(), "host", shape, "") for p in points]
+    plain, speculating = (f.tpot_ms for f in tiny_forecasts)
+    assert plain is not None and speculating is not None and speculating > plain
+    slo = parse_slo(f"mean_tpot_ms={(plain + speculating) / 4:.3f}")  # a margin of 2 puts the limit between them
+    planned = plan_order(points, tiny_forecasts, [slo], 2.0)
+    assert [p.point.describe() for p in planned] == ["num_speculative_tokens=0", "num_speculative_tokens=3"]
+    assert planned[1].skip_reason is not None and "predicted" in planned[1].skip_reason
+
+
+def _tiny_mtp() -> str:
+    """A tiny V3 with one MTP layer (config.json only: the planner reads nothing else)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from deepserve.models.tiny import tiny_config
+
+    directory = Path(tempfile.mkdtemp(prefix="tiny-mtp-"))
+    (directory / "config.json").write_text(json.dumps(tiny_config() | {"num_nextn_predict_layers": 1}))
+    return str(directory)
