@@ -41,6 +41,7 @@ from deepserve.gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from deepserve.gateway.http_server import DISCONNECT_SCOPE_KEY
 from deepserve.gateway.keys import ApiKey, KeyRing, KeyStore
 from deepserve.gateway.ledger import UsageLedger, UsageRow
 from deepserve.gateway.limits import Admission, Limiter, LocalLimiter
@@ -312,8 +313,6 @@ class GatewayApp:
                 await self._not_found(scope, receive, send)
             else:
                 await handler(scope, receive, send)
-        elif scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
 
     async def _not_found(self, scope: Scope, receive: Receive, send: Send) -> None:
         routes = ", ".join(self._routes)
@@ -341,17 +340,6 @@ class GatewayApp:
                     '%s "%s %s" %d %.1fms', _client_text(scope.get("client")), scope["method"], scope["path"][:200],
                     status, elapsed_ms,
                 )  # fmt: skip
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await self.start()
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.close()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     # ---- small routes -------------------------------------------------------------------------------------------
 
@@ -457,7 +445,7 @@ class GatewayApp:
             exchange.admission = await self.limiter.admit(
                 key.id if key else None, key.limits if key else None, self._charge(parsed)
             )
-            watcher = asyncio.create_task(_watch_disconnect(receive, exchange, task))
+            watcher = _cancel_on_disconnect(scope, receive, exchange, task)
             await self.limiter.acquire_slot(exchange.admission)
             prompt = prompt_text_for_routing(parsed.request, endpoint.prompt_field) if self._prompt_for_routing else ""
             await self._forward(exchange, parsed, RoutingHints(parsed.affinity_text, headers.session, prompt), send)
@@ -801,12 +789,27 @@ def _client_text(client: Any) -> str:
     return "-"
 
 
-async def _watch_disconnect(receive: Receive, exchange: _Exchange, task: asyncio.Task[Any] | None) -> None:
-    """Cancel TASK when the client disconnects before the response is complete."""
-    message = await receive()
-    if message["type"] == "http.disconnect" and not exchange.finished and task is not None:
-        exchange.client_gone = True
-        task.cancel("client disconnected")
+def _cancel_on_disconnect(
+    scope: Scope, receive: Receive, exchange: _Exchange, task: asyncio.Task[Any] | None
+) -> asyncio.Task[None] | None:
+    """Cancel TASK when the client disconnects before the response is complete: through the gateway's server's
+    disconnect callback (no task per request), or under another ASGI server through a task that waits in receive."""
+
+    def gone() -> None:
+        if not exchange.finished and task is not None:
+            exchange.client_gone = True
+            task.cancel("client disconnected")
+
+    on_disconnect = scope.get(DISCONNECT_SCOPE_KEY)
+    if on_disconnect is not None:
+        on_disconnect(gone)
+        return None
+    return asyncio.create_task(_watch_disconnect(receive, gone))
+
+
+async def _watch_disconnect(receive: Receive, gone: Callable[[], None]) -> None:
+    if (await receive())["type"] == "http.disconnect":
+        gone()
 
 
 def _uncancel() -> None:
