@@ -14,12 +14,10 @@ import logging
 import time
 from collections.abc import Callable
 
-import aiohttp
-
 from deepserve.engines.base import LoadMetricNames
 from deepserve.engines.registry import ENGINES
 from deepserve.gateway.balancing import EngineLoad
-from deepserve.gateway.upstreams import UpstreamPool, UpstreamReplica
+from deepserve.gateway.upstreams import CLIENT_FAILURES, UpstreamPool, UpstreamReplica
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +107,13 @@ class EngineLoadScraper:
             await asyncio.sleep(self.interval_s)
 
     async def _scrape(self, replica: UpstreamReplica) -> None:
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s * SCRAPE_TIMEOUT_INTERVALS))
+        timeout_s = max(1.0, self.interval_s * SCRAPE_TIMEOUT_INTERVALS)
         try:
-            async with self.pool.session.get(replica.root + "/metrics", timeout=timeout) as response:
-                if response.status != 200:
-                    raise aiohttp.ClientResponseError(response.request_info, (), status=response.status)
-                text = (await response.read()).decode("utf-8", errors="replace")
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+            status, body = await self.pool.get(replica, "/metrics", timeout_s)
+        except CLIENT_FAILURES:
+            status, body = 0, b""
+        if status != 200:
             self.loads.pop(replica.url, None)
             return
+        text = body.decode("utf-8", errors="replace")
         self.loads[replica.url] = parse_engine_load(text, self._clock())

@@ -1,14 +1,16 @@
 """A lean HTTP/1.1 client for the upstream pool: one asyncio Protocol per connection, httptools' response parser,
 keep-alive connections per origin.
 
-It does only what the gateway needs from an engine (POST a JSON body or GET, read a response whole or as it
-arrives) and does it with little work per event: the body chunk the parser hands over is queued as is, a read
+It is the gateway process's one HTTP client: requests, health checks, model listings and metrics scrapes all go
+through it, with one timeout and error family. It does only what the gateway needs from an engine (POST a JSON body
+or GET, read a response whole or as it arrives; `fetch`: a whole exchange within one deadline) and does it with
+little work per event: the body chunk the parser hands over is queued as is, a read
 wakes one future, and the read timeout is one timer per response that is moved only when it fires (an idle check),
 not re-armed on every chunk, and paused while we stop reading for a slow reader. A request may also set a deadline
 for the response head (the first-byte timeout), checked by the same timer. Host names are resolved once per
 DNS_TTL_S, not per connection. Upstream failures are OSErrors (ConnectFailed, IncompleteResponse, TimeoutError,
-FirstByteTimeout, Abandoned); the upstream pool maps them to the gateway's, and lets anything else (our bugs)
-through.
+FirstByteTimeout, Abandoned, ResponseTooLarge); the upstream pool maps them to the gateway's, and lets anything else
+(our bugs) through.
 
 Every deadline is computed from an injected clock (`clock`, time.monotonic by default); the event loop's timers
 only decide when to look. Tests move a fake clock and call `check_timeouts` or `sweep_idle` instead of sleeping."""
@@ -35,6 +37,9 @@ _RESUME_AT_CHUNKS = _PAUSE_AT_CHUNKS // 2
 # otherwise, in the default executor); a connect failure on a reused address resolves again at once.
 DNS_TTL_S = 60.0
 
+# The most a `fetch` reads of one answer (an engine's /metrics is about 100 KB): beyond it the answer is refused.
+MAX_FETCH_BYTES = 16 << 20
+
 # (host, port) -> the IP addresses to try, in order.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 Clock = Callable[[], float]
@@ -59,6 +64,10 @@ class FirstByteTimeout(TimeoutError):
 
 class Abandoned(ConnectionError):
     """The request was given up while it waited for the response head (`HttpClient.abort_waiting`)."""
+
+
+class ResponseTooLarge(ConnectionError):
+    """A `fetch` answer longer than its limit: the connection is dropped rather than read on."""
 
 
 class HttpResponse:
@@ -351,22 +360,61 @@ class HttpClient:
         self._ssl: ssl.SSLContext | None = None
 
     async def request(
-        self, method: str, origin: Origin, target: str, body: bytes = b"", *, head_timeout_s: float | None = None
+        self,
+        method: str,
+        origin: Origin,
+        target: str,
+        body: bytes = b"",
+        *,
+        head_timeout_s: float | None = None,
+        headers: bytes = b"",
     ) -> HttpResponse:
-        """METHOD TARGET with a JSON BODY; the response once its head arrived. Raises ConnectFailed (nothing was
-        sent), ConnectionError (the connection dropped; Abandoned when `abort_waiting` gave it up), TimeoutError
-        (connect or read; FirstByteTimeout when no head came within HEAD_TIMEOUT_S). Anything else is a bug of ours
-        (e.g. a TARGET that is not latin-1) and is raised before a connection is taken."""
+        """METHOD TARGET with a JSON BODY (and HEADERS: complete header lines, e.g. an Authorization); the response
+        once its head arrived. Raises ConnectFailed (nothing was sent), ConnectionError (the connection dropped;
+        Abandoned when `abort_waiting` gave it up), TimeoutError (connect or read; FirstByteTimeout when no head came
+        within HEAD_TIMEOUT_S). Anything else is a bug of ours (e.g. a TARGET that is not latin-1) and is raised
+        before a connection is taken."""
         head = (
             f"{method} {target} HTTP/1.1\r\nHost: {origin.host_header}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
+            f"Content-Length: {len(body)}\r\n"
         ).encode("latin-1")
+        head += headers + b"\r\n" if headers else b"\r\n"
         connection = self._take_idle(origin.key) or await self._connect(origin)
         try:
             return await connection.exchange(head, body, head_timeout_s)
         except BaseException:
             connection.close()
             raise
+
+    async def fetch(
+        self,
+        method: str,
+        origin: Origin,
+        target: str,
+        body: bytes = b"",
+        *,
+        timeout_s: float,
+        max_bytes: int = MAX_FETCH_BYTES,
+        headers: bytes = b"",
+    ) -> tuple[int, bytes]:
+        """(status, body) of a whole exchange that must end within TIMEOUT_S (TimeoutError otherwise): health
+        checks, model listings, metrics scrapes. An answer over MAX_BYTES raises ResponseTooLarge. Raises what
+        `request` raises."""
+        async with _compat.timeout(timeout_s):
+            response = await self.request(method, origin, target, body, headers=headers)
+            try:
+                parts: list[bytes] = []
+                size = 0
+                async for chunk in response.chunks():
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise ResponseTooLarge(f"the answer to {method} {target} is over {max_bytes} bytes")
+                    parts.append(chunk)
+            except BaseException:
+                response.close()
+                raise
+            response.release()
+            return response.status, b"".join(parts)
 
     def _take_idle(self, origin: tuple[str, int, bool]) -> _Connection | None:
         idle = self._idle.get(origin)

@@ -1,9 +1,10 @@
 """The upstream pool: replicas of the engine, one shared keep-alive connection pool, health checks, and the one
-place where the HTTP clients' exceptions become the gateway's `UpstreamError` hierarchy.
+place where the HTTP client's exceptions become the gateway's `UpstreamError` hierarchy.
 
-Requests go through `http_client.HttpClient` (a raw asyncio protocol with httptools' parser), which costs about a
-third of aiohttp's CPU per request (benchmarks/upstream_client.py; figures in docs/PERFORMANCE.md). Health checks
-(once a second) and other side calls keep using aiohttp's session.
+Everything the gateway sends an engine goes through one `http_client.HttpClient` (a raw asyncio protocol with
+httptools' parser, about a third of aiohttp's CPU per request: benchmarks/upstream_client.py, docs/PERFORMANCE.md):
+requests (`post`), and the side calls, each a whole exchange within one deadline (`get`: health checks once a second,
+model listings, the engines' /metrics), with one family of errors (CLIENT_FAILURES).
 
 A replica leaves rotation at once when a request to it fails to connect or times out (passive check), or when its
 health check fails (active check every `health_check_interval_s`), and comes back when its /health answers again.
@@ -15,13 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
-
-import aiohttp
 
 from deepserve.gateway.balancing import BalancingPolicy, RoutingHints
 from deepserve.gateway.errors import (
@@ -90,10 +90,8 @@ class UpstreamPool:
         self.health_check_interval_s = health_check_interval_s
         self.max_model_len_override = max_model_len
         self.models: dict[str, int | None] = {}  # the union over healthy replicas (read on every request)
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
         # A check answered later than this counts as timed out (CHECK_TIMEOUTS_TO_FAIL in a row take a replica out).
         self.health_timeout_s = max(0.5, min(2.0, health_check_interval_s * 2))
-        self._session: aiohttp.ClientSession | None = None
         self.client = HttpClient(
             connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, idle_s=IDLE_CONNECTION_S, clock=clock
         )
@@ -102,16 +100,6 @@ class UpstreamPool:
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        # Idle connections are closed before the engine closes them (uvicorn, under vLLM and SGLang, after 5 s), so a
-        # request rarely picks a connection the server is closing at that moment.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_S, ttl_dns_cache=300)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=self._timeout,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )
         await self.check_all()
         self._health_task = asyncio.create_task(self._health_loop(), name="upstream-health")
 
@@ -120,14 +108,7 @@ class UpstreamPool:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
-        if self._session:
-            await self._session.close()
         await self.client.close()
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "UpstreamPool.start() was not awaited"
-        return self._session
 
     # ---- routing ------------------------------------------------------------------------------------------------
 
@@ -176,6 +157,11 @@ class UpstreamPool:
         except CLIENT_FAILURES as exc:
             raise upstream_error(exc, replica) from exc
 
+    async def get(self, replica: UpstreamReplica, path: str, timeout_s: float) -> tuple[int, bytes]:
+        """(status, body) of GET PATH (from the replica's root, e.g. /metrics) within TIMEOUT_S. Raises one of
+        CLIENT_FAILURES (a TimeoutError when late)."""
+        return await self.client.fetch("GET", replica.origin, replica.path_prefix + path, timeout_s=timeout_s)
+
     # ---- health -------------------------------------------------------------------------------------------------
 
     async def check_all(self) -> None:
@@ -195,14 +181,13 @@ class UpstreamPool:
         answers an error; down after CHECK_TIMEOUTS_TO_FAIL timeouts in a row, since under heavy load a live replica
         can be slow to answer while it streams to everyone else."""
         try:
-            timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
-            async with self.session.get(replica.root + HEALTH_PATH, timeout=timeout) as response:
-                if response.status != 200:
-                    raise UpstreamUnavailable(f"/health answered {response.status}")
+            status, _ = await self.get(replica, HEALTH_PATH, self.health_timeout_s)
+            if status != 200:
+                raise UpstreamUnavailable(f"/health answered {status}")
             if not replica.healthy or not replica.models or replica.checks_since_models >= MODELS_REFRESH_EVERY:
                 replica.models = await self._fetch_models(replica)
                 replica.checks_since_models = 0
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        except TimeoutError as exc:  # asyncio's too on 3.11+ (a CLIENT_FAILURE as well, counted apart)
             replica.failed_checks += 1
             if replica.failed_checks >= CHECK_TIMEOUTS_TO_FAIL:
                 self._fail_check(replica, f"{replica.failed_checks} health checks timed out ({type(exc).__name__})")
@@ -220,11 +205,10 @@ class UpstreamPool:
         self.mark_down(replica, f"health check failed: {reason}")
 
     async def _fetch_models(self, replica: UpstreamReplica) -> dict[str, int | None]:
-        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
-        async with self.session.get(replica.root + MODELS_PATH, timeout=timeout) as response:
-            if response.status != 200:
-                raise UpstreamUnavailable(f"{MODELS_PATH} answered {response.status}")
-            listing = await response.json()
+        status, body = await self.get(replica, MODELS_PATH, self.health_timeout_s)
+        if status != 200:
+            raise UpstreamUnavailable(f"{MODELS_PATH} answered {status}")
+        listing = json.loads(body)
         return {card["id"]: card.get("max_model_len") for card in listing.get("data", [])}
 
     def _update_models(self) -> None:
