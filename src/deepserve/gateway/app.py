@@ -44,7 +44,7 @@ from deepserve.gateway.errors import (
 from deepserve.gateway.http_server import DISCONNECT_SCOPE_KEY
 from deepserve.gateway.keys import ApiKey, KeyRing, KeyStore
 from deepserve.gateway.ledger import UsageLedger, UsageRow
-from deepserve.gateway.limits import Admission, Limiter, LocalLimiter
+from deepserve.gateway.limits import Admission, Limiter, make_limiter
 from deepserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.streaming import StreamTap
@@ -237,10 +237,9 @@ class GatewayApp:
             self.keyring = KeyRing(KeyStore())
             self.ledger = UsageLedger()
         await self.limiter.start()
-        shared = getattr(self.limiter, "revoked_ids", None)
-        if self.keyring is not None and shared is not None:
-            self.keyring.revoked_ids = shared  # one set: what Redis announces is refused at once
-        self.metrics.watch_limiter(self.limiter)
+        if self.keyring is not None:
+            self.keyring.revoked_ids = self.limiter.revoked_ids  # one set: what Redis announces is refused at once
+        self.limiter.watch(self.metrics.limiter_fallbacks.inc, self.metrics.redis_errors.inc)
         await self.pool.start()
         if self._engine_load is not None:
             await self._engine_load.scrape_once()
@@ -291,13 +290,12 @@ class GatewayApp:
             self.keyring.refresh()
         except Exception:
             log.exception("reloading keys failed; keeping the previous set")
-        publish = getattr(self.limiter, "publish_revocation", None)
-        if publish is None:
+        if not self.limiter.shared:
             return
         for key_id, revoked_at in self.keyring.revoked_here.items():
             if key_id not in self.keyring.revoked_ids:
                 try:
-                    await publish(key_id, revoked_at)
+                    await self.limiter.publish_revocation(key_id, revoked_at)
                 except Exception as exc:  # tried again on the next refresh
                     log.warning("could not publish the revocation of key %s to Redis: %s", key_id, exc)
                     return
@@ -681,26 +679,6 @@ class GatewayApp:
             request_body=request_body,
             response_body=response_body,
         )
-
-
-def make_limiter(config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> Limiter:
-    """Limits in this process's memory, or shared through Redis with --redis-url. CLOCK times this process's own
-    waits (the slot queue, the local limits); shared buckets run on Redis's clock."""
-    if not config.redis_url:
-        return LocalLimiter(config.max_concurrency, config.max_queue, config.queue_timeout_s, clock)
-    from deepserve.gateway.shared_limits import RedisLimiter  # the redis client: only when limits are shared
-
-    return RedisLimiter(
-        config.redis_url,
-        max_concurrency=config.max_concurrency,
-        max_queue=config.max_queue,
-        queue_timeout_s=config.queue_timeout_s,
-        lease_s=config.redis_lease_s,
-        timeout_s=config.redis_timeout_s,
-        fail_open=config.redis_fail_open,
-        prefix=config.redis_prefix,
-        local_clock=clock,
-    )
 
 
 def _billable_tokens(exchange: _Exchange, tokens: tuple[int | None, int | None]) -> int | None:

@@ -116,12 +116,6 @@ class GatewayMetrics:
             )
         return per_model
 
-    def watch_limiter(self, limiter: Limiter) -> None:
-        """Count the shared limiter's Redis failures and fallbacks (a local limiter has none)."""
-        if hasattr(limiter, "on_fallback") and hasattr(limiter, "on_error"):
-            limiter.on_fallback = self.limiter_fallbacks.inc
-            limiter.on_error = self.redis_errors.inc
-
     def publish_live_state(self) -> None:
         """Several workers: copy this worker's live state where the others' /metrics can add it up."""
         if self._live_files is not None:
@@ -153,10 +147,11 @@ class _LiveState(Collector):
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("deepserve_gateway_queue_depth", "Requests waiting for a slot", self.limiter.waiting)
         yield GaugeMetricFamily("deepserve_gateway_in_flight", "Requests being forwarded", self.limiter.in_flight)
-        redis_up = getattr(self.limiter, "up", None)
-        if redis_up is not None:
+        if self.limiter.shared:
             yield GaugeMetricFamily(
-                "deepserve_gateway_redis_up", "1 while the shared limits' Redis answers", 1.0 if redis_up else 0.0
+                "deepserve_gateway_redis_up",
+                "1 while the shared limits' Redis answers",
+                1.0 if self.limiter.up else 0.0,
             )
         healthy = GaugeMetricFamily(
             "deepserve_gateway_upstream_healthy", "1 if the replica is in rotation", labels=["replica"]
