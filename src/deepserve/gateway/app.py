@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -49,6 +50,7 @@ from deepserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.streaming import StreamTap
 from deepserve.gateway.upstreams import UpstreamPool, UpstreamReplica, iter_chunks, read_body
+from deepserve.gateway.usage import NO_COUNTS, TokenCounts, read_usage
 from deepserve.gateway.validation import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -78,8 +80,6 @@ _KEY_REFRESH_INTERVAL_S = 1.0
 DEFAULT_CHARGE_CAP_TOKENS = 131072
 # Keep at most this much of a streamed response when log_bodies is on.
 _MAX_LOGGED_BODY_BYTES = 1 << 20
-# Token counts from an upstream's usage block are believed only in this range (SQLite's INTEGER holds them).
-_MAX_TOKEN_COUNT = 2**53
 
 
 class _Exchange:
@@ -138,32 +138,30 @@ class _Exchange:
     def model(self) -> str:
         return self.parsed.client_model if self.parsed else "-"
 
-    def token_counts(self) -> tuple[int | None, int | None]:
-        """(prompt, completion) tokens: the upstream's usage when it sent one; for a stream that ended without it
-        (the client went away, the gateway cut it), the tokens it delivered, counted from the events relayed."""
+    def token_counts(self) -> TokenCounts:
+        """The request's tokens: the upstream's usage when it sent one; for a stream that ended without it (the
+        client went away, the gateway cut it), the tokens it delivered, counted from the events relayed. Reasoning
+        tokens from the usage when it says, else counted from the stream's reasoning events."""
         usage = self.usage if self.usage is not None or self.tap is None else self.tap.usage
         if usage is not None:
-            return _token_count(usage.get("prompt_tokens")), _token_count(usage.get("completion_tokens"))
-        if self.tap is not None and self.response_started:
-            return None, self.tap.delivered_tokens()
-        return None, None
+            counts = read_usage(usage)
+        elif self.tap is not None and self.response_started:
+            counts = TokenCounts(None, self.tap.delivered_tokens())
+        else:
+            return NO_COUNTS
+        if counts.reasoning is None and self.tap is not None and self.tap.reasoning_events:
+            counts = dataclasses.replace(counts, reasoning=self.tap.reasoning_events, reasoning_source="deltas")
+        return counts
 
-    def used_tokens(self, tokens: tuple[int | None, int | None]) -> int | None:
+    def used_tokens(self, tokens: TokenCounts) -> int | None:
         """What the request cost its key's token bucket, from its TOKENS (`token_counts`): the usage, or the prompt
         estimate plus the tokens delivered."""
-        prompt, completion = tokens
+        prompt, completion = tokens.prompt, tokens.completion
         if prompt is None and completion is None:
             return None
         if prompt is None:
             prompt = self.parsed.prompt_tokens_estimate if self.parsed else 0
         return prompt + (completion or 0)
-
-
-def _token_count(value: Any) -> int | None:
-    """VALUE when it is a plausible token count (an upstream may send anything)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_TOKEN_COUNT:
-        return value
-    return None
 
 
 class GatewayApp:
@@ -181,6 +179,7 @@ class GatewayApp:
         LIMITER defaults to the one the config asks for (`make_limiter`)."""
         self.config = config
         self.aliases = config.aliases()
+        self.template_defaults = config.chat_template_defaults()
         self.keys_required = config.keys_required()
         policy = make_policy(
             config.balancing, PolicySettings(config.score_weights(), config.engine_metrics_interval_s, clock)
@@ -436,7 +435,7 @@ class GatewayApp:
             raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes, scope)
             if self.config.log_bodies:
                 exchange.request_body = raw
-            parsed = parse_request(endpoint, raw, self.pool.models, self.aliases)
+            parsed = parse_request(endpoint, raw, self.pool.models, self.aliases, self.template_defaults)
             exchange.parsed = parsed
             self._authorize(exchange.key, parsed.client_model, parsed.model)
             key = exchange.key
@@ -566,7 +565,7 @@ class GatewayApp:
         await send({"type": "http.response.body", "body": body})
 
     async def _relay_stream(self, exchange: _Exchange, parsed: ParsedRequest, chunks: Any, send: Send) -> None:
-        tap = exchange.tap = StreamTap(parsed.strip_usage_chunk)
+        tap = exchange.tap = StreamTap(parsed.strip_usage_chunk, exchange.endpoint.stream_shape)
         itl = self.metrics.for_model(parsed.client_model).itl_s
         logged = exchange.logged_body = [] if self.config.log_bodies else None
         logged_bytes = 0
@@ -630,9 +629,9 @@ class GatewayApp:
         except Exception:
             log.exception("accounting for a request failed")
 
-    def _log_access(self, exchange: _Exchange, tokens: tuple[int | None, int | None]) -> None:
+    def _log_access(self, exchange: _Exchange, tokens: TokenCounts) -> None:
         assert self._access_log is not None
-        prompt, completion = tokens
+        prompt, completion = tokens.prompt, tokens.completion
         ttft = f"{exchange.ttft_s * 1000:.1f}ms" if exchange.ttft_s is not None else "-"
         self._access_log.info(
             '%s "%s %s" %d %.1fms key=%s model=%s upstream=%s ttft=%s tokens=%s+%s',
@@ -641,7 +640,7 @@ class GatewayApp:
             exchange.upstream or "-", ttft, _or_dash(prompt), _or_dash(completion),
         )  # fmt: skip
 
-    def _observe(self, exchange: _Exchange, tokens: tuple[int | None, int | None]) -> None:
+    def _observe(self, exchange: _Exchange, tokens: TokenCounts) -> None:
         model, key = exchange.model, exchange.key_name
         metrics = self.metrics
         metrics.request_counter(key, model, exchange.status).inc()
@@ -651,14 +650,15 @@ class GatewayApp:
         per_model.e2e_s.observe(time.perf_counter() - exchange.started_s)
         if exchange.ttft_s is not None:
             per_model.ttft_s.observe(exchange.ttft_s)
-        prompt, completion = tokens
+        prompt, completion = tokens.prompt, tokens.completion
         if prompt or completion:
             prompt_tokens, completion_tokens = metrics.token_counters(key, model)
             prompt_tokens.inc(prompt or 0)
             completion_tokens.inc(completion or 0)
+        if tokens.reasoning:
+            metrics.reasoning_counter(key, model, tokens.reasoning_source or "").inc(tokens.reasoning)
 
-    def _usage_row(self, exchange: _Exchange, tokens: tuple[int | None, int | None]) -> UsageRow:
-        prompt, completion = tokens
+    def _usage_row(self, exchange: _Exchange, tokens: TokenCounts) -> UsageRow:
         request_body = response_body = None
         if self.config.log_bodies and exchange.parsed is not None:
             request_body = (exchange.request_body or b"").decode(errors="replace")  # as the client sent it
@@ -670,18 +670,20 @@ class GatewayApp:
             endpoint=exchange.endpoint.path,
             stream=bool(exchange.parsed and exchange.parsed.stream),
             status=exchange.status,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
+            prompt_tokens=tokens.prompt,
+            completion_tokens=tokens.completion,
             latency_ms=(time.perf_counter() - exchange.started_s) * 1000,
             ttft_ms=exchange.ttft_s * 1000 if exchange.ttft_s is not None else None,
             upstream=exchange.upstream,
             error=exchange.error,
             request_body=request_body,
             response_body=response_body,
+            reasoning_tokens=tokens.reasoning,
+            reasoning_source=tokens.reasoning_source,
         )
 
 
-def _billable_tokens(exchange: _Exchange, tokens: tuple[int | None, int | None]) -> int | None:
+def _billable_tokens(exchange: _Exchange, tokens: TokenCounts) -> int | None:
     """The tokens to charge the key for in the end, from its TOKENS (`_Exchange.token_counts`): the upstream's
     usage, or for a stream that ended early (client gone, cut at shutdown, upstream failure) the prompt estimate
     plus the tokens it delivered; none when the request failed before any engine answered it (refused upstream, no

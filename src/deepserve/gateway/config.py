@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
@@ -66,6 +68,11 @@ class GatewayConfig(Section):
     model_alias: list[str] = Field(
         default_factory=list, description="ALIAS=MODEL: clients may call MODEL by ALIAS; repeat for several"
     )
+    default_chat_template_kwargs: list[str] = Field(
+        default_factory=list,
+        description="MODEL=JSON: chat template options sent for MODEL when a request leaves them out, e.g. "
+        'deepseek-ai/DeepSeek-V3.1={"thinking": true} (a default thinking mode); repeat for several models',
+    )
     max_model_len: int | None = Field(
         None, ge=1, description="context length for max_tokens validation (default: from the upstream /v1/models)"
     )
@@ -120,6 +127,16 @@ class GatewayConfig(Section):
                 raise ValueError(f"model alias {pair!r} must look like ALIAS=MODEL")
         return value
 
+    @field_validator("default_chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_pairs(cls, value: object) -> object:
+        """MODEL=JSON strings; in a config file also a mapping {MODEL: {...}}. Each JSON must be an object."""
+        if isinstance(value, dict):
+            value = [f"{model}={json.dumps(options)}" for model, options in value.items()]
+        for pair in value if isinstance(value, list) else []:
+            _template_options(str(pair))
+        return value
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str | None) -> str | None:
@@ -146,6 +163,10 @@ class GatewayConfig(Section):
         given = {name: float(weight) for name, _, weight in (pair.partition("=") for pair in self.score_weight)}
         return {**DEFAULT_SCORE_WEIGHTS, **given}
 
+    def chat_template_defaults(self) -> dict[str, dict[str, Any]]:
+        """{model: chat template options} from default_chat_template_kwargs (a later pair for a model wins)."""
+        return dict(_template_options(pair) for pair in self.default_chat_template_kwargs)
+
     def aliases(self) -> dict[str, str]:
         return dict(pair.split("=", 1) for pair in self.model_alias)
 
@@ -163,6 +184,18 @@ class GatewayConfig(Section):
                 f"and concurrency limits on its own, letting up to {self.workers}x through; run a Redis "
                 "(e.g. `redis-server --port 6379`) and pass --redis-url redis://127.0.0.1:6379/0, or use one worker"
             )
+
+
+def _template_options(pair: str) -> tuple[str, dict[str, Any]]:
+    model, _, text = pair.partition("=")
+    example = 'e.g. deepseek-ai/DeepSeek-V3.1={"thinking": true}'
+    try:
+        options = json.loads(text)
+    except ValueError:
+        options = None
+    if not model or not isinstance(options, dict):
+        raise ValueError(f"default chat template options {pair!r} must look like MODEL=JSON-OBJECT, {example}")
+    return model, options
 
 
 def check_upstream_url(url: str) -> None:

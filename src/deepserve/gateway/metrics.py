@@ -54,6 +54,13 @@ class GatewayMetrics:
         self.completion_tokens = Counter(
             "deepserve_gateway_completion_tokens", "Completion tokens (upstream usage)", ["key", "model"], registry=r
         )
+        self.reasoning_tokens = Counter(
+            "deepserve_gateway_reasoning_tokens",
+            "Of the completion tokens, those spent reasoning; source: usage (the engine's count) or deltas (counted "
+            "from the stream's reasoning events, one per event)",
+            ["key", "model", "source"],
+            registry=r,
+        )
         self.ttft_s = Histogram(
             "deepserve_gateway_ttft_seconds", "Time to first streamed chunk, as the gateway forwards it", ["model"],
             buckets=_LATENCY_BUCKETS_S, registry=r,
@@ -91,6 +98,7 @@ class GatewayMetrics:
         # Labelled children, looked up once: prometheus_client's labels() validates and locks on every call.
         self._requests: dict[tuple[str, str, int], Any] = {}
         self._tokens: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._reasoning: dict[tuple[str, str, str], Any] = {}
         self._models: dict[str, ModelMetrics] = {}
 
     def request_counter(self, key: str, model: str, status: int) -> Any:
@@ -107,6 +115,12 @@ class GatewayMetrics:
                 self.completion_tokens.labels(key, model),
             )
         return pair
+
+    def reasoning_counter(self, key: str, model: str, source: str) -> Any:
+        child = self._reasoning.get((key, model, source))
+        if child is None:
+            child = self._reasoning[(key, model, source)] = self.reasoning_tokens.labels(key, model, source)
+        return child
 
     def for_model(self, model: str) -> ModelMetrics:
         per_model = self._models.get(model)

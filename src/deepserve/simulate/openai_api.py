@@ -6,6 +6,14 @@ Shapes follow vLLM's OpenAI server (vllm/entrypoints/openai/protocol.py): chunk 
 last token, `return_token_ids` adding `token_ids` to each choice and `prompt_token_ids` to the first chunk, the
 usage chunk (choices empty) only with `stream_options.include_usage`, and errors as
 `{"error": {"message", "type", "param", "code"}}`.
+
+Reasoning models and tools (chat only, as vLLM's reasoning and tool parsers): with `--reasoning-tokens N` the first N
+output tokens are reasoning, in vLLM 0.32's `reasoning` field (or `reasoning_content`, the older vLLM's and SGLang's,
+with `--reasoning-field`), the rest the answer; vLLM 0.32's usage then counts them in
+`completion_tokens_details.reasoning_tokens` (the older field's servers do not). With `--tool-calls` a request that
+offers tools (and does not say `tool_choice: "none"`) is answered with a call of the first function (or the one
+`tool_choice` names): its arguments `{"text": "<the answer>"}` streamed in pieces as vLLM's tool parsers stream them
+(the first delta with the call's id, type and name), `finish_reason` "tool_calls".
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ class Generation:
     include_usage: bool
     continuous_usage: bool
     return_token_ids: bool
+    reasoning_tokens: int = 0  # chat: the first this many output tokens are reasoning
+    reasoning_field: str = "reasoning"  # the delta's and message's field for them
+    tool_name: str | None = None  # chat: the reply is a call of this function
 
 
 def parse_generation(
@@ -103,6 +114,24 @@ def parse_generation(
         continuous_usage=bool(options.get("continuous_usage_stats")),
         return_token_ids=_bool(body, "return_token_ids"),
     )
+
+
+def called_tool(body: dict[str, Any]) -> str | None:
+    """The function a request with tools gets called: the one `tool_choice` names, else the first; none when it
+    offers no function or says `tool_choice: "none"`."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not isinstance(tools, list) or choice == "none":
+        return None
+    if isinstance(choice, dict):
+        named = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if isinstance(named, str):
+            return named
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return str(function["name"])
+    return None
 
 
 def _prompt_ids(body: dict[str, Any], tokenizer: ByteTokenizer) -> list[int]:
@@ -187,8 +216,11 @@ class ReplyFormat:
         opening = b',"choices":[{"index":0,"delta":{"content":' if chat else b',"choices":[{"index":0,"text":'
         self._open = self._head + opening
         # chunks of one token that carry nothing else (no ids, no usage, not the last): the streaming hot path
-        self.plain_chunks = not generation.return_token_ids and not (
-            generation.continuous_usage and generation.include_usage
+        self.shaped = chat and (generation.reasoning_tokens > 0 or generation.tool_name is not None)
+        self.plain_chunks = (
+            not generation.return_token_ids
+            and not (generation.continuous_usage and generation.include_usage)
+            and not self.shaped
         )
         close = (b"}" if chat else b"") + b',"logprobs":null,"finish_reason":null'
         self._plain_open = b"data: " + self._open
@@ -205,6 +237,8 @@ class ReplyFormat:
     def token_event(self, first_position: int, token_ids: list[int], finish_reason: str | None, usage: bytes) -> bytes:
         """A chunk with TOKEN_IDS (output positions FIRST_POSITION…); USAGE is b"" or `,"usage":{…}`."""
         generation = self.generation
+        if self.shaped:
+            return self._shaped_event(first_position, token_ids, finish_reason, usage)
         text = orjson.dumps(self._text(first_position, token_ids))
         parts = [b"data: ", self._open, text]
         if generation.chat:
@@ -229,14 +263,82 @@ class ReplyFormat:
         return b"data: " + self._head + b',"choices":[],"usage":' + self.usage(completion_tokens) + b"}\n\n"
 
     def usage(self, completion_tokens: int) -> bytes:
-        prompt_tokens = len(self.generation.prompt_ids)
-        return orjson.dumps(
-            {
-                "prompt_tokens": prompt_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "completion_tokens": completion_tokens,
+        return orjson.dumps(self.usage_dict(completion_tokens))
+
+    def usage_dict(self, completion_tokens: int) -> dict[str, Any]:
+        generation = self.generation
+        prompt_tokens = len(generation.prompt_ids)
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+        }
+        if generation.chat and generation.reasoning_tokens and generation.reasoning_field == "reasoning":
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": min(generation.reasoning_tokens, completion_tokens)
             }
-        )
+        return usage
+
+    # ---- reasoning and tool calls (chat) ------------------------------------------------------------------------
+
+    def _shaped_event(
+        self, first_position: int, token_ids: list[int], finish_reason: str | None, usage: bytes
+    ) -> bytes:
+        count = len(token_ids) - (1 if token_ids and token_ids[-1] == EOS_ID else 0)
+        delta, calling = self._delta(first_position, count, finish_reason is not None)
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+        choice["finish_reason"] = "tool_calls" if calling and finish_reason is not None else finish_reason
+        if self.generation.return_token_ids:
+            choice["token_ids"] = token_ids
+        event = orjson.dumps({**self._head_fields(), "choices": [choice]})
+        return b"data: " + event[:-1] + usage + b"}\n\n"
+
+    def _head_fields(self) -> dict[str, Any]:
+        return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.generation.model}  # fmt: skip
+
+    def _delta(self, first: int, count: int, last: bool) -> tuple[dict[str, Any], bool]:
+        """The delta of output tokens FIRST…FIRST+COUNT-1: reasoning, then answer text or tool-call arguments; and
+        whether a tool call was begun by now."""
+        generation = self.generation
+        reasoning = max(0, min(count, generation.reasoning_tokens - first))
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta[generation.reasoning_field] = self.text_of(first, reasoning)
+        start, answer = first + reasoning, count - reasoning
+        calling = generation.tool_name is not None and (answer > 0 or start > generation.reasoning_tokens)
+        if calling:
+            opening = start == generation.reasoning_tokens
+            arguments = ('{"text": "' if opening else "") + self.text_of(start, answer) + ('"}' if last else "")
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
+            if opening:
+                call = {"index": 0, "id": self.tool_call_id, "type": "function",
+                        "function": {"name": generation.tool_name, "arguments": arguments}}  # fmt: skip
+            delta["tool_calls"] = [call]
+        elif answer or not delta:
+            delta["content"] = self.text_of(start, answer)
+        return delta, calling
+
+    @property
+    def tool_call_id(self) -> str:
+        return "chatcmpl-tool-" + self.response_id.removeprefix("chatcmpl-")
+
+    def _shaped_message(self, count: int) -> tuple[dict[str, Any], bool]:
+        """The whole reply's message (not streamed), and whether it is a tool call."""
+        generation = self.generation
+        reasoning = min(count, generation.reasoning_tokens)
+        message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": []}
+        if reasoning:
+            message[generation.reasoning_field] = self.text_of(0, reasoning)
+        answer = self.text_of(reasoning, count - reasoning)
+        if generation.tool_name is not None and count > reasoning:
+            arguments = '{"text": "' + answer + '"}'
+            call = {"id": self.tool_call_id, "type": "function",
+                    "function": {"name": generation.tool_name, "arguments": arguments}}  # fmt: skip
+            message["tool_calls"] = [call]
+            return message, True
+        message["content"] = answer
+        return message, False
 
     def _text(self, first_position: int, token_ids: list[int]) -> str:
         """The text of output tokens, without the end-of-sequence token (a special token)."""
@@ -246,12 +348,15 @@ class ReplyFormat:
     def full_response(self, token_ids: list[int], finish_reason: str) -> bytes:
         """The whole answer of a request that did not stream."""
         generation = self.generation
-        text = self._text(0, token_ids)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
-        if generation.chat:
-            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+        if self.shaped:
+            count = len(token_ids) - (1 if token_ids and token_ids[-1] == EOS_ID else 0)
+            choice["message"], calling = self._shaped_message(count)
+            choice["finish_reason"] = "tool_calls" if calling else finish_reason
+        elif generation.chat:
+            choice["message"] = {"role": "assistant", "content": self._text(0, token_ids), "tool_calls": []}
         else:
-            choice["text"] = text
+            choice["text"] = self._text(0, token_ids)
         if generation.return_token_ids:
             choice["token_ids"] = token_ids
         body: dict[str, Any] = {
@@ -260,7 +365,7 @@ class ReplyFormat:
             "created": self.created,
             "model": generation.model,
             "choices": [choice],
-            "usage": orjson.loads(self.usage(len(token_ids))),
+            "usage": self.usage_dict(len(token_ids)),
         }
         if generation.return_token_ids:
             body["prompt_token_ids"] = generation.prompt_ids

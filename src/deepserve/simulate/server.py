@@ -32,7 +32,15 @@ from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.engine import Engine
 from deepserve.simulate.faults import Controls
 from deepserve.simulate.metrics import render
-from deepserve.simulate.openai_api import DONE_EVENT, ApiError, Generation, ReplyFormat, error_body, parse_generation
+from deepserve.simulate.openai_api import (
+    DONE_EVENT,
+    ApiError,
+    Generation,
+    ReplyFormat,
+    called_tool,
+    error_body,
+    parse_generation,
+)
 from deepserve.simulate.scheduler import SimRequest
 from deepserve.simulate.send_log import KernelStampedServer, SendLog, StreamSends
 from deepserve.simulate.setup import SimulatedDeployment, build_engine
@@ -303,6 +311,7 @@ class SimulatorApp:
             generation = self._token_ids_policy(
                 parse_generation(body, chat, self.tokenizer, self.deployment.max_model_len, self.models), body
             )
+            generation = self._answer_shape(generation, body)
         except ApiError as exc:
             stats.refused += 1
             self._refuse(conn, exc)
@@ -319,6 +328,24 @@ class SimulatorApp:
         if policy == "reject" and body.get("return_token_ids") is not None:
             raise ApiError(400, "Unrecognized request argument supplied: return_token_ids", param="return_token_ids")
         return generation
+
+    def _answer_shape(self, generation: Generation, body: dict[str, Any]) -> Generation:
+        """Chat replies with reasoning (--reasoning-tokens, unless the request turns thinking off) or a tool call
+        (--tool-calls, when the request offers tools)."""
+        config = self.config
+        if not generation.chat or not (config.reasoning_tokens or config.tool_calls):
+            return generation
+        template = body.get("chat_template_kwargs")
+        thinking = not (
+            isinstance(template, dict)
+            and (template.get("thinking") is False or template.get("enable_thinking") is False)
+        )
+        return dataclasses.replace(
+            generation,
+            reasoning_tokens=config.reasoning_tokens if thinking else 0,
+            reasoning_field=config.reasoning_field,
+            tool_name=called_tool(body) if config.tool_calls else None,
+        )
 
     def _answered_by_fault(self, conn: _Connection, fault: str | None) -> bool:
         """An injected hang (no answer at all) or error (before any byte); a cut is the reply's to make."""
