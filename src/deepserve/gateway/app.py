@@ -42,18 +42,21 @@ from deepserve.gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from deepserve.gateway.http_client import HttpResponse
 from deepserve.gateway.http_server import DISCONNECT_SCOPE_KEY
 from deepserve.gateway.keys import ApiKey, KeyRing, KeyStore
 from deepserve.gateway.ledger import UsageLedger, UsageRow
 from deepserve.gateway.limits import Admission, Limiter, make_limiter
 from deepserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from deepserve.gateway.metrics import GatewayMetrics
+from deepserve.gateway.responses import ResponseRoutes
 from deepserve.gateway.streaming import StreamTap
 from deepserve.gateway.upstreams import UpstreamPool, UpstreamReplica, iter_chunks, read_body
 from deepserve.gateway.usage import NO_COUNTS, TokenCounts, read_usage
 from deepserve.gateway.validation import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
+    RESPONSES,
     Endpoint,
     ParsedRequest,
     load_json_object,
@@ -99,6 +102,7 @@ class _Exchange:
         "method",
         "parsed",
         "request_body",
+        "response_id",
         "response_started",
         "started_s",
         "status",
@@ -129,6 +133,7 @@ class _Exchange:
         self.logged_body: list[bytes] | None = None
         self.request_body: bytes | None = None  # as received, kept only with log_bodies
         self.tap: StreamTap | None = None  # a stream's relay state: usage, events delivered
+        self.response_id: str | None = None  # a Responses API answer's id
 
     @property
     def key_name(self) -> str:
@@ -219,6 +224,7 @@ class GatewayApp:
         self._routes: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             CHAT_COMPLETIONS.path: self._chat_completions,
             COMPLETIONS.path: self._completions,
+            RESPONSES.path: self._responses,
             "/v1/models": self._models,
             "/tokenize": self._tokenizer,
             "/detokenize": self._tokenizer,
@@ -227,7 +233,9 @@ class GatewayApp:
             "/metrics": self._metrics,
             ENGINE_METRICS_PATH: self._replica_metrics,
         }
-        self._proxied = (self._routes[CHAT_COMPLETIONS.path], self._routes[COMPLETIONS.path])  # log themselves
+        # the proxied endpoints write their own access-log lines
+        self._proxied = tuple(self._routes[endpoint.path] for endpoint in (CHAT_COMPLETIONS, COMPLETIONS, RESPONSES))
+        self.responses = ResponseRoutes()
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -304,6 +312,8 @@ class GatewayApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             handler = self._routes.get(scope["path"])
+            if handler is None and scope["path"].startswith(_RESPONSE_BY_ID):
+                handler = self._response_by_id
             if self._access_log is not None and handler not in self._proxied:
                 await self._access_logged(handler or self._not_found, scope, receive, send)
             elif handler is None:
@@ -421,6 +431,69 @@ class GatewayApp:
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._proxy(COMPLETIONS, scope, receive, send)
 
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._proxy(RESPONSES, scope, receive, send)
+
+    async def _response_by_id(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET /v1/responses/{id} (stored responses; `?stream=true` replays a background one) and POST
+        /v1/responses/{id}/cancel, forwarded to the replica that answered the response (vLLM keeps them in its own
+        memory: responses.py), or, for one this process did not relay, to each healthy replica until one has it.
+        Nothing is generated: no queue, no charge, no ledger row."""
+        try:
+            response_id, action = _response_id_and_action(scope)
+            key = self._authenticate(_header(scope, b"authorization"))
+            replicas = self._replicas_holding(response_id, key)
+            query = scope.get("query_string") or b""
+            target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+            streamed = b"stream=true" in query.lower()
+            for index, replica in enumerate(replicas):
+                response = await self.pool.request(replica, scope["method"], target)
+                if response.status == 404 and index < len(replicas) - 1:
+                    await read_body(response, replica)
+                    response.release()
+                    continue  # not this one's
+                await self._relay_answer(response, replica, streamed and action == "" and response.status == 200, send)
+                return
+        except GatewayError as exc:
+            await _send_error(send, exc)
+        except Exception as exc:  # a bug of ours: answer in OpenAI's shape, keep the traceback in the log
+            log.exception("unexpected error while forwarding %s", scope["path"][:200])
+            await _send_error(send, InternalError(f"internal gateway error ({type(exc).__name__})"))
+
+    def _replicas_holding(self, response_id: str, key: ApiKey | None) -> list[UpstreamReplica]:
+        """Where RESPONSE_ID may be: the replica that answered it, or every healthy one; NotFound when another key
+        asked for it (or no replica can be asked)."""
+        stored = self.responses.find(response_id)
+        if stored is not None and key is not None and stored.key_id not in (None, key.id):
+            raise _response_not_found(response_id)
+        healthy = [replica for replica in self.pool.replicas if replica.healthy]
+        if stored is not None:
+            holder = [replica for replica in healthy if replica.url == stored.replica]
+            return holder or healthy
+        if not healthy:
+            raise NoHealthyUpstream("no healthy upstream to ask for the response")
+        return healthy
+
+    async def _relay_answer(self, response: HttpResponse, replica: UpstreamReplica, streamed: bool, send: Send) -> None:
+        """RESPONSE as the upstream gave it: a stream relayed as it comes, anything else whole."""
+        complete = False
+        try:
+            if not streamed:
+                body = await read_body(response, replica)
+                complete = True
+                await _send_json(send, response.status, body)
+                return
+            await send({"type": "http.response.start", "status": response.status, "headers": _SSE_HEADERS})
+            async for chunk in iter_chunks(response, replica):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            complete = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if complete:
+                response.release()
+            else:
+                response.close()
+
     async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         exchange = _Exchange(endpoint, scope.get("client"), scope["method"])
         watcher: asyncio.Task[None] | None = None
@@ -438,6 +511,7 @@ class GatewayApp:
             parsed = parse_request(endpoint, raw, self.pool.models, self.aliases, self.template_defaults)
             exchange.parsed = parsed
             self._authorize(exchange.key, parsed.client_model, parsed.model)
+            preferred = self._continued_on(parsed, exchange.key) if endpoint is RESPONSES else None
             key = exchange.key
             exchange.admission = await self.limiter.admit(
                 key.id if key else None, key.limits if key else None, self._charge(parsed)
@@ -445,7 +519,8 @@ class GatewayApp:
             watcher = _cancel_on_disconnect(scope, receive, exchange, task)
             await self.limiter.acquire_slot(exchange.admission)
             prompt = prompt_text_for_routing(parsed.request, endpoint.prompt_field) if self._prompt_for_routing else ""
-            await self._forward(exchange, parsed, RoutingHints(parsed.affinity_text, headers.session, prompt), send)
+            hints = RoutingHints(parsed.affinity_text, headers.session, prompt)
+            await self._forward(exchange, parsed, hints, send, preferred)
         except GatewayError as exc:
             await self._fail(exchange, exc, send)
         except Exception as exc:  # a bug of ours: still answer in OpenAI's shape, and keep the traceback in the log
@@ -491,15 +566,31 @@ class GatewayApp:
         context = self.pool.models.get(parsed.model) or DEFAULT_CHARGE_CAP_TOKENS
         return min(parsed.charged_tokens, context)
 
-    async def _forward(self, exchange: _Exchange, parsed: ParsedRequest, hints: RoutingHints, send: Send) -> None:
+    def _continued_on(self, parsed: ParsedRequest, key: ApiKey | None) -> str | None:
+        """The replica a Responses request that continues an earlier one (previous_response_id) must go to, when this
+        gateway relayed that one; NotFound when another key made it."""
+        previous = parsed.request.get("previous_response_id")
+        if not isinstance(previous, str):
+            return None
+        stored = self.responses.find(previous)
+        if stored is None:
+            return None
+        if key is not None and stored.key_id not in (None, key.id):
+            raise _response_not_found(previous, param="previous_response_id")
+        return stored.replica
+
+    async def _forward(
+        self, exchange: _Exchange, parsed: ParsedRequest, hints: RoutingHints, send: Send, preferred: str | None = None
+    ) -> None:
         """Try replicas until one answers, while the client has received nothing. Another replica is preferred for
         a retry; when there is none, a replica that dropped the connection (rather than refusing it) is tried
-        again: a keep-alive connection it had just closed fails exactly like that, and a new one is fine."""
+        again: a keep-alive connection it had just closed fails exactly like that, and a new one is fine. PREFERRED
+        (a replica's URL) is tried first when it can serve the request."""
         tried: list[UpstreamReplica] = []
         failure: UpstreamError | None = None  # the last attempt's
         while True:
             try:
-                replica = self.pool.choose(parsed.model, hints, tried)
+                replica = self.pool.choose(parsed.model, hints, tried, preferred)
             except NoHealthyUpstream:
                 if failure is None:
                     raise
@@ -554,8 +645,11 @@ class GatewayApp:
         exchange.status = status
         if status == 200 and b'"usage"' in body:
             with contextlib.suppress(ValueError, AttributeError, RecursionError):  # an answer we cannot read is
-                usage = json.loads(body).get("usage")  # forwarded all the same, only not accounted
+                answer = json.loads(body)  # forwarded all the same, only not accounted
+                usage = answer.get("usage")
                 exchange.usage = usage if isinstance(usage, dict) else None
+                if exchange.endpoint is RESPONSES and isinstance(answer.get("id"), str):
+                    exchange.response_id = answer["id"]
         if self.config.log_bodies:
             exchange.logged_body = [body]
         exchange.finished = True
@@ -618,6 +712,7 @@ class GatewayApp:
         """Metrics, the key's token correction, the ledger row and the access-log line; never raises into the
         request."""
         try:
+            self._remember_response(exchange)
             tokens = exchange.token_counts()
             if exchange.admission is not None:
                 self.limiter.release(exchange.admission, _billable_tokens(exchange, tokens))
@@ -628,6 +723,11 @@ class GatewayApp:
                 self._log_access(exchange, tokens)
         except Exception:
             log.exception("accounting for a request failed")
+
+    def _remember_response(self, exchange: _Exchange) -> None:
+        response_id = exchange.response_id or (exchange.tap.response_id if exchange.tap is not None else None)
+        if response_id is not None and exchange.upstream is not None and exchange.status == 200:
+            self.responses.remember(response_id, exchange.upstream, exchange.key.id if exchange.key else None)
 
     def _log_access(self, exchange: _Exchange, tokens: TokenCounts) -> None:
         assert self._access_log is not None
@@ -749,6 +849,27 @@ async def _read_body(receive: Receive, content_length: int | None, limit: int, s
         if size > limit:
             raise BodyTooLarge(f"the request body is over the limit of {limit} bytes")
     return b"".join(parts)
+
+
+_RESPONSE_BY_ID = RESPONSES.path + "/"
+
+
+def _response_id_and_action(scope: Scope) -> tuple[str, str]:
+    """(id, "") for GET /v1/responses/{id}, (id, "cancel") for POST /v1/responses/{id}/cancel; else 404 or 405."""
+    response_id, _, action = scope["path"].removeprefix(_RESPONSE_BY_ID).partition("/")
+    if not response_id or action not in ("", "cancel"):
+        raise NotFound(f"no route {scope['path'][:200]}; stored responses are at {_RESPONSE_BY_ID}{{id}}[/cancel]")
+    wanted = "GET" if action == "" else "POST"
+    if scope["method"] != wanted:
+        raise MethodNotAllowed(
+            f"{scope['method']} is not served for stored responses: GET {_RESPONSE_BY_ID}{{id}} retrieves one and "
+            f"POST {_RESPONSE_BY_ID}{{id}}/cancel cancels a background one (the engine, vLLM 0.32, deletes none)"
+        )
+    return response_id, action
+
+
+def _response_not_found(response_id: str, param: str = "response_id") -> NotFound:
+    return NotFound(f"Response with id '{response_id[:80]}' not found.", param=param)
 
 
 def _gone_while_reading(scope: Scope) -> GatewayError:

@@ -115,8 +115,20 @@ class UpstreamPool:
     def ready(self) -> bool:
         return any(replica.healthy for replica in self.replicas)
 
-    def choose(self, model: str, hints: RoutingHints, tried: Sequence[UpstreamReplica]) -> UpstreamReplica:
+    def choose(
+        self,
+        model: str,
+        hints: RoutingHints,
+        tried: Sequence[UpstreamReplica],
+        preferred: str | None = None,
+    ) -> UpstreamReplica:
+        """A healthy replica that serves MODEL and was not TRIED: the one whose URL is PREFERRED when it can (a
+        continued Responses conversation lives there), else the policy's choice."""
         candidates = [r for r in self.replicas if r.healthy and model in r.models and r not in tried]
+        if preferred is not None:
+            pinned = next((replica for replica in candidates if replica.url == preferred), None)
+            if pinned is not None:
+                return pinned
         if not candidates:
             healthy = sum(replica.healthy for replica in self.replicas)
             raise NoHealthyUpstream(
@@ -151,9 +163,21 @@ class UpstreamPool:
     ) -> HttpResponse:
         """Send BODY; return the response once its headers arrived (within FIRST_BYTE_TIMEOUT_S, when given). The
         caller must release or close it."""
+        return await self.request(replica, "POST", path, body, first_byte_timeout_s=first_byte_timeout_s)
+
+    async def request(
+        self,
+        replica: UpstreamReplica,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        *,
+        first_byte_timeout_s: float | None = None,
+    ) -> HttpResponse:
+        """METHOD PATH (from the replica's root, e.g. /v1/responses/ID) with BODY: as `post`."""
         target = replica.path_prefix + path
         try:
-            return await self.client.request("POST", replica.origin, target, body, head_timeout_s=first_byte_timeout_s)
+            return await self.client.request(method, replica.origin, target, body, head_timeout_s=first_byte_timeout_s)
         except CLIENT_FAILURES as exc:
             raise upstream_error(exc, replica) from exc
 

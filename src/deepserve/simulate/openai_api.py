@@ -14,10 +14,17 @@ with `--reasoning-field`), the rest the answer; vLLM 0.32's usage then counts th
 offers tools (and does not say `tool_choice: "none"`) is answered with a call of the first function (or the one
 `tool_choice` names): its arguments `{"text": "<the answer>"}` streamed in pieces as vLLM's tool parsers stream them
 (the first delta with the call's id, type and name), `finish_reason` "tool_calls".
+
+The Responses API (`/v1/responses`, as vLLM 0.32 serves it without harmony): `instructions` and `input` rendered as a
+chat, `max_output_tokens`; the answer a `response` object whose usage says input_tokens, output_tokens and
+output_tokens_details.reasoning_tokens; a stream of typed events (`event: response.created`, `response.in_progress`,
+the reasoning item's `response.reasoning_text.delta`s, the message's `response.output_text.delta`s, their done
+events, `response.completed` with the whole response), without `[DONE]`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +69,8 @@ class Generation:
     reasoning_tokens: int = 0  # chat: the first this many output tokens are reasoning
     reasoning_field: str = "reasoning"  # the delta's and message's field for them
     tool_name: str | None = None  # chat: the reply is a call of this function
+    responses: bool = False  # a Responses API request (chat-rendered input, typed events)
+    store: bool = False  # a Responses API answer kept for GET /v1/responses/{id}
 
 
 def parse_generation(
@@ -114,6 +123,40 @@ def parse_generation(
         continuous_usage=bool(options.get("continuous_usage_stats")),
         return_token_ids=_bool(body, "return_token_ids"),
     )
+
+
+def parse_responses(body: Any, tokenizer: ByteTokenizer, max_model_len: int, models: tuple[str, ...]) -> Generation:
+    """A Responses API request, checked as vLLM checks it: `instructions` and `input` are rendered as chat messages,
+    `max_output_tokens` caps the answer."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    chat = {
+        "model": body.get("model"),
+        "messages": _responses_messages(body),
+        "max_tokens": body.get("max_output_tokens"),
+        "stream": body.get("stream"),
+        "ignore_eos": body.get("ignore_eos"),
+    }
+    generation = parse_generation(chat, True, tokenizer, max_model_len, models)
+    return dataclasses.replace(generation, responses=True, store=body.get("store", True) is not False)
+
+
+def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    given = body.get("input")
+    if isinstance(given, str):
+        return [*messages, {"role": "user", "content": given}]
+    if not isinstance(given, list) or not given or not all(isinstance(item, dict) for item in given):
+        raise ApiError(400, "input must be a string or a non-empty list of input items", param="input")
+    for item in given:
+        role = item.get("role") if item.get("role") in ("user", "assistant", "system", "developer") else "tool"
+        content = item.get("content", item.get("output", ""))
+        if isinstance(content, list):  # input_text / output_text parts
+            content = "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+        messages.append({"role": role, "content": content if isinstance(content, str) else ""})
+    return messages
 
 
 def called_tool(body: dict[str, Any]) -> str | None:
@@ -204,7 +247,7 @@ class ReplyFormat:
         self.generation = generation
         self.text_of = text_of  # (first output position, count) -> the text of those tokens
         chat = generation.chat
-        self.response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.response_id = ("resp_" if generation.responses else "chatcmpl-" if chat else "cmpl-") + request_id
         self.created = created
         head = {
             "id": self.response_id,
@@ -217,14 +260,30 @@ class ReplyFormat:
         self._open = self._head + opening
         # chunks of one token that carry nothing else (no ids, no usage, not the last): the streaming hot path
         self.shaped = chat and (generation.reasoning_tokens > 0 or generation.tool_name is not None)
+        self.typed = ResponsesEvents(self) if generation.responses else None
         self.plain_chunks = (
             not generation.return_token_ids
             and not (generation.continuous_usage and generation.include_usage)
             and not self.shaped
+            and self.typed is None
         )
         close = (b"}" if chat else b"") + b',"logprobs":null,"finish_reason":null'
         self._plain_open = b"data: " + self._open
         self._plain_close = close + (b"" if chat else b',"stop_reason":null') + b"}]}\n\n"
+
+    def opening_events(self) -> list[bytes]:
+        """What a stream sends before its first token: a chat's role chunk, a Responses stream's created and
+        in-progress events."""
+        if self.typed is not None:
+            return self.typed.opening()
+        return [self.role_event()] if self.generation.chat else []
+
+    def closing_events(self, completion_tokens: int, usage: bool) -> list[bytes]:
+        """What a stream sends after its last token: the usage chunk (when USAGE) and `[DONE]`; a Responses stream
+        its done events and `response.completed` with the whole response."""
+        if self.typed is not None:
+            return self.typed.closing(completion_tokens)
+        return [*([self.usage_event(completion_tokens)] if usage else []), DONE_EVENT]
 
     def role_event(self) -> bytes:
         """The chat stream's first chunk: the assistant's role, no text."""
@@ -237,6 +296,8 @@ class ReplyFormat:
     def token_event(self, first_position: int, token_ids: list[int], finish_reason: str | None, usage: bytes) -> bytes:
         """A chunk with TOKEN_IDS (output positions FIRST_POSITION…); USAGE is b"" or `,"usage":{…}`."""
         generation = self.generation
+        if self.typed is not None:
+            return self.typed.tokens(first_position, len(token_ids) - (1 if token_ids[-1:] == [EOS_ID] else 0))
         if self.shaped:
             return self._shaped_event(first_position, token_ids, finish_reason, usage)
         text = orjson.dumps(self._text(first_position, token_ids))
@@ -348,6 +409,9 @@ class ReplyFormat:
     def full_response(self, token_ids: list[int], finish_reason: str) -> bytes:
         """The whole answer of a request that did not stream."""
         generation = self.generation
+        if self.typed is not None:
+            count = len(token_ids) - (1 if token_ids[-1:] == [EOS_ID] else 0)
+            return orjson.dumps(self.typed.response(count, len(token_ids)))
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
         if self.shaped:
             count = len(token_ids) - (1 if token_ids and token_ids[-1] == EOS_ID else 0)
@@ -370,6 +434,132 @@ class ReplyFormat:
         if generation.return_token_ids:
             body["prompt_token_ids"] = generation.prompt_ids
         return orjson.dumps(body)
+
+
+class ResponsesEvents:
+    """A Responses API answer: the response object, and its stream of typed events (a reasoning item, then the
+    message item; each opened, filled with deltas and closed), numbered in order."""
+
+    def __init__(self, reply: ReplyFormat) -> None:
+        self.reply = reply
+        self.generation = reply.generation
+        self.sequence = 0
+        self.text_tokens = 0  # output tokens with text streamed so far
+        self.final: dict[str, Any] | None = None  # the response as response.completed gave it
+        self.reasoning_id = "rs_" + reply.response_id.removeprefix("resp_")
+        self.message_id = "msg_" + reply.response_id.removeprefix("resp_")
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        data = orjson.dumps({"type": kind, "sequence_number": self.sequence, **fields})
+        self.sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+    def response(self, count: int, completion_tokens: int, status: str = "completed") -> dict[str, Any]:
+        """The response object after COUNT answer tokens (COMPLETION_TOKENS with the end of sequence)."""
+        generation = self.generation
+        reasoning = min(count, generation.reasoning_tokens)
+        text_of = self.reply.text_of
+        output: list[dict[str, Any]] = []
+        if reasoning:
+            content = [{"type": "reasoning_text", "text": text_of(0, reasoning)}]
+            output.append({"id": self.reasoning_id, "type": "reasoning", "summary": [], "content": content})
+        if status == "completed" and count > reasoning:
+            part = {"type": "output_text", "text": text_of(reasoning, count - reasoning), "annotations": []}
+            output.append({"id": self.message_id, "type": "message", "role": "assistant", "status": "completed",
+                           "content": [part]})  # fmt: skip
+        prompt_tokens = len(generation.prompt_ids)
+        usage = {
+            "input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        return {
+            "id": self.reply.response_id, "object": "response", "created_at": self.reply.created,
+            "model": generation.model, "status": status, "output": output,
+            "usage": usage if status == "completed" else None, "parallel_tool_calls": True, "tool_choice": "auto",
+            "tools": [], "max_output_tokens": generation.max_tokens, "previous_response_id": None,
+            "background": False, "truncation": "disabled", "service_tier": "auto", "metadata": None, "error": None,
+            "incomplete_details": None, "instructions": None, "reasoning": None, "text": None, "user": None,
+        }  # fmt: skip
+
+    def opening(self) -> list[bytes]:
+        started = self.response(0, 0, status="in_progress")
+        return [self._event("response.created", response=started),
+                self._event("response.in_progress", response=started)]  # fmt: skip
+
+    def tokens(self, first: int, count: int) -> bytes:
+        """Events for output tokens FIRST…FIRST+COUNT-1: reasoning deltas, then the message's text deltas (each item
+        opened before its first delta, the reasoning closed before the message opens)."""
+        self.text_tokens = first + count
+        limit = self.generation.reasoning_tokens
+        reasoning = max(0, min(count, limit - first))
+        events = self._reasoning_deltas(first, reasoning) if reasoning else []
+        if count > reasoning:
+            events += self._text_deltas(first + reasoning, count - reasoning)
+        return b"".join(events)
+
+    def _reasoning_deltas(self, first: int, count: int) -> list[bytes]:
+        events: list[bytes] = []
+        if first == 0:
+            item = {"type": "reasoning", "id": self.reasoning_id, "summary": []}
+            events += self._open(0, self.reasoning_id, item, {"type": "reasoning_text", "text": ""})
+        delta = self.reply.text_of(first, count)
+        where = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+        return [*events, self._event("response.reasoning_text.delta", **where, delta=delta)]
+
+    def _text_deltas(self, start: int, count: int) -> list[bytes]:
+        events: list[bytes] = []
+        if start == self.generation.reasoning_tokens:  # the message begins
+            if start:
+                events += self._close_reasoning()
+            message = {"type": "message", "id": self.message_id, "role": "assistant", "status": "in_progress",
+                       "content": []}  # fmt: skip
+            part = {"type": "output_text", "text": "", "annotations": []}
+            events += self._open(self._message_index, self.message_id, message, part)
+        delta = self.reply.text_of(start, count)
+        where = {"item_id": self.message_id, "output_index": self._message_index, "content_index": 0}
+        return [*events, self._event("response.output_text.delta", **where, delta=delta, logprobs=[])]
+
+    @property
+    def _message_index(self) -> int:
+        return 1 if self.generation.reasoning_tokens else 0
+
+    def _open(self, index: int, item_id: str, item: dict[str, Any], part: dict[str, Any]) -> list[bytes]:
+        return [self._event("response.output_item.added", output_index=index, item=item),
+                self._event("response.content_part.added", output_index=index, item_id=item_id, content_index=0,
+                            part=part)]  # fmt: skip
+
+    def _close_reasoning(self) -> list[bytes]:
+        text = self.reply.text_of(0, self.generation.reasoning_tokens)
+        item = {"type": "reasoning", "id": self.reasoning_id, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+        where = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+        return [self._event("response.reasoning_text.done", **where, text=text),
+                self._event("response.content_part.done", **where, part=item["content"][0]),
+                self._event("response.output_item.done", output_index=0, item=item)]  # fmt: skip
+
+    def closing(self, completion_tokens: int) -> list[bytes]:
+        count = self.text_tokens  # without the end of sequence, which has no text
+        final = self.final = self.response(count, completion_tokens)
+        events: list[bytes] = []
+        limit = self.generation.reasoning_tokens
+        if limit and count <= limit and count:
+            events += self._close_reasoning()
+        message = next((item for item in final["output"] if item["type"] == "message"), None)
+        if message is not None:
+            text = message["content"][0]["text"]
+            index = self._message_index
+            events += [
+                self._event("response.output_text.done", item_id=self.message_id, output_index=index,
+                            content_index=0, text=text, logprobs=[]),
+                self._event("response.content_part.done", item_id=self.message_id, output_index=index,
+                            content_index=0, part=message["content"][0]),
+                self._event("response.output_item.done", output_index=index, item=message),
+            ]  # fmt: skip
+        events.append(self._event("response.completed", response=final))
+        return events
 
 
 _REASONS = {None: b"null", "length": b'"length"', "stop": b'"stop"', "abort": b'"abort"'}

@@ -1,9 +1,10 @@
 """The simulator's HTTP server: vLLM's OpenAI-compatible API over the simulated engine.
 
-Routes (as vLLM serves them): POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
-/health, /version, /metrics. The simulator's own: GET /simulate/stats (what it saw: requests, completions,
-aborts, injected faults, bodies with record_bodies), POST /simulate/control (change faults, health, metric values),
-GET /simulate/sends (with log_sends: when each chunk was written, send_log.py).
+Routes (as vLLM serves them): POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize;
+GET /v1/models, /v1/responses/{id} (Responses answers kept with `store`, the last RECORDED_BODIES), /health,
+/version, /metrics. The simulator's own: GET /simulate/stats (what it saw: requests, completions, aborts, injected
+faults, bodies with record_bodies), POST /simulate/control (change faults, health, metric values), GET
+/simulate/sends (with log_sends: when each chunk was written, send_log.py).
 
 A raw asyncio protocol with httptools' parser (llhttp, in C): one benchmark client drives hundreds of streams, and
 the engine writes each token straight to its connection from the step callback, without a task per stream.
@@ -18,7 +19,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
@@ -40,6 +41,7 @@ from deepserve.simulate.openai_api import (
     called_tool,
     error_body,
     parse_generation,
+    parse_responses,
 )
 from deepserve.simulate.scheduler import SimRequest
 from deepserve.simulate.send_log import KernelStampedServer, SendLog, StreamSends
@@ -58,6 +60,7 @@ _TEXT = b"content-type: text/plain; version=0.0.4; charset=utf-8\r\n"
 _SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n"
 _CHUNKED_END = b"0\r\n\r\n"
 MALFORMED_EVENT = b"data: {not json\n\n"
+RESPONSES_PATH = "/v1/responses"
 
 
 @dataclass
@@ -114,6 +117,7 @@ class SimulatorApp:
         self.send_log = SendLog() if config.log_sends else None
         self.connections: set[_Connection] = set()
         self.created = int(time.time())
+        self.stored: OrderedDict[str, bytes] = OrderedDict()  # Responses API answers kept for GET, by id
         self._started = time.monotonic()
         self._ids = 0
         self._routes: dict[tuple[str, str], Callable[[_Connection, _Request], None]] = {
@@ -125,6 +129,7 @@ class SimulatorApp:
             ("POST", "/detokenize"): self._detokenize,
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/responses"): self._responses,
             ("GET", "/simulate/stats"): self._stats,
             ("POST", "/simulate/control"): self._control,
             ("GET", "/simulate/sends"): self._sends,
@@ -150,6 +155,8 @@ class SimulatorApp:
             conn.send(401, _JSON, b'{"error":"Unauthorized"}')
             return
         route = self._routes.get((request.method, request.path))
+        if route is None and request.method == "GET" and request.path.startswith(RESPONSES_PATH + "/"):
+            route = self._stored_response
         if route is not None:
             route(conn, request)
         elif any(path == request.path for _, path in self._routes):
@@ -290,7 +297,23 @@ class SimulatorApp:
     def _chat(self, conn: _Connection, request: _Request) -> None:
         self._generate(conn, request, chat=True)
 
-    def _generate(self, conn: _Connection, request: _Request, chat: bool) -> None:
+    def _responses(self, conn: _Connection, request: _Request) -> None:
+        self._generate(conn, request, chat=True, responses=True)
+
+    def _stored_response(self, conn: _Connection, request: _Request) -> None:
+        response_id = request.path.removeprefix(RESPONSES_PATH + "/")
+        stored = self.stored.get(response_id)
+        if stored is None:
+            self._refuse(conn, _not_stored(response_id))
+            return
+        conn.send(200, _JSON, stored)
+
+    def keep_response(self, response_id: str, body: bytes) -> None:
+        self.stored[response_id] = body
+        while len(self.stored) > RECORDED_BODIES:
+            self.stored.popitem(last=False)
+
+    def _generate(self, conn: _Connection, request: _Request, chat: bool, responses: bool = False) -> None:
         stats = self.stats
         index = stats.requests
         stats.requests += 1
@@ -308,10 +331,7 @@ class SimulatorApp:
         if self._answered_by_fault(conn, fault):
             return
         try:
-            generation = self._token_ids_policy(
-                parse_generation(body, chat, self.tokenizer, self.deployment.max_model_len, self.models), body
-            )
-            generation = self._answer_shape(generation, body)
+            generation = self._parse(body, chat, responses)
         except ApiError as exc:
             stats.refused += 1
             self._refuse(conn, exc)
@@ -328,6 +348,17 @@ class SimulatorApp:
         if policy == "reject" and body.get("return_token_ids") is not None:
             raise ApiError(400, "Unrecognized request argument supplied: return_token_ids", param="return_token_ids")
         return generation
+
+    def _parse(self, body: dict[str, Any], chat: bool, responses: bool) -> Generation:
+        max_model_len = self.deployment.max_model_len
+        if responses:
+            previous = body.get("previous_response_id")
+            if previous is not None and previous not in self.stored:
+                raise _not_stored(str(previous))  # vLLM's store is its process's own
+            generation = parse_responses(body, self.tokenizer, max_model_len, self.models)
+        else:
+            generation = parse_generation(body, chat, self.tokenizer, max_model_len, self.models)
+        return self._answer_shape(self._token_ids_policy(generation, body), body)
 
     def _answer_shape(self, generation: Generation, body: dict[str, Any]) -> Generation:
         """Chat replies with reasoning (--reasoning-tokens, unless the request turns thinking off) or a tool call
@@ -416,6 +447,8 @@ class _Reply:
         if not self.generation.stream:
             if finish_reason is not None:
                 body = self.format.full_response(self.pending, finish_reason)
+                if self.generation.store:
+                    self.app.keep_response(self.format.response_id, body)
                 self._finish("completed", self.conn.response(200, _JSON, body))
             return
         if self.cut_after is not None and self.sent + len(self.pending) >= self.cut_after:
@@ -431,9 +464,10 @@ class _Reply:
             return
         events = self._token_events(finish_reason)
         if finish_reason is not None:
-            if self.app.wants_usage(self.generation):
-                events.append(self.format.usage_event(self.sent))
-            events.append(DONE_EVENT)
+            events += self.format.closing_events(self.sent, self.app.wants_usage(self.generation))
+            typed = self.format.typed
+            if self.generation.store and typed is not None and typed.final is not None:
+                self.app.keep_response(self.format.response_id, orjson.dumps(typed.final))
             self._finish("completed", _frames(events) + _CHUNKED_END)
         elif events:
             self._send(_frames(events))
@@ -475,7 +509,7 @@ class _Reply:
         return b""
 
     def _token_event(self, tokens: list[int], finish_reason: str | None) -> list[bytes]:
-        events = [self.format.role_event()] if self.sent == 0 and self.generation.chat else []
+        events = self.format.opening_events() if self.sent == 0 else []
         events.append(self.format.token_event(self.sent, tokens, finish_reason, self._usage(len(tokens))))
         if self.log is not None:
             self.logged_chunks.append(len(tokens))
@@ -543,6 +577,10 @@ class _Reply:
         if self.generation.stream:
             stats.active -= 1
         self.conn.reply = None
+
+
+def _not_stored(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.", "invalid_request_error", "response_id")
 
 
 def _frames(events: list[bytes]) -> bytes:
