@@ -42,16 +42,16 @@ from deepserve.gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from deepserve.gateway.http_client import HttpResponse
+from deepserve.gateway.http_client import HttpClient, HttpResponse, Resolver, system_resolve
 from deepserve.gateway.http_server import DISCONNECT_SCOPE_KEY
-from deepserve.gateway.keys import ApiKey, KeyRing, KeyStore
+from deepserve.gateway.keys import ApiKey, KeyRing, key_source
 from deepserve.gateway.ledger import UsageLedger, UsageRow
 from deepserve.gateway.limits import Admission, Limiter, make_limiter
 from deepserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.responses import ResponseRoutes
 from deepserve.gateway.streaming import StreamTap
-from deepserve.gateway.upstreams import UpstreamPool, UpstreamReplica, iter_chunks, read_body
+from deepserve.gateway.upstreams import IDLE_CONNECTION_S, UpstreamPool, UpstreamReplica, iter_chunks, read_body
 from deepserve.gateway.usage import NO_COUNTS, TokenCounts, read_usage
 from deepserve.gateway.validation import (
     CHAT_COMPLETIONS,
@@ -178,10 +178,12 @@ class GatewayApp:
         ledger: UsageLedger | None = None,
         limiter: Limiter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        resolve: Resolver = system_resolve,
     ) -> None:
         """CLOCK times every deadline of the gateway (client connections, upstream requests, the slot queue, the
         engine-metrics cache, the age of the engines' load); tests pass a fake one and call the checks directly.
-        LIMITER defaults to the one the config asks for (`make_limiter`)."""
+        LIMITER defaults to the one the config asks for (`make_limiter`). RESOLVE finds the addresses of a host
+        name (the upstreams' with --discover-upstreams; tests give their own DNS)."""
         self.config = config
         self.aliases = config.aliases()
         self.template_defaults = config.chat_template_defaults()
@@ -189,15 +191,23 @@ class GatewayApp:
         policy = make_policy(
             config.balancing, PolicySettings(config.score_weights(), config.engine_metrics_interval_s, clock)
         )
-        self.pool = UpstreamPool(
-            config.upstream,
-            policy,
+        self.client = HttpClient(
             connect_timeout_s=config.connect_timeout_s,
             read_timeout_s=config.upstream_timeout_s,
-            health_check_interval_s=config.health_check_interval_s,
-            max_model_len=config.max_model_len,
+            idle_s=IDLE_CONNECTION_S,
             clock=clock,
-        )
+        )  # the process's one HTTP client: every pool's requests, checks and scrapes
+        pool_settings: dict[str, Any] = {
+            "health_check_interval_s": config.health_check_interval_s,
+            "max_model_len": config.max_model_len,
+            "clock": clock,
+            "client": self.client,
+            "api_key_file": config.upstream_api_key_file,
+            "discover": config.discover_upstreams,
+            "discovery_interval_s": config.discovery_interval_s,
+            "resolve": resolve,
+        }
+        self.pool = UpstreamPool(config.upstream, policy, **pool_settings)
         self.limiter = limiter or make_limiter(config, clock)
         self.connections = ConnectionGuard(
             header_timeout_s=config.header_timeout_s,
@@ -241,8 +251,8 @@ class GatewayApp:
 
     async def start(self) -> None:
         if self._owns_state:
-            self.keyring = KeyRing(KeyStore())
-            self.ledger = UsageLedger()
+            self.keyring = KeyRing(key_source(self.config.keys_file))
+            self.ledger = UsageLedger(self.config.ledger_path)
         await self.limiter.start()
         if self.keyring is not None:
             self.keyring.revoked_ids = self.limiter.revoked_ids  # one set: what Redis announces is refused at once
@@ -264,10 +274,11 @@ class GatewayApp:
         await self.limiter.close()
         await self.connections.close()
         await self.pool.close()
+        await self.client.close()
         if self._owns_state and self.ledger:
             self.lost_ledger_rows = self.ledger.close()
         if self._owns_state and self.keyring:
-            self.keyring.store.close()
+            self.keyring.source.close()
         self.metrics.publish_live_state()  # with several workers: this one's last counts outlive it
 
     def cut_in_flight(self, reason: str) -> int:

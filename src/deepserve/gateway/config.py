@@ -25,7 +25,37 @@ class GatewayConfig(Section):
     """The OpenAI-compatible front door: where it listens, where it forwards, and how it protects the engine."""
 
     upstream: list[str] = Field(
-        default_factory=list, description="engine base URL, e.g. http://127.0.0.1:8001/v1; repeat for replicas"
+        default_factory=list,
+        description="engine base URL, e.g. http://127.0.0.1:8001/v1; repeat for replicas (with --prefill-upstream: "
+        "the decode replicas)",
+    )
+    prefill_upstream: list[str] = Field(
+        default_factory=list,
+        description="prefill engine base URL (vLLM's KV-transfer prefill role); repeat for replicas. Each "
+        "completion and chat request is prefilled there (max_tokens 1, kv_transfer_params do_remote_decode) and "
+        "decoded on an --upstream replica with the prefill's kv_transfer_params",
+    )
+    discover_upstreams: bool = Field(
+        False,
+        description="treat each upstream (and prefill upstream) host name as a DNS name with one address per replica "
+        "(a Kubernetes headless Service): re-resolved every --discovery-interval-s, replicas added and removed as "
+        "addresses come and go (a removed one finishes its requests in flight)",
+    )
+    discovery_interval_s: float = Field(10.0, gt=0, description="seconds between resolutions of the upstream names")
+    upstream_api_key_file: Path | None = Field(
+        None,
+        description="file holding the API key the engines require (vLLM's --api-key), sent upstream as "
+        "`Authorization: Bearer`; re-read when it changes (a mounted Kubernetes Secret)",
+    )
+    keys_file: Path | None = Field(
+        None,
+        description="read API keys from this file (`deepserve keys export`: hashes only, e.g. a mounted Kubernetes "
+        "Secret) instead of the key database; re-read within a second of a change, without a restart",
+    )
+    ledger_path: Path | None = Field(
+        None,
+        description="usage ledger file (default: $DEEPSERVE_HOME/gateway/usage.sqlite); put it on storage "
+        "that outlives the process (a persistent volume)",
     )
     host: str = Field("127.0.0.1", description="address to listen on (anything but loopback requires keys)")
     port: int = Field(8080, ge=0, le=65535, description="port to listen on (0: any free port)")
@@ -111,7 +141,7 @@ class GatewayConfig(Section):
             raise ValueError(unknown_name("balancing policy", value, list(BALANCING_POLICIES)))
         return value
 
-    @field_validator("upstream")
+    @field_validator("upstream", "prefill_upstream")
     @classmethod
     def _http_urls(cls, value: list[str]) -> list[str]:
         for url in value:
@@ -178,6 +208,9 @@ class GatewayConfig(Section):
         """Fail fast, before binding, on a configuration that cannot work."""
         if not self.upstream:
             raise ConfigError("no upstream given; pass --upstream http://HOST:PORT/v1 (repeat for replicas)")
+        for flag, path in (("--keys-file", self.keys_file), ("--upstream-api-key-file", self.upstream_api_key_file)):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{flag} {path} is not a readable file; give the file's path (a mounted Secret's)")
         if self.workers > 1 and not self.redis_url:
             raise ConfigError(
                 f"--workers {self.workers} needs --redis-url: each worker process would otherwise enforce the rate "
@@ -208,7 +241,7 @@ def check_upstream_url(url: str) -> None:
     if "@" in parts.netloc:
         raise ValueError(
             f"upstream {url!r} has credentials (user@ or user:password@), which the gateway does not send to "
-            f"engines; remove them, {example}"
+            f"engines; remove them (an engine's API key goes in --upstream-api-key-file), {example}"
         )
     if not parts.hostname:
         raise ValueError(f"upstream {url!r} has no host; give one, {example}")

@@ -312,17 +312,20 @@ class _Connection(asyncio.Protocol):
 
 
 class Origin:
-    """Where requests go: scheme, host and port, parsed once; the Host header and TLS context are ready."""
+    """Where requests go: scheme, host and port, parsed once; the Host header and TLS context are ready. NAME, when
+    given, is the server's name for HOST (an address found under a DNS name): the Host header and TLS's server name."""
 
-    __slots__ = ("host", "host_header", "is_address", "key", "port", "tls")
+    __slots__ = ("host", "host_header", "is_address", "key", "port", "server_name", "tls")
 
-    def __init__(self, host: str, port: int, tls: bool) -> None:
+    def __init__(self, host: str, port: int, tls: bool, name: str | None = None) -> None:
         self.host = host
         self.port = port
         self.tls = tls
         self.key = (host, port, tls)
         self.is_address = _is_ip_address(host)  # nothing to resolve
-        self.host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 literals in brackets
+        self.server_name = name or host
+        shown = self.server_name
+        self.host_header = f"[{shown}]:{port}" if ":" in shown else f"{shown}:{port}"  # IPv6 literals in brackets
 
 
 def _is_ip_address(host: str) -> bool:
@@ -472,7 +475,7 @@ class HttpClient:
                     address,
                     origin.port,
                     ssl=tls,
-                    server_hostname=origin.host if tls is not None else None,
+                    server_hostname=origin.server_name if tls is not None else None,
                 )
                 return connection
             except OSError as exc:
@@ -511,6 +514,11 @@ class HttpClient:
         """Check every open connection's deadlines now (what their timers do when they fire)."""
         for connection in list(self._all):
             connection.check_deadlines()
+
+    def close_idle(self, origin: Origin) -> None:
+        """Close ORIGIN's idle connections (it left the pool: nothing more will be sent there)."""
+        for connection in list(self._idle.get(origin.key, ())):
+            connection.close()
 
     def abort_waiting(self, origin: Origin, reason: str) -> int:
         """Give up every request to ORIGIN that still waits for its response head (the caller may send it

@@ -173,7 +173,7 @@ class _LiveState(Collector):
         outstanding = GaugeMetricFamily(
             "deepserve_gateway_upstream_in_flight", "Requests in flight on the replica", labels=["replica"]
         )
-        for replica in self.pool.replicas:
+        for replica in [*self.pool.replicas, *self.pool.draining]:  # draining: left the pool, requests in flight
             healthy.add_metric([replica.url], 1.0 if replica.healthy else 0.0)
             outstanding.add_metric([replica.url], replica.outstanding)
         yield healthy

@@ -29,7 +29,7 @@ from deepserve.errors import ConfigError
 from deepserve.gateway.app import GatewayApp, access_log
 from deepserve.gateway.config import GatewayConfig, base_url
 from deepserve.gateway.http_server import HttpServer
-from deepserve.gateway.keys import KeyStore
+from deepserve.gateway.keys import key_source
 
 READY_PREFIX = "GATEWAY READY"
 # After the app cut what was left at the end of the grace period, the server waits this much longer for the cut
@@ -129,7 +129,7 @@ def run_gateway(config: GatewayConfig) -> int:
     config.check_startable()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s gateway %(levelname)s %(message)s")
     if config.keys_required():
-        _warn_if_no_keys()
+        _warn_if_no_keys(config)
 
     def announce(url: str) -> None:
         print(f"{READY_PREFIX} {url}", flush=True)
@@ -183,15 +183,16 @@ def _access_log_to_stderr(enabled: bool) -> Iterator[None]:
         access_log.setLevel(logging.NOTSET)
 
 
-def _warn_if_no_keys() -> None:
-    store = KeyStore()
+def _warn_if_no_keys(config: GatewayConfig) -> None:
+    source = key_source(config.keys_file)
     try:
-        active = [key for key in store.all_keys() if key.revoked_at is None]
+        active = [stored for stored in source.load() if stored.key.revoked_at is None]
     finally:
-        store.close()
+        source.close()
     if not active:
+        where = f"in {config.keys_file}" if config.keys_file else "yet"
         print(
-            "deepserve gateway: API keys are required (non-loopback bind or --require-keys) and none exist yet; "
+            f"deepserve gateway: API keys are required (non-loopback bind or --require-keys) and none exist {where}; "
             "every request is refused until you run `deepserve keys create NAME`",
             file=sys.stderr,
             flush=True,

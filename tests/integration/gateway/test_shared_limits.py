@@ -62,7 +62,7 @@ async def shared_gateway(
         if ledger is not None:
             ledger.close()
         if keyring is not None:
-            keyring.store.close()
+            keyring.source.close()
 
 
 def copy_key_database(source: Path, target: Path) -> None:
