@@ -21,6 +21,7 @@ from typing import Any
 from deepserve.gateway.balancing import PolicySettings, RoutingHints, make_policy, prompt_text_for_routing
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.connections import BODY_TIMEOUT_SCOPE_KEY, ConnectionGuard
+from deepserve.gateway.disaggregation import decode_body, kv_transfer_params, prefill_body
 from deepserve.gateway.engine_load import EngineLoadScraper
 from deepserve.gateway.engine_metrics import ENGINE_METRICS_PATH, EngineMetricsCache
 from deepserve.gateway.errors import (
@@ -94,6 +95,7 @@ class _Exchange:
         "client",
         "client_gone",
         "cut",
+        "decode_sent_s",
         "endpoint",
         "error",
         "finished",
@@ -101,6 +103,7 @@ class _Exchange:
         "logged_body",
         "method",
         "parsed",
+        "prefill_upstream",
         "request_body",
         "response_id",
         "response_started",
@@ -134,6 +137,8 @@ class _Exchange:
         self.request_body: bytes | None = None  # as received, kept only with log_bodies
         self.tap: StreamTap | None = None  # a stream's relay state: usage, events delivered
         self.response_id: str | None = None  # a Responses API answer's id
+        self.prefill_upstream: str | None = None  # the prefill replica (prefill/decode disaggregation)
+        self.decode_sent_s: float | None = None  # when the decode request went out, after its prefill
 
     @property
     def key_name(self) -> str:
@@ -208,6 +213,11 @@ class GatewayApp:
             "resolve": resolve,
         }
         self.pool = UpstreamPool(config.upstream, policy, **pool_settings)
+        self.prefill_pool = (  # prefill/decode disaggregation: the prefill replicas, balanced by a policy of their own
+            UpstreamPool(config.prefill_upstream, make_policy(config.balancing, PolicySettings()), **pool_settings)
+            if config.prefill_upstream
+            else None
+        )
         self.limiter = limiter or make_limiter(config, clock)
         self.connections = ConnectionGuard(
             header_timeout_s=config.header_timeout_s,
@@ -216,7 +226,7 @@ class GatewayApp:
             max_connections=config.max_connections,
             clock=clock,
         )
-        self.metrics = GatewayMetrics(self.pool, self.limiter, self.connections, lambda: self.ledger)
+        self.metrics = GatewayMetrics(self.pool, self.limiter, self.connections, lambda: self.ledger, self.prefill_pool)
         self.keyring = keyring
         self.ledger = ledger
         self.lost_ledger_rows = 0  # set by close(): rows the ledger could not write
@@ -258,6 +268,8 @@ class GatewayApp:
             self.keyring.revoked_ids = self.limiter.revoked_ids  # one set: what Redis announces is refused at once
         self.limiter.watch(self.metrics.limiter_fallbacks.inc, self.metrics.redis_errors.inc)
         await self.pool.start()
+        if self.prefill_pool is not None:
+            await self.prefill_pool.start()
         if self._engine_load is not None:
             await self._engine_load.scrape_once()
             self._engine_load.start()
@@ -274,6 +286,8 @@ class GatewayApp:
         await self.limiter.close()
         await self.connections.close()
         await self.pool.close()
+        if self.prefill_pool is not None:
+            await self.prefill_pool.close()
         await self.client.close()
         if self._owns_state and self.ledger:
             self.lost_ledger_rows = self.ledger.close()
@@ -597,6 +611,13 @@ class GatewayApp:
         a retry; when there is none, a replica that dropped the connection (rather than refusing it) is tried
         again: a keep-alive connection it had just closed fails exactly like that, and a new one is fine. PREFERRED
         (a replica's URL) is tried first when it can serve the request."""
+        body = parsed.body
+        if self._disaggregated(exchange.endpoint, parsed):
+            prefilled = await self._prefill(exchange, parsed, hints)
+            if isinstance(prefilled, _EngineAnswer):  # the prefill engine refused the request: that is the answer
+                await self._send_whole(exchange, prefilled.status, prefilled.body, send)
+                return
+            body = prefilled
         tried: list[UpstreamReplica] = []
         failure: UpstreamError | None = None  # the last attempt's
         while True:
@@ -613,14 +634,10 @@ class GatewayApp:
             exchange.upstream = replica.url
             replica.outstanding += 1
             try:
-                await self._attempt(exchange, parsed, replica, send)
+                await self._attempt(exchange, parsed, replica, send, body)
                 return
             except UpstreamError as exc:
-                self.metrics.upstream_failures.labels(replica.url, exc.code or "").inc()
-                if (isinstance(exc, UpstreamUnavailable) and exc.refused) or isinstance(exc, UpstreamTimeout):
-                    # Nothing listens, or it is silent: no new request should wait for it until a health check
-                    # passes again (and requests already waiting for it move to another replica).
-                    self.pool.mark_down(replica, exc.message)
+                self._count_failure(self.pool, replica, exc)
                 if exchange.response_started or not exc.retryable or len(tried) > self.config.max_retries:
                     raise
                 failure = exc
@@ -628,12 +645,89 @@ class GatewayApp:
             finally:
                 replica.outstanding -= 1
 
-    async def _attempt(self, exchange: _Exchange, parsed: ParsedRequest, replica: UpstreamReplica, send: Send) -> None:
+    def _count_failure(self, pool: UpstreamPool, replica: UpstreamReplica, exc: UpstreamError) -> None:
+        self.metrics.upstream_failures.labels(replica.url, exc.code or "").inc()
+        if (isinstance(exc, UpstreamUnavailable) and exc.refused) or isinstance(exc, UpstreamTimeout):
+            # Nothing listens, or it is silent: no new request should wait for it until a health check passes
+            # again (and requests already waiting for it move to another replica).
+            pool.mark_down(replica, exc.message)
+
+    # ---- prefill/decode disaggregation --------------------------------------------------------------------------
+
+    def _disaggregated(self, endpoint: Endpoint, parsed: ParsedRequest) -> bool:
+        """Prefilled apart: completions and chat, when prefill replicas are configured and the client does not run
+        the KV-transfer protocol itself."""
+        return (
+            self.prefill_pool is not None
+            and endpoint in (CHAT_COMPLETIONS, COMPLETIONS)
+            and "kv_transfer_params" not in parsed.request
+        )
+
+    async def _prefill(self, exchange: _Exchange, parsed: ParsedRequest, hints: RoutingHints) -> bytes | _EngineAnswer:
+        """Prefill the prompt on a prefill replica (disaggregation.py); the decode request's body, or the prefill
+        engine's refusal. With no prefill to be had, the request as it is: its decode replica prefills it."""
+        pool = self.prefill_pool
+        assert pool is not None
+        request, body = prefill_body(parsed.body)
+        started_s = time.perf_counter()
+        tried: list[UpstreamReplica] = []
+        reason = "no_prefill_replica"
+        while len(tried) <= self.config.max_retries:
+            try:
+                replica = pool.choose(parsed.model, hints, tried)
+            except NoHealthyUpstream:
+                break
+            tried.append(replica)
+            replica.outstanding += 1
+            try:
+                status, answer = await self._send_prefill(pool, replica, exchange.endpoint.path, body)
+            except UpstreamError as exc:
+                self._count_failure(pool, replica, exc)
+                reason = "prefill_failed"
+                continue
+            finally:
+                replica.outstanding -= 1
+            if status != 200:
+                return _EngineAnswer(status, answer)
+            exchange.prefill_upstream = replica.url
+            self.metrics.pd_phase(parsed.model, "prefill").observe(time.perf_counter() - started_s)
+            params = kv_transfer_params(answer)
+            if params is None:
+                reason = "no_kv_transfer_params"
+                break
+            exchange.decode_sent_s = time.perf_counter()
+            return decode_body(request, params)
+        self.metrics.pd_fallbacks.labels(reason).inc()
+        log.warning("prefill/decode: %s; the decode replica prefills the request itself", reason.replace("_", " "))
+        return parsed.body
+
+    async def _send_prefill(
+        self, pool: UpstreamPool, replica: UpstreamReplica, path: str, body: bytes
+    ) -> tuple[int, bytes]:
+        """A prefill request's (status, whole answer); an upstream 5xx is an UpstreamBadStatus (tried elsewhere)."""
+        response = await pool.post(replica, path, body)
+        complete = False
+        try:
+            answer = await read_body(response, replica)
+            complete = True
+        finally:
+            if complete:
+                response.release()
+            else:
+                response.close()
+        if response.status >= 500:
+            detail = answer[:300].decode(errors="replace")
+            raise UpstreamBadStatus(f"prefill upstream {replica.url} answered {response.status}: {detail}")
+        return response.status, answer
+
+    async def _attempt(
+        self, exchange: _Exchange, parsed: ParsedRequest, replica: UpstreamReplica, send: Send, body: bytes
+    ) -> None:
         # A stream's head comes at once from a live engine (its tokens follow): a replica silent for longer hangs.
         # A non-streamed answer's head comes with the whole answer, so only the read timeout applies to it.
         first_byte_timeout_s = self.config.first_byte_timeout_s if parsed.stream else None
         response = await self.pool.post(
-            replica, exchange.endpoint.path, parsed.body, first_byte_timeout_s=first_byte_timeout_s
+            replica, exchange.endpoint.path, body, first_byte_timeout_s=first_byte_timeout_s
         )
         complete = False
         try:
@@ -643,8 +737,8 @@ class GatewayApp:
             if parsed.stream and response.status == 200:
                 await self._relay_stream(exchange, parsed, iter_chunks(response, replica), send)
             else:
-                body = await read_body(response, replica)
-                await self._send_whole(exchange, response.status, body, send)
+                answer = await read_body(response, replica)
+                await self._send_whole(exchange, response.status, answer, send)
             complete = True
         finally:
             if complete:
@@ -761,6 +855,9 @@ class GatewayApp:
         per_model.e2e_s.observe(time.perf_counter() - exchange.started_s)
         if exchange.ttft_s is not None:
             per_model.ttft_s.observe(exchange.ttft_s)
+            if exchange.decode_sent_s is not None:  # disaggregated: the decode's part of the TTFT
+                decode_ttft_s = exchange.started_s + exchange.ttft_s - exchange.decode_sent_s
+                metrics.pd_phase(exchange.parsed.model, "decode_first_token").observe(decode_ttft_s)
         prompt, completion = tokens.prompt, tokens.completion
         if prompt or completion:
             prompt_tokens, completion_tokens = metrics.token_counters(key, model)
@@ -791,7 +888,18 @@ class GatewayApp:
             response_body=response_body,
             reasoning_tokens=tokens.reasoning,
             reasoning_source=tokens.reasoning_source,
+            prefill_upstream=exchange.prefill_upstream,
         )
+
+
+class _EngineAnswer:
+    """An answer from an engine that ends the request as it is (a prefill engine's refusal)."""
+
+    __slots__ = ("body", "status")
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status = status
+        self.body = body
 
 
 def _billable_tokens(exchange: _Exchange, tokens: TokenCounts) -> int | None:

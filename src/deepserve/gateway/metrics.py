@@ -40,6 +40,7 @@ class GatewayMetrics:
         limiter: Limiter,
         connections: ConnectionGuard | None = None,
         ledger: Callable[[], UsageLedger | None] = lambda: None,
+        prefill_pool: UpstreamPool | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_ENV) or None
@@ -81,6 +82,15 @@ class GatewayMetrics:
             ["replica", "code"], registry=r,
         )  # fmt: skip
         self.retries = Counter("deepserve_gateway_retries", "Requests retried on another replica", registry=r)
+        self.pd_phase_s = Histogram(
+            "deepserve_gateway_pd_phase_seconds", "Prefill/decode disaggregation: the prefill request's round trip "
+            "(phase=prefill) and the decode request's time to its first forwarded event (phase=decode_first_token)",
+            ["model", "phase"], buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.pd_fallbacks = Counter(
+            "deepserve_gateway_pd_fallbacks", "Requests decoded without a prefill replica's KV cache, by reason "
+            "(no_prefill_replica, prefill_failed, no_kv_transfer_params)", ["reason"], registry=r,
+        )  # fmt: skip
         self.limiter_fallbacks = Counter(
             "deepserve_gateway_limiter_fallbacks", "Requests admitted by this gateway's own limits while the shared "
             "limits' Redis was unreachable (--redis-fail-open)", registry=r,
@@ -88,7 +98,7 @@ class GatewayMetrics:
         self.redis_errors = Counter(
             "deepserve_gateway_redis_errors", "Failed calls to the shared limits' Redis", registry=r
         )
-        self._live: list[Collector] = [_LiveState(pool, limiter), _LedgerState(ledger)]
+        self._live: list[Collector] = [_LiveState(pool, limiter, prefill_pool), _LedgerState(ledger)]
         if connections is not None:
             self._live.append(_ConnectionState(connections))
         self._live_files = _MultiprocessLiveState() if self.multiprocess_dir else None
@@ -99,6 +109,7 @@ class GatewayMetrics:
         self._requests: dict[tuple[str, str, int], Any] = {}
         self._tokens: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._reasoning: dict[tuple[str, str, str], Any] = {}
+        self._phases: dict[tuple[str, str], Any] = {}
         self._models: dict[str, ModelMetrics] = {}
 
     def request_counter(self, key: str, model: str, status: int) -> Any:
@@ -120,6 +131,12 @@ class GatewayMetrics:
         child = self._reasoning.get((key, model, source))
         if child is None:
             child = self._reasoning[(key, model, source)] = self.reasoning_tokens.labels(key, model, source)
+        return child
+
+    def pd_phase(self, model: str, phase: str) -> Any:
+        child = self._phases.get((model, phase))
+        if child is None:
+            child = self._phases[(model, phase)] = self.pd_phase_s.labels(model, phase)
         return child
 
     def for_model(self, model: str) -> ModelMetrics:
@@ -154,9 +171,10 @@ class ModelMetrics:
 
 
 class _LiveState(Collector):
-    def __init__(self, pool: UpstreamPool, limiter: Limiter) -> None:
+    def __init__(self, pool: UpstreamPool, limiter: Limiter, prefill_pool: UpstreamPool | None = None) -> None:
         self.pool = pool
         self.limiter = limiter
+        self.prefill_pool = prefill_pool
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("deepserve_gateway_queue_depth", "Requests waiting for a slot", self.limiter.waiting)
@@ -167,17 +185,21 @@ class _LiveState(Collector):
                 "1 while the shared limits' Redis answers",
                 1.0 if self.limiter.up else 0.0,
             )
-        healthy = GaugeMetricFamily(
-            "deepserve_gateway_upstream_healthy", "1 if the replica is in rotation", labels=["replica"]
-        )
-        outstanding = GaugeMetricFamily(
-            "deepserve_gateway_upstream_in_flight", "Requests in flight on the replica", labels=["replica"]
-        )
-        for replica in [*self.pool.replicas, *self.pool.draining]:  # draining: left the pool, requests in flight
-            healthy.add_metric([replica.url], 1.0 if replica.healthy else 0.0)
-            outstanding.add_metric([replica.url], replica.outstanding)
-        yield healthy
-        yield outstanding
+        yield from _replica_families("deepserve_gateway_upstream", "", self.pool)
+        if self.prefill_pool is not None:
+            yield from _replica_families("deepserve_gateway_prefill_upstream", "prefill ", self.prefill_pool)
+
+
+def _replica_families(prefix: str, kind: str, pool: UpstreamPool) -> Iterator[Metric]:
+    healthy = GaugeMetricFamily(f"{prefix}_healthy", f"1 if the {kind}replica is in rotation", labels=["replica"])
+    outstanding = GaugeMetricFamily(
+        f"{prefix}_in_flight", f"Requests in flight on the {kind}replica", labels=["replica"]
+    )
+    for replica in [*pool.replicas, *pool.draining]:  # draining: left the pool, requests still in flight there
+        healthy.add_metric([replica.url], 1.0 if replica.healthy else 0.0)
+        outstanding.add_metric([replica.url], replica.outstanding)
+    yield healthy
+    yield outstanding
 
 
 class _ConnectionState(Collector):
@@ -217,7 +239,9 @@ class _LedgerState(Collector):
 
 
 # Live gauges combined over the workers by their minimum (1 only if every worker says 1); the others are summed.
-_MINIMUM_OVER_WORKERS = frozenset({"deepserve_gateway_redis_up", "deepserve_gateway_upstream_healthy"})
+_MINIMUM_OVER_WORKERS = frozenset(
+    {"deepserve_gateway_redis_up", "deepserve_gateway_upstream_healthy", "deepserve_gateway_prefill_upstream_healthy"}
+)
 
 
 class _MultiprocessLiveState:

@@ -70,6 +70,8 @@ class Generation:
     reasoning_field: str = "reasoning"  # the delta's and message's field for them
     tool_name: str | None = None  # chat: the reply is a call of this function
     responses: bool = False  # a Responses API request (chat-rendered input, typed events)
+    kv_transfer: dict[str, Any] | None = None  # a prefill for a remote decode: the kv_transfer_params to answer with
+    remote_prefill: bool = False  # a decode whose prompt's KV cache was prefilled elsewhere
     store: bool = False  # a Responses API answer kept for GET /v1/responses/{id}
 
 
@@ -433,6 +435,8 @@ class ReplyFormat:
         }
         if generation.return_token_ids:
             body["prompt_token_ids"] = generation.prompt_ids
+        if generation.kv_transfer is not None:
+            body["kv_transfer_params"] = generation.kv_transfer
         return orjson.dumps(body)
 
 

@@ -58,6 +58,7 @@ class SimRequest:
         "min_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_external_tokens",
         "num_preemptions",
         "num_tokens",
         "output_token_ids",
@@ -98,6 +99,9 @@ class SimRequest:
         self.block_hashes: list[int] = []
         self.num_cached_tokens = -1  # prompt tokens the prefix cache covered when first admitted (-1: not yet)
         self.num_preemptions = 0
+        # Prompt tokens whose KV cache a connector loads instead of computing them (a decode instance of a
+        # prefill/decode pair: vLLM's kv_transfer_params with do_remote_prefill): scheduled as already computed.
+        self.num_external_tokens = 0
         self.finish_reason: str | None = None
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None
@@ -292,11 +296,14 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.kv.cached_prefix(request)
             computed = len(cached) * self.kv.block_size
-            tokens = request.num_tokens - computed
+            external = max(
+                0, min(request.num_external_tokens, request.num_tokens - 1) - computed
+            )  # loaded, not computed
+            tokens = request.num_tokens - computed - external
             if not self.limits.chunked_prefill and tokens > budget:
                 return
             tokens = min(tokens, budget)
-            if not self.kv.allocate(request, tokens, cached):
+            if not self.kv.allocate(request, external + tokens, cached):
                 return
             self.waiting.popleft()
             if request.num_preemptions == 0 and request.num_cached_tokens < 0:
@@ -306,7 +313,7 @@ class Scheduler:
             if request.first_scheduled_s is None:
                 request.first_scheduled_s = now_s
             request.status = Status.RUNNING
-            request.num_computed_tokens = computed
+            request.num_computed_tokens = computed + external
             self.running.append(request)
             batch.add(request, tokens)
             request.num_computed_tokens += tokens

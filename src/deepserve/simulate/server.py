@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
@@ -77,6 +78,8 @@ class ServerStats:
     active: int = 0  # streaming now
     metrics_scrapes: int = 0
     health_checks: int = 0
+    kv_prefills: int = 0  # prefills for a remote decode (kv_transfer_params do_remote_decode)
+    kv_remote_prefills: int = 0  # decodes of prompts prefilled elsewhere (kv_transfer_params do_remote_prefill)
     tokenize_calls: int = 0  # POST /tokenize answered (any status)
     detokenize_calls: int = 0
     profile_calls: list[str] = field(default_factory=list)  # /start_profile, /stop_profile, in order
@@ -117,6 +120,7 @@ class SimulatorApp:
         self.send_log = SendLog() if config.log_sends else None
         self.connections: set[_Connection] = set()
         self.created = int(time.time())
+        self.engine_id = f"deepserve-simulate-{uuid.uuid4().hex[:8]}"  # kv_transfer_params' remote_engine_id
         self.stored: OrderedDict[str, bytes] = OrderedDict()  # Responses API answers kept for GET, by id
         self._started = time.monotonic()
         self._ids = 0
@@ -358,7 +362,30 @@ class SimulatorApp:
             generation = parse_responses(body, self.tokenizer, max_model_len, self.models)
         else:
             generation = parse_generation(body, chat, self.tokenizer, max_model_len, self.models)
-        return self._answer_shape(self._token_ids_policy(generation, body), body)
+        generation = self._answer_shape(self._token_ids_policy(generation, body), body)
+        params = body.get("kv_transfer_params")
+        return self._kv_transfer(generation, params) if isinstance(params, dict) else generation
+
+    def _kv_transfer(self, generation: Generation, params: dict[str, Any]) -> Generation:
+        """vLLM's prefill/decode disaggregation (a NIXL-like connector, simulated): a prefill for a remote decode
+        answers with the kv_transfer_params the decode needs; a decode given them skips its prompt's prefill."""
+        if params.get("do_remote_decode"):
+            self.stats.kv_prefills += 1
+            blocks = -(-len(generation.prompt_ids) // 16)
+            produced = {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                "remote_request_id": f"{self.engine_id}-{self.stats.kv_prefills}",
+                "remote_block_ids": list(range(blocks)), "remote_host": "127.0.0.1", "remote_port": 5600,
+                "tp_size": 1,
+            }  # fmt: skip
+            return dataclasses.replace(generation, kv_transfer=produced)
+        if params.get("do_remote_prefill"):
+            missing = [key for key in ("remote_engine_id", "remote_block_ids") if params.get(key) is None]
+            if missing:
+                raise ApiError(400, f"kv_transfer_params lack {', '.join(missing)}", param="kv_transfer_params")
+            self.stats.kv_remote_prefills += 1
+            return dataclasses.replace(generation, remote_prefill=True)
+        return generation
 
     def _answer_shape(self, generation: Generation, body: dict[str, Any]) -> Generation:
         """Chat replies with reasoning (--reasoning-tokens, unless the request turns thinking off) or a tool call
@@ -409,6 +436,7 @@ class SimulatorApp:
             eos_after=self.config.natural_output_len,
             sink=reply,
         )
+        sim.num_external_tokens = len(generation.prompt_ids) if generation.remote_prefill else 0
         reply.request = sim
         conn.reply = reply
         if generation.stream:
