@@ -18,6 +18,8 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import orjson
+
 from deepserve.gateway.balancing import PolicySettings, RoutingHints, make_policy, prompt_text_for_routing
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.connections import BODY_TIMEOUT_SCOPE_KEY, ConnectionGuard
@@ -52,7 +54,15 @@ from deepserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.responses import ResponseRoutes
 from deepserve.gateway.streaming import StreamTap
-from deepserve.gateway.upstreams import IDLE_CONNECTION_S, UpstreamPool, UpstreamReplica, iter_chunks, read_body
+from deepserve.gateway.upstreams import (
+    CLIENT_FAILURES,
+    IDLE_CONNECTION_S,
+    UpstreamPool,
+    UpstreamReplica,
+    iter_chunks,
+    read_body,
+    upstream_error,
+)
 from deepserve.gateway.usage import NO_COUNTS, TokenCounts, read_usage
 from deepserve.gateway.validation import (
     CHAT_COMPLETIONS,
@@ -238,6 +248,8 @@ class GatewayApp:
             else None
         )
         self._prompt_for_routing = policy.wants_prompt
+        self._prefix_for_routing = policy.wants_prefix
+        self._session_header = config.session_header.encode()
         self._key_task: asyncio.Task[None] | None = None
         self._in_flight: dict[_Exchange, asyncio.Task[Any]] = {}  # proxied requests, for cut_in_flight
         self._access_log = access_log if config.access_log else None
@@ -424,7 +436,7 @@ class GatewayApp:
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{scope['path']} takes POST")
-            headers = _request_headers(scope, self.config.session_header.encode())
+            headers = _request_headers(scope, self._session_header)
             key = self._authenticate(headers.authorization)
             raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes, scope)
             request = load_json_object(raw)
@@ -528,7 +540,7 @@ class GatewayApp:
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{endpoint.path} takes POST")
-            headers = _request_headers(scope, self.config.session_header.encode())
+            headers = _request_headers(scope, self._session_header)
             exchange.key = self._authenticate(headers.authorization)
             raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes, scope)
             if self.config.log_bodies:
@@ -544,7 +556,8 @@ class GatewayApp:
             watcher = _cancel_on_disconnect(scope, receive, exchange, task)
             await self.limiter.acquire_slot(exchange.admission)
             prompt = prompt_text_for_routing(parsed.request, endpoint.prompt_field) if self._prompt_for_routing else ""
-            hints = RoutingHints(parsed.affinity_text, headers.session, prompt)
+            prefix = parsed.affinity_text if self._prefix_for_routing else ""
+            hints = RoutingHints(prefix, headers.session, prompt)
             await self._forward(exchange, parsed, hints, send, preferred)
         except GatewayError as exc:
             await self._fail(exchange, exc, send)
@@ -735,7 +748,7 @@ class GatewayApp:
                 detail = (await read_body(response, replica))[:300].decode(errors="replace")
                 raise UpstreamBadStatus(f"upstream {replica.url} answered {response.status}: {detail}")
             if parsed.stream and response.status == 200:
-                await self._relay_stream(exchange, parsed, iter_chunks(response, replica), send)
+                await self._relay_stream(exchange, parsed, response, replica, send)
             else:
                 answer = await read_body(response, replica)
                 await self._send_whole(exchange, response.status, answer, send)
@@ -750,7 +763,7 @@ class GatewayApp:
         exchange.status = status
         if status == 200 and b'"usage"' in body:
             with contextlib.suppress(ValueError, AttributeError, RecursionError):  # an answer we cannot read is
-                answer = json.loads(body)  # forwarded all the same, only not accounted
+                answer = orjson.loads(body)  # forwarded all the same, only not accounted
                 usage = answer.get("usage")
                 exchange.usage = usage if isinstance(usage, dict) else None
                 if exchange.endpoint is RESPONSES and isinstance(answer.get("id"), str):
@@ -763,13 +776,23 @@ class GatewayApp:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    async def _relay_stream(self, exchange: _Exchange, parsed: ParsedRequest, chunks: Any, send: Send) -> None:
+    async def _relay_stream(
+        self, exchange: _Exchange, parsed: ParsedRequest, response: HttpResponse, replica: UpstreamReplica, send: Send
+    ) -> None:
+        """Forward each complete event as it arrives (the per-event path: one await on the connection per chunk)."""
         tap = exchange.tap = StreamTap(parsed.strip_usage_chunk, exchange.endpoint.stream_shape)
         itl = self.metrics.for_model(parsed.client_model).itl_s
         logged = exchange.logged_body = [] if self.config.log_bodies else None
         logged_bytes = 0
         last_s = 0.0
-        async for chunk in chunks:
+        next_chunk = response.next_chunk
+        while True:
+            try:
+                chunk = await next_chunk()
+            except CLIENT_FAILURES as exc:
+                raise upstream_error(exc, replica) from exc
+            if not chunk:
+                break
             events = tap.feed(chunk)
             if not events:
                 continue

@@ -81,6 +81,11 @@ class HttpResponse:
         self._detached = False  # released or closed: the connection may already serve another request
         self.status = status
 
+    def next_chunk(self) -> Awaitable[bytes]:
+        """The next body chunk as it arrives, b"" at the end (the relay's loop: no generator between it and the
+        connection)."""
+        return self._connection.next_chunk()
+
     async def chunks(self) -> AsyncIterator[bytes]:
         connection = self._connection
         while True:
@@ -216,15 +221,22 @@ class _Connection(asyncio.Protocol):
         return HttpResponse(self, status)
 
     async def next_chunk(self) -> bytes:
-        """The next body chunk, or b"" at the end of the response."""
+        """The next body chunk, or b"" at the end of the response (the per-event path: `_wait` inlined)."""
+        chunks = self._chunks
         while True:
-            if self._chunks:
-                if self._paused and len(self._chunks) <= _RESUME_AT_CHUNKS:
+            if chunks:
+                if self._paused and len(chunks) <= _RESUME_AT_CHUNKS:
                     self._resume()
-                return self._chunks.popleft()
+                return chunks.popleft()
             if self._complete:
                 return b""
-            await self._wait()
+            if self._error is not None:
+                raise self._error
+            self._waiter = waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
 
     async def _wait(self) -> None:
         if self._error is not None:

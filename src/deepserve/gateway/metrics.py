@@ -11,14 +11,18 @@ connections and of ledger rows are counters, so a worker's counts outlive it."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from deepserve.gateway.connections import REFUSAL_REASONS, ConnectionGuard
 from deepserve.gateway.ledger import UsageLedger
@@ -62,15 +66,18 @@ class GatewayMetrics:
             ["key", "model", "source"],
             registry=r,
         )
-        self.ttft_s = Histogram(
+        # Observed on the request path (the ITL on every forwarded event): one process's own histograms are plain
+        # lists on the event loop's thread (LoopHistogram); several workers' go through prometheus_client's files.
+        histogram = Histogram if self.multiprocess_dir else LoopHistogramFamily
+        self.ttft_s = histogram(
             "deepserve_gateway_ttft_seconds", "Time to first streamed chunk, as the gateway forwards it", ["model"],
             buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
-        self.itl_s = Histogram(
+        self.itl_s = histogram(
             "deepserve_gateway_itl_seconds", "Gap between forwarded stream chunks", ["model"],
             buckets=_ITL_BUCKETS_S, registry=r,
         )  # fmt: skip
-        self.e2e_s = Histogram(
+        self.e2e_s = histogram(
             "deepserve_gateway_e2e_seconds", "Request arrival to last byte", ["model"],
             buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
@@ -161,6 +168,60 @@ class GatewayMetrics:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=self.multiprocess_dir)
         return generate_latest(registry)
+
+
+class LoopHistogram:
+    """One label set's histogram, observed on the event loop's thread only: counts in a list, no lock.
+    prometheus_client's Histogram takes a lock per bucket and sum and walks its buckets in Python (about 4 µs an
+    observation here, against under 1 µs), and the gateway observes the ITL on every event it forwards. The scrape
+    reads it on the same thread (render runs in the loop), so nothing is read half-written."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds  # ascending, the last one +Inf
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class LoopHistogramFamily(Collector):
+    """A labelled family of LoopHistograms, exposed exactly as prometheus_client exposes a Histogram (the same
+    `_bucket{le}`, `_sum`, `_count` and `_created`-free samples, the same bucket bounds)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: list[str],
+        *,
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.bounds = (*buckets, math.inf) if buckets[-1] != math.inf else buckets
+        self._bounds_text = [floatToGoString(bound) for bound in self.bounds]
+        self._children: dict[tuple[str, ...], LoopHistogram] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> LoopHistogram:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = LoopHistogram(self.bounds)
+        return child
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._children.items():
+            cumulative = list(itertools.accumulate(child.counts))
+            family.add_metric(list(values), list(zip(self._bounds_text, cumulative, strict=True)), child.sum)
+        yield family
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """Server-sent events on the way through: forward each complete event as soon as it arrives, pick the usage block
 out of the stream, and drop the usage chunk when the gateway (not the client) asked for it.
 
-Only event boundaries are looked for (a bytes search); an event that carries usage is the only one parsed. Events
-are forwarded as they came: reasoning (`reasoning`, `reasoning_content`), tool calls and their deltas pass through
-unchanged. What is counted on the way, so that a stream that ends before its usage (the client went away, the
-gateway shut down) still says what it delivered, and so that reasoning is counted where the engine's usage does not
-say: the token events forwarded (one more bytes search per chunk) and the events that carry reasoning text.
+Only event boundaries are looked for (a bytes search); an event that carries usage is the only one parsed (orjson).
+Events are forwarded as they came: reasoning (`reasoning`, `reasoning_content`), tool calls and their deltas pass
+through unchanged. What is counted on the way, so that a stream that ends before its usage (the client went away,
+the gateway shut down) still says what it delivered, and so that reasoning is counted where the engine's usage does
+not say: the token events forwarded (one more bytes search per chunk) and the events that carry reasoning text.
 
 Chat and completion streams (`CHAT_STREAM`, `COMPLETION_STREAM`) are `data:` events ending with `[DONE]`; the usage
 is the last chunk's `usage`. Responses streams (`RESPONSES_STREAM`) are typed events (`event: response.…`) whose
@@ -13,10 +13,11 @@ token events are the `….delta` ones; the usage is in the final `response.compl
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 _USAGE_MARK = b'"usage"'
 _DATA_MARK = b"data:"
@@ -101,7 +102,7 @@ class StreamTap:
             usage_only = False
             if payload is not None and _USAGE_MARK in payload:
                 try:
-                    parsed = json.loads(payload)
+                    parsed = orjson.loads(payload)
                 except (ValueError, RecursionError):  # not ours to judge: forwarded as is, only not accounted
                     parsed = None
                 if isinstance(parsed, dict):

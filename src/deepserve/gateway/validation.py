@@ -6,6 +6,7 @@ unchanged, unless a model alias or the stream usage option has to be written int
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -332,13 +333,19 @@ class ParsedRequest:
     stream: bool
     max_tokens: int | None
     prompt_tokens_estimate: int
-    affinity_text: str  # the start of the prompt, for prefix affinity
     strip_usage_chunk: bool  # we asked the upstream for a usage chunk the client did not ask for
     request: dict[str, Any]  # the parsed body (for log_bodies)
+    prompt: Any = None  # the prompt as sent (prompt, messages or input)
+    prompt_text: str = ""  # the prompt as text (for the estimate)
 
     @property
     def charged_tokens(self) -> int:
         return self.prompt_tokens_estimate + (self.max_tokens or DEFAULT_CHARGED_OUTPUT_TOKENS)
+
+    @functools.cached_property
+    def affinity_text(self) -> str:
+        """The start of the prompt, for prefix affinity (worked out only for the policy that routes by it)."""
+        return _affinity_text(self.prompt, self.prompt_text)
 
 
 def resolve_model(client_model: str, models: Mapping[str, int | None], aliases: Mapping[str, str]) -> str:
@@ -386,7 +393,10 @@ def parse_request(
     )
     template = _template_defaults(endpoint, request, template_defaults, client_model, model)
     body = raw
-    if model != client_model or strip_usage or template is not None:
+    spliceable = "stream_options" not in request and not raw.startswith(_UTF8_BOM)
+    if model == client_model and template is None and strip_usage and spliceable:
+        body = _with_usage_option(raw)  # the common stream: no re-encoding of the whole body
+    elif model != client_model or strip_usage or template is not None:
         body = _rewrite(request, model, strip_usage, template)
     return ParsedRequest(
         body=body,
@@ -395,9 +405,10 @@ def parse_request(
         stream=stream,
         max_tokens=max_tokens,
         prompt_tokens_estimate=-(-len(prompt_text) // CHARS_PER_TOKEN_ESTIMATE),
-        affinity_text=_affinity_text(prompt, prompt_text),
         strip_usage_chunk=strip_usage,
         request=request,
+        prompt=prompt,
+        prompt_text=prompt_text,
     )
 
 
@@ -558,6 +569,17 @@ def _prompt_text(prompt: Any) -> str:
         else:
             parts.append(json.dumps(item))
     return "\n".join(parts)
+
+
+_USAGE_OPTION = b'"stream_options":{"include_usage":true},'
+_UTF8_BOM = b"\xef\xbb\xbf"  # allowed from a client, not passed on (a JSON parser refuses it)
+
+
+def _with_usage_option(raw: bytes) -> bytes:
+    """RAW (a JSON object with members and no stream_options) with stream_options.include_usage as its first
+    member: the client's bytes otherwise, spliced rather than re-encoded (a stream's body, on every stream)."""
+    opening = raw.find(b"{")
+    return raw[: opening + 1] + _USAGE_OPTION + raw[opening + 1 :]
 
 
 def _rewrite(request: dict[str, Any], model: str, add_usage: bool, template: dict[str, Any] | None = None) -> bytes:

@@ -152,3 +152,27 @@ def test_defaults_fill_only_the_options_a_request_leaves_out() -> None:
     assert "chat_template_kwargs" not in sent(reasoning_effort="low")
     completion = json.dumps({"model": "m", "prompt": "x"}).encode()
     assert parse_request(COMPLETIONS, completion, {"m": None}, {}, defaults).body is completion  # no chat template
+
+
+# ---- the loop's histograms ---------------------------------------------------------------------------------------
+
+
+def test_a_loop_histogram_is_exposed_exactly_as_prometheus_clients() -> None:
+    """The gateway's request-path histograms are plain lists (metrics.LoopHistogram); a scrape must not tell them
+    from prometheus_client's (its `_created` series aside)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from deepserve.gateway.metrics import LoopHistogramFamily
+
+    buckets = (0.001, 0.01, 0.1, 1.0)
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram("x_seconds", "help text", ["model"], buckets=buckets, registry=theirs)
+    loop = LoopHistogramFamily("x_seconds", "help text", ["model"], buckets=buckets, registry=ours)
+    for model, value in [("a", 0.0005), ("a", 0.001), ("a", 0.05), ("b", 3.0), ("a", 1.0), ("b", 0.01)]:
+        reference.labels(model).observe(value)
+        loop.labels(model).observe(value)
+
+    def lines(registry: CollectorRegistry) -> list[str]:
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
+
+    assert lines(ours) == lines(theirs)
