@@ -49,26 +49,28 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_ENV) or None
         r = self.registry
-        self.requests = Counter(
+        # Counted and observed on the request path (the ITL on every forwarded event): one process's own series are
+        # plain numbers on the event loop's thread (LoopCounter, LoopHistogram); several workers' go through
+        # prometheus_client's files.
+        counter = Counter if self.multiprocess_dir else LoopCounterFamily
+        histogram = Histogram if self.multiprocess_dir else LoopHistogramFamily
+        self.requests = counter(
             "deepserve_gateway_requests", "Requests answered, by key, model and status", ["key", "model", "status"],
             registry=r,
         )  # fmt: skip
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = counter(
             "deepserve_gateway_prompt_tokens", "Prompt tokens (upstream usage)", ["key", "model"], registry=r
         )
-        self.completion_tokens = Counter(
+        self.completion_tokens = counter(
             "deepserve_gateway_completion_tokens", "Completion tokens (upstream usage)", ["key", "model"], registry=r
         )
-        self.reasoning_tokens = Counter(
+        self.reasoning_tokens = counter(
             "deepserve_gateway_reasoning_tokens",
             "Of the completion tokens, those spent reasoning; source: usage (the engine's count) or deltas (counted "
             "from the stream's reasoning events, one per event)",
             ["key", "model", "source"],
             registry=r,
         )
-        # Observed on the request path (the ITL on every forwarded event): one process's own histograms are plain
-        # lists on the event loop's thread (LoopHistogram); several workers' go through prometheus_client's files.
-        histogram = Histogram if self.multiprocess_dir else LoopHistogramFamily
         self.ttft_s = histogram(
             "deepserve_gateway_ttft_seconds", "Time to first streamed chunk, as the gateway forwards it", ["model"],
             buckets=_LATENCY_BUCKETS_S, registry=r,
@@ -168,6 +170,44 @@ class GatewayMetrics:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=self.multiprocess_dir)
         return generate_latest(registry)
+
+
+class LoopCounter:
+    """One label set's counter, counted on the event loop's thread only (see LoopHistogram)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class LoopCounterFamily(Collector):
+    """A labelled family of LoopCounters, exposed as prometheus_client exposes a Counter (`_total` samples)."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: list[str], *, registry: CollectorRegistry | None = None
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self._children: dict[tuple[str, ...], LoopCounter] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> LoopCounter:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = LoopCounter()
+        return child
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._children.items():
+            family.add_metric(list(values), child.value)
+        yield family
 
 
 class LoopHistogram:

@@ -176,3 +176,21 @@ def test_a_loop_histogram_is_exposed_exactly_as_prometheus_clients() -> None:
         return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
 
     assert lines(ours) == lines(theirs)
+
+
+def test_a_loop_counter_is_exposed_exactly_as_prometheus_clients() -> None:
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from deepserve.gateway.metrics import LoopCounterFamily
+
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    reference = Counter("y_requests", "help text", ["key", "status"], registry=theirs)
+    loop = LoopCounterFamily("y_requests", "help text", ["key", "status"], registry=ours)
+    for key, status, amount in [("a", "200", 1), ("a", "200", 2.5), ("b", "429", 1)]:
+        reference.labels(key, status).inc(amount)
+        loop.labels(key, status).inc(amount)
+
+    def lines(registry: CollectorRegistry) -> list[str]:
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
+
+    assert lines(ours) == lines(theirs)
