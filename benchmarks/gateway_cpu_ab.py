@@ -76,16 +76,15 @@ async def measure(
 
 async def run(args: argparse.Namespace, home: Path) -> None:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    this_src = Path(__file__).resolve().parent.parent / "src"  # not the virtualenv's editable install's
     fake_port = free_port()
     fake_argv = simulate_command(fake_port, "--fixed-itl-ms", str(args.itl_ms), "--max-seconds", "7200")
     processes = [start(fake_argv, env, "READY ")]
     gateways: dict[str, tuple[str, subprocess.Popen[str]]] = {}
     try:
-        for name, src in (("this checkout", None), ("baseline", args.baseline_src)):
+        for name, src in (("this checkout", this_src), ("baseline", args.baseline_src)):
             port = free_port()
-            gateway_env = {**env, "DEEPSERVE_HOME": str(home / str(port))}
-            if src is not None:
-                gateway_env["PYTHONPATH"] = str(src)  # ahead of the editable install of this checkout
+            gateway_env = {**env, "DEEPSERVE_HOME": str(home / str(port)), "PYTHONPATH": str(src)}
             argv = [sys.executable, "-m", "deepserve.cli.main", "gateway", "--port", str(port),
                     "--upstream", f"http://127.0.0.1:{fake_port}/v1"]  # fmt: skip
             process = start(argv, gateway_env, "GATEWAY READY")

@@ -12,6 +12,13 @@ load generator (aiohttp on uvloop). On a small shared machine all of them compet
 `--lockstep` makes the simulator emit tokens the way vLLM does: one engine step every --itl-ms (its
 `--fixed-step-ms`), in which every running stream gets its next token (bursts), instead of each stream on its own
 timer (staggered); a request's first token comes at the end of its prefill step, and requests/s is not measured.
+`--wave` (with `--lockstep`) sends each round's streams all at once instead of staggering the workers: the streams of
+a wave arrive together, stream in lockstep and end in the same engine step, so the next wave arrives as a burst too
+(issue 22: what a gateway in front of vLLM sees when many clients start together). The table gives each level's
+chunk rate (streams x 1000 / --itl-ms events per second) and how much of one core the path's process used, which
+is the curve of what one gateway worker sustains before it adds latency.
+`--baseline-src DIR` adds the gateway of another checkout's `src/` (e.g. `git archive main src | tar -x -C /tmp/b`)
+as a path of its own, so that a change is measured against the code before it in the same run.
 `--redis` adds two paths: the gateway with its limits in Redis (`--redis-url`, a redis-server this benchmark starts on
 loopback) and `--workers 2` with Redis. Every deepserve path sends a key with (generous) rpm, tpm and concurrency
 limits, so that the whole admission path runs; `--latency-requests N` times N sequential non-streamed requests per
@@ -87,9 +94,19 @@ class Server:
                 self.process.wait()
 
 
-def start_server(name: str, argv: list[str], ready_line: str | None, url: str, health: str, timeout_s: float) -> Server:
+def start_server(
+    name: str,
+    argv: list[str],
+    ready_line: str | None,
+    url: str,
+    health: str,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+) -> Server:
     """Start ARGV; ready when READY_LINE is printed (if given) and HEALTH answers 200."""
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
+    process = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or dict(os.environ)
+    )
     server = Server(name, url, process)
     seen = threading.Event()
 
@@ -135,14 +152,16 @@ def start_upstream(itl_ms: float, ttft_ms: float = 0.0, lockstep: bool = False) 
     return start_server("simulated upstream", argv, "READY ", url + "/v1", url + "/health", 30)
 
 
-def start_gateway(upstream: str, api_key: str, **fields: object) -> Server:
+def start_gateway(upstream: str, api_key: str, src: Path | None = None, **fields: object) -> Server:
+    """A gateway process (from SRC, another checkout's src/, when given: only flags it knows are passed)."""
     port = free_port()
     config = GatewayConfig.model_validate(
         {"upstream": [upstream], "port": port, "max_concurrency": 8192, "max_queue": 8192, **fields}
     )
     url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(src or REPO / "src")}
     server = start_server("deepserve gateway", gateway_argv(config, sys.executable), "GATEWAY READY", url + "/v1",
-                          url + "/ready", 90)  # fmt: skip
+                          url + "/ready", 90, env)  # fmt: skip
     server.api_key = api_key
     return server
 
@@ -289,6 +308,26 @@ async def stream_load(
     return results
 
 
+async def wave_load(url: str, concurrency: int, rounds: int, tokens: int, api_key: str) -> list[StreamResult]:
+    """ROUNDS waves of CONCURRENCY streams, each wave sent all at once when the one before has ended (all of its
+    streams end in the same engine step); the first wave (connection set-up) is not counted."""
+    body = json.dumps(
+        {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": tokens, "stream": True}
+    ).encode()
+    results: list[StreamResult] = []
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=120)
+    headers = headers_for(api_key)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        for round_index in range(rounds):
+            wave = await asyncio.gather(
+                *(one_stream(session, url + "/chat/completions", body, headers) for _ in range(concurrency))
+            )
+            if round_index:
+                results += wave
+    return results
+
+
 async def request_rate(
     url: str,
     concurrency: int,
@@ -376,6 +415,7 @@ class StreamSummary:
     failures: int
     count: int
     proxy_cpu_ms_per_stream: float = float("nan")  # CPU of the process the requests went to, per stream
+    core_share: float = float("nan")  # that CPU over the wall time of the batches: the share of one core it used
     repeats: list[StreamSummary] = field(default_factory=list)  # each repeat's own, in run order
 
 
@@ -402,11 +442,21 @@ def main() -> int:
     parser.add_argument("--litellm-max-streams", type=int, default=64, help="LiteLLM only up to this concurrency")
     parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument("--lockstep", action="store_true", help="the upstream emits every stream's token in one step")
+    parser.add_argument(
+        "--wave", action="store_true", help="with --lockstep: each round's streams arrive together (a burst per wave)"
+    )
+    parser.add_argument(
+        "--baseline-src", type=Path, default=None, help="another checkout's src/: its gateway as a path of its own"
+    )
     parser.add_argument("--ttft-ms", type=float, default=0.0, help="the upstream's time to first token")
     parser.add_argument("--redis", action="store_true", help="add the gateway with Redis limits and --workers 2")
     parser.add_argument("--latency-requests", type=int, default=0, help="sequential requests per path, timed")
     parser.add_argument("--no-rate", action="store_true", help="skip the requests/s measurement")
     args = parser.parse_args()
+    if args.wave and not args.lockstep:
+        parser.error("--wave needs --lockstep: waves end together only when the engine steps every stream together")
+    if args.baseline_src is not None and not (args.baseline_src / "deepserve").is_dir():
+        parser.error(f"--baseline-src {args.baseline_src} has no deepserve package; give a checkout's src/ directory")
     if args.lockstep and args.ttft_ms:
         parser.error("--ttft-ms does not apply with --lockstep: the first token comes at the end of the prefill step")
     if args.lockstep and not args.no_rate:
@@ -434,6 +484,10 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
         gateway = start_gateway(upstream.url, key)
         servers.append(gateway)
         targets["gateway"] = gateway
+        if args.baseline_src is not None:
+            baseline = start_gateway(upstream.url, key, src=args.baseline_src)
+            servers.append(baseline)
+            targets["baseline"] = baseline
         if args.redis:
             redis = start_redis()
             servers.append(redis)
@@ -474,18 +528,22 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
         names = [name for name in targets if name != "litellm" or concurrency <= args.litellm_max_streams]
         results: dict[str, list[StreamResult]] = {name: [] for name in names}
         by_repeat: dict[str, list[StreamSummary]] = {name: [] for name in names}
+
         for name in names:  # not counted: the first run at a new concurrency (pools and buffers growing) was slower
-            await stream_load(targets[name].url, concurrency, 2, args.tokens, stream_s, targets[name].api_key)
+            await _load(args, targets[name], concurrency, 2, stream_s)
         cpu_s: dict[str, float] = dict.fromkeys(names, 0.0)
+        wall_s: dict[str, float] = dict.fromkeys(names, 0.0)
         for repeat in range(args.repeats):
             # alternate the order (A B, B A, …) so that a change in the machine's load hits every path alike
             for name in names if repeat % 2 == 0 else names[::-1]:
                 server = targets[name]
                 started, cpu_before = time.perf_counter(), server.cpu_s()
-                batch = await stream_load(server.url, concurrency, args.rounds, args.tokens, stream_s, server.api_key)
+                batch = await _load(args, server, concurrency, args.rounds, stream_s)
+                elapsed_s = time.perf_counter() - started
                 cpu_s[name] += (server.cpu_s() - cpu_before) * (args.rounds - 1) / args.rounds
+                wall_s[name] += elapsed_s * (args.rounds - 1) / args.rounds
                 results[name] += batch
-                one, elapsed_s = summarise(batch), time.perf_counter() - started
+                one = summarise(batch)
                 by_repeat[name].append(one)
                 for reason, count in collections.Counter(r.error for r in batch if r.error).most_common(3):
                     print(f"        {count} failed: {reason}", flush=True)
@@ -495,6 +553,7 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
         for name in names:
             summary = summarise(results[name])
             summary.proxy_cpu_ms_per_stream = cpu_s[name] * 1000 / max(1, len(results[name]))
+            summary.core_share = cpu_s[name] / wall_s[name] if wall_s[name] else float("nan")
             summary.repeats = by_repeat[name]
             rows[f"stream/{concurrency}/{name}"] = summary
     if args.latency_requests:
@@ -516,6 +575,14 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
     return rows
 
 
+async def _load(
+    args: argparse.Namespace, server: Server, concurrency: int, rounds: int, stream_s: float
+) -> list[StreamResult]:
+    if args.wave:
+        return await wave_load(server.url, concurrency, rounds, args.tokens, server.api_key)
+    return await stream_load(server.url, concurrency, rounds, args.tokens, stream_s, server.api_key)
+
+
 def _spread_row(concurrency: int, name: str, summary: StreamSummary, direct: StreamSummary) -> str:
     """One path's added TTFT per repeat, so that a reader sees how much of a difference is the machine's noise."""
     pairs = list(zip(summary.repeats, direct.repeats, strict=True))
@@ -525,17 +592,19 @@ def _spread_row(concurrency: int, name: str, summary: StreamSummary, direct: Str
             f"{' / '.join(f'{v:+.2f}' for v in p99s)} | {min(p99s):+.2f} … {max(p99s):+.2f} |")  # fmt: skip
 
 
-PATHS = ("direct", "gateway", "gw+redis", "workers=2", "litellm")
+PATHS = ("direct", "gateway", "baseline", "gw+redis", "workers=2", "litellm")
 
 
 def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
     print()
     mode = "lockstep (one engine step for all streams)" if args.lockstep else "staggered"
+    if args.wave:
+        mode += ", arriving in waves (each wave at once, when the one before ended)"
     print(f"Streams of {args.tokens} tokens, upstream TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms, {mode}; "
           "added = via − direct, same run")  # fmt: skip
-    print("| streams | path | TTFT p50 ms | TTFT p99 ms | ITL mean ms | added TTFT p50 ms | added TTFT p99 ms "
-          "| added ITL ms | server CPU ms/stream | failed |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| streams | chunks/s | path | TTFT p50 ms | TTFT p99 ms | ITL mean ms | added TTFT p50 ms "
+          "| added TTFT p99 ms | added ITL ms | server CPU ms/stream | server core % | failed |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     spreads = []
     for concurrency in args.concurrency:
         direct = rows.get(f"stream/{concurrency}/direct")
@@ -548,8 +617,10 @@ def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
                 f"{summary.itl_mean_ms - direct.itl_mean_ms:+.2f}"
                 if name != "direct" else "– | – | –"
             )  # fmt: skip
-            print(f"| {concurrency} | {name} | {summary.ttft_p50_ms:.2f} | {summary.ttft_p99_ms:.2f} | "
-                  f"{summary.itl_mean_ms:.2f} | {added} | {summary.proxy_cpu_ms_per_stream:.2f} | "
+            chunk_rate = concurrency * 1000 / args.itl_ms
+            print(f"| {concurrency} | {chunk_rate:,.0f} | {name} | {summary.ttft_p50_ms:.2f} | "
+                  f"{summary.ttft_p99_ms:.2f} | {summary.itl_mean_ms:.2f} | {added} | "
+                  f"{summary.proxy_cpu_ms_per_stream:.2f} | {summary.core_share * 100:.0f} | "
                   f"{summary.failures}/{summary.count} |")  # fmt: skip
             if name != "direct":
                 spreads.append(_spread_row(concurrency, name, summary, direct))

@@ -24,6 +24,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _gateway(args: argparse.Namespace) -> int:
     config = load_section(GatewayConfig, "gateway", args.config, section_overrides(args, GatewayConfig))
-    from deepserve.gateway.server import run_gateway  # uvicorn, aiohttp: only when the gateway runs
+    from deepserve.gateway.server import run_gateway  # the server and its parsers: only when the gateway runs
 
     return run_gateway(config)

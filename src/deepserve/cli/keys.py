@@ -1,4 +1,4 @@
-"""`deepserve keys`: create, list and revoke the gateway's API keys (stored hashed under DEEPSERVE_HOME)."""
+"""`deepserve keys`: create, list, revoke and export the gateway's API keys (stored hashed under DEEPSERVE_HOME)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     revoke.add_argument("--config", type=Path, default=None, help="config file whose `gateway` section to read")
     revoke.set_defaults(handler=_revoke)
+
+    export = commands.add_parser(
+        "export",
+        help="write every key (hashes only, revoked ones marked) to a file for `deepserve gateway --keys-file` "
+        "(e.g. a Kubernetes Secret: kubectl create secret generic gateway-keys --from-file=keys.json=FILE)",
+    )
+    export.add_argument("--output", type=Path, required=True, help="the file to write (replaced whole)")
+    export.set_defaults(handler=_export)
 
 
 def _create(args: argparse.Namespace) -> int:
@@ -101,6 +109,16 @@ def _revoke(args: argparse.Namespace) -> int:
             )
             return 1
         print(f"published the revocation to the gateways sharing Redis at {redis_where(gateway.redis_url)}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    store = KeyStore()
+    try:
+        count = store.export(args.output)
+    finally:
+        store.close()
+    print(f"wrote {count} keys (hashes only) to {args.output}")
     return 0
 
 

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import orjson
+
 from deepserve.gateway.balancing import PolicySettings, RoutingHints, make_policy, prompt_text_for_routing
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.connections import BODY_TIMEOUT_SCOPE_KEY, ConnectionGuard
+from deepserve.gateway.disaggregation import decode_body, kv_transfer_params, prefill_body
 from deepserve.gateway.engine_load import EngineLoadScraper
 from deepserve.gateway.engine_metrics import ENGINE_METRICS_PATH, EngineMetricsCache
 from deepserve.gateway.errors import (
@@ -41,16 +45,29 @@ from deepserve.gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from deepserve.gateway.keys import ApiKey, KeyRing, KeyStore
+from deepserve.gateway.http_client import HttpClient, HttpResponse, Resolver, system_resolve
+from deepserve.gateway.http_server import DISCONNECT_SCOPE_KEY
+from deepserve.gateway.keys import ApiKey, KeyRing, key_source
 from deepserve.gateway.ledger import UsageLedger, UsageRow
-from deepserve.gateway.limits import Admission, Limiter, LocalLimiter
+from deepserve.gateway.limits import Admission, Limiter, make_limiter
 from deepserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from deepserve.gateway.metrics import GatewayMetrics
+from deepserve.gateway.responses import ResponseRoutes
 from deepserve.gateway.streaming import StreamTap
-from deepserve.gateway.upstreams import UpstreamPool, UpstreamReplica, iter_chunks, read_body
+from deepserve.gateway.upstreams import (
+    CLIENT_FAILURES,
+    IDLE_CONNECTION_S,
+    UpstreamPool,
+    UpstreamReplica,
+    iter_chunks,
+    read_body,
+    upstream_error,
+)
+from deepserve.gateway.usage import NO_COUNTS, TokenCounts, read_usage
 from deepserve.gateway.validation import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
+    RESPONSES,
     Endpoint,
     ParsedRequest,
     load_json_object,
@@ -77,8 +94,6 @@ _KEY_REFRESH_INTERVAL_S = 1.0
 DEFAULT_CHARGE_CAP_TOKENS = 131072
 # Keep at most this much of a streamed response when log_bodies is on.
 _MAX_LOGGED_BODY_BYTES = 1 << 20
-# Token counts from an upstream's usage block are believed only in this range (SQLite's INTEGER holds them).
-_MAX_TOKEN_COUNT = 2**53
 
 
 class _Exchange:
@@ -90,6 +105,7 @@ class _Exchange:
         "client",
         "client_gone",
         "cut",
+        "decode_sent_s",
         "endpoint",
         "error",
         "finished",
@@ -97,7 +113,9 @@ class _Exchange:
         "logged_body",
         "method",
         "parsed",
+        "prefill_upstream",
         "request_body",
+        "response_id",
         "response_started",
         "started_s",
         "status",
@@ -128,6 +146,9 @@ class _Exchange:
         self.logged_body: list[bytes] | None = None
         self.request_body: bytes | None = None  # as received, kept only with log_bodies
         self.tap: StreamTap | None = None  # a stream's relay state: usage, events delivered
+        self.response_id: str | None = None  # a Responses API answer's id
+        self.prefill_upstream: str | None = None  # the prefill replica (prefill/decode disaggregation)
+        self.decode_sent_s: float | None = None  # when the decode request went out, after its prefill
 
     @property
     def key_name(self) -> str:
@@ -137,32 +158,30 @@ class _Exchange:
     def model(self) -> str:
         return self.parsed.client_model if self.parsed else "-"
 
-    def token_counts(self) -> tuple[int | None, int | None]:
-        """(prompt, completion) tokens: the upstream's usage when it sent one; for a stream that ended without it
-        (the client went away, the gateway cut it), the tokens it delivered, counted from the events relayed."""
+    def token_counts(self) -> TokenCounts:
+        """The request's tokens: the upstream's usage when it sent one; for a stream that ended without it (the
+        client went away, the gateway cut it), the tokens it delivered, counted from the events relayed. Reasoning
+        tokens from the usage when it says, else counted from the stream's reasoning events."""
         usage = self.usage if self.usage is not None or self.tap is None else self.tap.usage
         if usage is not None:
-            return _token_count(usage.get("prompt_tokens")), _token_count(usage.get("completion_tokens"))
-        if self.tap is not None and self.response_started:
-            return None, self.tap.delivered_tokens()
-        return None, None
+            counts = read_usage(usage)
+        elif self.tap is not None and self.response_started:
+            counts = TokenCounts(None, self.tap.delivered_tokens())
+        else:
+            return NO_COUNTS
+        if counts.reasoning is None and self.tap is not None and self.tap.reasoning_events:
+            counts = dataclasses.replace(counts, reasoning=self.tap.reasoning_events, reasoning_source="deltas")
+        return counts
 
-    def used_tokens(self, tokens: tuple[int | None, int | None]) -> int | None:
+    def used_tokens(self, tokens: TokenCounts) -> int | None:
         """What the request cost its key's token bucket, from its TOKENS (`token_counts`): the usage, or the prompt
         estimate plus the tokens delivered."""
-        prompt, completion = tokens
+        prompt, completion = tokens.prompt, tokens.completion
         if prompt is None and completion is None:
             return None
         if prompt is None:
             prompt = self.parsed.prompt_tokens_estimate if self.parsed else 0
         return prompt + (completion or 0)
-
-
-def _token_count(value: Any) -> int | None:
-    """VALUE when it is a plausible token count (an upstream may send anything)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_TOKEN_COUNT:
-        return value
-    return None
 
 
 class GatewayApp:
@@ -174,24 +193,40 @@ class GatewayApp:
         ledger: UsageLedger | None = None,
         limiter: Limiter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        resolve: Resolver = system_resolve,
     ) -> None:
         """CLOCK times every deadline of the gateway (client connections, upstream requests, the slot queue, the
         engine-metrics cache, the age of the engines' load); tests pass a fake one and call the checks directly.
-        LIMITER defaults to the one the config asks for (`make_limiter`)."""
+        LIMITER defaults to the one the config asks for (`make_limiter`). RESOLVE finds the addresses of a host
+        name (the upstreams' with --discover-upstreams; tests give their own DNS)."""
         self.config = config
         self.aliases = config.aliases()
+        self.template_defaults = config.chat_template_defaults()
         self.keys_required = config.keys_required()
         policy = make_policy(
             config.balancing, PolicySettings(config.score_weights(), config.engine_metrics_interval_s, clock)
         )
-        self.pool = UpstreamPool(
-            config.upstream,
-            policy,
+        self.client = HttpClient(
             connect_timeout_s=config.connect_timeout_s,
             read_timeout_s=config.upstream_timeout_s,
-            health_check_interval_s=config.health_check_interval_s,
-            max_model_len=config.max_model_len,
+            idle_s=IDLE_CONNECTION_S,
             clock=clock,
+        )  # the process's one HTTP client: every pool's requests, checks and scrapes
+        pool_settings: dict[str, Any] = {
+            "health_check_interval_s": config.health_check_interval_s,
+            "max_model_len": config.max_model_len,
+            "clock": clock,
+            "client": self.client,
+            "api_key_file": config.upstream_api_key_file,
+            "discover": config.discover_upstreams,
+            "discovery_interval_s": config.discovery_interval_s,
+            "resolve": resolve,
+        }
+        self.pool = UpstreamPool(config.upstream, policy, **pool_settings)
+        self.prefill_pool = (  # prefill/decode disaggregation: the prefill replicas, balanced by a policy of their own
+            UpstreamPool(config.prefill_upstream, make_policy(config.balancing, PolicySettings()), **pool_settings)
+            if config.prefill_upstream
+            else None
         )
         self.limiter = limiter or make_limiter(config, clock)
         self.connections = ConnectionGuard(
@@ -201,7 +236,7 @@ class GatewayApp:
             max_connections=config.max_connections,
             clock=clock,
         )
-        self.metrics = GatewayMetrics(self.pool, self.limiter, self.connections, lambda: self.ledger)
+        self.metrics = GatewayMetrics(self.pool, self.limiter, self.connections, lambda: self.ledger, self.prefill_pool)
         self.keyring = keyring
         self.ledger = ledger
         self.lost_ledger_rows = 0  # set by close(): rows the ledger could not write
@@ -213,12 +248,15 @@ class GatewayApp:
             else None
         )
         self._prompt_for_routing = policy.wants_prompt
+        self._prefix_for_routing = policy.wants_prefix
+        self._session_header = config.session_header.encode()
         self._key_task: asyncio.Task[None] | None = None
         self._in_flight: dict[_Exchange, asyncio.Task[Any]] = {}  # proxied requests, for cut_in_flight
         self._access_log = access_log if config.access_log else None
         self._routes: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             CHAT_COMPLETIONS.path: self._chat_completions,
             COMPLETIONS.path: self._completions,
+            RESPONSES.path: self._responses,
             "/v1/models": self._models,
             "/tokenize": self._tokenizer,
             "/detokenize": self._tokenizer,
@@ -227,20 +265,23 @@ class GatewayApp:
             "/metrics": self._metrics,
             ENGINE_METRICS_PATH: self._replica_metrics,
         }
-        self._proxied = (self._routes[CHAT_COMPLETIONS.path], self._routes[COMPLETIONS.path])  # log themselves
+        # the proxied endpoints write their own access-log lines
+        self._proxied = tuple(self._routes[endpoint.path] for endpoint in (CHAT_COMPLETIONS, COMPLETIONS, RESPONSES))
+        self.responses = ResponseRoutes()
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         if self._owns_state:
-            self.keyring = KeyRing(KeyStore())
-            self.ledger = UsageLedger()
+            self.keyring = KeyRing(key_source(self.config.keys_file))
+            self.ledger = UsageLedger(self.config.ledger_path)
         await self.limiter.start()
-        shared = getattr(self.limiter, "revoked_ids", None)
-        if self.keyring is not None and shared is not None:
-            self.keyring.revoked_ids = shared  # one set: what Redis announces is refused at once
-        self.metrics.watch_limiter(self.limiter)
+        if self.keyring is not None:
+            self.keyring.revoked_ids = self.limiter.revoked_ids  # one set: what Redis announces is refused at once
+        self.limiter.watch(self.metrics.limiter_fallbacks.inc, self.metrics.redis_errors.inc)
         await self.pool.start()
+        if self.prefill_pool is not None:
+            await self.prefill_pool.start()
         if self._engine_load is not None:
             await self._engine_load.scrape_once()
             self._engine_load.start()
@@ -257,10 +298,13 @@ class GatewayApp:
         await self.limiter.close()
         await self.connections.close()
         await self.pool.close()
+        if self.prefill_pool is not None:
+            await self.prefill_pool.close()
+        await self.client.close()
         if self._owns_state and self.ledger:
             self.lost_ledger_rows = self.ledger.close()
         if self._owns_state and self.keyring:
-            self.keyring.store.close()
+            self.keyring.source.close()
         self.metrics.publish_live_state()  # with several workers: this one's last counts outlive it
 
     def cut_in_flight(self, reason: str) -> int:
@@ -290,13 +334,12 @@ class GatewayApp:
             self.keyring.refresh()
         except Exception:
             log.exception("reloading keys failed; keeping the previous set")
-        publish = getattr(self.limiter, "publish_revocation", None)
-        if publish is None:
+        if not self.limiter.shared:
             return
         for key_id, revoked_at in self.keyring.revoked_here.items():
             if key_id not in self.keyring.revoked_ids:
                 try:
-                    await publish(key_id, revoked_at)
+                    await self.limiter.publish_revocation(key_id, revoked_at)
                 except Exception as exc:  # tried again on the next refresh
                     log.warning("could not publish the revocation of key %s to Redis: %s", key_id, exc)
                     return
@@ -306,14 +349,14 @@ class GatewayApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             handler = self._routes.get(scope["path"])
+            if handler is None and scope["path"].startswith(_RESPONSE_BY_ID):
+                handler = self._response_by_id
             if self._access_log is not None and handler not in self._proxied:
                 await self._access_logged(handler or self._not_found, scope, receive, send)
             elif handler is None:
                 await self._not_found(scope, receive, send)
             else:
                 await handler(scope, receive, send)
-        elif scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
 
     async def _not_found(self, scope: Scope, receive: Receive, send: Send) -> None:
         routes = ", ".join(self._routes)
@@ -341,17 +384,6 @@ class GatewayApp:
                     '%s "%s %s" %d %.1fms', _client_text(scope.get("client")), scope["method"], scope["path"][:200],
                     status, elapsed_ms,
                 )  # fmt: skip
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await self.start()
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.close()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     # ---- small routes -------------------------------------------------------------------------------------------
 
@@ -404,7 +436,7 @@ class GatewayApp:
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{scope['path']} takes POST")
-            headers = _request_headers(scope, self.config.session_header.encode())
+            headers = _request_headers(scope, self._session_header)
             key = self._authenticate(headers.authorization)
             raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes, scope)
             request = load_json_object(raw)
@@ -436,6 +468,69 @@ class GatewayApp:
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._proxy(COMPLETIONS, scope, receive, send)
 
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._proxy(RESPONSES, scope, receive, send)
+
+    async def _response_by_id(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET /v1/responses/{id} (stored responses; `?stream=true` replays a background one) and POST
+        /v1/responses/{id}/cancel, forwarded to the replica that answered the response (vLLM keeps them in its own
+        memory: responses.py), or, for one this process did not relay, to each healthy replica until one has it.
+        Nothing is generated: no queue, no charge, no ledger row."""
+        try:
+            response_id, action = _response_id_and_action(scope)
+            key = self._authenticate(_header(scope, b"authorization"))
+            replicas = self._replicas_holding(response_id, key)
+            query = scope.get("query_string") or b""
+            target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+            streamed = b"stream=true" in query.lower()
+            for index, replica in enumerate(replicas):
+                response = await self.pool.request(replica, scope["method"], target)
+                if response.status == 404 and index < len(replicas) - 1:
+                    await read_body(response, replica)
+                    response.release()
+                    continue  # not this one's
+                await self._relay_answer(response, replica, streamed and action == "" and response.status == 200, send)
+                return
+        except GatewayError as exc:
+            await _send_error(send, exc)
+        except Exception as exc:  # a bug of ours: answer in OpenAI's shape, keep the traceback in the log
+            log.exception("unexpected error while forwarding %s", scope["path"][:200])
+            await _send_error(send, InternalError(f"internal gateway error ({type(exc).__name__})"))
+
+    def _replicas_holding(self, response_id: str, key: ApiKey | None) -> list[UpstreamReplica]:
+        """Where RESPONSE_ID may be: the replica that answered it, or every healthy one; NotFound when another key
+        asked for it (or no replica can be asked)."""
+        stored = self.responses.find(response_id)
+        if stored is not None and key is not None and stored.key_id not in (None, key.id):
+            raise _response_not_found(response_id)
+        healthy = [replica for replica in self.pool.replicas if replica.healthy]
+        if stored is not None:
+            holder = [replica for replica in healthy if replica.url == stored.replica]
+            return holder or healthy
+        if not healthy:
+            raise NoHealthyUpstream("no healthy upstream to ask for the response")
+        return healthy
+
+    async def _relay_answer(self, response: HttpResponse, replica: UpstreamReplica, streamed: bool, send: Send) -> None:
+        """RESPONSE as the upstream gave it: a stream relayed as it comes, anything else whole."""
+        complete = False
+        try:
+            if not streamed:
+                body = await read_body(response, replica)
+                complete = True
+                await _send_json(send, response.status, body)
+                return
+            await send({"type": "http.response.start", "status": response.status, "headers": _SSE_HEADERS})
+            async for chunk in iter_chunks(response, replica):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            complete = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if complete:
+                response.release()
+            else:
+                response.close()
+
     async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         exchange = _Exchange(endpoint, scope.get("client"), scope["method"])
         watcher: asyncio.Task[None] | None = None
@@ -445,22 +540,25 @@ class GatewayApp:
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{endpoint.path} takes POST")
-            headers = _request_headers(scope, self.config.session_header.encode())
+            headers = _request_headers(scope, self._session_header)
             exchange.key = self._authenticate(headers.authorization)
             raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes, scope)
             if self.config.log_bodies:
                 exchange.request_body = raw
-            parsed = parse_request(endpoint, raw, self.pool.models, self.aliases)
+            parsed = parse_request(endpoint, raw, self.pool.models, self.aliases, self.template_defaults)
             exchange.parsed = parsed
             self._authorize(exchange.key, parsed.client_model, parsed.model)
+            preferred = self._continued_on(parsed, exchange.key) if endpoint is RESPONSES else None
             key = exchange.key
             exchange.admission = await self.limiter.admit(
                 key.id if key else None, key.limits if key else None, self._charge(parsed)
             )
-            watcher = asyncio.create_task(_watch_disconnect(receive, exchange, task))
+            watcher = _cancel_on_disconnect(scope, receive, exchange, task)
             await self.limiter.acquire_slot(exchange.admission)
             prompt = prompt_text_for_routing(parsed.request, endpoint.prompt_field) if self._prompt_for_routing else ""
-            await self._forward(exchange, parsed, RoutingHints(parsed.affinity_text, headers.session, prompt), send)
+            prefix = parsed.affinity_text if self._prefix_for_routing else ""
+            hints = RoutingHints(prefix, headers.session, prompt)
+            await self._forward(exchange, parsed, hints, send, preferred)
         except GatewayError as exc:
             await self._fail(exchange, exc, send)
         except Exception as exc:  # a bug of ours: still answer in OpenAI's shape, and keep the traceback in the log
@@ -506,15 +604,38 @@ class GatewayApp:
         context = self.pool.models.get(parsed.model) or DEFAULT_CHARGE_CAP_TOKENS
         return min(parsed.charged_tokens, context)
 
-    async def _forward(self, exchange: _Exchange, parsed: ParsedRequest, hints: RoutingHints, send: Send) -> None:
+    def _continued_on(self, parsed: ParsedRequest, key: ApiKey | None) -> str | None:
+        """The replica a Responses request that continues an earlier one (previous_response_id) must go to, when this
+        gateway relayed that one; NotFound when another key made it."""
+        previous = parsed.request.get("previous_response_id")
+        if not isinstance(previous, str):
+            return None
+        stored = self.responses.find(previous)
+        if stored is None:
+            return None
+        if key is not None and stored.key_id not in (None, key.id):
+            raise _response_not_found(previous, param="previous_response_id")
+        return stored.replica
+
+    async def _forward(
+        self, exchange: _Exchange, parsed: ParsedRequest, hints: RoutingHints, send: Send, preferred: str | None = None
+    ) -> None:
         """Try replicas until one answers, while the client has received nothing. Another replica is preferred for
         a retry; when there is none, a replica that dropped the connection (rather than refusing it) is tried
-        again: a keep-alive connection it had just closed fails exactly like that, and a new one is fine."""
+        again: a keep-alive connection it had just closed fails exactly like that, and a new one is fine. PREFERRED
+        (a replica's URL) is tried first when it can serve the request."""
+        body = parsed.body
+        if self._disaggregated(exchange.endpoint, parsed):
+            prefilled = await self._prefill(exchange, parsed, hints)
+            if isinstance(prefilled, _EngineAnswer):  # the prefill engine refused the request: that is the answer
+                await self._send_whole(exchange, prefilled.status, prefilled.body, send)
+                return
+            body = prefilled
         tried: list[UpstreamReplica] = []
         failure: UpstreamError | None = None  # the last attempt's
         while True:
             try:
-                replica = self.pool.choose(parsed.model, hints, tried)
+                replica = self.pool.choose(parsed.model, hints, tried, preferred)
             except NoHealthyUpstream:
                 if failure is None:
                     raise
@@ -526,14 +647,10 @@ class GatewayApp:
             exchange.upstream = replica.url
             replica.outstanding += 1
             try:
-                await self._attempt(exchange, parsed, replica, send)
+                await self._attempt(exchange, parsed, replica, send, body)
                 return
             except UpstreamError as exc:
-                self.metrics.upstream_failures.labels(replica.url, exc.code or "").inc()
-                if (isinstance(exc, UpstreamUnavailable) and exc.refused) or isinstance(exc, UpstreamTimeout):
-                    # Nothing listens, or it is silent: no new request should wait for it until a health check
-                    # passes again (and requests already waiting for it move to another replica).
-                    self.pool.mark_down(replica, exc.message)
+                self._count_failure(self.pool, replica, exc)
                 if exchange.response_started or not exc.retryable or len(tried) > self.config.max_retries:
                     raise
                 failure = exc
@@ -541,12 +658,89 @@ class GatewayApp:
             finally:
                 replica.outstanding -= 1
 
-    async def _attempt(self, exchange: _Exchange, parsed: ParsedRequest, replica: UpstreamReplica, send: Send) -> None:
+    def _count_failure(self, pool: UpstreamPool, replica: UpstreamReplica, exc: UpstreamError) -> None:
+        self.metrics.upstream_failures.labels(replica.url, exc.code or "").inc()
+        if (isinstance(exc, UpstreamUnavailable) and exc.refused) or isinstance(exc, UpstreamTimeout):
+            # Nothing listens, or it is silent: no new request should wait for it until a health check passes
+            # again (and requests already waiting for it move to another replica).
+            pool.mark_down(replica, exc.message)
+
+    # ---- prefill/decode disaggregation --------------------------------------------------------------------------
+
+    def _disaggregated(self, endpoint: Endpoint, parsed: ParsedRequest) -> bool:
+        """Prefilled apart: completions and chat, when prefill replicas are configured and the client does not run
+        the KV-transfer protocol itself."""
+        return (
+            self.prefill_pool is not None
+            and endpoint in (CHAT_COMPLETIONS, COMPLETIONS)
+            and "kv_transfer_params" not in parsed.request
+        )
+
+    async def _prefill(self, exchange: _Exchange, parsed: ParsedRequest, hints: RoutingHints) -> bytes | _EngineAnswer:
+        """Prefill the prompt on a prefill replica (disaggregation.py); the decode request's body, or the prefill
+        engine's refusal. With no prefill to be had, the request as it is: its decode replica prefills it."""
+        pool = self.prefill_pool
+        assert pool is not None
+        request, body = prefill_body(parsed.body)
+        started_s = time.perf_counter()
+        tried: list[UpstreamReplica] = []
+        reason = "no_prefill_replica"
+        while len(tried) <= self.config.max_retries:
+            try:
+                replica = pool.choose(parsed.model, hints, tried)
+            except NoHealthyUpstream:
+                break
+            tried.append(replica)
+            replica.outstanding += 1
+            try:
+                status, answer = await self._send_prefill(pool, replica, exchange.endpoint.path, body)
+            except UpstreamError as exc:
+                self._count_failure(pool, replica, exc)
+                reason = "prefill_failed"
+                continue
+            finally:
+                replica.outstanding -= 1
+            if status != 200:
+                return _EngineAnswer(status, answer)
+            exchange.prefill_upstream = replica.url
+            self.metrics.pd_phase(parsed.model, "prefill").observe(time.perf_counter() - started_s)
+            params = kv_transfer_params(answer)
+            if params is None:
+                reason = "no_kv_transfer_params"
+                break
+            exchange.decode_sent_s = time.perf_counter()
+            return decode_body(request, params)
+        self.metrics.pd_fallbacks.labels(reason).inc()
+        log.warning("prefill/decode: %s; the decode replica prefills the request itself", reason.replace("_", " "))
+        return parsed.body
+
+    async def _send_prefill(
+        self, pool: UpstreamPool, replica: UpstreamReplica, path: str, body: bytes
+    ) -> tuple[int, bytes]:
+        """A prefill request's (status, whole answer); an upstream 5xx is an UpstreamBadStatus (tried elsewhere)."""
+        response = await pool.post(replica, path, body)
+        complete = False
+        try:
+            answer = await read_body(response, replica)
+            complete = True
+        finally:
+            if complete:
+                response.release()
+            else:
+                response.close()
+        if response.status >= 500:
+            detail = answer[:300].decode(errors="replace")
+            raise UpstreamBadStatus(f"prefill upstream {replica.url} answered {response.status}: {detail}")
+        return response.status, answer
+
+    async def _attempt(
+        self, exchange: _Exchange, parsed: ParsedRequest, replica: UpstreamReplica, send: Send, body: bytes
+    ) -> None:
         # A stream's head comes at once from a live engine (its tokens follow): a replica silent for longer hangs.
         # A non-streamed answer's head comes with the whole answer, so only the read timeout applies to it.
         first_byte_timeout_s = self.config.first_byte_timeout_s if parsed.stream else None
         response = await self.pool.post(
-            replica, exchange.endpoint.path, parsed.body, first_byte_timeout_s=first_byte_timeout_s
+            replica, exchange.endpoint.path, body, first_byte_timeout_s=first_byte_timeout_s
         )
         complete = False
         try:
@@ -554,10 +748,10 @@ class GatewayApp:
                 detail = (await read_body(response, replica))[:300].decode(errors="replace")
                 raise UpstreamBadStatus(f"upstream {replica.url} answered {response.status}: {detail}")
             if parsed.stream and response.status == 200:
-                await self._relay_stream(exchange, parsed, iter_chunks(response, replica), send)
+                await self._relay_stream(exchange, parsed, response, replica, send)
             else:
-                body = await read_body(response, replica)
-                await self._send_whole(exchange, response.status, body, send)
+                answer = await read_body(response, replica)
+                await self._send_whole(exchange, response.status, answer, send)
             complete = True
         finally:
             if complete:
@@ -569,8 +763,11 @@ class GatewayApp:
         exchange.status = status
         if status == 200 and b'"usage"' in body:
             with contextlib.suppress(ValueError, AttributeError, RecursionError):  # an answer we cannot read is
-                usage = json.loads(body).get("usage")  # forwarded all the same, only not accounted
+                answer = orjson.loads(body)  # forwarded all the same, only not accounted
+                usage = answer.get("usage")
                 exchange.usage = usage if isinstance(usage, dict) else None
+                if exchange.endpoint is RESPONSES and isinstance(answer.get("id"), str):
+                    exchange.response_id = answer["id"]
         if self.config.log_bodies:
             exchange.logged_body = [body]
         exchange.finished = True
@@ -579,13 +776,23 @@ class GatewayApp:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    async def _relay_stream(self, exchange: _Exchange, parsed: ParsedRequest, chunks: Any, send: Send) -> None:
-        tap = exchange.tap = StreamTap(parsed.strip_usage_chunk)
+    async def _relay_stream(
+        self, exchange: _Exchange, parsed: ParsedRequest, response: HttpResponse, replica: UpstreamReplica, send: Send
+    ) -> None:
+        """Forward each complete event as it arrives (the per-event path: one await on the connection per chunk)."""
+        tap = exchange.tap = StreamTap(parsed.strip_usage_chunk, exchange.endpoint.stream_shape)
         itl = self.metrics.for_model(parsed.client_model).itl_s
         logged = exchange.logged_body = [] if self.config.log_bodies else None
         logged_bytes = 0
         last_s = 0.0
-        async for chunk in chunks:
+        next_chunk = response.next_chunk
+        while True:
+            try:
+                chunk = await next_chunk()
+            except CLIENT_FAILURES as exc:
+                raise upstream_error(exc, replica) from exc
+            if not chunk:
+                break
             events = tap.feed(chunk)
             if not events:
                 continue
@@ -633,6 +840,7 @@ class GatewayApp:
         """Metrics, the key's token correction, the ledger row and the access-log line; never raises into the
         request."""
         try:
+            self._remember_response(exchange)
             tokens = exchange.token_counts()
             if exchange.admission is not None:
                 self.limiter.release(exchange.admission, _billable_tokens(exchange, tokens))
@@ -644,9 +852,14 @@ class GatewayApp:
         except Exception:
             log.exception("accounting for a request failed")
 
-    def _log_access(self, exchange: _Exchange, tokens: tuple[int | None, int | None]) -> None:
+    def _remember_response(self, exchange: _Exchange) -> None:
+        response_id = exchange.response_id or (exchange.tap.response_id if exchange.tap is not None else None)
+        if response_id is not None and exchange.upstream is not None and exchange.status == 200:
+            self.responses.remember(response_id, exchange.upstream, exchange.key.id if exchange.key else None)
+
+    def _log_access(self, exchange: _Exchange, tokens: TokenCounts) -> None:
         assert self._access_log is not None
-        prompt, completion = tokens
+        prompt, completion = tokens.prompt, tokens.completion
         ttft = f"{exchange.ttft_s * 1000:.1f}ms" if exchange.ttft_s is not None else "-"
         self._access_log.info(
             '%s "%s %s" %d %.1fms key=%s model=%s upstream=%s ttft=%s tokens=%s+%s',
@@ -655,7 +868,7 @@ class GatewayApp:
             exchange.upstream or "-", ttft, _or_dash(prompt), _or_dash(completion),
         )  # fmt: skip
 
-    def _observe(self, exchange: _Exchange, tokens: tuple[int | None, int | None]) -> None:
+    def _observe(self, exchange: _Exchange, tokens: TokenCounts) -> None:
         model, key = exchange.model, exchange.key_name
         metrics = self.metrics
         metrics.request_counter(key, model, exchange.status).inc()
@@ -665,14 +878,18 @@ class GatewayApp:
         per_model.e2e_s.observe(time.perf_counter() - exchange.started_s)
         if exchange.ttft_s is not None:
             per_model.ttft_s.observe(exchange.ttft_s)
-        prompt, completion = tokens
+            if exchange.decode_sent_s is not None:  # disaggregated: the decode's part of the TTFT
+                decode_ttft_s = exchange.started_s + exchange.ttft_s - exchange.decode_sent_s
+                metrics.pd_phase(exchange.parsed.model, "decode_first_token").observe(decode_ttft_s)
+        prompt, completion = tokens.prompt, tokens.completion
         if prompt or completion:
             prompt_tokens, completion_tokens = metrics.token_counters(key, model)
             prompt_tokens.inc(prompt or 0)
             completion_tokens.inc(completion or 0)
+        if tokens.reasoning:
+            metrics.reasoning_counter(key, model, tokens.reasoning_source or "").inc(tokens.reasoning)
 
-    def _usage_row(self, exchange: _Exchange, tokens: tuple[int | None, int | None]) -> UsageRow:
-        prompt, completion = tokens
+    def _usage_row(self, exchange: _Exchange, tokens: TokenCounts) -> UsageRow:
         request_body = response_body = None
         if self.config.log_bodies and exchange.parsed is not None:
             request_body = (exchange.request_body or b"").decode(errors="replace")  # as the client sent it
@@ -684,38 +901,31 @@ class GatewayApp:
             endpoint=exchange.endpoint.path,
             stream=bool(exchange.parsed and exchange.parsed.stream),
             status=exchange.status,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
+            prompt_tokens=tokens.prompt,
+            completion_tokens=tokens.completion,
             latency_ms=(time.perf_counter() - exchange.started_s) * 1000,
             ttft_ms=exchange.ttft_s * 1000 if exchange.ttft_s is not None else None,
             upstream=exchange.upstream,
             error=exchange.error,
             request_body=request_body,
             response_body=response_body,
+            reasoning_tokens=tokens.reasoning,
+            reasoning_source=tokens.reasoning_source,
+            prefill_upstream=exchange.prefill_upstream,
         )
 
 
-def make_limiter(config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> Limiter:
-    """Limits in this process's memory, or shared through Redis with --redis-url. CLOCK times this process's own
-    waits (the slot queue, the local limits); shared buckets run on Redis's clock."""
-    if not config.redis_url:
-        return LocalLimiter(config.max_concurrency, config.max_queue, config.queue_timeout_s, clock)
-    from deepserve.gateway.shared_limits import RedisLimiter  # the redis client: only when limits are shared
+class _EngineAnswer:
+    """An answer from an engine that ends the request as it is (a prefill engine's refusal)."""
 
-    return RedisLimiter(
-        config.redis_url,
-        max_concurrency=config.max_concurrency,
-        max_queue=config.max_queue,
-        queue_timeout_s=config.queue_timeout_s,
-        lease_s=config.redis_lease_s,
-        timeout_s=config.redis_timeout_s,
-        fail_open=config.redis_fail_open,
-        prefix=config.redis_prefix,
-        local_clock=clock,
-    )
+    __slots__ = ("body", "status")
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status = status
+        self.body = body
 
 
-def _billable_tokens(exchange: _Exchange, tokens: tuple[int | None, int | None]) -> int | None:
+def _billable_tokens(exchange: _Exchange, tokens: TokenCounts) -> int | None:
     """The tokens to charge the key for in the end, from its TOKENS (`_Exchange.token_counts`): the upstream's
     usage, or for a stream that ended early (client gone, cut at shutdown, upstream failure) the prompt estimate
     plus the tokens it delivered; none when the request failed before any engine answered it (refused upstream, no
@@ -783,6 +993,27 @@ async def _read_body(receive: Receive, content_length: int | None, limit: int, s
     return b"".join(parts)
 
 
+_RESPONSE_BY_ID = RESPONSES.path + "/"
+
+
+def _response_id_and_action(scope: Scope) -> tuple[str, str]:
+    """(id, "") for GET /v1/responses/{id}, (id, "cancel") for POST /v1/responses/{id}/cancel; else 404 or 405."""
+    response_id, _, action = scope["path"].removeprefix(_RESPONSE_BY_ID).partition("/")
+    if not response_id or action not in ("", "cancel"):
+        raise NotFound(f"no route {scope['path'][:200]}; stored responses are at {_RESPONSE_BY_ID}{{id}}[/cancel]")
+    wanted = "GET" if action == "" else "POST"
+    if scope["method"] != wanted:
+        raise MethodNotAllowed(
+            f"{scope['method']} is not served for stored responses: GET {_RESPONSE_BY_ID}{{id}} retrieves one and "
+            f"POST {_RESPONSE_BY_ID}{{id}}/cancel cancels a background one (the engine, vLLM 0.32, deletes none)"
+        )
+    return response_id, action
+
+
+def _response_not_found(response_id: str, param: str = "response_id") -> NotFound:
+    return NotFound(f"Response with id '{response_id[:80]}' not found.", param=param)
+
+
 def _gone_while_reading(scope: Scope) -> GatewayError:
     """The server's body timeout (connections.py marks the scope) or the client's own disconnect."""
     timeout_s = scope.get(BODY_TIMEOUT_SCOPE_KEY)
@@ -801,12 +1032,27 @@ def _client_text(client: Any) -> str:
     return "-"
 
 
-async def _watch_disconnect(receive: Receive, exchange: _Exchange, task: asyncio.Task[Any] | None) -> None:
-    """Cancel TASK when the client disconnects before the response is complete."""
-    message = await receive()
-    if message["type"] == "http.disconnect" and not exchange.finished and task is not None:
-        exchange.client_gone = True
-        task.cancel("client disconnected")
+def _cancel_on_disconnect(
+    scope: Scope, receive: Receive, exchange: _Exchange, task: asyncio.Task[Any] | None
+) -> asyncio.Task[None] | None:
+    """Cancel TASK when the client disconnects before the response is complete: through the gateway's server's
+    disconnect callback (no task per request), or under another ASGI server through a task that waits in receive."""
+
+    def gone() -> None:
+        if not exchange.finished and task is not None:
+            exchange.client_gone = True
+            task.cancel("client disconnected")
+
+    on_disconnect = scope.get(DISCONNECT_SCOPE_KEY)
+    if on_disconnect is not None:
+        on_disconnect(gone)
+        return None
+    return asyncio.create_task(_watch_disconnect(receive, gone))
+
+
+async def _watch_disconnect(receive: Receive, gone: Callable[[], None]) -> None:
+    if (await receive())["type"] == "http.disconnect":
+        gone()
 
 
 def _uncancel() -> None:

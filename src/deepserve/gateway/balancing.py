@@ -18,7 +18,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from deepserve.errors import ConfigError, unknown_name
 
@@ -30,10 +30,9 @@ class Replica(Protocol):
     outstanding: int
 
 
-@dataclass(frozen=True)
-class RoutingHints:
+class RoutingHints(NamedTuple):
     """What a request offers for routing: the start of its prompt and a session id, if any; the prompt itself
-    (its first PREFIX_MAX_CHARS) only for a policy that `wants_prompt`."""
+    (its first PREFIX_MAX_CHARS) only for a policy that `wants_prompt`. (A named tuple: one per request.)"""
 
     prefix: str = ""
     session: str | None = None
@@ -53,6 +52,7 @@ class EngineLoad:
 class BalancingPolicy(Protocol):
     name: str
     wants_prompt: bool  # RoutingHints.prompt is filled in (costs a little per request)
+    wants_prefix: bool  # RoutingHints.prefix is filled in (the start of the prompt, for affinity)
     engine_load: dict[str, EngineLoad] | None  # {replica URL: load}: kept current for a policy that has one
 
     def choose(self, replicas: Sequence[Replica], hints: RoutingHints) -> Replica:
@@ -65,6 +65,7 @@ class LeastOutstanding:
 
     name = "least_outstanding"
     wants_prompt = False
+    wants_prefix = False
     engine_load: dict[str, EngineLoad] | None = None
 
     def __init__(self) -> None:
@@ -83,6 +84,7 @@ class LeastOutstanding:
 class RoundRobin:
     name = "round_robin"
     wants_prompt = False
+    wants_prefix = False
     engine_load: dict[str, EngineLoad] | None = None
 
     def __init__(self) -> None:
@@ -112,6 +114,7 @@ class _Affinity:
     """Rendezvous-hash a key to a replica; least outstanding without a key or when the preferred one is overloaded."""
 
     wants_prompt = False
+    wants_prefix = False
     engine_load: dict[str, EngineLoad] | None = None
 
     def __init__(self) -> None:
@@ -134,6 +137,7 @@ class PrefixAffinity(_Affinity):
     """Requests whose prompts start alike go to the same replica, to reuse its prefix cache."""
 
     name = "prefix_affinity"
+    wants_prefix = True
 
     def key(self, hints: RoutingHints) -> str | None:
         return hints.prefix
@@ -228,6 +232,7 @@ class EngineAware:
 
     name = "engine_aware"
     wants_prompt = True
+    wants_prefix = False
 
     def __init__(
         self,

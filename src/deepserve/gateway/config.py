@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
@@ -23,7 +25,37 @@ class GatewayConfig(Section):
     """The OpenAI-compatible front door: where it listens, where it forwards, and how it protects the engine."""
 
     upstream: list[str] = Field(
-        default_factory=list, description="engine base URL, e.g. http://127.0.0.1:8001/v1; repeat for replicas"
+        default_factory=list,
+        description="engine base URL, e.g. http://127.0.0.1:8001/v1; repeat for replicas (with --prefill-upstream: "
+        "the decode replicas)",
+    )
+    prefill_upstream: list[str] = Field(
+        default_factory=list,
+        description="prefill engine base URL (vLLM's KV-transfer prefill role); repeat for replicas. Each "
+        "completion and chat request is prefilled there (max_tokens 1, kv_transfer_params do_remote_decode) and "
+        "decoded on an --upstream replica with the prefill's kv_transfer_params",
+    )
+    discover_upstreams: bool = Field(
+        False,
+        description="treat each upstream (and prefill upstream) host name as a DNS name with one address per replica "
+        "(a Kubernetes headless Service): re-resolved every --discovery-interval-s, replicas added and removed as "
+        "addresses come and go (a removed one finishes its requests in flight)",
+    )
+    discovery_interval_s: float = Field(10.0, gt=0, description="seconds between resolutions of the upstream names")
+    upstream_api_key_file: Path | None = Field(
+        None,
+        description="file holding the API key the engines require (vLLM's --api-key), sent upstream as "
+        "`Authorization: Bearer`; re-read when it changes (a mounted Kubernetes Secret)",
+    )
+    keys_file: Path | None = Field(
+        None,
+        description="read API keys from this file (`deepserve keys export`: hashes only, e.g. a mounted Kubernetes "
+        "Secret) instead of the key database; re-read within a second of a change, without a restart",
+    )
+    ledger_path: Path | None = Field(
+        None,
+        description="usage ledger file (default: $DEEPSERVE_HOME/gateway/usage.sqlite); put it on storage "
+        "that outlives the process (a persistent volume)",
     )
     host: str = Field("127.0.0.1", description="address to listen on (anything but loopback requires keys)")
     port: int = Field(8080, ge=0, le=65535, description="port to listen on (0: any free port)")
@@ -66,6 +98,11 @@ class GatewayConfig(Section):
     model_alias: list[str] = Field(
         default_factory=list, description="ALIAS=MODEL: clients may call MODEL by ALIAS; repeat for several"
     )
+    default_chat_template_kwargs: list[str] = Field(
+        default_factory=list,
+        description="MODEL=JSON: chat template options sent for MODEL when a request leaves them out, e.g. "
+        'deepseek-ai/DeepSeek-V3.1={"thinking": true} (a default thinking mode); repeat for several models',
+    )
     max_model_len: int | None = Field(
         None, ge=1, description="context length for max_tokens validation (default: from the upstream /v1/models)"
     )
@@ -104,7 +141,7 @@ class GatewayConfig(Section):
             raise ValueError(unknown_name("balancing policy", value, list(BALANCING_POLICIES)))
         return value
 
-    @field_validator("upstream")
+    @field_validator("upstream", "prefill_upstream")
     @classmethod
     def _http_urls(cls, value: list[str]) -> list[str]:
         for url in value:
@@ -118,6 +155,16 @@ class GatewayConfig(Section):
             alias, _, model = pair.partition("=")
             if not alias or not model:
                 raise ValueError(f"model alias {pair!r} must look like ALIAS=MODEL")
+        return value
+
+    @field_validator("default_chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_pairs(cls, value: object) -> object:
+        """MODEL=JSON strings; in a config file also a mapping {MODEL: {...}}. Each JSON must be an object."""
+        if isinstance(value, dict):
+            value = [f"{model}={json.dumps(options)}" for model, options in value.items()]
+        for pair in value if isinstance(value, list) else []:
+            _template_options(str(pair))
         return value
 
     @field_validator("redis_url")
@@ -146,6 +193,10 @@ class GatewayConfig(Section):
         given = {name: float(weight) for name, _, weight in (pair.partition("=") for pair in self.score_weight)}
         return {**DEFAULT_SCORE_WEIGHTS, **given}
 
+    def chat_template_defaults(self) -> dict[str, dict[str, Any]]:
+        """{model: chat template options} from default_chat_template_kwargs (a later pair for a model wins)."""
+        return dict(_template_options(pair) for pair in self.default_chat_template_kwargs)
+
     def aliases(self) -> dict[str, str]:
         return dict(pair.split("=", 1) for pair in self.model_alias)
 
@@ -157,12 +208,27 @@ class GatewayConfig(Section):
         """Fail fast, before binding, on a configuration that cannot work."""
         if not self.upstream:
             raise ConfigError("no upstream given; pass --upstream http://HOST:PORT/v1 (repeat for replicas)")
+        for flag, path in (("--keys-file", self.keys_file), ("--upstream-api-key-file", self.upstream_api_key_file)):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{flag} {path} is not a readable file; give the file's path (a mounted Secret's)")
         if self.workers > 1 and not self.redis_url:
             raise ConfigError(
                 f"--workers {self.workers} needs --redis-url: each worker process would otherwise enforce the rate "
                 f"and concurrency limits on its own, letting up to {self.workers}x through; run a Redis "
                 "(e.g. `redis-server --port 6379`) and pass --redis-url redis://127.0.0.1:6379/0, or use one worker"
             )
+
+
+def _template_options(pair: str) -> tuple[str, dict[str, Any]]:
+    model, _, text = pair.partition("=")
+    example = 'e.g. deepseek-ai/DeepSeek-V3.1={"thinking": true}'
+    try:
+        options = json.loads(text)
+    except ValueError:
+        options = None
+    if not model or not isinstance(options, dict):
+        raise ValueError(f"default chat template options {pair!r} must look like MODEL=JSON-OBJECT, {example}")
+    return model, options
 
 
 def check_upstream_url(url: str) -> None:
@@ -175,7 +241,7 @@ def check_upstream_url(url: str) -> None:
     if "@" in parts.netloc:
         raise ValueError(
             f"upstream {url!r} has credentials (user@ or user:password@), which the gateway does not send to "
-            f"engines; remove them, {example}"
+            f"engines; remove them (an engine's API key goes in --upstream-api-key-file), {example}"
         )
     if not parts.hostname:
         raise ValueError(f"upstream {url!r} has no host; give one, {example}")

@@ -17,12 +17,10 @@ import logging
 import time
 from collections.abc import Callable
 
-import aiohttp
-
 from deepserve.engines.base import LoadMetricNames
 from deepserve.engines.registry import ENGINES
 from deepserve.gateway.balancing import EngineLoad
-from deepserve.gateway.upstreams import UpstreamPool, UpstreamReplica
+from deepserve.gateway.upstreams import CLIENT_FAILURES, UpstreamPool, UpstreamReplica
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +146,9 @@ class EngineLoadScraper:
         self.loads[replica.url] = EngineLoad(0.0, 0.0, 0.0, self._clock())
 
     async def _fetch(self, replica: UpstreamReplica, path: str) -> str | None:
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s * SCRAPE_TIMEOUT_INTERVALS))
+        timeout_s = max(1.0, self.interval_s * SCRAPE_TIMEOUT_INTERVALS)
         try:
-            async with self.pool.session.get(replica.root + path, timeout=timeout) as response:
-                if response.status != 200:
-                    return None
-                return (await response.read()).decode("utf-8", errors="replace")
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+            status, body = await self.pool.get(replica, path, timeout_s)
+        except CLIENT_FAILURES:
             return None
+        return body.decode("utf-8", errors="replace") if status == 200 else None

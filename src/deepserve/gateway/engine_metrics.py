@@ -20,9 +20,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-import aiohttp
-
-from deepserve.gateway.upstreams import UpstreamPool, UpstreamReplica
+from deepserve.gateway.upstreams import CLIENT_FAILURES, UpstreamPool, UpstreamReplica
 
 ENGINE_METRICS_PATH = "/metrics/engines"
 REPLICA_LABEL = "replica"
@@ -96,13 +94,12 @@ async def scrape_replicas(pool: UpstreamPool) -> tuple[dict[str, str], dict[str,
 
 
 async def _scrape(pool: UpstreamPool, replica: UpstreamReplica) -> tuple[str | None, str | None]:
-    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
     try:
-        async with pool.session.get(replica.root + "/metrics", timeout=timeout) as response:
-            if response.status != 200:
-                return None, f"HTTP {response.status}"
-            return (await response.read()).decode(), None  # the Prometheus text format is UTF-8
-    except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError, UnicodeDecodeError) as exc:  # 3.10: distinct
+        status, body = await pool.get(replica, "/metrics", SCRAPE_TIMEOUT_S)
+        if status != 200:
+            return None, f"HTTP {status}"
+        return body.decode(), None  # the Prometheus text format is UTF-8
+    except (*CLIENT_FAILURES, UnicodeDecodeError) as exc:
         return None, f"{exc.__class__.__name__}: {exc}".rstrip(": ")
 
 

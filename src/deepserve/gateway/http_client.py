@@ -1,14 +1,16 @@
 """A lean HTTP/1.1 client for the upstream pool: one asyncio Protocol per connection, httptools' response parser,
 keep-alive connections per origin.
 
-It does only what the gateway needs from an engine (POST a JSON body or GET, read a response whole or as it
-arrives) and does it with little work per event: the body chunk the parser hands over is queued as is, a read
+It is the gateway process's one HTTP client: requests, health checks, model listings and metrics scrapes all go
+through it, with one timeout and error family. It does only what the gateway needs from an engine (POST a JSON body
+or GET, read a response whole or as it arrives; `fetch`: a whole exchange within one deadline) and does it with
+little work per event: the body chunk the parser hands over is queued as is, a read
 wakes one future, and the read timeout is one timer per response that is moved only when it fires (an idle check),
 not re-armed on every chunk, and paused while we stop reading for a slow reader. A request may also set a deadline
 for the response head (the first-byte timeout), checked by the same timer. Host names are resolved once per
 DNS_TTL_S, not per connection. Upstream failures are OSErrors (ConnectFailed, IncompleteResponse, TimeoutError,
-FirstByteTimeout, Abandoned); the upstream pool maps them to the gateway's, and lets anything else (our bugs)
-through.
+FirstByteTimeout, Abandoned, ResponseTooLarge); the upstream pool maps them to the gateway's, and lets anything else
+(our bugs) through.
 
 Every deadline is computed from an injected clock (`clock`, time.monotonic by default); the event loop's timers
 only decide when to look. Tests move a fake clock and call `check_timeouts` or `sweep_idle` instead of sleeping."""
@@ -34,6 +36,9 @@ _RESUME_AT_CHUNKS = _PAUSE_AT_CHUNKS // 2
 # A host name's addresses are reused this long (a Kubernetes service's name resolves on every new connection
 # otherwise, in the default executor); a connect failure on a reused address resolves again at once.
 DNS_TTL_S = 60.0
+
+# The most a `fetch` reads of one answer (an engine's /metrics is about 100 KB): beyond it the answer is refused.
+MAX_FETCH_BYTES = 16 << 20
 
 # (host, port) -> the IP addresses to try, in order.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -61,6 +66,10 @@ class Abandoned(ConnectionError):
     """The request was given up while it waited for the response head (`HttpClient.abort_waiting`)."""
 
 
+class ResponseTooLarge(ConnectionError):
+    """A `fetch` answer longer than its limit: the connection is dropped rather than read on."""
+
+
 class HttpResponse:
     """A response whose head has arrived. Read it (`read`, `chunks`), then `release` (its connection goes back to the
     pool when the response was read to the end) or `close` (the connection is dropped: the server sees the abort)."""
@@ -71,6 +80,11 @@ class HttpResponse:
         self._connection = connection
         self._detached = False  # released or closed: the connection may already serve another request
         self.status = status
+
+    def next_chunk(self) -> Awaitable[bytes]:
+        """The next body chunk as it arrives, b"" at the end (the relay's loop: no generator between it and the
+        connection)."""
+        return self._connection.next_chunk()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         connection = self._connection
@@ -207,15 +221,22 @@ class _Connection(asyncio.Protocol):
         return HttpResponse(self, status)
 
     async def next_chunk(self) -> bytes:
-        """The next body chunk, or b"" at the end of the response."""
+        """The next body chunk, or b"" at the end of the response (the per-event path: `_wait` inlined)."""
+        chunks = self._chunks
         while True:
-            if self._chunks:
-                if self._paused and len(self._chunks) <= _RESUME_AT_CHUNKS:
+            if chunks:
+                if self._paused and len(chunks) <= _RESUME_AT_CHUNKS:
                     self._resume()
-                return self._chunks.popleft()
+                return chunks.popleft()
             if self._complete:
                 return b""
-            await self._wait()
+            if self._error is not None:
+                raise self._error
+            self._waiter = waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
 
     async def _wait(self) -> None:
         if self._error is not None:
@@ -303,17 +324,20 @@ class _Connection(asyncio.Protocol):
 
 
 class Origin:
-    """Where requests go: scheme, host and port, parsed once; the Host header and TLS context are ready."""
+    """Where requests go: scheme, host and port, parsed once; the Host header and TLS context are ready. NAME, when
+    given, is the server's name for HOST (an address found under a DNS name): the Host header and TLS's server name."""
 
-    __slots__ = ("host", "host_header", "is_address", "key", "port", "tls")
+    __slots__ = ("host", "host_header", "is_address", "key", "port", "server_name", "tls")
 
-    def __init__(self, host: str, port: int, tls: bool) -> None:
+    def __init__(self, host: str, port: int, tls: bool, name: str | None = None) -> None:
         self.host = host
         self.port = port
         self.tls = tls
         self.key = (host, port, tls)
         self.is_address = _is_ip_address(host)  # nothing to resolve
-        self.host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 literals in brackets
+        self.server_name = name or host
+        shown = self.server_name
+        self.host_header = f"[{shown}]:{port}" if ":" in shown else f"{shown}:{port}"  # IPv6 literals in brackets
 
 
 def _is_ip_address(host: str) -> bool:
@@ -351,22 +375,61 @@ class HttpClient:
         self._ssl: ssl.SSLContext | None = None
 
     async def request(
-        self, method: str, origin: Origin, target: str, body: bytes = b"", *, head_timeout_s: float | None = None
+        self,
+        method: str,
+        origin: Origin,
+        target: str,
+        body: bytes = b"",
+        *,
+        head_timeout_s: float | None = None,
+        headers: bytes = b"",
     ) -> HttpResponse:
-        """METHOD TARGET with a JSON BODY; the response once its head arrived. Raises ConnectFailed (nothing was
-        sent), ConnectionError (the connection dropped; Abandoned when `abort_waiting` gave it up), TimeoutError
-        (connect or read; FirstByteTimeout when no head came within HEAD_TIMEOUT_S). Anything else is a bug of ours
-        (e.g. a TARGET that is not latin-1) and is raised before a connection is taken."""
+        """METHOD TARGET with a JSON BODY (and HEADERS: complete header lines, e.g. an Authorization); the response
+        once its head arrived. Raises ConnectFailed (nothing was sent), ConnectionError (the connection dropped;
+        Abandoned when `abort_waiting` gave it up), TimeoutError (connect or read; FirstByteTimeout when no head came
+        within HEAD_TIMEOUT_S). Anything else is a bug of ours (e.g. a TARGET that is not latin-1) and is raised
+        before a connection is taken."""
         head = (
             f"{method} {target} HTTP/1.1\r\nHost: {origin.host_header}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
+            f"Content-Length: {len(body)}\r\n"
         ).encode("latin-1")
+        head += headers + b"\r\n" if headers else b"\r\n"
         connection = self._take_idle(origin.key) or await self._connect(origin)
         try:
             return await connection.exchange(head, body, head_timeout_s)
         except BaseException:
             connection.close()
             raise
+
+    async def fetch(
+        self,
+        method: str,
+        origin: Origin,
+        target: str,
+        body: bytes = b"",
+        *,
+        timeout_s: float,
+        max_bytes: int = MAX_FETCH_BYTES,
+        headers: bytes = b"",
+    ) -> tuple[int, bytes]:
+        """(status, body) of a whole exchange that must end within TIMEOUT_S (TimeoutError otherwise): health
+        checks, model listings, metrics scrapes. An answer over MAX_BYTES raises ResponseTooLarge. Raises what
+        `request` raises."""
+        async with _compat.timeout(timeout_s):
+            response = await self.request(method, origin, target, body, headers=headers)
+            try:
+                parts: list[bytes] = []
+                size = 0
+                async for chunk in response.chunks():
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise ResponseTooLarge(f"the answer to {method} {target} is over {max_bytes} bytes")
+                    parts.append(chunk)
+            except BaseException:
+                response.close()
+                raise
+            response.release()
+            return response.status, b"".join(parts)
 
     def _take_idle(self, origin: tuple[str, int, bool]) -> _Connection | None:
         idle = self._idle.get(origin)
@@ -424,7 +487,7 @@ class HttpClient:
                     address,
                     origin.port,
                     ssl=tls,
-                    server_hostname=origin.host if tls is not None else None,
+                    server_hostname=origin.server_name if tls is not None else None,
                 )
                 return connection
             except OSError as exc:
@@ -463,6 +526,11 @@ class HttpClient:
         """Check every open connection's deadlines now (what their timers do when they fire)."""
         for connection in list(self._all):
             connection.check_deadlines()
+
+    def close_idle(self, origin: Origin) -> None:
+        """Close ORIGIN's idle connections (it left the pool: nothing more will be sent there)."""
+        for connection in list(self._idle.get(origin.key, ())):
+            connection.close()
 
     def abort_waiting(self, origin: Origin, reason: str) -> int:
         """Give up every request to ORIGIN that still waits for its response head (the caller may send it

@@ -42,12 +42,20 @@ CREATE TABLE IF NOT EXISTS usage (
     upstream TEXT,
     error TEXT,
     request_body TEXT,
-    response_body TEXT
+    response_body TEXT,
+    reasoning_tokens INTEGER,
+    reasoning_source TEXT,
+    prefill_upstream TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_key_ts ON usage (key, ts);
 """
-
-_INSERT = "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+# Columns added since the first ledgers (an older file gets them, empty for its old rows, when a gateway opens it).
+_ADDED_COLUMNS = {"reasoning_tokens": "INTEGER", "reasoning_source": "TEXT", "prefill_upstream": "TEXT"}
+_COLUMNS = (
+    "ts", "key", "model", "endpoint", "stream", "status", "prompt_tokens", "completion_tokens", "latency_ms", "ttft_ms",
+    "upstream", "error", "request_body", "response_body", "reasoning_tokens", "reasoning_source", "prefill_upstream",
+)  # fmt: skip
+_INSERT = f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
 BATCH_INTERVAL_S = 0.25
 MAX_BATCH = 2048
 # Rows waiting while the database cannot be written (about 1 KB each without bodies): beyond this the oldest go.
@@ -77,6 +85,12 @@ class UsageRow:
     error: str | None
     request_body: str | None = None  # only with log_bodies
     response_body: str | None = None  # only with log_bodies
+    # Of completion_tokens, those the model spent reasoning, and where the count comes from: "usage" (the engine's
+    # usage said, completion_tokens_details / output_tokens_details) or "deltas" (the stream's events that carried
+    # reasoning text, one token each: approximate); None when neither said.
+    reasoning_tokens: int | None = None
+    reasoning_source: str | None = None
+    prefill_upstream: str | None = None  # the prefill replica, when prefill and decode are disaggregated
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,7 @@ class UsageSummary:
     prompt_tokens: int
     completion_tokens: int
     mean_latency_ms: float
+    reasoning_tokens: int = 0
 
 
 @dataclass
@@ -120,7 +135,17 @@ def _connect(path: Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite3.Conn
     use_wal(db)
     db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes, fast commits
     db.executescript(_SCHEMA)
+    _add_new_columns(db)
     return db
+
+
+def _add_new_columns(db: sqlite3.Connection) -> None:
+    """A ledger written by an older gateway gets the columns added since (its rows keep them empty)."""
+    present = {row[1] for row in db.execute("PRAGMA table_info(usage)")}
+    for name, kind in _ADDED_COLUMNS.items():
+        if name not in present:
+            with contextlib.suppress(sqlite3.OperationalError):  # another worker added it a moment ago
+                db.execute(f"ALTER TABLE usage ADD COLUMN {name} {kind}")
 
 
 def use_wal(db: sqlite3.Connection, timeout_s: float = BUSY_TIMEOUT_S) -> None:
@@ -292,7 +317,8 @@ def summarise(path: Path | None = None, since_ts: float | None = None) -> list[U
     try:
         rows = db.execute(
             "SELECT key, date(ts, 'unixepoch') AS day, count(*), sum(status >= 400), "
-            "coalesce(sum(prompt_tokens), 0), coalesce(sum(completion_tokens), 0), avg(latency_ms) "
+            "coalesce(sum(prompt_tokens), 0), coalesce(sum(completion_tokens), 0), avg(latency_ms), "
+            "coalesce(sum(reasoning_tokens), 0) "
             "FROM usage WHERE ts >= ? GROUP BY key, day ORDER BY day, key",
             (since_ts or 0.0,),
         ).fetchall()

@@ -3,7 +3,8 @@
 `LocalLimiter` keeps them in this process's memory (exact, reset on restart); `shared_limits.RedisLimiter` keeps them
 in Redis so that several gateways enforce one limit. Both are a `Limiter`: the app asks it to admit a key's request
 (`admit`, never waits), to get one of the global slots (`acquire_slot`, may wait in the queue), and to give everything
-back with the real usage (`release`, never raises, never waits).
+back with the real usage (`release`, never raises, never waits). The protocol declares everything the app, its
+metrics and its tests use; `make_limiter` is the one factory (the product's and the tests').
 
 Everything takes an injected clock so that tests can move time by hand."""
 
@@ -14,10 +15,13 @@ import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from deepserve.errors import ConfigError
 from deepserve.gateway.errors import Overloaded, RateLimited
+
+if TYPE_CHECKING:
+    from deepserve.gateway.config import GatewayConfig
 
 Clock = Callable[[], float]
 
@@ -224,15 +228,34 @@ class Admission:
 class Limiter(Protocol):
     """Admission control as the app uses it (see the module docstring)."""
 
+    # Key ids revoked anywhere (shared limits: announced through Redis). The app's key ring refuses them; it is the
+    # same set object, so an announcement takes effect at once. Always empty for limits of this process alone.
+    revoked_ids: set[str]
+
     @property
     def in_flight(self) -> int: ...
 
     @property
     def waiting(self) -> int: ...
 
+    @property
+    def shared(self) -> bool:
+        """Whether the limits are shared with other gateways (and `up` means anything)."""
+        ...
+
+    @property
+    def up(self) -> bool:
+        """Whether the shared state answers (always True for limits of this process alone)."""
+        ...
+
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
+
+    def watch(self, on_fallback: Callable[[], None], on_error: Callable[[], None]) -> None:
+        """Call ON_FALLBACK for each request admitted by this process's own limits because the shared state was
+        unreachable, ON_ERROR for each failed call to it (the app's metrics count them)."""
+        ...
 
     async def admit(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> Admission:
         """Count a request against its key's limits (none for an anonymous request), or raise RateLimited."""
@@ -246,6 +269,40 @@ class Limiter(Protocol):
         """The request ended: free what it held and correct its token charge with USED_TOKENS (when known)."""
         ...
 
+    async def settle(self, timeout_s: float | None = None) -> None:
+        """Wait until every release sent so far has taken effect (for at most TIMEOUT_S)."""
+        ...
+
+    def expire_overdue(self) -> None:
+        """Time out every wait for a slot that is past its deadline by the clock (what the waiters' timers do)."""
+        ...
+
+    async def publish_revocation(self, key_id: str, revoked_at: float) -> None:
+        """Tell the other gateways that KEY_ID was revoked (nothing to tell for limits of this process alone)."""
+        ...
+
+
+def make_limiter(config: GatewayConfig, clock: Clock = time.monotonic, shared_clock: Clock | None = None) -> Limiter:
+    """Limits in this process's memory, or shared through Redis with --redis-url. CLOCK times this process's own
+    waits (the slot queue, the local limits); shared buckets run on Redis's clock, or on SHARED_CLOCK when given (a
+    test's)."""
+    if not config.redis_url:
+        return LocalLimiter(config.max_concurrency, config.max_queue, config.queue_timeout_s, clock)
+    from deepserve.gateway.shared_limits import RedisLimiter  # the redis client: only when limits are shared
+
+    return RedisLimiter(
+        config.redis_url,
+        max_concurrency=config.max_concurrency,
+        max_queue=config.max_queue,
+        queue_timeout_s=config.queue_timeout_s,
+        lease_s=config.redis_lease_s,
+        timeout_s=config.redis_timeout_s,
+        fail_open=config.redis_fail_open,
+        prefix=config.redis_prefix,
+        clock=shared_clock,
+        local_clock=clock,
+    )
+
 
 class LocalLimiter:
     """This process's own limits: a KeyLimiter per key and one AdmissionQueue. Nothing here suspends except a wait
@@ -253,6 +310,7 @@ class LocalLimiter:
 
     def __init__(self, max_concurrency: int, max_queue: int, queue_timeout_s: float, clock: Clock = time.monotonic):
         self.queue = AdmissionQueue(max_concurrency, max_queue, queue_timeout_s, clock)
+        self.revoked_ids: set[str] = set()
         self._clock = clock
         self._keys: dict[str, KeyLimiter] = {}
 
@@ -264,11 +322,28 @@ class LocalLimiter:
     def waiting(self) -> int:
         return self.queue.waiting
 
+    @property
+    def shared(self) -> bool:
+        return False
+
+    @property
+    def up(self) -> bool:
+        return True
+
     async def start(self) -> None:
         pass
 
     async def close(self) -> None:
         pass
+
+    def watch(self, on_fallback: Callable[[], None], on_error: Callable[[], None]) -> None:
+        pass  # no shared state: nothing falls back, nothing fails
+
+    async def settle(self, timeout_s: float | None = None) -> None:
+        pass  # releases take effect at once
+
+    async def publish_revocation(self, key_id: str, revoked_at: float) -> None:
+        pass  # no other gateway shares these limits
 
     def expire_overdue(self) -> None:
         """Time out every wait for a slot that is past its deadline by the clock (what the waiters' timers do)."""

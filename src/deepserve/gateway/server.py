@@ -1,15 +1,14 @@
-"""Run the gateway: uvicorn (httptools parser) on a uvloop event loop, in one process or, with `--workers N`, in N
-processes sharing the port (workers.py; each worker is what one process is here).
+"""Run the gateway: its own HTTP/1.1 server (http_server.py, httptools' parser) on a uvloop event loop, in one
+process or, with `--workers N`, in N processes sharing the port (workers.py; each worker is what one process is here).
 
 `GATEWAY READY <base URL>` is printed on stdout once the socket accepts connections and the first round of upstream
 health checks is done; `config.gateway_argv` is the command line that runs the gateway as its own process (what
 `deepserve serve` supervises next to the engine).
 
-Client connections are served by `connections.GuardedHttpProtocol` (uvicorn's httptools protocol with header and
-body deadlines, a header size limit and a connection limit). SIGTERM drains: the listening socket closes, requests
-in flight get `shutdown_grace_s` to finish, then the app cuts what is left (`GatewayApp.cut_in_flight`: streams end
-with an error event and their terminator), the usage ledger is flushed, and the exit code says whether every usage
-row was written."""
+Client connections get the guard's header and body deadlines, header size limit and connection limit
+(connections.py). SIGTERM drains: the listening socket closes, requests in flight get `shutdown_grace_s` to finish,
+then the app cuts what is left (`GatewayApp.cut_in_flight`: streams end with an error event and their terminator),
+the usage ledger is flushed, and the exit code says whether every usage row was written."""
 
 from __future__ import annotations
 
@@ -26,83 +25,42 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-import uvicorn
-
+from deepserve.errors import ConfigError
 from deepserve.gateway.app import GatewayApp, access_log
 from deepserve.gateway.config import GatewayConfig, base_url
-from deepserve.gateway.keys import KeyStore
+from deepserve.gateway.http_server import HttpServer
+from deepserve.gateway.keys import key_source
 
 READY_PREFIX = "GATEWAY READY"
-# After the app cut what was left at the end of the grace period, uvicorn waits this much longer for the cut
+# After the app cut what was left at the end of the grace period, the server waits this much longer for the cut
 # requests to write their last bytes before it cancels whatever still runs.
 _CUT_MARGIN_S = 2.0
 # The exit code when usage rows were lost (the ledger could not be written).
 EXIT_LEDGER_ROWS_LOST = 3
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, with a hook once the listening sockets are open, and a drain that ends what is still in
-    flight when the grace period is over (uvicorn would only cancel it, cutting streams mid-chunk)."""
-
-    def __init__(
-        self,
-        config: uvicorn.Config,
-        app: GatewayApp,
-        on_listening: Callable[[int], None],
-        own_signals: bool = True,
-    ) -> None:
-        super().__init__(config)
-        self._app = app
-        self._on_listening = on_listening
-        self._own_signals = own_signals
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """SIGINT/SIGTERM start a graceful stop. Unlike uvicorn's own, the signal is not re-raised afterwards, so the
-        caller's clean-up (flushing the usage ledger) still runs."""
-        if not self._own_signals or threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
-            self._on_listening(int(port))
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        grace_s = self._app.config.shutdown_grace_s
-        reason = f"its {grace_s:g} s shutdown grace period ended first"
-        cut = asyncio.get_running_loop().call_later(grace_s, self._app.cut_in_flight, reason)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            cut.cancel()
+async def _drain(server: HttpServer, app: GatewayApp) -> None:
+    """The graceful stop: no new connections, GRACE for what is in flight, then the app cuts what is left."""
+    grace_s = app.config.shutdown_grace_s
+    reason = f"its {grace_s:g} s shutdown grace period ended first"
+    await server.shutdown(grace_s, lambda: app.cut_in_flight(reason), _CUT_MARGIN_S)
 
 
-def _uvicorn_config(app: GatewayApp, config: GatewayConfig) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        loop="none",  # we run the loop (uvloop) ourselves
-        http=app.connections.protocol_class(),  # httptools, with the gateway's deadlines and limits
-        lifespan="off",  # the app is started before the server, so READY means upstreams were checked
-        access_log=False,  # the app writes its own access log (with key, model, upstream and tokens)
-        log_level="warning",
-        server_header=False,
-        date_header=False,
-        proxy_headers=False,  # the gateway is the edge: X-Forwarded-* from clients are not trusted
-        timeout_keep_alive=30,
-        timeout_graceful_shutdown=config.shutdown_grace_s + _CUT_MARGIN_S,  # type: ignore[arg-type]
-        backlog=4096,
-    )
+@contextlib.contextmanager
+def _stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    """SIGINT/SIGTERM start a graceful stop (in the main thread; elsewhere the caller stops the server itself)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
 
 
 async def serve(
@@ -111,22 +69,23 @@ async def serve(
     """Serve until SIGINT/SIGTERM (on SOCKETS when given: a worker of `--workers N`, see workers.py); return the
     number of usage rows that could not be written (0 normally)."""
     app = GatewayApp(config)
-    await app.start()
-
-    def listening(port: int) -> None:
-        freeze_startup_heap()
-        on_ready(base_url(config, port))
-
-    try:
-        server = _Server(_uvicorn_config(app, config), app, listening)
-        await server.serve(sockets=sockets)
-    finally:
-        await app.close()
+    stop = asyncio.Event()
+    with _stop_on_signals(stop):  # until the end: a second signal while the ledger is flushed must not kill it
+        await app.start()
+        try:
+            server = HttpServer(app, app.connections)
+            port = await _listen(server, config, sockets)
+            freeze_startup_heap()
+            on_ready(base_url(config, port))
+            await stop.wait()
+            await _drain(server, app)
+        finally:
+            await app.close()
     return app.lost_ledger_rows
 
 
 def freeze_startup_heap() -> None:
-    """Put every object alive once the gateway listens (modules, the app and its config, uvicorn's server, pydantic's
+    """Put every object alive once the gateway listens (modules, the app and its config, the HTTP server, pydantic's
     schemas: about 50,000 long-lived objects) out of the cyclic garbage collector's reach.
 
     Without this each full (generation 2) collection under load walks all of them while every stream waits: at 256
@@ -137,6 +96,15 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+async def _listen(server: HttpServer, config: GatewayConfig, sockets: list[socket.socket] | None = None) -> int:
+    try:
+        return await server.listen(config.host, config.port, sockets)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {config.host}:{config.port} ({exc}); choose another --port or stop what uses it"
+        ) from exc
+
+
 @contextlib.asynccontextmanager
 async def running_gateway(
     config: GatewayConfig, app: GatewayApp | None = None
@@ -145,19 +113,14 @@ async def running_gateway(
     benchmarks; port 0 picks a free port)."""
     app = app or GatewayApp(config)
     await app.start()
-    bound: list[int] = []
-    server = _Server(_uvicorn_config(app, config), app, bound.append, own_signals=False)
-    task = asyncio.create_task(server.serve())
     try:
-        while not bound:
-            if task.done():
-                task.result()
-                raise RuntimeError("the gateway stopped before it listened")
-            await asyncio.sleep(0.005)
-        yield app, base_url(config, bound[0])
+        server = HttpServer(app, app.connections)
+        port = await _listen(server, config)
+        try:
+            yield app, base_url(config, port)
+        finally:
+            await _drain(server, app)
     finally:
-        server.should_exit = True
-        await task
         await app.close()
 
 
@@ -166,7 +129,7 @@ def run_gateway(config: GatewayConfig) -> int:
     config.check_startable()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s gateway %(levelname)s %(message)s")
     if config.keys_required():
-        _warn_if_no_keys()
+        _warn_if_no_keys(config)
 
     def announce(url: str) -> None:
         print(f"{READY_PREFIX} {url}", flush=True)
@@ -220,15 +183,16 @@ def _access_log_to_stderr(enabled: bool) -> Iterator[None]:
         access_log.setLevel(logging.NOTSET)
 
 
-def _warn_if_no_keys() -> None:
-    store = KeyStore()
+def _warn_if_no_keys(config: GatewayConfig) -> None:
+    source = key_source(config.keys_file)
     try:
-        active = [key for key in store.all_keys() if key.revoked_at is None]
+        active = [stored for stored in source.load() if stored.key.revoked_at is None]
     finally:
-        store.close()
+        source.close()
     if not active:
+        where = f"in {config.keys_file}" if config.keys_file else "yet"
         print(
-            "deepserve gateway: API keys are required (non-loopback bind or --require-keys) and none exist yet; "
+            f"deepserve gateway: API keys are required (non-loopback bind or --require-keys) and none exist {where}; "
             "every request is refused until you run `deepserve keys create NAME`",
             file=sys.stderr,
             flush=True,

@@ -385,6 +385,14 @@ class RedisLimiter:
     def waiting(self) -> int:
         return len(self._waiters) + self.local.waiting
 
+    @property
+    def shared(self) -> bool:
+        return True
+
+    def watch(self, on_fallback: Callable[[], None], on_error: Callable[[], None]) -> None:
+        self.on_fallback = on_fallback
+        self.on_error = on_error
+
     async def admit(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> Admission:
         if not self._reachable():
             return self._fallback(key_id, limits, charged_tokens)

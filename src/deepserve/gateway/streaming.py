@@ -1,25 +1,58 @@
 """Server-sent events on the way through: forward each complete event as soon as it arrives, pick the usage block
-out of the final chunk, and drop that chunk when the gateway (not the client) asked for it.
+out of the stream, and drop the usage chunk when the gateway (not the client) asked for it.
 
-Only event boundaries are looked for (a bytes search); the one event that carries usage is the only one parsed.
-The `data:` lines forwarded are counted (one more bytes search per chunk), so that a stream that ends before its
-usage block (the client went away, the gateway shut down) still says how many tokens it delivered."""
+Only event boundaries are looked for (a bytes search); an event that carries usage is the only one parsed (orjson).
+Events are forwarded as they came: reasoning (`reasoning`, `reasoning_content`), tool calls and their deltas pass
+through unchanged. What is counted on the way, so that a stream that ends before its usage (the client went away,
+the gateway shut down) still says what it delivered, and so that reasoning is counted where the engine's usage does
+not say: the token events forwarded (one more bytes search per chunk) and the events that carry reasoning text.
+
+Chat and completion streams (`CHAT_STREAM`, `COMPLETION_STREAM`) are `data:` events ending with `[DONE]`; the usage
+is the last chunk's `usage`. Responses streams (`RESPONSES_STREAM`) are typed events (`event: response.…`) whose
+token events are the `….delta` ones; the usage is in the final `response.completed` event's response."""
 
 from __future__ import annotations
 
-import json
+import re
+from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 _USAGE_MARK = b'"usage"'
 _DATA_MARK = b"data:"
 _DONE_MARK = b"[DONE]"
+_REASONING_MARK = b'"reasoning'
+# A chat delta's reasoning field with a string value (vLLM 0.32: `reasoning`; older vLLM and SGLang:
+# `reasoning_content`, which SGLang may also send as null). Looked for only in chunks that name it.
+_REASONING_TEXT = re.compile(rb'"reasoning(?:_content)?"\s*:\s*"')
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    """How one endpoint's streams mark their token events and their reasoning events."""
+
+    token_mark: bytes  # each token event contains this once
+    done_mark: bytes | None  # the final event that is no token ([DONE]), if any
+    reasoning_mark: bytes | None  # a chunk with reasoning contains this; then REASONING_PATTERN counts the events
+    reasoning_pattern: re.Pattern[bytes] | None
+
+
+CHAT_STREAM = StreamShape(_DATA_MARK, _DONE_MARK, _REASONING_MARK, _REASONING_TEXT)
+COMPLETION_STREAM = StreamShape(_DATA_MARK, _DONE_MARK, None, None)
+RESPONSES_STREAM = StreamShape(
+    b'.delta"', None, b'"response.reasoning_text.delta"', re.compile(rb'"response\.reasoning_text\.delta"')
+)
 
 
 class StreamTap:
-    def __init__(self, strip_usage_chunk: bool) -> None:
+    def __init__(self, strip_usage_chunk: bool, shape: StreamShape = CHAT_STREAM) -> None:
         self.strip_usage_chunk = strip_usage_chunk
+        self.shape = shape
         self.usage: dict[str, Any] | None = None
-        self.data_events = 0  # `data:` lines forwarded so far
+        self.response_id: str | None = None  # a Responses stream's id (from its events that carry the response)
+        self.token_events = 0  # token events forwarded so far (`data:` lines, or Responses' delta events)
+        self.reasoning_events = 0  # events forwarded that carried reasoning text
         self._tail = b""
         self._last = b""  # the last events forwarded (to tell whether [DONE] went through)
 
@@ -34,8 +67,7 @@ class StreamTap:
         events = data[:end]
         if _USAGE_MARK in events:
             events = self._take_usage(events)
-        self.data_events += events.count(_DATA_MARK)
-        self._last = events
+        self._count(events)
         return events
 
     def finish(self) -> bytes:
@@ -44,16 +76,24 @@ class StreamTap:
         if rest and _USAGE_MARK in rest:
             rest = self._take_usage(rest)
         if rest:
-            self.data_events += rest.count(_DATA_MARK)
-            self._last = rest
+            self._count(rest)
         return rest
+
+    def _count(self, events: bytes) -> None:
+        shape = self.shape
+        self.token_events += events.count(shape.token_mark)
+        if shape.reasoning_mark is not None and shape.reasoning_mark in events:
+            assert shape.reasoning_pattern is not None
+            self.reasoning_events += len(shape.reasoning_pattern.findall(events))
+        self._last = events
 
     def delivered_tokens(self) -> int:
         """Completion tokens forwarded so far, counted as events: one per token as vLLM and SGLang stream by
         default (an engine that batches tokens into events, vLLM's --stream-interval, is undercounted; the role-only
         first event of a chat stream is counted). The `[DONE]` event is not a token. Use the usage block when there
         is one: this is for streams that ended without it."""
-        return max(0, self.data_events - (1 if _DONE_MARK in self._last else 0))
+        done = self.shape.done_mark
+        return max(0, self.token_events - (1 if done is not None and done in self._last else 0))
 
     def _take_usage(self, events: bytes) -> bytes:
         kept = []
@@ -62,15 +102,29 @@ class StreamTap:
             usage_only = False
             if payload is not None and _USAGE_MARK in payload:
                 try:
-                    parsed = json.loads(payload)
+                    parsed = orjson.loads(payload)
                 except (ValueError, RecursionError):  # not ours to judge: forwarded as is, only not accounted
                     parsed = None
-                if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
-                    self.usage = parsed["usage"]
-                    usage_only = not parsed.get("choices")
+                if isinstance(parsed, dict):
+                    usage_only = self._read_usage(parsed)
             if not (usage_only and self.strip_usage_chunk):
                 kept.append(event)
         return b"".join(kept)
+
+    def _read_usage(self, parsed: dict[str, Any]) -> bool:
+        """Take the usage out of PARSED (a chunk's, or a Responses event's response); whether the event is a
+        usage-only chat or completion chunk (which the gateway drops when it asked for it)."""
+        usage = parsed.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+            return not parsed.get("choices")
+        response = parsed.get("response")
+        if isinstance(response, dict):  # a Responses event: created, in_progress, completed, …
+            if isinstance(response.get("id"), str):
+                self.response_id = response["id"]
+            if isinstance(response.get("usage"), dict):
+                self.usage = response["usage"]
+        return False
 
 
 def _last_boundary(data: bytes) -> int:

@@ -6,12 +6,14 @@ unchanged, unless a model alias or the stream usage option has to be written int
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from deepserve.gateway.errors import InvalidRequest, ModelNotFound, NoHealthyUpstream, bound_text
+from deepserve.gateway.streaming import CHAT_STREAM, COMPLETION_STREAM, RESPONSES_STREAM, StreamShape
 
 # Output tokens charged to the tokens-per-minute bucket when a request gives no max_tokens (corrected afterwards).
 DEFAULT_CHARGED_OUTPUT_TOKENS = 512
@@ -90,6 +92,39 @@ def _anything(value: Any) -> bool:
     return True
 
 
+def _one_of(*values: str) -> Check:
+    allowed = frozenset(values)
+    return lambda value: isinstance(value, str) and value in allowed
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(item) for item in value)
+
+
+def _is_tools(value: Any) -> bool:
+    """A list of tool definitions, each an object with a string `type` (OpenAI's and vLLM's tools)."""
+    return isinstance(value, list) and all(
+        isinstance(tool, dict) and isinstance(tool.get("type"), str) for tool in value
+    )
+
+
+def _is_tool_choice(value: Any) -> bool:
+    """ "none", "auto", "required", or an object naming one tool."""
+    return value in ("none", "auto", "required") or (isinstance(value, dict) and isinstance(value.get("type"), str))
+
+
+def _is_input(value: Any) -> bool:
+    """The Responses API's input: a string, or a list of input items (objects: messages, tool outputs, …)."""
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(item, dict) for item in value))
+
+
+# vLLM 0.32's reasoning_effort values (chat_completion/protocol.py: Literal[...]); a value outside them is its 400.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+# Fields of OpenAI's API and of the engines' extensions, per endpoint. The sources: OpenAI's API reference for chat
+# completions, completions and responses; vLLM 0.32's request models (vllm/entrypoints/openai/{chat_completion,
+# completion,responses}/protocol.py: ChatCompletionRequest, CompletionRequest, ResponsesRequest; a test holds the
+# installed vLLM's fields to these tables); SGLang's reasoning switches (separate_reasoning, stream_reasoning).
 _SAMPLING: dict[str, Check] = {
     "model": _is_str,
     "stream": _is_bool,
@@ -120,12 +155,16 @@ _SAMPLING: dict[str, Check] = {
     "spaces_between_special_tokens": _is_bool,
     "include_stop_str_in_output": _is_bool,
     "truncate_prompt_tokens": _int_at_least(1),
+    "truncation_side": _one_of("left", "right"),
     "prompt_logprobs": _int_at_least(0),
+    "logprob_token_ids": _is_int_list,
     "priority": _is_int,
     "request_id": _is_str,
+    "session_id": _is_str,
     "add_special_tokens": _is_bool,
     "return_tokens_as_token_ids": _is_bool,
     "return_token_ids": _is_bool,
+    "return_token_offsets": _is_bool,
     "structured_outputs": _is_dict,
     "guided_json": _anything,
     "guided_regex": _is_str,
@@ -133,39 +172,99 @@ _SAMPLING: dict[str, Check] = {
     "guided_grammar": _is_str,
     "cache_salt": _is_str,
     "kv_transfer_params": _is_dict,
+    "ec_transfer_params": _is_dict,
     "vllm_xargs": _is_dict,
     "use_beam_search": _is_bool,
+    "thinking_token_budget": _int_at_least(0),
+    "repetition_detection": _is_dict,
+    "stream_interval": _int_at_least(1),
+    "mm_payload": _one_of("tensors", "none"),
+    "return_mm_kwargs": _is_bool,
+    "routed_experts_prompt_start": _int_at_least(0),
+    "watermarking": _is_bool,
 }
 
 COMPLETION_FIELDS: dict[str, Check] = {
     **_SAMPLING,
     "prompt": _is_prompt,
+    "prompt_embeds": lambda value: isinstance(value, str) or (isinstance(value, list) and all(map(_is_str, value))),
     "echo": _is_bool,
     "best_of": _int_at_least(1),
     "logprobs": _int_at_least(0),
     "suffix": _is_str,
 }
 
+# What reasoning models and tool calling send (chat completions and responses alike).
+_REASONING_AND_TOOLS: dict[str, Check] = {
+    "tools": _is_tools,
+    "tool_choice": _is_tool_choice,
+    "parallel_tool_calls": _is_bool,
+    "chat_template_kwargs": _is_dict,  # e.g. {"thinking": true} (DeepSeek V3.1, V4), {"enable_thinking": false}
+    "include_reasoning": _is_bool,  # vLLM: false leaves the reasoning out of the answer
+    "separate_reasoning": _is_bool,  # SGLang
+    "stream_reasoning": _is_bool,  # SGLang
+    "media_io_kwargs": _is_dict,
+    "mm_processor_kwargs": _is_dict,
+}
+
 CHAT_FIELDS: dict[str, Check] = {
     **_SAMPLING,
+    **_REASONING_AND_TOOLS,
     "messages": _is_messages,
     "max_completion_tokens": _int_at_least(1),
     "logprobs": _is_bool,
     "top_logprobs": _int_at_least(0),
-    "tools": _is_list,
-    "tool_choice": lambda value: isinstance(value, (str, dict)),
-    "parallel_tool_calls": _is_bool,
-    "reasoning_effort": _is_str,
+    "reasoning_effort": _one_of(*REASONING_EFFORTS),
     "store": _is_bool,
     "service_tier": _is_str,
     "modalities": _is_list,
     "prediction": _is_dict,
+    "audio": _is_dict,
+    "web_search_options": _is_dict,
+    "verbosity": _is_str,
+    "prompt_cache_key": _is_str,
+    "safety_identifier": _is_str,
+    "functions": _is_list,  # OpenAI's deprecated form of tools
+    "function_call": lambda value: isinstance(value, (str, dict)),
     "add_generation_prompt": _is_bool,
     "continue_final_message": _is_bool,
     "chat_template": _is_str,
-    "chat_template_kwargs": _is_dict,
     "documents": _is_list,
     "echo": _is_bool,
+    "return_prompt_text": _is_bool,
+}
+
+_RESPONSES_SAMPLING = (
+    "model", "stream", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed",
+    "user", "logit_bias", "metadata", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
+    "skip_special_tokens", "include_stop_str_in_output", "priority", "request_id", "session_id", "structured_outputs",
+    "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "mm_payload", "return_mm_kwargs",
+    "watermarking",
+)  # fmt: skip
+
+RESPONSES_FIELDS: dict[str, Check] = {
+    **{name: _SAMPLING[name] for name in _RESPONSES_SAMPLING},
+    **_REASONING_AND_TOOLS,
+    "input": _is_input,
+    "instructions": _is_str,
+    "max_output_tokens": _int_at_least(1),
+    "max_tool_calls": _int_at_least(0),
+    "previous_response_id": _is_str,
+    "previous_input_messages": _is_list,
+    "prompt": _is_dict,  # a stored prompt template (OpenAI); not the completions prompt
+    "prompt_cache_key": _is_str,
+    "reasoning": _is_dict,  # {"effort": …, "summary": …}
+    "text": _is_dict,
+    "include": lambda value: isinstance(value, list) and all(map(_is_str, value)),
+    "background": _is_bool,
+    "store": _is_bool,
+    "service_tier": _is_str,
+    "top_logprobs": _int_at_least(0),
+    "truncation": _one_of("auto", "disabled"),
+    "enable_response_messages": _is_bool,
+    "stream_options": _is_dict,
+    "safety_identifier": _is_str,
+    "conversation": lambda value: isinstance(value, (str, dict)),
 }
 
 _FIELD_HINTS = {
@@ -179,20 +278,49 @@ _FIELD_HINTS = {
     "prompt": "a string, a list of strings, or token ids",
     "messages": "a non-empty list of objects with a 'role'",
     "stop": "a string or a list of strings",
+    "input": "a string or a list of input items (objects)",
+    "max_output_tokens": "an integer ≥ 1",
+    "reasoning_effort": "one of " + ", ".join(REASONING_EFFORTS),
+    "tools": "a list of tool objects, each with a 'type'",
+    "tool_choice": "'none', 'auto', 'required' or an object naming a tool",
+    "chat_template_kwargs": 'an object, e.g. {"thinking": true}',
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Endpoint:
-    """One OpenAI endpoint the gateway forwards: its allowed fields and where the prompt is."""
+    """One OpenAI endpoint the gateway forwards: its allowed fields, where the prompt is, which fields cap the output
+    tokens (the first given counts), and how its streams carry usage."""
 
     path: str
     fields: Mapping[str, Check]
     prompt_field: str
+    max_tokens_fields: tuple[str, ...]
+    # Streams carry usage only when stream_options.include_usage asks (the gateway asks, and hides the chunk);
+    # a Responses stream always ends with its usage (response.completed).
+    stream_shape: StreamShape
+    usage_on_request: bool = True
+    chat_template: bool = False  # takes chat_template_kwargs (the gateway's default thinking mode applies)
 
 
-COMPLETIONS = Endpoint("/v1/completions", COMPLETION_FIELDS, "prompt")
-CHAT_COMPLETIONS = Endpoint("/v1/chat/completions", CHAT_FIELDS, "messages")
+COMPLETIONS = Endpoint("/v1/completions", COMPLETION_FIELDS, "prompt", ("max_tokens",), COMPLETION_STREAM)
+CHAT_COMPLETIONS = Endpoint(
+    "/v1/chat/completions",
+    CHAT_FIELDS,
+    "messages",
+    ("max_completion_tokens", "max_tokens"),
+    CHAT_STREAM,
+    chat_template=True,
+)
+RESPONSES = Endpoint(
+    "/v1/responses",
+    RESPONSES_FIELDS,
+    "input",
+    ("max_output_tokens",),
+    RESPONSES_STREAM,
+    usage_on_request=False,
+    chat_template=True,
+)
 
 
 @dataclass
@@ -205,13 +333,19 @@ class ParsedRequest:
     stream: bool
     max_tokens: int | None
     prompt_tokens_estimate: int
-    affinity_text: str  # the start of the prompt, for prefix affinity
     strip_usage_chunk: bool  # we asked the upstream for a usage chunk the client did not ask for
     request: dict[str, Any]  # the parsed body (for log_bodies)
+    prompt: Any = None  # the prompt as sent (prompt, messages or input)
+    prompt_text: str = ""  # the prompt as text (for the estimate)
 
     @property
     def charged_tokens(self) -> int:
         return self.prompt_tokens_estimate + (self.max_tokens or DEFAULT_CHARGED_OUTPUT_TOKENS)
+
+    @functools.cached_property
+    def affinity_text(self) -> str:
+        """The start of the prompt, for prefix affinity (worked out only for the policy that routes by it)."""
+        return _affinity_text(self.prompt, self.prompt_text)
 
 
 def resolve_model(client_model: str, models: Mapping[str, int | None], aliases: Mapping[str, str]) -> str:
@@ -235,24 +369,35 @@ def parse_request(
     raw: bytes,
     models: Mapping[str, int | None],
     aliases: Mapping[str, str],
+    template_defaults: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> ParsedRequest:
-    """Validate RAW for ENDPOINT. MODELS maps each served model to its context length (None when unknown)."""
+    """Validate RAW for ENDPOINT. MODELS maps each served model to its context length (None when unknown).
+    TEMPLATE_DEFAULTS ({model: chat_template_kwargs}, by the name the client used or the served one) fill in the
+    chat template options a request leaves out (e.g. the model's default thinking mode), unless it chose a
+    reasoning_effort itself."""
     request = load_json_object(raw)
     _check_fields(endpoint, request)
     client_model = request["model"]
     model = resolve_model(client_model, models, aliases)
-    max_tokens = request.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = request.get("max_tokens")
+    max_tokens = _max_tokens(endpoint, request)
     _check_context(max_tokens, models[model])
     stream = request.get("stream") is True
-    if not stream and request.get("stream_options") is not None:
+    if not stream and endpoint.usage_on_request and request.get("stream_options") is not None:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
-    prompt_text = _prompt_text(request[endpoint.prompt_field])
-    strip_usage = stream and not (request.get("stream_options") or {}).get("include_usage")
+    prompt = request[endpoint.prompt_field]
+    prompt_text = _prompt_text(prompt)
+    if isinstance(request.get("instructions"), str):  # the Responses API's system prompt
+        prompt_text = request["instructions"] + "\n" + prompt_text
+    strip_usage = (
+        stream and endpoint.usage_on_request and not (request.get("stream_options") or {}).get("include_usage")
+    )
+    template = _template_defaults(endpoint, request, template_defaults, client_model, model)
     body = raw
-    if model != client_model or strip_usage:
-        body = _rewrite(request, model, strip_usage)
+    spliceable = "stream_options" not in request and not raw.startswith(_UTF8_BOM)
+    if model == client_model and template is None and strip_usage and spliceable:
+        body = _with_usage_option(raw)  # the common stream: no re-encoding of the whole body
+    elif model != client_model or strip_usage or template is not None:
+        body = _rewrite(request, model, strip_usage, template)
     return ParsedRequest(
         body=body,
         model=model,
@@ -260,10 +405,39 @@ def parse_request(
         stream=stream,
         max_tokens=max_tokens,
         prompt_tokens_estimate=-(-len(prompt_text) // CHARS_PER_TOKEN_ESTIMATE),
-        affinity_text=_affinity_text(request[endpoint.prompt_field], prompt_text),
         strip_usage_chunk=strip_usage,
         request=request,
+        prompt=prompt,
+        prompt_text=prompt_text,
     )
+
+
+def _max_tokens(endpoint: Endpoint, request: dict[str, Any]) -> int | None:
+    for name in endpoint.max_tokens_fields:
+        value = request.get(name)
+        if value is not None:
+            return int(value)
+    return None
+
+
+def _template_defaults(
+    endpoint: Endpoint,
+    request: dict[str, Any],
+    defaults: Mapping[str, Mapping[str, Any]] | None,
+    client_model: str,
+    model: str,
+) -> dict[str, Any] | None:
+    """The chat_template_kwargs to send instead of the request's (its own, with the model's defaults for the keys
+    it left out), or None to send it as it is."""
+    if not defaults or not endpoint.chat_template or request.get("reasoning_effort") is not None:
+        return None
+    default = defaults.get(client_model) or defaults.get(model)
+    if not default:
+        return None
+    given = request.get("chat_template_kwargs") or {}
+    if all(key in given for key in default):
+        return None
+    return {**default, **given}
 
 
 def load_json_object(raw: bytes) -> dict[str, Any]:
@@ -397,9 +571,22 @@ def _prompt_text(prompt: Any) -> str:
     return "\n".join(parts)
 
 
-def _rewrite(request: dict[str, Any], model: str, add_usage: bool) -> bytes:
+_USAGE_OPTION = b'"stream_options":{"include_usage":true},'
+_UTF8_BOM = b"\xef\xbb\xbf"  # allowed from a client, not passed on (a JSON parser refuses it)
+
+
+def _with_usage_option(raw: bytes) -> bytes:
+    """RAW (a JSON object with members and no stream_options) with stream_options.include_usage as its first
+    member: the client's bytes otherwise, spliced rather than re-encoded (a stream's body, on every stream)."""
+    opening = raw.find(b"{")
+    return raw[: opening + 1] + _USAGE_OPTION + raw[opening + 1 :]
+
+
+def _rewrite(request: dict[str, Any], model: str, add_usage: bool, template: dict[str, Any] | None = None) -> bytes:
     request = dict(request)
     request["model"] = model
     if add_usage:
         request["stream_options"] = {**(request.get("stream_options") or {}), "include_usage": True}
+    if template is not None:
+        request["chat_template_kwargs"] = template
     return json.dumps(request, separators=(",", ":"), ensure_ascii=False).encode()

@@ -83,11 +83,12 @@ def _worker_main(config_json: str, port: int, index: int, ready: Any, supervisor
     sys.exit(serve_process(config, lambda url: ready.put(index), sockets=[sock]))
 
 
-def _create_databases() -> None:
+def _create_databases(config: GatewayConfig) -> None:
     """Create the key store and the usage ledger (in WAL mode) once, before the workers start, so that no two
     workers create or convert the same SQLite file at the same moment (one got "database is locked" and exited)."""
-    KeyStore().close()
-    UsageLedger(start_writer=False).close()
+    if config.keys_file is None:
+        KeyStore().close()
+    UsageLedger(config.ledger_path, start_writer=False).close()
 
 
 def _stop_when_orphaned(supervisor_pid: int) -> None:
@@ -187,7 +188,7 @@ def run_workers(config: GatewayConfig, announce: Callable[[str], None]) -> int:
     port = int(reserved.getsockname()[1])
     metrics_dir = tempfile.mkdtemp(prefix="deepserve-gateway-metrics-")
     os.environ[MULTIPROCESS_DIR_ENV] = metrics_dir  # inherited by the workers (read when they import prometheus)
-    _create_databases()
+    _create_databases(config)
     supervisor = _Supervisor(config, port)
 
     def stop_on_signal(signum: int, frame: Any) -> None:

@@ -68,6 +68,20 @@ class SimulateConfig(Section):
     natural_output_len: int | None = Field(
         None, ge=1, description="replies end with EOS after this many tokens unless ignore_eos (None: never)"
     )
+    reasoning_tokens: int = Field(
+        0,
+        ge=0,
+        description="chat replies: the first N tokens are reasoning, in their own field (as vLLM's reasoning parsers "
+        "answer), unless the request's chat_template_kwargs say thinking (or enable_thinking) false",
+    )
+    reasoning_field: Literal["reasoning", "reasoning_content"] = Field(
+        "reasoning",
+        description="the reasoning field: vLLM 0.32's `reasoning` (usage counts them in completion_tokens_details) or "
+        "`reasoning_content` (older vLLM, SGLang: usage without the count)",
+    )
+    tool_calls: bool = Field(
+        False, description="chat requests that offer tools are answered with a call of the first (or chosen) function"
+    )
     api_key: str | None = Field(None, description="require `Authorization: Bearer KEY` on /v1 (vLLM's --api-key)")
     lora_modules: list[str] = Field(default_factory=list, description="extra model names served (LoRA adapters)")
     record_bodies: bool = Field(False, description="keep every generation request's body (GET /simulate/stats)")

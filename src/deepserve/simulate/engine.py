@@ -203,7 +203,8 @@ class FixedLatencyEngine:
         request.status = Status.RUNNING
         key = id(request)
         self.active[key] = request
-        self._due_s[key] = now + self.ttft_s
+        # A prompt whose KV cache was prefilled elsewhere (a remote prefill) has its first token after one step
+        self._due_s[key] = now + (self.itl_s if request.num_external_tokens else self.ttft_s)
         self._arm(request)
 
     def abort(self, request: SimRequest) -> None:

@@ -65,6 +65,7 @@ class SimRequest:
         "min_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_external_tokens",
         "num_preemptions",
         "num_tokens",
         "output_token_ids",
@@ -108,6 +109,9 @@ class SimRequest:
         self.num_preemptions = 0
         self.draft_tokens = 0  # drafts proposed for its next step (speculative decoding)
         self.scheduled_drafts = 0  # of which the step in flight verifies
+        # Prompt tokens whose KV cache a connector loads instead of computing them (a decode instance of a
+        # prefill/decode pair: vLLM's kv_transfer_params with do_remote_prefill): scheduled as already computed.
+        self.num_external_tokens = 0
         self.finish_reason: str | None = None
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None
@@ -316,11 +320,14 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.kv.cached_prefix(request)
             computed = len(cached) * self.kv.block_size
-            tokens = request.num_tokens - computed
+            external = max(
+                0, min(request.num_external_tokens, request.num_tokens - 1) - computed
+            )  # loaded, not computed
+            tokens = request.num_tokens - computed - external
             if not self.limits.chunked_prefill and tokens > budget:
                 return
             tokens = min(tokens, budget)
-            if not self.kv.allocate(request, tokens, cached):
+            if not self.kv.allocate(request, external + tokens, cached):
                 return
             self.waiting.popleft()
             if request.num_preemptions == 0 and request.num_cached_tokens < 0:
@@ -330,7 +337,7 @@ class Scheduler:
             if request.first_scheduled_s is None:
                 request.first_scheduled_s = now_s
             request.status = Status.RUNNING
-            request.num_computed_tokens = computed
+            request.num_computed_tokens = computed + external
             self.running.append(request)
             batch.add(request, tokens)
             request.num_computed_tokens += tokens

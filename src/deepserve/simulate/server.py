@@ -1,9 +1,10 @@
 """The simulator's HTTP server: vLLM's OpenAI-compatible API over the simulated engine.
 
-Routes (as vLLM serves them): POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
-/health, /version, /metrics. The simulator's own: GET /simulate/stats (what it saw: requests, completions,
-aborts, injected faults, bodies with record_bodies), POST /simulate/control (change faults, health, metric values),
-GET /simulate/sends (with log_sends: when each chunk was written, send_log.py).
+Routes (as vLLM serves them): POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize;
+GET /v1/models, /v1/responses/{id} (Responses answers kept with `store`, the last RECORDED_BODIES), /health,
+/version, /metrics. The simulator's own: GET /simulate/stats (what it saw: requests, completions, aborts, injected
+faults, bodies with record_bodies), POST /simulate/control (change faults, health, metric values), GET
+/simulate/sends (with log_sends: when each chunk was written, send_log.py).
 
 A raw asyncio protocol with httptools' parser (llhttp, in C): one benchmark client drives hundreds of streams, and
 the engine writes each token straight to its connection from the step callback, without a task per stream.
@@ -18,7 +19,8 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections import deque
+import uuid
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
@@ -32,7 +34,16 @@ from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.engine import Engine
 from deepserve.simulate.faults import Controls
 from deepserve.simulate.metrics import render
-from deepserve.simulate.openai_api import DONE_EVENT, ApiError, Generation, ReplyFormat, error_body, parse_generation
+from deepserve.simulate.openai_api import (
+    DONE_EVENT,
+    ApiError,
+    Generation,
+    ReplyFormat,
+    called_tool,
+    error_body,
+    parse_generation,
+    parse_responses,
+)
 from deepserve.simulate.scheduler import SimRequest
 from deepserve.simulate.send_log import KernelStampedServer, SendLog, StreamSends
 from deepserve.simulate.setup import SimulatedDeployment, build_engine
@@ -50,6 +61,7 @@ _TEXT = b"content-type: text/plain; version=0.0.4; charset=utf-8\r\n"
 _SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n"
 _CHUNKED_END = b"0\r\n\r\n"
 MALFORMED_EVENT = b"data: {not json\n\n"
+RESPONSES_PATH = "/v1/responses"
 
 
 @dataclass
@@ -66,6 +78,8 @@ class ServerStats:
     active: int = 0  # streaming now
     metrics_scrapes: int = 0
     health_checks: int = 0
+    kv_prefills: int = 0  # prefills for a remote decode (kv_transfer_params do_remote_decode)
+    kv_remote_prefills: int = 0  # decodes of prompts prefilled elsewhere (kv_transfer_params do_remote_prefill)
     tokenize_calls: int = 0  # POST /tokenize answered (any status)
     detokenize_calls: int = 0
     profile_calls: list[str] = field(default_factory=list)  # /start_profile, /stop_profile, in order
@@ -109,6 +123,8 @@ class SimulatorApp:
         self.outputs_are_chunks = not config.fixed_latency
         self.connections: set[_Connection] = set()
         self.created = int(time.time())
+        self.engine_id = f"deepserve-simulate-{uuid.uuid4().hex[:8]}"  # kv_transfer_params' remote_engine_id
+        self.stored: OrderedDict[str, bytes] = OrderedDict()  # Responses API answers kept for GET, by id
         self._started = time.monotonic()
         self._ids = 0
         self._routes: dict[tuple[str, str], Callable[[_Connection, _Request], None]] = {
@@ -120,6 +136,7 @@ class SimulatorApp:
             ("POST", "/detokenize"): self._detokenize,
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/responses"): self._responses,
             ("GET", "/simulate/stats"): self._stats,
             ("POST", "/simulate/control"): self._control,
             ("GET", "/simulate/sends"): self._sends,
@@ -145,6 +162,8 @@ class SimulatorApp:
             conn.send(401, _JSON, b'{"error":"Unauthorized"}')
             return
         route = self._routes.get((request.method, request.path))
+        if route is None and request.method == "GET" and request.path.startswith(RESPONSES_PATH + "/"):
+            route = self._stored_response
         if route is not None:
             route(conn, request)
         elif any(path == request.path for _, path in self._routes):
@@ -285,7 +304,23 @@ class SimulatorApp:
     def _chat(self, conn: _Connection, request: _Request) -> None:
         self._generate(conn, request, chat=True)
 
-    def _generate(self, conn: _Connection, request: _Request, chat: bool) -> None:
+    def _responses(self, conn: _Connection, request: _Request) -> None:
+        self._generate(conn, request, chat=True, responses=True)
+
+    def _stored_response(self, conn: _Connection, request: _Request) -> None:
+        response_id = request.path.removeprefix(RESPONSES_PATH + "/")
+        stored = self.stored.get(response_id)
+        if stored is None:
+            self._refuse(conn, _not_stored(response_id))
+            return
+        conn.send(200, _JSON, stored)
+
+    def keep_response(self, response_id: str, body: bytes) -> None:
+        self.stored[response_id] = body
+        while len(self.stored) > RECORDED_BODIES:
+            self.stored.popitem(last=False)
+
+    def _generate(self, conn: _Connection, request: _Request, chat: bool, responses: bool = False) -> None:
         stats = self.stats
         index = stats.requests
         stats.requests += 1
@@ -303,9 +338,7 @@ class SimulatorApp:
         if self._answered_by_fault(conn, fault):
             return
         try:
-            generation = self._token_ids_policy(
-                parse_generation(body, chat, self.tokenizer, self.deployment.max_model_len, self.models), body
-            )
+            generation = self._parse(body, chat, responses)
         except ApiError as exc:
             stats.refused += 1
             self._refuse(conn, exc)
@@ -322,6 +355,58 @@ class SimulatorApp:
         if policy == "reject" and body.get("return_token_ids") is not None:
             raise ApiError(400, "Unrecognized request argument supplied: return_token_ids", param="return_token_ids")
         return generation
+
+    def _parse(self, body: dict[str, Any], chat: bool, responses: bool) -> Generation:
+        max_model_len = self.deployment.max_model_len
+        if responses:
+            previous = body.get("previous_response_id")
+            if previous is not None and previous not in self.stored:
+                raise _not_stored(str(previous))  # vLLM's store is its process's own
+            generation = parse_responses(body, self.tokenizer, max_model_len, self.models)
+        else:
+            generation = parse_generation(body, chat, self.tokenizer, max_model_len, self.models)
+        generation = self._answer_shape(self._token_ids_policy(generation, body), body)
+        params = body.get("kv_transfer_params")
+        return self._kv_transfer(generation, params) if isinstance(params, dict) else generation
+
+    def _kv_transfer(self, generation: Generation, params: dict[str, Any]) -> Generation:
+        """vLLM's prefill/decode disaggregation (a NIXL-like connector, simulated): a prefill for a remote decode
+        answers with the kv_transfer_params the decode needs; a decode given them skips its prompt's prefill."""
+        if params.get("do_remote_decode"):
+            self.stats.kv_prefills += 1
+            blocks = -(-len(generation.prompt_ids) // 16)
+            produced = {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                "remote_request_id": f"{self.engine_id}-{self.stats.kv_prefills}",
+                "remote_block_ids": list(range(blocks)), "remote_host": "127.0.0.1", "remote_port": 5600,
+                "tp_size": 1,
+            }  # fmt: skip
+            return dataclasses.replace(generation, kv_transfer=produced)
+        if params.get("do_remote_prefill"):
+            missing = [key for key in ("remote_engine_id", "remote_block_ids") if params.get(key) is None]
+            if missing:
+                raise ApiError(400, f"kv_transfer_params lack {', '.join(missing)}", param="kv_transfer_params")
+            self.stats.kv_remote_prefills += 1
+            return dataclasses.replace(generation, remote_prefill=True)
+        return generation
+
+    def _answer_shape(self, generation: Generation, body: dict[str, Any]) -> Generation:
+        """Chat replies with reasoning (--reasoning-tokens, unless the request turns thinking off) or a tool call
+        (--tool-calls, when the request offers tools)."""
+        config = self.config
+        if not generation.chat or not (config.reasoning_tokens or config.tool_calls):
+            return generation
+        template = body.get("chat_template_kwargs")
+        thinking = not (
+            isinstance(template, dict)
+            and (template.get("thinking") is False or template.get("enable_thinking") is False)
+        )
+        return dataclasses.replace(
+            generation,
+            reasoning_tokens=config.reasoning_tokens if thinking else 0,
+            reasoning_field=config.reasoning_field,
+            tool_name=called_tool(body) if config.tool_calls else None,
+        )
 
     def _answered_by_fault(self, conn: _Connection, fault: str | None) -> bool:
         """An injected hang (no answer at all) or error (before any byte); a cut is the reply's to make."""
@@ -354,6 +439,7 @@ class SimulatorApp:
             eos_after=self.config.natural_output_len,
             sink=reply,
         )
+        sim.num_external_tokens = len(generation.prompt_ids) if generation.remote_prefill else 0
         reply.request = sim
         conn.reply = reply
         if generation.stream:
@@ -392,6 +478,8 @@ class _Reply:
         if not self.generation.stream:
             if finish_reason is not None:
                 body = self.format.full_response(self.pending, finish_reason)
+                if self.generation.store:
+                    self.app.keep_response(self.format.response_id, body)
                 self._finish("completed", self.conn.response(200, _JSON, body))
             return
         if self.cut_after is not None and self.sent + len(self.pending) >= self.cut_after:
@@ -407,9 +495,10 @@ class _Reply:
             return
         events = self._token_events(finish_reason)
         if finish_reason is not None:
-            if self.app.wants_usage(self.generation):
-                events.append(self.format.usage_event(self.sent))
-            events.append(DONE_EVENT)
+            events += self.format.closing_events(self.sent, self.app.wants_usage(self.generation))
+            typed = self.format.typed
+            if self.generation.store and typed is not None and typed.final is not None:
+                self.app.keep_response(self.format.response_id, orjson.dumps(typed.final))
             self._finish("completed", _frames(events) + _CHUNKED_END)
         elif events:
             self._send(_frames(events))
@@ -463,7 +552,7 @@ class _Reply:
         return b""
 
     def _token_event(self, tokens: list[int], finish_reason: str | None) -> list[bytes]:
-        events = [self.format.role_event()] if self.sent == 0 and self.generation.chat else []
+        events = self.format.opening_events() if self.sent == 0 else []
         events.append(self.format.token_event(self.sent, tokens, finish_reason, self._usage(len(tokens))))
         if self.log is not None:
             self.logged_chunks.append(len(tokens))
@@ -531,6 +620,10 @@ class _Reply:
         if self.generation.stream:
             stats.active -= 1
         self.conn.reply = None
+
+
+def _not_stored(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.", "invalid_request_error", "response_id")
 
 
 def _frames(events: list[bytes]) -> bytes:

@@ -176,7 +176,7 @@ async def test_a_few_64_mb_headers_cost_little_memory_and_are_refused_early(chil
 
 
 async def test_the_guard_is_on_the_gateways_own_server() -> None:
-    """running_gateway serves through the app's guard (the class uvicorn builds per connection)."""
+    """running_gateway serves through the app's guard (its server's connections are the guard's)."""
     async with upstream() as served:
         config = gateway_config(served.base_url)
         app = GatewayApp(config)

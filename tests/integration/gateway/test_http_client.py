@@ -21,6 +21,7 @@ from deepserve.gateway.http_client import (
     HttpClient,
     IncompleteResponse,
     Origin,
+    ResponseTooLarge,
     system_resolve,
 )
 from deepserve.gateway.server import running_gateway
@@ -544,3 +545,61 @@ async def test_the_gateway_retries_a_request_whose_pooled_connection_the_upstrea
             assert statuses == [200, 200]
             assert len(posts) == 3 and posts[0] == posts[1] != posts[2]  # dropped on the reused one, then a new one
             assert app.pool.replicas[0].healthy
+
+
+async def test_fetch_reads_a_whole_answer_within_its_deadline_and_reuses_the_connection() -> None:
+    async with raw_server(_chunked_answers) as (origin, connections):
+        client = _client()
+        try:
+            assert await client.fetch("POST", origin, "/metrics", b"[]", timeout_s=5) == (200, b"got:[]")
+            assert await client.fetch("POST", origin, "/x", b"{}", timeout_s=5, headers=b"X-A: 1\r\n") == (
+                200,
+                b"got:{}",
+            )
+            assert len(connections) == 1  # health checks and scrapes share the requests' keep-alive pool
+        finally:
+            await client.close()
+
+
+async def test_fetch_gives_up_at_its_deadline_with_a_timeout_and_drops_the_connection() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await asyncio.sleep(30)
+
+    async with raw_server(silent) as (origin, _):
+        client = _client()
+        try:
+            with pytest.raises(TimeoutError):
+                await client.fetch("GET", origin, "/health", timeout_s=0.2)
+            assert not client._all  # the late exchange's connection is not kept for another request
+        finally:
+            await client.close()
+
+
+async def test_fetch_refuses_an_answer_over_its_limit() -> None:
+    async with raw_server(_chunked_answers) as (origin, _):
+        client = _client()
+        try:
+            with pytest.raises(ResponseTooLarge):
+                await client.fetch("POST", origin, "/x", b"x" * 100, timeout_s=5, max_bytes=50)
+        finally:
+            await client.close()
+
+
+def test_the_gateway_has_one_http_client() -> None:
+    """Issue 23: health checks, model listings and metrics scrapes went through aiohttp beside the gateway's own
+    client; now every call to an engine goes through the pool's one HttpClient. No gateway module imports aiohttp."""
+    import importlib
+    import pkgutil
+    import sys
+
+    import deepserve.gateway
+
+    for module in pkgutil.iter_modules(deepserve.gateway.__path__, "deepserve.gateway."):
+        importlib.import_module(module.name)
+    importers = [
+        name
+        for name, module in sys.modules.items()
+        if name.startswith("deepserve.gateway") and "aiohttp" in vars(module)
+    ]
+    assert not importers, f"gateway modules import aiohttp: {importers}"

@@ -110,7 +110,7 @@ async def test_a_queued_request_times_out_by_the_gateways_clock() -> None:
         queued = asyncio.create_task(client.post("/chat/completions", json=CHAT))
         await until(lambda: app.limiter.waiting == 1)
         clock.now_s += 30
-        app.limiter.expire_overdue()  # type: ignore[attr-defined]  # what the waiter's timer does
+        app.limiter.expire_overdue()  # what the waiter's timer does
         answer = await queued
         assert answer.status_code == 503 and "within 30 s of queueing" in answer.json()["error"]["message"]
 

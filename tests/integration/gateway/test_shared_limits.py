@@ -20,10 +20,9 @@ import pytest
 from deepserve.cli.main import main
 from deepserve.gateway import shared_limits
 from deepserve.gateway.app import GatewayApp
-from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.keys import KeyRing, KeyStore
 from deepserve.gateway.ledger import UsageLedger
-from deepserve.gateway.limits import KeyLimits
+from deepserve.gateway.limits import KeyLimits, make_limiter
 from deepserve.gateway.server import running_gateway
 from deepserve.gateway.shared_limits import RedisLimiter
 from deepserve.net import free_port
@@ -47,19 +46,6 @@ CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}],
 DELIVERY_BOUND_S = 30.0
 
 
-def limiter_for(config: GatewayConfig, clock: FakeClock | None) -> RedisLimiter:
-    assert config.redis_url is not None
-    return RedisLimiter(
-        config.redis_url,
-        max_concurrency=config.max_concurrency,
-        max_queue=config.max_queue,
-        queue_timeout_s=config.queue_timeout_s,
-        lease_s=config.redis_lease_s,
-        fail_open=config.redis_fail_open,
-        clock=clock,
-    )
-
-
 @contextlib.asynccontextmanager
 async def shared_gateway(
     upstream: str, redis_url: str, clock: FakeClock | None, home: Path | None = None, **fields: object
@@ -68,7 +54,7 @@ async def shared_gateway(
     config = gateway_config(upstream, redis_url=redis_url, **fields)
     keyring = KeyRing(KeyStore(home / "keys.sqlite")) if home else None
     ledger = UsageLedger(home / "usage.sqlite") if home else None
-    app = GatewayApp(config, keyring=keyring, ledger=ledger, limiter=limiter_for(config, clock))
+    app = GatewayApp(config, keyring=keyring, ledger=ledger, limiter=make_limiter(config, shared_clock=clock))
     try:
         async with running_gateway(config, app) as (_, url), httpx.AsyncClient(base_url=url, timeout=30) as client:
             yield app, client
@@ -76,7 +62,7 @@ async def shared_gateway(
         if ledger is not None:
             ledger.close()
         if keyring is not None:
-            keyring.store.close()
+            keyring.source.close()
 
 
 def copy_key_database(source: Path, target: Path) -> None:
@@ -190,7 +176,7 @@ async def test_a_stream_cut_at_shutdown_gives_back_its_slot_and_is_billed_what_i
             received += b"".join([chunk async for chunk in chunks])
         assert b'"gateway_shutdown"' in received and (await queued).status_code == 503
         await until(lambda: not app._in_flight)
-        await app.limiter.settle()  # type: ignore[attr-defined]
+        await app.limiter.settle()
         assert app.limiter.in_flight == 0 and app.limiter.waiting == 0
         estimate = prompt_estimate(CHAT)
         left = 1000 - (estimate + 2)  # what the cut stream cost; the queued request cost nothing
@@ -343,7 +329,7 @@ async def test_a_revocation_on_one_host_is_pushed_to_another(redis_server: Redis
         KeyStore(host_a / "keys.sqlite").revoke("team")  # `deepserve keys revoke team` on host A
         await app_a.refresh_keys()  # what gateway A's once-a-second poll does
         assert (await first.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 401
-        shared = app_b.limiter.revoked_ids  # type: ignore[attr-defined]
+        shared = app_b.limiter.revoked_ids
         await until(lambda: bool(shared), DELIVERY_BOUND_S)  # pushed by Redis (pub/sub): no poll interval to wait
         status = (await second.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code
         assert status == 401  # host B's database still lists the key as active
@@ -364,7 +350,7 @@ async def test_keys_revoke_with_redis_url_tells_the_gateways_at_once(
         assert (await client.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 200
         assert main(["keys", "revoke", "team", "--redis-url", redis_server.url]) == 0
         assert "published the revocation" in capsys.readouterr().out
-        await until(lambda: bool(app.limiter.revoked_ids), DELIVERY_BOUND_S)  # type: ignore[attr-defined]
+        await until(lambda: bool(app.limiter.revoked_ids), DELIVERY_BOUND_S)
         assert (await client.post("/chat/completions", json=CHAT, headers=bearer(secret))).status_code == 401
 
 
@@ -426,7 +412,7 @@ async def test_fail_open_uses_local_limits_with_a_warning_and_a_metric_and_recov
         server = start_redis_server(port)  # Redis comes back
         try:
             response = await client.post("/chat/completions", json=CHAT)
-            assert response.status_code == 200 and app.limiter.up  # type: ignore[attr-defined]
+            assert response.status_code == 200 and app.limiter.up
             assert "answers again" in caplog.text
         finally:
             stop_redis_server(server)

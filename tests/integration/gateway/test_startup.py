@@ -30,5 +30,5 @@ def test_the_gateway_process_freezes_its_heap_once_listening() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.split()
     frozen = int(lines[lines.index("FROZEN") + 1])
-    assert frozen > 10_000  # modules, the app, uvicorn: the whole start-up heap, not a handful of objects
+    assert frozen > 10_000  # modules, the app, its server: the whole start-up heap, not a handful of objects
     assert "STOPPED" in lines

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from deepserve.deploy.monitoring import PANELS, alerts, dashboard, gpu_panels, queries, rule_groups
 from deepserve.gateway.balancing import make_policy
 from deepserve.gateway.config import GatewayConfig
-from deepserve.gateway.limits import AdmissionQueue
+from deepserve.gateway.limits import make_limiter
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.upstreams import UpstreamPool
 from tests.helpers import SAMPLE_SUFFIXES, samples, vllm_exported_samples
@@ -18,7 +18,7 @@ from tests.helpers import SAMPLE_SUFFIXES, samples, vllm_exported_samples
 
 def gateway_samples() -> set[str]:
     pool = UpstreamPool(["http://127.0.0.1:9/v1"], make_policy("least_outstanding"))
-    metrics = GatewayMetrics(pool, AdmissionQueue(4, 4, 1.0))
+    metrics = GatewayMetrics(pool, make_limiter(GatewayConfig()))  # the product's limiter, from its factory
     names: set[str] = set()
     for family in text_string_to_metric_families(metrics.render().decode()):
         if family.type in SAMPLE_SUFFIXES:

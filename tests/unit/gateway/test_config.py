@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +51,13 @@ def test_gateway_argv_round_trips_through_the_cli_flags() -> None:
             "model_alias": ["fast=m"],
             "queue_timeout_s": 2.5,
             "max_model_len": 2048,
+            "prefill_upstream": ["http://engine-prefill.ns.svc.cluster.local:8000/v1"],
+            "discover_upstreams": True,
+            "discovery_interval_s": 5,
+            "keys_file": "/etc/deepserve/keys/keys.json",
+            "ledger_path": "/var/lib/deepserve/usage.sqlite",
+            "upstream_api_key_file": "/etc/deepserve/engine/api-key",
+            "default_chat_template_kwargs": ['deepseek-ai/DeepSeek-V3.1={"thinking": true}'],
         }
     )
     argv = gateway_argv(config, "/usr/bin/python3")
@@ -83,3 +91,10 @@ def test_good_upstream_urls_are_accepted() -> None:
     urls = ["http://127.0.0.1:8001/v1", "https://engine.ns.svc/v1/", "http://[::1]:8000/v1", "http://engine"]
     config = load_section(GatewayConfig, "gateway", None, {"upstream": urls})
     assert config.upstream == [url.rstrip("/") for url in urls]
+
+
+def test_files_the_gateway_reads_must_exist_before_it_starts(tmp_path: Path) -> None:
+    for field, flag in (("keys_file", "--keys-file"), ("upstream_api_key_file", "--upstream-api-key-file")):
+        config = GatewayConfig.model_validate({"upstream": ["http://127.0.0.1:8001/v1"], field: tmp_path / "absent"})
+        with pytest.raises(ConfigError, match=f"{flag} .* is not a readable file"):
+            config.check_startable()

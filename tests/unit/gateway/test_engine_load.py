@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 from deepserve.gateway.app import DEFAULT_CHARGE_CAP_TOKENS, GatewayApp
+from deepserve.gateway.balancing import make_policy
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.engine_load import EngineLoadScraper, metrics_paths, parse_engine_load
-from deepserve.gateway.upstreams import UpstreamReplica
+from deepserve.gateway.upstreams import UpstreamPool
 from deepserve.gateway.validation import COMPLETIONS, parse_request
 from deepserve.net import free_port
 
@@ -105,14 +104,17 @@ async def test_the_scraper_finds_each_engines_path_once() -> None:
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     gone = f"http://127.0.0.1:{free_port()}/v1"
     trtllm = f"http://127.0.0.1:{port}/v1"
-    async with aiohttp.ClientSession() as session:
-        pool = SimpleNamespace(replicas=[UpstreamReplica(trtllm, healthy=True), UpstreamReplica(gone, healthy=True)])
-        pool.session = session
+    pool = UpstreamPool([trtllm, gone], make_policy("engine_aware"))
+    for replica in pool.replicas:
+        replica.healthy = True
+    try:
         loads: dict[str, Any] = {}
-        scraper = EngineLoadScraper(pool, loads, interval_s=0.2)  # type: ignore[arg-type]
+        scraper = EngineLoadScraper(pool, loads, interval_s=0.2)
         await scraper.scrape_once()
         assert (loads[trtllm].waiting, loads[trtllm].running) == (6.0, 32.0) and gone not in loads
         assert hits == ["/metrics", "/prometheus/metrics"]
         await scraper.scrape_once()
         assert hits[2:] == ["/prometheus/metrics"]  # found once, then read there only
+    finally:
+        await pool.close()
     await runner.cleanup()

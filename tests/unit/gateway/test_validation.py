@@ -174,3 +174,19 @@ def test_errors_quote_a_bounded_value_and_the_ledger_copy_quotes_none() -> None:
     with pytest.raises(ModelNotFound) as not_found:
         parse_request(CHAT_COMPLETIONS, chat(model=secret), MODELS, {})
     assert len(not_found.value.message) < 300 and "secret" not in not_found.value.ledger_text()
+
+
+def test_a_streams_usage_option_is_spliced_into_the_clients_bytes() -> None:
+    """The gateway asks every stream for its usage; the option goes in front of the client's own bytes instead of
+    re-encoding the whole body (which cost more than the rest of the validation)."""
+    raw = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x \\u00e9"}]}'
+    parsed = parse_request(CHAT_COMPLETIONS, raw, MODELS, {})
+    assert parsed.body == b'{"stream_options":{"include_usage":true},' + raw[1:]
+    assert json.loads(parsed.body)["stream_options"] == {"include_usage": True} and parsed.strip_usage_chunk
+    with_bom = parse_request(CHAT_COMPLETIONS, b"\xef\xbb\xbf" + raw, MODELS, {}).body
+    assert not with_bom.startswith(b"\xef\xbb\xbf") and json.loads(with_bom)["stream_options"]["include_usage"]
+    asked = chat(stream=True, stream_options={"continuous_usage_stats": True})
+    assert json.loads(parse_request(CHAT_COMPLETIONS, asked, MODELS, {}).body)["stream_options"] == {
+        "continuous_usage_stats": True,
+        "include_usage": True,
+    }

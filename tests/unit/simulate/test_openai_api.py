@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from deepserve.simulate.openai_api import ApiError, ReplyFormat, parse_generation
-from deepserve.simulate.tokenizer import EOS_ID, ByteTokenizer, generated_token
+from deepserve.simulate.openai_api import ApiError, ReplyFormat, called_tool, parse_generation
+from deepserve.simulate.tokenizer import EOS_ID, ByteTokenizer, generated_text, generated_token
 
 TOKENIZER = ByteTokenizer()
 MODELS = ("m", "lora-a")
@@ -98,3 +99,31 @@ def test_plain_one_token_chunks_are_the_bytes_token_event_builds(chat: bool) -> 
     assert fmt.plain_token_events(5, 7) == expected
     with_ids = ReplyFormat(parse({**body, "return_token_ids": True}, chat=chat), "r", created=3)
     assert not with_ids.plain_chunks  # chunks that list their ids take the general path
+
+
+def test_reasoning_and_tool_calls_shape_chat_replies_as_vllms_parsers_do() -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 6, "stream": True}
+    generation = dataclasses.replace(parse(body, chat=True), reasoning_tokens=2, tool_name="f")
+    reply = ReplyFormat(generation, "1", 0)
+    events = [reply.token_event(position, [generated_token(position)], None, b"") for position in range(5)]
+    events.append(reply.token_event(5, [generated_token(5), EOS_ID], "stop", b""))
+    deltas = [json.loads(event[6:])["choices"][0] for event in events]
+    assert [d["delta"].get("reasoning") for d in deltas[:2]] == [generated_text(0, 1), generated_text(1, 1)]
+    opening = deltas[2]["delta"]["tool_calls"][0]
+    assert opening["id"] == "chatcmpl-tool-1" and opening["function"]["name"] == "f"
+    arguments = "".join(d["delta"]["tool_calls"][0]["function"]["arguments"] for d in deltas[2:])
+    assert json.loads(arguments) == {"text": generated_text(2, 4)} and deltas[-1]["finish_reason"] == "tool_calls"
+    assert reply.usage_dict(6)["completion_tokens_details"] == {"reasoning_tokens": 2}
+    older = ReplyFormat(dataclasses.replace(generation, reasoning_field="reasoning_content", tool_name=None), "2", 0)
+    whole = json.loads(older.full_response([generated_token(p) for p in range(6)], "length"))
+    message = whole["choices"][0]["message"]
+    assert message["reasoning_content"] == generated_text(0, 2) and message["content"] == generated_text(2, 4)
+    assert "completion_tokens_details" not in whole["usage"]  # the older servers' usage does not count them
+
+
+def test_the_called_tool_is_the_chosen_or_the_first_function_and_none_says_none() -> None:
+    tools = [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "b"}}]
+    assert called_tool({"tools": tools}) == "a"
+    assert called_tool({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "b"}}}) == "b"
+    assert called_tool({"tools": tools, "tool_choice": "none"}) is None
+    assert called_tool({"messages": []}) is None

@@ -182,3 +182,15 @@ def test_a_request_in_a_step_still_in_flight_is_not_scheduled_again() -> None:
     assert s.schedule().empty  # pipeline parallelism: its token is not known until the first step ends
     s.update(first)
     assert scheduled(s.schedule()) == [("a", 1)]
+
+
+def test_a_prompt_prefilled_elsewhere_is_loaded_not_computed_but_holds_its_blocks() -> None:
+    """A decode instance of a prefill/decode pair: the connector loads the prompt's KV cache, the step computes only
+    the last prompt token (vLLM's connectors leave it to the decode), and the cache holds the whole prompt."""
+    s = scheduler(budget=64, block_size=16)
+    remote = req("remote", 100)
+    remote.num_external_tokens = 100
+    s.add(remote)
+    batch, outputs = step(s)
+    assert scheduled(batch) == [("remote", 1)] and [output.request for output in outputs] == [remote]
+    assert s.kv.pool.num_free == 1000 - 7  # ceil(101 / 16): the prompt and the first output token
