@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from deepserve.bench.config import BenchConfig
 from deepserve.engines import vllm_metrics as vllm
 
 # kept per series: growth per series, then summed
@@ -195,3 +196,17 @@ class ServerMetricsScraper:
         if summary.note:
             summary.note += self._fallback_note
         return summary
+
+
+def scraper_for(config: BenchConfig) -> ServerMetricsScraper | None:
+    """The scraper CONFIG asks for (None with --no-server-metrics): --server-metrics-url, else the server's /metrics
+    with deepserve's gateway's /metrics/engines as the fallback."""
+    metrics = config.metrics
+    if not metrics.server_metrics:
+        return None
+    root = config.target.root_url
+    url = metrics.server_metrics_url or root + "/metrics"
+    fallback = None if metrics.server_metrics_url else root + GATEWAY_ENGINES_PATH  # behind deepserve's gateway
+    headers = config.target.request_headers()
+    verify = not config.target.insecure
+    return ServerMetricsScraper(url, metrics.server_metrics_interval_s, headers, fallback, verify)

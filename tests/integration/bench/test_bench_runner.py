@@ -12,7 +12,7 @@ import pytest
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.metrics import itl_ms
 from deepserve.bench.output import console_block
-from deepserve.bench.runner import BenchError, preflight, run_workload
+from deepserve.bench.runner import BenchError, check_server, run_workload
 from deepserve.bench.types import RequestSpec
 from deepserve.bench.workloads import Workload
 from tests.helpers import simulator_thread
@@ -35,7 +35,7 @@ def config(base_url: str, **sections) -> BenchConfig:
 
 def run(server, n=6, output_len=10, counter=None, **sections):
     bench_config = config(server.root_url, **sections)
-    model = preflight(bench_config)
+    model = check_server(bench_config)
     workload = Workload(specs(n, output_len), {"dataset": "hand-made"}, "test")
     return run_workload(bench_config, model, workload, counter, display=False)
 
@@ -60,28 +60,28 @@ def test_success_measures_the_fixed_timings():
 
 def test_model_defaults_to_the_first_served_one_and_wrong_names_list_the_served():
     with simulator_thread(model="served-one") as server:
-        assert preflight(config(server.root_url)) == "served-one"
-        assert preflight(config(server.base_url)) == "served-one"  # a trailing /v1 is fine
+        assert check_server(config(server.root_url)) == "served-one"
+        assert check_server(config(server.base_url)) == "served-one"  # a trailing /v1 is fine
         with pytest.raises(BenchError, match=r"unknown model 'nope'.*served-one"):
-            preflight(config(server.root_url, target={"model": "nope"}))
+            check_server(config(server.root_url, target={"model": "nope"}))
 
 
 def test_unreachable_server_fails_before_the_run():
     with simulator_thread() as server:
         url = server.root_url
     with pytest.raises(BenchError, match="cannot reach the server"):
-        preflight(config(url))
+        check_server(config(url))
 
 
 def test_401_says_to_pass_an_api_key(monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with simulator_thread(api_key="sekret") as server:
         with pytest.raises(BenchError, match=r"HTTP 401.*--api-key"):
-            preflight(config(server.root_url))
+            check_server(config(server.root_url))
         result = run(server, n=2, target={"api_key": "sekret"})
         assert result.to_json()["completed"] == 2
         monkeypatch.setenv("OPENAI_API_KEY", "sekret")
-        assert preflight(config(server.root_url)) == "fake-model"
+        assert check_server(config(server.root_url)) == "fake-model"
 
 
 def test_server_errors_mid_run_become_failed_requests():
