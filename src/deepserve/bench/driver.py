@@ -87,10 +87,13 @@ class Driver:
         worker: int,
         start_at: float | None = None,
         before_run: Callable[[], Awaitable[None]] | None = None,
+        on_in_flight: Callable[[int], None] | None = None,
     ) -> None:
-        """BEFORE_RUN: awaited between the warm-ups and the measured run (--profile starts the profiler there)."""
+        """BEFORE_RUN: awaited between the warm-ups and the measured run (--profile starts the profiler there).
+        ON_IN_FLIGHT: told the requests in flight each time one is released (the server-metrics sampler)."""
         self.plan = plan
         self.before_run = before_run
+        self.on_in_flight = on_in_flight
         self.counters = counters
         self.worker = worker
         self.start_at = start_at
@@ -148,6 +151,8 @@ class Driver:
             if plan.duration_s is not None and time.perf_counter() - self.t0 >= plan.duration_s:
                 return
             self.in_flight += 1
+            if self.on_in_flight is not None:
+                self.on_in_flight(self.in_flight)
             task = asyncio.create_task(self._unit(position, offset_s))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)

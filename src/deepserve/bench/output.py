@@ -16,7 +16,7 @@ from deepserve.bench import metrics as m
 from deepserve.bench.arrivals import describe_arrivals
 from deepserve.bench.attribution import ESTIMATED, EXACT, ONE_PER_CHUNK
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.server_metrics import ServerMetricsSummary
+from deepserve.bench.server_metrics import ServerMetricsSummary, SpecDecodeSummary
 from deepserve.bench.token_ids import TokenIdsDecision
 from deepserve.bench.types import RequestRecord
 
@@ -232,6 +232,8 @@ def _server_rows(server: ServerMetricsSummary) -> list[str]:
         return [*rows, f"not collected: {server.note}"]
     if server.note:
         rows.append(server.note)
+    if server.sampling:
+        rows.append(f"sampled {server.scrapes} times: {server.sampling}")
     values = [
         ("Peak running requests:", server.peak_running),
         ("Peak waiting requests:", server.peak_waiting),
@@ -245,7 +247,25 @@ def _server_rows(server: ServerMetricsSummary) -> list[str]:
         ),
         ("Preemptions:", server.preemptions),
     ]
-    return rows + [_row(label, "n/a" if value is None else value) for label, value in values]
+    rows += [_row(label, "n/a" if value is None else value) for label, value in values]
+    return rows + _spec_decode_rows(server.spec_decode)
+
+
+def _spec_decode_rows(spec: SpecDecodeSummary | None) -> list[str]:
+    """Speculative decoding as the engine counted it over the run (nothing when it reported none)."""
+    if spec is None:
+        return []
+    rows = [_title("Speculative Decoding (server)", "-"), f"from {spec.source}"]
+    if spec.drafts is not None:
+        rows += [_row("Drafts:", spec.drafts), _row("Draft tokens:", spec.draft_tokens)]
+        rows.append(_row("Accepted tokens:", spec.accepted_tokens))
+    rate = None if spec.acceptance_rate is None else spec.acceptance_rate * 100
+    rows.append(_row("Acceptance rate (%):", "n/a" if rate is None else rate))
+    length = spec.mean_acceptance_length
+    rows.append(_row("Mean acceptance length (tokens):", "n/a" if length is None else length))
+    for position, value in enumerate(spec.acceptance_by_position):
+        rows.append(_row(f"Acceptance at draft position {position} (%):", value * 100))
+    return rows
 
 
 def _title(text: str, fill: str) -> str:

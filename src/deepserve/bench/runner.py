@@ -99,7 +99,8 @@ async def _measure(
             if workers > 1:
                 outcome = await drive_in_workers(plan, workers, counters, before_run)
             else:
-                outcome = await Driver(plan, counters, worker=0, before_run=before_run).run()
+                on_in_flight = scraper.client_in_flight if scraper is not None else None
+                outcome = await Driver(plan, counters, 0, before_run=before_run, on_in_flight=on_in_flight).run()
     finally:  # whatever happened to the run, a profiler we started is stopped, and the scraper's client closed
         profile = await profiler.stop() if profiler is not None else None
         server = await scraper.stop() if scraper is not None else ServerMetricsSummary(False, "disabled")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.metrics import MetricNames
 from deepserve.models.resolve import ResolvedModel
 
 
@@ -25,14 +26,9 @@ class LaunchSpec:
         return (env + " " if env else "") + shlex.join(self.argv)
 
 
-@dataclass(frozen=True)
-class LoadMetricNames:
-    """The Prometheus series in which a running engine reports its load (what the gateway's engine_aware policy
-    reads). Several names for one quantity: the first one present wins (engines rename series between versions)."""
-
-    waiting: tuple[str, ...]  # requests queued, not yet scheduled
-    running: tuple[str, ...]  # requests in the running batch
-    kv_cache_usage: tuple[str, ...]  # fraction (0..1) of the KV cache in use
+# The series in which a running engine reports its load (what the gateway's engine_aware policy reads) and the rest
+# of what readers of its /metrics use: one table per engine (engines/metrics.py).
+LoadMetricNames = MetricNames
 
 
 class Engine(Protocol):
@@ -40,7 +36,7 @@ class Engine(Protocol):
     package: str  # the Python module whose presence means the engine is installed
     install_hint: str
     image: str  # the engine's official container image, for rendered deployments (`deepserve deploy render`)
-    load_metrics: LoadMetricNames
+    load_metrics: MetricNames  # its metric names (engines/metrics.py): load, prefix cache, speculative decoding
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         """The command that runs CONFIG on this node (CONFIG.node_rank of CONFIG.nnodes) under PYTHON; with PYTHON

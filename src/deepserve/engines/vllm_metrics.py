@@ -20,6 +20,13 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 REQUEST_SUCCESS = "vllm:request_success_total"  # labelled finished_reason
+# speculative decoding (vllm/v1/spec_decode/metrics.py): acceptance rate = accepted / draft tokens, mean acceptance
+# length = 1 + accepted / drafts, acceptance at draft position i = accepted at i / drafts
+SPEC_DECODE_DRAFTS = "vllm:spec_decode_num_drafts_total"
+SPEC_DECODE_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_DECODE_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens_total"
+SPEC_DECODE_ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # labelled position="i"
+SPEC_DECODE_POSITION_LABEL = "position"
 
 # ---- histograms (seconds, or tokens) -------------------------------------------------------------------------------
 TTFT = "vllm:time_to_first_token_seconds"
