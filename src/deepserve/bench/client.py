@@ -436,23 +436,35 @@ class StreamingClient:
         self._ssl = _tls_context(verify_tls) if endpoint.use_tls else None
         self.tally = Tally()
 
-    async def send(self, request: bytes) -> tuple[float, RawResponse]:
+    async def send(self, request: bytes, not_after: float | None = None) -> tuple[float, RawResponse] | None:
         """Send one request; returns (the time it was sent, the response). Never raises for network faults:
-        they come back as `RawResponse.error`."""
+        they come back as `RawResponse.error`. NOT_AFTER (perf_counter seconds): a request whose connection is
+        ready only after it is not sent at all (None comes back): a duration-bound run ends when it ends."""
         reused = bool(self._idle)
-        sent_s, response, conn = await self._send_once(request)
+        sent = await self._send_once(request, not_after)
+        if sent is None:
+            return None
+        sent_s, response, conn = sent
         if response.error and reused and conn is not None and conn.bytes_received == 0:
             # An idle keep-alive connection the server had already closed: not the request's fault, retry once.
-            sent_s, response, conn = await self._send_once(request)
+            sent = await self._send_once(request, not_after)
+            if sent is None:
+                return None
+            sent_s, response, conn = sent
         return sent_s, response
 
-    async def _send_once(self, request: bytes) -> tuple[float, RawResponse, _Connection | None]:
+    async def _send_once(
+        self, request: bytes, not_after: float | None = None
+    ) -> tuple[float, RawResponse, _Connection | None] | None:
         try:
             conn = await self._acquire()
         except (OSError, asyncio.TimeoutError) as exc:
             now = time.perf_counter()
             return now, RawResponse(error=_connect_error(self.endpoint, exc), end_s=now), None
         sent_s = time.perf_counter()
+        if not_after is not None and sent_s >= not_after:
+            self._release(conn, True)
+            return None
         waiter = conn.start(request)
         try:
             await asyncio.wait_for(waiter, self.timeout_s)

@@ -216,9 +216,12 @@ class Driver:
 
     async def _one(self, index: int, request: PreparedRequest, scheduled_s: float) -> None:
         try:
-            sent_abs, response = await send_safely(self.client, request.wire)
+            sent = await send_safely(self.client, request.wire, self._deadline())
         finally:
             self._free_slot()
+        if sent is None:
+            return  # its connection was ready only after the run's end: never sent, no record
+        sent_abs, response = sent
         record, decoded = record_of(index, request.prompt_len, scheduled_s, sent_abs, response, self.t0)
         record.request_id = request.request_id
         self._keep(record, decoded)
@@ -236,9 +239,14 @@ class Driver:
                 self.t0,
                 scheduled_s,
                 self._keep,
+                self._deadline(),
             )
         finally:
             self._free_slot()
+
+    def _deadline(self) -> float | None:
+        """The last instant a request may go out (perf_counter seconds): a duration-bound run's end."""
+        return None if self.plan.duration_s is None else self.t0 + self.plan.duration_s
 
     def _free_slot(self) -> None:
         self.in_flight -= 1

@@ -17,6 +17,7 @@ DEFAULT_PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 ALL_PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el", "client_queue_time")
 STANDARD_PERCENTILES = (25.0, 75.0, 90.0, 95.0, 99.0)
 SLO_METRICS = ("ttft", "tpot", "e2el")
+PER_TOKEN_METRICS = ("tpot", "itl")  # undefined for a response that arrived in one write
 
 
 def successful(records: list[RequestRecord]) -> list[RequestRecord]:
@@ -37,17 +38,29 @@ def e2el_ms(record: RequestRecord) -> float | None:
     return (record.end_s - record.sent_s) * 1000.0
 
 
+def arrived_in_one_write(record: RequestRecord) -> bool:
+    """Whether every token of a response of two or more tokens reached the client at one instant (one read): a
+    server that held the whole answer back (vLLM's starved CPU API server does) leaves no time between its tokens to
+    measure, so the request has no TPOT and no ITL (rather than samples of 0)."""
+    times = record.chunk_times_s
+    return record.output_len >= 2 and bool(times) and times[0] == times[-1]
+
+
 def tpot_ms(record: RequestRecord) -> float | None:
-    """Time per output token after the first: (E2EL − TTFT) / (output tokens − 1); undefined for one token."""
+    """Time per output token after the first: (E2EL − TTFT) / (output tokens − 1); undefined for one token and for
+    a response that arrived in one write."""
     ttft, e2el = ttft_ms(record), e2el_ms(record)
-    if ttft is None or e2el is None or record.output_len < 2:
+    if ttft is None or e2el is None or record.output_len < 2 or arrived_in_one_write(record):
         return None
     return (e2el - ttft) / (record.output_len - 1)
 
 
 def itl_ms(record: RequestRecord) -> list[float]:
     """Inter-token latencies, one per output token after the first. A chunk carrying k tokens after a gap g adds
-    k samples of g/k; extra tokens in the first chunk arrived with the first token and add samples of 0."""
+    k samples of g/k; extra tokens in the first chunk arrived with the first token and add samples of 0. A response
+    that arrived in one write has none."""
+    if arrived_in_one_write(record):
+        return []
     samples: list[float] = [0.0] * max(record.chunk_tokens[0] - 1, 0) if record.chunk_tokens else []
     times, tokens = record.chunk_times_s, record.chunk_tokens
     for index in range(1, len(times)):
@@ -155,6 +168,11 @@ def request_goodput(records: list[RequestRecord], slos: dict[str, float], durati
     return good / duration_s if duration_s > 0 else 0.0
 
 
+def one_write_requests(records: list[RequestRecord]) -> int:
+    """Completed requests of two or more tokens whose whole response arrived in one write (no TPOT, no ITL)."""
+    return sum(1 for record in successful(records) if arrived_in_one_write(record))
+
+
 def failures_by_error(records: list[RequestRecord]) -> dict[str, int]:
     """Failed requests counted per error message, most frequent first."""
     counts = Counter(record.error for record in records if record.error is not None)
@@ -227,13 +245,17 @@ def summarize(
         "max_output_tokens_per_s": peak_output_tokens_per_s(records),
         "max_concurrent_requests": peak_concurrent_requests(records),
     }
+    summary["one_write_requests"] = one_write_requests(records)
     for metric in percentile_metrics:
-        stats = distribution(metric_samples(records, metric), points)
-        summary[f"mean_{metric}_ms"] = stats.mean
-        summary[f"median_{metric}_ms"] = stats.median
-        summary[f"std_{metric}_ms"] = stats.std
+        samples = metric_samples(records, metric)
+        stats = distribution(samples, points)
+        # No per-token sample because every response came in one write: undefined, not vLLM's zeros.
+        undefined = not samples and metric in PER_TOKEN_METRICS and summary["one_write_requests"] > 0
+        summary[f"mean_{metric}_ms"] = None if undefined else stats.mean
+        summary[f"median_{metric}_ms"] = None if undefined else stats.median
+        summary[f"std_{metric}_ms"] = None if undefined else stats.std
         for point, value in stats.percentiles.items():
-            summary[f"p{percentile_word(point)}_{metric}_ms"] = value
+            summary[f"p{percentile_word(point)}_{metric}_ms"] = None if undefined else value
     by_turn = ttft_by_turn_ms(records)
     if by_turn:
         inputs = input_tokens_by_turn(records)

@@ -183,12 +183,21 @@ def console_block(result: BenchResult) -> str:
 def _metric_rows(data: dict[str, Any], metric: str, asked: tuple[float, ...]) -> list[str]:
     short, header = METRIC_TITLES[metric]
     rows = [_title(header, "-")]
-    rows.append(_row(f"Mean {short} (ms):", data[f"mean_{metric}_ms"]))
-    rows.append(_row(f"Median {short} (ms):", data[f"median_{metric}_ms"]))
+    rows.append(_row(f"Mean {short} (ms):", _or_na(data[f"mean_{metric}_ms"])))
+    rows.append(_row(f"Median {short} (ms):", _or_na(data[f"median_{metric}_ms"])))
     for point in sorted(set(m.STANDARD_PERCENTILES) | set(asked)):
         word = m.percentile_word(point)
-        rows.append(_row(f"P{word} {short} (ms):", data[f"p{word}_{metric}_ms"]))
+        rows.append(_row(f"P{word} {short} (ms):", _or_na(data[f"p{word}_{metric}_ms"])))
+    if metric in m.PER_TOKEN_METRICS and data.get("one_write_requests"):
+        rows.append(
+            f"{data['one_write_requests']} of {data['completed']} requests arrived in one write (every token at "
+            f"once): no {short} for them"
+        )
     return rows
+
+
+def _or_na(value: Any) -> Any:
+    return "n/a" if value is None else value
 
 
 def _attribution_note(data: dict[str, Any]) -> list[str]:
@@ -329,6 +338,7 @@ RECORD_COLUMNS = (
     "e2el_ms",
     "client_queue_time_ms",
     "num_chunks",
+    "one_write",
     "token_attribution",
     "conversation",
     "turn",
@@ -354,6 +364,7 @@ def record_row(record: RequestRecord) -> dict[str, Any]:
         "e2el_ms": m.e2el_ms(record),
         "client_queue_time_ms": m.client_queue_time_ms(record),
         "num_chunks": len(record.chunk_times_s),
+        "one_write": m.arrived_in_one_write(record),
         "token_attribution": record.token_attribution,
         "conversation": record.conversation,
         "turn": record.turn,

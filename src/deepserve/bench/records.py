@@ -21,10 +21,13 @@ class UncountedOutput:
     chunk_text_lens: list[int]
 
 
-async def send_safely(client: StreamingClient, wire: bytes) -> tuple[float, RawResponse]:
-    """`client.send`, with a client bug turned into a failed response: it must not end the run."""
+async def send_safely(
+    client: StreamingClient, wire: bytes, not_after: float | None = None
+) -> tuple[float, RawResponse] | None:
+    """`client.send`, with a client bug turned into a failed response: it must not end the run. None: not sent,
+    its connection was ready only after NOT_AFTER (the end of a duration-bound run)."""
     try:
-        return await client.send(wire)
+        return await client.send(wire, not_after)
     except Exception as exc:
         now = time.perf_counter()
         return now, RawResponse(error=f"client error: {exc.__class__.__name__}: {exc}", end_s=now)

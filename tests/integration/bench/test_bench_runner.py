@@ -5,10 +5,13 @@ it is the simulator's request 0, so the measured requests are 1, 2, … in its a
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 
 import pytest
 
+from deepserve.bench.client import Endpoint, StreamingClient, build_request_bytes
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.metrics import itl_ms
 from deepserve.bench.output import console_block
@@ -190,6 +193,28 @@ def test_duration_bound_run_cycles_the_workload_and_stops():
     assert len(result.records) > 2  # the two specs were sent again and again
     assert max(record.sent_s for record in result.records) < 0.5
     assert len({record.index for record in result.records}) == len(result.records)
+
+
+def test_a_request_whose_connection_is_ready_only_after_the_deadline_is_not_sent():
+    """The duration bound holds where the request goes out (after its connection is acquired), not where it was
+    released: opening the connection can outlast the run."""
+
+    async def send_both(url: str) -> tuple[object, object]:
+        client = StreamingClient(Endpoint.from_url(url + "/v1/completions"), timeout_s=10)
+        wire = build_request_bytes(
+            client.endpoint, {"model": "fake-model", "prompt": "x", "max_tokens": 2, "stream": True}, {}
+        )
+        try:
+            late = await client.send(wire, not_after=time.perf_counter())
+            on_time = await client.send(wire, not_after=time.perf_counter() + 60)
+        finally:
+            client.close()
+        return late, on_time
+
+    with simulator_thread(itl_ms=1) as server:
+        late, on_time = asyncio.run(send_both(server.root_url))
+        assert server.app.stats.requests == 1  # only the one on time reached the server
+    assert late is None and on_time is not None
 
 
 def test_closed_loop_ramp_raises_concurrency_gradually():
