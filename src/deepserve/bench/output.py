@@ -98,6 +98,7 @@ class BenchResult:
                 "goodput_slos_ms": config.metrics.slos_ms or None,
                 "workload": self.workload_definition,
                 "tokenizer_source": self.tokenizer_source,
+                "token_counting": self.workload_definition.get("token_counting"),
                 "output_tokens_source": self.output_tokens_source,
                 "token_attribution": self.token_attribution,
                 "token_attribution_requests": self.token_attribution_requests,
@@ -154,6 +155,7 @@ def console_block(result: BenchResult) -> str:
         lines.append(
             "Traffic: " + describe_arrivals(load.request_rate, load.burstiness, load.ramp_up_s, load.rate_ramp())
         )
+    lines += _counting_rows(data.get("token_counting"))
     lines.append(_row("Benchmark duration (s):", data["duration"]))
     lines.append(_row("Total input tokens:", data["total_input_tokens"]))
     lines.append(_row("Total generated tokens:", data["total_output_tokens"]))
@@ -178,6 +180,24 @@ def console_block(result: BenchResult) -> str:
         lines.append("INCOMPLETE: interrupted; partial results (in-flight requests were dropped)")
     lines.append("=" * WIDTH)
     return "\n".join(lines)
+
+
+COUNTING_WORDS = {
+    "server": "exact, by the server's /tokenize and /detokenize",
+    "server-tokenize-only": "exact, by the server's /tokenize (it has no /detokenize: prompts cut at words)",
+    "local": "exact, by a local tokenizer",
+    "approximate": "APPROXIMATE: one token per common English word (no /tokenize, no --tokenizer)",
+}
+
+
+def _counting_rows(counting: dict[str, Any] | None) -> list[str]:
+    """How the prompts' lengths were counted: exact (which tokenizer) or the stated approximation (and its check)."""
+    if not counting:
+        return []
+    rows = [f"Prompt lengths: {COUNTING_WORDS.get(counting['method'], counting['method'])}"]
+    if counting["method"] == "approximate" and counting.get("check"):
+        rows.append(f"  {counting['check']}")
+    return rows
 
 
 def _metric_rows(data: dict[str, Any], metric: str, asked: tuple[float, ...]) -> list[str]:

@@ -41,6 +41,8 @@ def run_benchmark(config: BenchConfig, display: bool = True) -> BenchResult:
             server_only=workload_config.skip_tokenizer_init,
             verify_tls=not target.insecure,
             chat_template_kwargs=target.template_kwargs(),
+            endpoint_url=target.url,
+            exact_lengths=workload_config.exact_prompt_lengths,
         ),
     )
     workload = build_workload(workload_config, counter, target.chat)

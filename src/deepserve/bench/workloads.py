@@ -26,7 +26,7 @@ from deepserve.bench.datasets.synthetic import (
     SharedPrefixDataset,
 )
 from deepserve.bench.datasets.traces import MooncakeDataset, TimedTraceDataset
-from deepserve.bench.tokenizer import TokenCounter
+from deepserve.bench.tokenizer import TokenCounter, counting_method
 from deepserve.bench.types import ConversationSpec, RequestSpec
 from deepserve.bench.vllm_compat import REFUSED_VLLM_DATASETS, refused_dataset
 from deepserve.errors import ConfigError, unknown_name
@@ -95,6 +95,11 @@ class WorkloadConfig(BaseModel):
     trust_remote_code: bool = Field(default=False, description="let a local tokenizer run its own code (vLLM's)")
     skip_tokenizer_init: bool = Field(
         default=False, description="load no local tokenizer: count prompts with the server's /tokenize (vLLM's)"
+    )
+    exact_prompt_lengths: bool = Field(
+        default=False,
+        description="refuse to run on approximate prompt lengths (a server without /tokenize and no --tokenizer): "
+        "fail instead of counting one token per common English word",
     )
     no_stream: bool = Field(
         default=False,
@@ -312,6 +317,7 @@ def build_workload(config: WorkloadConfig, counter: TokenCounter, chat: bool) ->
         "endpoint": "chat" if chat else "completions",
         "tokenizer_source": counter.source,
         "tokenizer_check": getattr(counter, "server_check", None),  # local tokenizers: compared with the server's
+        "token_counting": counting_method(counter),  # exact (server, local) or the stated approximation
         "input_len_unit": "server prompt tokens (BOS and chat template included)",
         "text_source": ctx.text_source(),
         **result.details,
