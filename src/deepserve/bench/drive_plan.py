@@ -25,6 +25,8 @@ class PreparedRequest:
     prompt_len: int
     wire: bytes
     request_id: str = ""  # sent as x-request-id (vLLM's --request-id-prefix + index), kept in the record
+    session: int | None = None  # an agent trace's session and the request's place in it (the record's turn)
+    turn: int | None = None
 
     def renamed(self, request_id: str) -> PreparedRequest:
         """The same request under another id: a duration-bound run that goes through the workload again must not
@@ -41,7 +43,8 @@ class PreparedRequest:
                 f"{expected.decode()!r} exactly once, found {found or 'none'}"
             )
         lines[at[0]] = f"x-request-id: {request_id}".encode()
-        return PreparedRequest(self.spec_index, self.prompt_len, b"\r\n".join(lines) + blank + body, request_id)
+        wire = b"\r\n".join(lines) + blank + body
+        return PreparedRequest(self.spec_index, self.prompt_len, wire, request_id, self.session, self.turn)
 
 
 @dataclass
@@ -101,7 +104,7 @@ def make_plan(config: BenchConfig, model: str, workload: Workload, prefix: str, 
     def prepare(position: int, spec: RequestSpec, request_id: str) -> PreparedRequest:
         payload = build_payload(spec, models[position % len(models)], target.chat, extras)
         wire = build_request_bytes(endpoint, payload, headers, request_id)
-        return PreparedRequest(position, spec.prompt_len, wire, request_id)
+        return PreparedRequest(position, spec.prompt_len, wire, request_id, spec.session, spec.turn)
 
     def converse_with(position: int, conversation: ConversationSpec) -> PreparedConversation:
         payload = {"model": models[position], "stream": True, "stream_options": {"include_usage": True}, **extras}

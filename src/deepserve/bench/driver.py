@@ -24,7 +24,7 @@ from deepserve.bench.client import DecodedStream, StreamingClient
 from deepserve.bench.conversations import PreparedConversation, converse
 from deepserve.bench.drive_plan import DrivePlan, PreparedRequest
 from deepserve.bench.progress import LiveCounters
-from deepserve.bench.records import UncountedOutput, record_of, send_safely
+from deepserve.bench.records import Phases, UncountedOutput, record_of, send_safely
 from deepserve.bench.types import RequestRecord
 
 T = TypeVar("T")
@@ -223,7 +223,7 @@ class Driver:
             return  # its connection was ready only after the run's end: never sent, no record
         sent_abs, response = sent
         record, decoded = record_of(index, request.prompt_len, scheduled_s, sent_abs, response, self.t0)
-        record.request_id = request.request_id
+        record.request_id, record.conversation, record.turn = request.request_id, request.session, request.turn
         self._keep(record, decoded)
 
     async def _conversation(self, first_index: int, conversation: PreparedConversation, scheduled_s: float) -> None:
@@ -255,7 +255,9 @@ class Driver:
     def _keep(self, record: RequestRecord, decoded: DecodedStream) -> None:
         self.outcome.records.append(record)
         if record.output_len_source == "tokenizer":
-            self.outcome.uncounted[record.index] = UncountedOutput(decoded.text, decoded.chunk_text_lens)
+            phases = Phases.of(decoded, self.t0)  # reasoning and tool calls are output tokens too
+            uncounted = UncountedOutput(decoded.text, decoded.chunk_text_lens, phases, decoded.other_text)
+            self.outcome.uncounted[record.index] = uncounted
         self.counters.request_done(self.worker, record.success)
 
 

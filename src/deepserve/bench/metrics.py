@@ -14,7 +14,10 @@ from deepserve.bench.types import RequestRecord
 
 # vLLM's default report (ttft, tpot, itl) plus e2el; percentiles are always reported at these points.
 DEFAULT_PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
-ALL_PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el", "client_queue_time")
+# Reported on their own when the run had reasoning or tool calls (phases.py); also valid in --percentile-metrics.
+REASONING_METRICS = ("reasoning_ttft", "answer_ttft")
+TOOL_CALL_METRICS = ("tool_call_start", "tool_call_end")
+ALL_PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el", "client_queue_time", *REASONING_METRICS, *TOOL_CALL_METRICS)
 STANDARD_PERCENTILES = (25.0, 75.0, 90.0, 95.0, 99.0)
 SLO_METRICS = ("ttft", "tpot", "e2el")
 PER_TOKEN_METRICS = ("tpot", "itl")  # undefined for a response that arrived in one write
@@ -70,6 +73,56 @@ def itl_ms(record: RequestRecord) -> list[float]:
         gap_ms = (times[index] - times[index - 1]) * 1000.0
         samples.extend([gap_ms / count] * count)
     return samples
+
+
+def _since_sent_ms(record: RequestRecord, moment_s: float | None) -> float | None:
+    return None if moment_s is None else (moment_s - record.sent_s) * 1000.0
+
+
+def reasoning_ttft_ms(record: RequestRecord) -> float | None:
+    """Time to the first reasoning token: sent → first chunk with reasoning text (None: no reasoning)."""
+    return _since_sent_ms(record, record.first_reasoning_s)
+
+
+def answer_ttft_ms(record: RequestRecord) -> float | None:
+    """Time to the first answer token: sent → first chunk with answer text, after any reasoning (a reasoning
+    model's user waits this long for the answer itself)."""
+    return _since_sent_ms(record, record.first_answer_s)
+
+
+def tool_call_start_ms(record: RequestRecord) -> float | None:
+    """Time to the first tool-call delta: sent → the first chunk carrying a tool call (its id and name)."""
+    return _since_sent_ms(record, record.first_tool_call_s)
+
+
+def tool_call_end_ms(record: RequestRecord) -> float | None:
+    """Time to the complete tool calls: sent → their last delta, or the finish reason after it (when an agent can
+    run them)."""
+    return _since_sent_ms(record, record.tool_call_end_s)
+
+
+def reasoning_summary(records: list[RequestRecord]) -> dict[str, Any]:
+    """Over completed requests that reasoned: how many, their reasoning and answer tokens (mean and total)."""
+    thinking = [record for record in successful(records) if record.reasoning_tokens is not None]
+    if not thinking:
+        return {}
+    reasoning = [record.reasoning_tokens or 0 for record in thinking]
+    answer = [record.answer_tokens or 0 for record in thinking]
+    return {
+        "reasoning_requests": sum(1 for tokens in reasoning if tokens > 0),
+        "total_reasoning_tokens": sum(reasoning),
+        "total_answer_tokens": sum(answer),
+        "mean_reasoning_tokens": sum(reasoning) / len(thinking),
+        "mean_answer_tokens": sum(answer) / len(thinking),
+    }
+
+
+def tool_call_summary(records: list[RequestRecord]) -> dict[str, Any]:
+    """Over completed requests: how many made tool calls, and how many calls in all."""
+    calling = [record for record in successful(records) if record.tool_calls]
+    if not calling:
+        return {}
+    return {"tool_call_requests": len(calling), "total_tool_calls": sum(record.tool_calls for record in calling)}
 
 
 def ttft_by_turn_ms(records: list[RequestRecord]) -> dict[int, list[float]]:
@@ -186,7 +239,15 @@ def metric_samples(records: list[RequestRecord], metric: str) -> list[float]:
         return [sample for record in done for sample in itl_ms(record)]
     if metric == "client_queue_time":
         return [client_queue_time_ms(record) for record in done]
-    per_request = {"ttft": ttft_ms, "tpot": tpot_ms, "e2el": e2el_ms}[metric]
+    per_request = {
+        "ttft": ttft_ms,
+        "tpot": tpot_ms,
+        "e2el": e2el_ms,
+        "reasoning_ttft": reasoning_ttft_ms,
+        "answer_ttft": answer_ttft_ms,
+        "tool_call_start": tool_call_start_ms,
+        "tool_call_end": tool_call_end_ms,
+    }[metric]
     return [value for record in done if (value := per_request(record)) is not None]
 
 
@@ -246,7 +307,9 @@ def summarize(
         "max_concurrent_requests": peak_concurrent_requests(records),
     }
     summary["one_write_requests"] = one_write_requests(records)
-    for metric in percentile_metrics:
+    phases = reasoning_summary(records) | tool_call_summary(records)
+    summary |= phases
+    for metric in reported_metrics(percentile_metrics, phases):
         samples = metric_samples(records, metric)
         stats = distribution(samples, points)
         # No per-token sample because every response came in one write: undefined, not vLLM's zeros.
@@ -265,6 +328,14 @@ def summarize(
         summary["mean_input_tokens_by_turn"] = {str(turn): value for turn, value in inputs.items()}
     summary["errors_by_message"] = failures_by_error(records)
     return summary
+
+
+def reported_metrics(asked: tuple[str, ...], phases: dict[str, Any]) -> tuple[str, ...]:
+    """ASKED (--percentile-metrics), plus the reasoning and tool-call latencies when the run had any (PHASES)."""
+    extra = (REASONING_METRICS if "reasoning_requests" in phases else ()) + (
+        TOOL_CALL_METRICS if "tool_call_requests" in phases else ()
+    )
+    return asked + tuple(metric for metric in extra if metric not in asked)
 
 
 def _distribution_json(stats: Distribution) -> dict[str, float]:

@@ -27,6 +27,10 @@ METRIC_TITLES = {
     "itl": ("ITL", "Inter-token Latency"),
     "e2el": ("E2EL", "End-to-end Latency"),
     "client_queue_time": ("Client Queue Time", "Client-side Queue Time"),
+    "reasoning_ttft": ("Reasoning TTFT", "Time to First Reasoning Token"),
+    "answer_ttft": ("Answer TTFT", "Time to First Answer Token"),
+    "tool_call_start": ("Tool Call Start", "Time to the First Tool-Call Delta"),
+    "tool_call_end": ("Tool Call End", "Time to the Complete Tool Call"),
 }
 
 
@@ -170,6 +174,7 @@ def console_block(result: BenchResult) -> str:
         lines += _metric_rows(data, metric, config.metrics.percentiles)
         if metric == "itl":
             lines += _attribution_note(data)
+    lines += _phase_rows(data, config.metrics.selected_metrics, config.metrics.percentiles)
     if "ttft_by_turn_ms" in data:
         lines += _turn_rows(data)
     lines += _server_rows(result.server)
@@ -218,6 +223,27 @@ def _metric_rows(data: dict[str, Any], metric: str, asked: tuple[float, ...]) ->
 
 def _or_na(value: Any) -> Any:
     return "n/a" if value is None else value
+
+
+def _phase_rows(data: dict[str, Any], shown: tuple[str, ...], asked: tuple[float, ...]) -> list[str]:
+    """Reasoning (tokens, time to the first reasoning and answer tokens) and tool calls, when the run had any."""
+    rows: list[str] = []
+    if "reasoning_requests" in data:
+        rows.append(_title("Reasoning", "-"))
+        rows.append(_row("Requests that reasoned:", data["reasoning_requests"]))
+        rows.append(_row("Mean reasoning tokens:", data["mean_reasoning_tokens"]))
+        rows.append(_row("Mean answer tokens:", data["mean_answer_tokens"]))
+        rows += [
+            row for metric in m.REASONING_METRICS if metric not in shown for row in _metric_rows(data, metric, asked)
+        ]
+    if "tool_call_requests" in data:
+        rows.append(_title("Tool Calls", "-"))
+        rows.append(_row("Requests with tool calls:", data["tool_call_requests"]))
+        rows.append(_row("Tool calls:", data["total_tool_calls"]))
+        rows += [
+            row for metric in m.TOOL_CALL_METRICS if metric not in shown for row in _metric_rows(data, metric, asked)
+        ]
+    return rows
 
 
 def _attribution_note(data: dict[str, Any]) -> list[str]:
@@ -362,6 +388,13 @@ RECORD_COLUMNS = (
     "token_attribution",
     "conversation",
     "turn",
+    "reasoning_tokens",
+    "answer_tokens",
+    "reasoning_ttft_ms",
+    "answer_ttft_ms",
+    "tool_calls",
+    "tool_call_start_ms",
+    "tool_call_end_ms",
 )
 
 
@@ -388,6 +421,13 @@ def record_row(record: RequestRecord) -> dict[str, Any]:
         "token_attribution": record.token_attribution,
         "conversation": record.conversation,
         "turn": record.turn,
+        "reasoning_tokens": record.reasoning_tokens,
+        "answer_tokens": record.answer_tokens,
+        "reasoning_ttft_ms": m.reasoning_ttft_ms(record),
+        "answer_ttft_ms": m.answer_ttft_ms(record),
+        "tool_calls": record.tool_calls,
+        "tool_call_start_ms": m.tool_call_start_ms(record),
+        "tool_call_end_ms": m.tool_call_end_ms(record),
     }
 
 

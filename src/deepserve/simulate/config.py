@@ -75,6 +75,20 @@ class SimulateConfig(Section):
         description="each generated token's text: one byte (the tiny model's tokenizer), or 1 to 8 characters "
         "(varied, as real vocabularies: a client counting tokens by text is then not exact; /detokenize differs)",
     )
+    reasoning_tokens: int = Field(
+        0,
+        ge=0,
+        description="stream the first N tokens of each chat answer as reasoning (vLLM with a reasoning parser); "
+        "none for a request whose chat_template_kwargs turn thinking off",
+    )
+    reasoning_field: Literal["reasoning_content", "reasoning"] = Field(
+        "reasoning_content", description="the delta field reasoning streams in: reasoning_content, or vLLM 0.32's"
+    )
+    tool_calls: bool = Field(
+        False,
+        description="answer a chat request that offers tools with one call of its first tool: the answer's tokens "
+        "stream as the call's arguments, finish reason tool_calls (vLLM with a tool parser)",
+    )
     tokenize_endpoints: bool = Field(True, description="serve /tokenize and /detokenize (off: 404, as some servers)")
     detokenize_endpoint: bool = Field(True, description="serve /detokenize (off: 404, a server with /tokenize only)")
     metrics_endpoint: bool = Field(True, description="serve /metrics (off: 404, a server without metrics)")

@@ -51,6 +51,8 @@ class Generation:
     include_usage: bool
     continuous_usage: bool
     return_token_ids: bool
+    thinking: bool = True  # chat_template_kwargs turned thinking off ("thinking" or "enable_thinking": false)
+    tool: str | None = None  # the first tool the request offers (unless tool_choice is "none"), for tool_calls
 
 
 def parse_generation(
@@ -102,7 +104,27 @@ def parse_generation(
         include_usage=bool(options.get("include_usage")),
         continuous_usage=bool(options.get("continuous_usage_stats")),
         return_token_ids=_bool(body, "return_token_ids"),
+        thinking=_thinking(body),
+        tool=_offered_tool(body) if chat else None,
     )
+
+
+def _offered_tool(body: dict[str, Any]) -> str | None:
+    """The name of the first function in `tools`, None when there is none or tool_choice is "none"."""
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools or body.get("tool_choice") == "none":
+        return None
+    function = tools[0].get("function") if isinstance(tools[0], dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _thinking(body: dict[str, Any]) -> bool:
+    """Whether the chat template is asked to think (DeepSeek's `thinking`, Qwen's `enable_thinking`; default on)."""
+    kwargs = body.get("chat_template_kwargs")
+    if not isinstance(kwargs, dict):
+        return True
+    return all(kwargs.get(key) is not False for key in ("thinking", "enable_thinking"))
 
 
 def _prompt_ids(body: dict[str, Any], tokenizer: ByteTokenizer) -> list[int]:
@@ -171,9 +193,20 @@ class ReplyFormat:
         request_id: str,
         created: int,
         text_of: Callable[[int, int], str] = generated_text,
+        reasoning_tokens: int = 0,
+        reasoning_field: str = "reasoning_content",
+        tool_calls: bool = False,
     ) -> None:
+        """REASONING_TOKENS: a chat answer's first tokens that stream as reasoning (in REASONING_FIELD), as vLLM
+        with a reasoning parser sends a thinking model's; none when the request turned thinking off. TOOL_CALLS:
+        a request that offers tools gets its answer (after the reasoning) as one call of the first tool, the tokens
+        streaming as its arguments and the finish reason "tool_calls", as vLLM with a tool parser sends one."""
         self.generation = generation
         self.text_of = text_of  # (first output position, count) -> the text of those tokens
+        self.reasoning_tokens = reasoning_tokens if generation.chat and generation.thinking else 0
+        self.reasoning_field = reasoning_field
+        self.tool = generation.tool if tool_calls else None
+        self._tool_started = False
         chat = generation.chat
         self.response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = created
@@ -187,8 +220,11 @@ class ReplyFormat:
         opening = b',"choices":[{"index":0,"delta":{"content":' if chat else b',"choices":[{"index":0,"text":'
         self._open = self._head + opening
         # chunks of one token that carry nothing else (no ids, no usage, not the last): the streaming hot path
-        self.plain_chunks = not generation.return_token_ids and not (
-            generation.continuous_usage and generation.include_usage
+        self.plain_chunks = (
+            not generation.return_token_ids
+            and not self.reasoning_tokens
+            and not self.tool
+            and not (generation.continuous_usage and generation.include_usage)
         )
         close = (b"}" if chat else b"") + b',"logprobs":null,"finish_reason":null'
         self._plain_open = b"data: " + self._open
@@ -205,10 +241,14 @@ class ReplyFormat:
     def token_event(self, first_position: int, token_ids: list[int], finish_reason: str | None, usage: bytes) -> bytes:
         """A chunk with TOKEN_IDS (output positions FIRST_POSITION…); USAGE is b"" or `,"usage":{…}`."""
         generation = self.generation
-        text = orjson.dumps(self._text(first_position, token_ids))
-        parts = [b"data: ", self._open, text]
-        if generation.chat:
-            parts.append(b"}")
+        if first_position < self.reasoning_tokens or self.tool:
+            delta = self._phase_delta(first_position, token_ids)
+            parts = [b"data: ", self._head, b',"choices":[{"index":0,"delta":', delta]
+            finish_reason = "tool_calls" if self.tool and finish_reason in ("stop", "length") else finish_reason
+        else:
+            parts = [b"data: ", self._open, orjson.dumps(self._text(first_position, token_ids))]
+            if generation.chat:
+                parts.append(b"}")
         if generation.return_token_ids:
             parts += [b',"token_ids":', orjson.dumps(token_ids)]
             if first_position == 0 and not generation.chat:
@@ -218,6 +258,29 @@ class ReplyFormat:
             parts.append(b',"stop_reason":null')
         parts += [b"}]", usage, b"}\n\n"]
         return b"".join(parts)
+
+    def _phase_delta(self, first_position: int, token_ids: list[int]) -> bytes:
+        """A chat delta whose first tokens may be reasoning and the rest, past the reasoning's end, the answer: as
+        content, or as the arguments of the tool call (its id and name with the first piece)."""
+        thinking = max(0, min(len(token_ids), self.reasoning_tokens - first_position))
+        delta: dict[str, Any] = {}
+        if thinking:
+            delta[self.reasoning_field] = self.text_of(first_position, thinking)
+        if len(token_ids) > thinking:
+            text = self._text(first_position + thinking, token_ids[thinking:])
+            if self.tool is None:
+                delta["content"] = text
+            else:
+                delta["tool_calls"] = [self._tool_call_piece(text)]
+        return orjson.dumps(delta)
+
+    def _tool_call_piece(self, arguments: str) -> dict[str, Any]:
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
+        if not self._tool_started:
+            self._tool_started = True
+            call |= {"id": "call_" + self.response_id, "type": "function"}
+            call["function"]["name"] = self.tool
+        return call
 
     def plain_token_events(self, first_position: int, count: int) -> list[bytes]:
         """COUNT chunks of one token each (output positions FIRST_POSITION…), none of them the last: what

@@ -338,7 +338,12 @@ class SimulatorApp:
         """Hand the request to the engine, with the reply that streams (or collects) its tokens."""
         self._ids += 1
         request_id = request.headers.get("x-request-id") or f"{self._ids:08x}"
-        reply = _Reply(self, conn, generation, ReplyFormat(generation, request_id, int(time.time()), self.text_of))
+        config = self.config
+        reply_format = ReplyFormat(
+            generation, request_id, int(time.time()), self.text_of, config.reasoning_tokens, config.reasoning_field,
+            config.tool_calls,
+        )  # fmt: skip
+        reply = _Reply(self, conn, generation, reply_format)
         if cut_mode is not None:
             reply.cut_after = self.controls.faults.cut_after_tokens
             reply.cut_mode = cut_mode
