@@ -215,8 +215,9 @@ def meets_slos(record: RequestRecord, slos: dict[str, float]) -> bool:
     return record.success and all((values[name] or 0.0) <= limit for name, limit in slos.items())
 
 
-def request_goodput(records: list[RequestRecord], slos: dict[str, float], duration_s: float) -> float:
-    """Completed requests that met all SLOs, per second of the measured run."""
+def goodput_req_s(records: list[RequestRecord], slos: dict[str, float], duration_s: float) -> float:
+    """Completed requests that met all SLOs, per second of the measured run: requests/s, vLLM's goodput (the tuner's
+    is output tokens/s, `goodput_output_tok_s`, in tune/goodput.py)."""
     good = sum(1 for record in successful(records) if meets_slos(record, slos))
     return good / duration_s if duration_s > 0 else 0.0
 
@@ -300,12 +301,13 @@ def summarize(
         "total_input_tokens": total_input_tokens(records),
         "total_output_tokens": total_output_tokens(records),
         "request_throughput": request_throughput(records, duration_s),
-        "request_goodput": request_goodput(records, slos, duration_s) if slos else None,
+        "goodput_req_s": goodput_req_s(records, slos, duration_s) if slos else None,
         "output_throughput": output_throughput(records, duration_s),
         "total_token_throughput": total_token_throughput(records, duration_s),
         "max_output_tokens_per_s": peak_output_tokens_per_s(records),
         "max_concurrent_requests": peak_concurrent_requests(records),
     }
+    summary["request_goodput"] = summary["goodput_req_s"]  # vLLM's key for the same number, for tools that read it
     summary["one_write_requests"] = one_write_requests(records)
     phases = reasoning_summary(records) | tool_call_summary(records)
     summary |= phases

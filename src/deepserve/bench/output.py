@@ -164,8 +164,8 @@ def console_block(result: BenchResult) -> str:
     lines.append(_row("Total input tokens:", data["total_input_tokens"]))
     lines.append(_row("Total generated tokens:", data["total_output_tokens"]))
     lines.append(_row("Request throughput (req/s):", data["request_throughput"]))
-    if data["request_goodput"] is not None:
-        lines.append(_row("Request goodput (req/s):", data["request_goodput"]))
+    if data["goodput_req_s"] is not None:
+        lines.append(_row("Request goodput (req/s):", data["goodput_req_s"]))
     lines.append(_row("Output token throughput (tok/s):", data["output_throughput"]))
     lines.append(_row("Peak output token throughput (tok/s):", data["max_output_tokens_per_s"]))
     lines.append(_row("Peak concurrent requests:", data["max_concurrent_requests"]))

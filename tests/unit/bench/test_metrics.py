@@ -92,11 +92,11 @@ def test_goodput_under_slos(records):
     assert m.parse_goodput(["ttft:150", "tpot:25"]) == {"ttft": 150.0, "tpot": 25.0}
     assert m.parse_goodput(["ttft:150 e2el:1000"]) == {"ttft": 150.0, "e2el": 1000.0}
     # TTFT 100, 50, 200 -> A and B meet 150 ms
-    assert m.request_goodput(records, {"ttft": 150}, DURATION_S) == pytest.approx(2 / 2.5)
+    assert m.goodput_req_s(records, {"ttft": 150}, DURATION_S) == pytest.approx(2 / 2.5)
     # TPOT 23.3, undefined (counts as 0), 33.3 -> A and B meet 25 ms; only B meets 20 ms
-    assert m.request_goodput(records, {"ttft": 150, "tpot": 25}, DURATION_S) == pytest.approx(2 / 2.5)
-    assert m.request_goodput(records, {"tpot": 20}, DURATION_S) == pytest.approx(1 / 2.5)
-    assert m.request_goodput(records, {"e2el": 100}, DURATION_S) == pytest.approx(1 / 2.5)  # only B (60 ms)
+    assert m.goodput_req_s(records, {"ttft": 150, "tpot": 25}, DURATION_S) == pytest.approx(2 / 2.5)
+    assert m.goodput_req_s(records, {"tpot": 20}, DURATION_S) == pytest.approx(1 / 2.5)
+    assert m.goodput_req_s(records, {"e2el": 100}, DURATION_S) == pytest.approx(1 / 2.5)  # only B (60 ms)
 
 
 @pytest.mark.parametrize("bad", ["ttft", "latency:10", "ttft:-1"])
