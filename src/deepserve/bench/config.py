@@ -243,6 +243,13 @@ class MetricsConfig(Section):
     profile: bool = Field(
         False, description="POST the server's /start_profile after the warm-ups, /stop_profile after the run (vLLM's)"
     )
+    num_runs: int = Field(
+        1,
+        ge=1,
+        le=100,
+        description="run the same requests N times: every metric is then the mean over the runs, with its 95%% "
+        "confidence interval (Student's t)",
+    )
 
     @field_validator("goodput")
     @classmethod

@@ -4,6 +4,7 @@ ours), and per-request records as CSV or JSONL."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from deepserve.bench import metrics as m
 from deepserve.bench.arrivals import describe_arrivals
 from deepserve.bench.attribution import ESTIMATED, EXACT, ONE_PER_CHUNK
 from deepserve.bench.config import BenchConfig
+from deepserve.bench.repeats import combine_runs
 from deepserve.bench.server_metrics import ServerMetricsSummary, SpecDecodeSummary
 from deepserve.bench.token_ids import TokenIdsDecision
 from deepserve.bench.types import RequestRecord
@@ -55,8 +57,22 @@ class BenchResult:
     started_at: datetime = field(default_factory=datetime.now)
     clock_origin_s: float = 0.0  # t = 0 of the record times, as time.perf_counter() (system-wide monotonic)
     profile: str | None = None  # --profile: what happened to the server's profiler
+    runs: list[BenchResult] = field(default_factory=list)  # --num-runs: each run (this result holds their means)
+
+    @classmethod
+    def of_runs(cls, config: BenchConfig, runs: list[BenchResult]) -> BenchResult:
+        """The result of --num-runs: every run's records (tagged with their run), the last run's facts, and (in
+        `summary`) each metric's mean over the runs."""
+        last = runs[-1]
+        combined = dataclasses.replace(last, config=config, runs=runs, incomplete=any(run.incomplete for run in runs))
+        combined.records = [record for run in runs for record in run.records]
+        combined.duration_s = sum(run.duration_s for run in runs) / len(runs)
+        combined.started_at = runs[0].started_at
+        return combined
 
     def summary(self) -> dict[str, Any]:
+        if self.runs:
+            return self._repeated_summary()
         metrics_config = self.config.metrics
         return m.summarize(
             self.records,
@@ -65,6 +81,16 @@ class BenchResult:
             metrics_config.percentiles,
             metrics_config.slos_ms or None,
         )
+
+    def _repeated_summary(self) -> dict[str, Any]:
+        """The runs' summaries combined: measurements as means, with their confidence intervals and every run's
+        own values (repeats.py)."""
+        per_run = [run.summary() for run in self.runs]
+        combined, intervals = combine_runs(per_run)
+        combined["num_runs"] = len(self.runs)
+        combined["confidence_intervals"] = {key: interval.to_json() for key, interval in intervals.items()}
+        combined["runs"] = [{key: summary[key] for key in intervals} for summary in per_run]
+        return combined
 
     def to_json(self) -> dict[str, Any]:
         """vLLM's result keys (date, backend, model_id, …, completed, mean_ttft_ms, p99_itl_ms, …) and ours."""
@@ -181,6 +207,7 @@ def console_block(result: BenchResult) -> str:
     if data["errors_by_message"]:
         lines.append(_title("Failures by Error", "-"))
         lines += [f"{count:>6}  {message[: WIDTH * 2]}" for message, count in data["errors_by_message"].items()]
+    lines += _runs_rows(data)
     if result.incomplete:
         lines.append("INCOMPLETE: interrupted; partial results (in-flight requests were dropped)")
     lines.append("=" * WIDTH)
@@ -202,6 +229,36 @@ def _counting_rows(counting: dict[str, Any] | None) -> list[str]:
     rows = [f"Prompt lengths: {COUNTING_WORDS.get(counting['method'], counting['method'])}"]
     if counting["method"] == "approximate" and counting.get("check"):
         rows.append(f"  {counting['check']}")
+    return rows
+
+
+RUNS_SHOWN = (
+    ("request_throughput", "Request throughput (req/s)"),
+    ("output_throughput", "Output token throughput (tok/s)"),
+    ("median_ttft_ms", "Median TTFT (ms)"),
+    ("p99_ttft_ms", "P99 TTFT (ms)"),
+    ("median_tpot_ms", "Median TPOT (ms)"),
+    ("median_itl_ms", "Median ITL (ms)"),
+    ("p99_itl_ms", "P99 ITL (ms)"),
+    ("median_e2el_ms", "Median E2EL (ms)"),
+)
+
+
+def _runs_rows(data: dict[str, Any]) -> list[str]:
+    """--num-runs: the main metrics' mean ± the half-width of their 95% confidence interval, and their range."""
+    intervals = data.get("confidence_intervals")
+    if not intervals:
+        return []
+    rows = [_title(f" {data['num_runs']} Runs: Mean ± 95% CI ", "-")]
+    for key, label in RUNS_SHOWN:
+        interval = intervals.get(key)
+        if interval is None:
+            continue
+        half = interval["ci95_half_width"]
+        spread = f" ± {half:,.2f}" if half is not None else ""
+        values = [run[key] for run in data["runs"] if key in run]
+        rows.append(f"{label:<32} {interval['mean']:,.2f}{spread}  (runs {min(values):,.2f} to {max(values):,.2f})")
+    rows.append("(every value above is the mean over the runs; the JSON has each run's and every interval)")
     return rows
 
 
@@ -395,6 +452,7 @@ RECORD_COLUMNS = (
     "tool_calls",
     "tool_call_start_ms",
     "tool_call_end_ms",
+    "run",
 )
 
 
@@ -428,6 +486,7 @@ def record_row(record: RequestRecord) -> dict[str, Any]:
         "tool_calls": record.tool_calls,
         "tool_call_start_ms": m.tool_call_start_ms(record),
         "tool_call_end_ms": m.tool_call_end_ms(record),
+        "run": record.run,
     }
 
 

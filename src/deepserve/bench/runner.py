@@ -46,7 +46,35 @@ def run_benchmark(config: BenchConfig, display: bool = True) -> BenchResult:
         ),
     )
     workload = build_workload(workload_config, counter, target.chat)
-    return run_workload(config, model, workload, counter, display)
+    if config.metrics.num_runs == 1:
+        return run_workload(config, model, workload, counter, display)
+    return run_repeatedly(config, model, workload, counter, display)
+
+
+def run_repeatedly(
+    config: BenchConfig, model: str, workload: Workload, counter: TokenCounter | None, display: bool = True
+) -> BenchResult:
+    """--num-runs N: the same requests sent N times, one run after the other; the result holds each run and their
+    means with confidence intervals (repeats.py). Ctrl-C ends the series with the runs so far (marked incomplete)."""
+    runs: list[BenchResult] = []
+    for number in range(1, config.metrics.num_runs + 1):
+        result = run_workload(_run_config(config, number), model, workload, counter, display)
+        for record in result.records:
+            record.run = number
+        runs.append(result)
+        if result.incomplete:
+            break
+    return BenchResult.of_runs(config, runs)
+
+
+def _run_config(config: BenchConfig, number: int) -> BenchConfig:
+    """Run NUMBER's config: a --request-id-prefix gets the run's number, so no request id is sent twice."""
+    prefix = config.target.request_id_prefix
+    if prefix is None:
+        return config
+    return config.model_copy(
+        update={"target": config.target.model_copy(update={"request_id_prefix": f"{prefix}run{number}-"})}
+    )
 
 
 def run_workload(

@@ -76,6 +76,7 @@ class RequestRecord:
     first_tool_call_s: float | None = None  # first chunk with a tool-call delta
     tool_call_end_s: float | None = None  # the tool calls complete: their last delta, or the finish reason after it
     tool_calls: int = 0  # tool calls the response made
+    run: int | None = None  # --num-runs: which run (from 1) the request belongs to
 
     @property
     def success(self) -> bool:

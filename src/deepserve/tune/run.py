@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from deepserve.bench.config import BenchConfig
-from deepserve.errors import DeepserveError
+from deepserve.errors import ConfigError, DeepserveError
 from deepserve.results.points import params_from_result
 from deepserve.results.slo import Slo
 from deepserve.results.store import record_run
@@ -67,6 +67,11 @@ def run_tune(
     progress: Progress = print,
     clock: Callable[[], float] = time.monotonic,
 ) -> TuneOutcome:
+    if bench.metrics.num_runs > 1:
+        raise ConfigError(
+            "deepserve tune measures each point once (its goodput is counted from one run's requests); leave out "
+            "--num-runs, and repeat the best point with `deepserve bench --num-runs N` to see its spread"
+        )
     started = clock()
     index = resume_or_start(directory, _fresh_index(spec))
 
