@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from deepserve.bench.attribution import EXACT
 from deepserve.bench.types import RequestRecord
 
 # vLLM's default report (ttft, tpot, itl) plus e2el; percentiles are always reported at these points.
@@ -222,6 +223,21 @@ def goodput_req_s(records: list[RequestRecord], slos: dict[str, float], duration
     return good / duration_s if duration_s > 0 else 0.0
 
 
+def tokens_per_chunk(record: RequestRecord) -> float | None:
+    """Output tokens per token chunk, where the server listed each chunk's tokens (exact attribution): with one
+    chunk per engine step (vLLM's --stream-interval 1), the tokens each step delivered to this request, i.e. its own
+    mean acceptance length under speculative decoding. None where the counts are estimated."""
+    if not record.chunk_tokens or record.token_attribution != EXACT:
+        return None
+    return record.output_len / len(record.chunk_tokens)
+
+
+def mean_tokens_per_chunk(records: list[RequestRecord]) -> float | None:
+    """The mean of tokens_per_chunk over completed requests that have it (None when none has)."""
+    values = [value for record in successful(records) if (value := tokens_per_chunk(record)) is not None]
+    return sum(values) / len(values) if values else None
+
+
 def one_write_requests(records: list[RequestRecord]) -> int:
     """Completed requests of two or more tokens whose whole response arrived in one write (no TPOT, no ITL)."""
     return sum(1 for record in successful(records) if arrived_in_one_write(record))
@@ -309,6 +325,7 @@ def summarize(
     }
     summary["request_goodput"] = summary["goodput_req_s"]  # vLLM's key for the same number, for tools that read it
     summary["one_write_requests"] = one_write_requests(records)
+    summary["mean_tokens_per_chunk"] = mean_tokens_per_chunk(records)
     phases = reasoning_summary(records) | tool_call_summary(records)
     summary |= phases
     for metric in reported_metrics(percentile_metrics, phases):

@@ -203,7 +203,7 @@ def console_block(result: BenchResult) -> str:
     lines += _phase_rows(data, config.metrics.selected_metrics, config.metrics.percentiles)
     if "ttft_by_turn_ms" in data:
         lines += _turn_rows(data)
-    lines += _server_rows(result.server)
+    lines += _server_rows(result.server, data.get("mean_tokens_per_chunk"))
     if data["errors_by_message"]:
         lines.append(_title("Failures by Error", "-"))
         lines += [f"{count:>6}  {message[: WIDTH * 2]}" for message, count in data["errors_by_message"].items()]
@@ -336,7 +336,7 @@ def _turn_rows(data: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _server_rows(server: ServerMetricsSummary) -> list[str]:
+def _server_rows(server: ServerMetricsSummary, tokens_per_chunk: float | None = None) -> list[str]:
     rows = [_title("Server Metrics (Prometheus)", "-")]
     if server.url:
         rows.append(f"from {server.url}")
@@ -360,11 +360,12 @@ def _server_rows(server: ServerMetricsSummary) -> list[str]:
         ("Preemptions:", server.preemptions),
     ]
     rows += [_row(label, "n/a" if value is None else value) for label, value in values]
-    return rows + _spec_decode_rows(server.spec_decode)
+    return rows + _spec_decode_rows(server.spec_decode, tokens_per_chunk)
 
 
-def _spec_decode_rows(spec: SpecDecodeSummary | None) -> list[str]:
-    """Speculative decoding as the engine counted it over the run (nothing when it reported none)."""
+def _spec_decode_rows(spec: SpecDecodeSummary | None, tokens_per_chunk: float | None) -> list[str]:
+    """Speculative decoding as the engine counted it over the run (nothing when it reported none), and the tokens
+    per chunk the client saw (per request, with the server's token ids)."""
     if spec is None:
         return []
     rows = [_title("Speculative Decoding (server)", "-"), f"from {spec.source}"]
@@ -377,6 +378,8 @@ def _spec_decode_rows(spec: SpecDecodeSummary | None) -> list[str]:
     rows.append(_row("Mean acceptance length (tokens):", "n/a" if length is None else length))
     for position, value in enumerate(spec.acceptance_by_position):
         rows.append(_row(f"Acceptance at draft position {position} (%):", value * 100))
+    if tokens_per_chunk is not None:
+        rows.append(_row("Client: mean tokens per chunk:", tokens_per_chunk))
     return rows
 
 
@@ -442,6 +445,7 @@ RECORD_COLUMNS = (
     "client_queue_time_ms",
     "num_chunks",
     "one_write",
+    "tokens_per_chunk",
     "token_attribution",
     "conversation",
     "turn",
@@ -476,6 +480,7 @@ def record_row(record: RequestRecord) -> dict[str, Any]:
         "client_queue_time_ms": m.client_queue_time_ms(record),
         "num_chunks": len(record.chunk_times_s),
         "one_write": m.arrived_in_one_write(record),
+        "tokens_per_chunk": m.tokens_per_chunk(record),
         "token_attribution": record.token_attribution,
         "conversation": record.conversation,
         "turn": record.turn,

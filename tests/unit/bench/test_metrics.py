@@ -183,3 +183,11 @@ def test_one_write_requests_leave_the_others_per_token_figures_alone(records):
     assert summary["one_write_requests"] == 1
     assert summary["median_itl_ms"] == pytest.approx(20.0)  # A's and D's samples only, as without E
     assert summary["mean_tpot_ms"] == pytest.approx(((70 / 3) + (100 / 3)) / 2)
+
+
+def test_tokens_per_chunk_where_the_server_listed_each_chunks_tokens(records):
+    a, b, _, d = records  # A: 4 tokens in 3 chunks; B: 1 in 1; D: 4 in 2 (all exact: the lists add up)
+    assert m.tokens_per_chunk(a) == pytest.approx(4 / 3) and m.tokens_per_chunk(d) == 2.0
+    assert m.mean_tokens_per_chunk(records) == pytest.approx((4 / 3 + 1 + 2) / 3)
+    d.token_attribution = "estimated"
+    assert m.tokens_per_chunk(d) is None  # spread by text: not what the server sent per step
