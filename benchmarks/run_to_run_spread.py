@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -70,9 +71,12 @@ def series(url: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "--max-concurrency", str(args.concurrency), "--num-prompts", str(args.prompts),
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len), "--ignore-eos",
         "--seed", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
-        "--disable-tqdm", "--no-record", "--endpoint", args.endpoint, *args.bench_flag,
+        "--disable-tqdm", "--endpoint", args.endpoint, *args.bench_flag,
     ]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=3600)
+    env = {**os.environ, "DEEPSERVE_RESULTS_DB": str(out.parent / "results.db")}  # not the user's results store
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"deepserve bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return dict(json.loads(out.read_text()))
 
 

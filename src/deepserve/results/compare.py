@@ -64,8 +64,8 @@ class Span:
 
     def words(self) -> str:
         if not self.has_interval:
-            return f"{self.value:,.3g}"
-        return f"{self.value:,.3g} (95% CI {self.low:,.3g} to {self.high:,.3g}, {self.runs} runs)"
+            return f"{self.value:,.4g}"
+        return f"{self.value:,.4g} (95% CI {self.low:,.4g} to {self.high:,.4g}, {self.runs} runs)"
 
 
 def span_of(result: dict[str, Any], metric: str) -> Span | None:
