@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="runs side by side, with the ratio to the first; with --fail-on, a regression gate for CI",
         description="Without --fail-on: stored runs side by side. With --fail-on: BASELINE CANDIDATE (each a run id, "
         "a result JSON file, or a sweep directory, compared point by point) and exit 1 when a metric regressed "
-        "beyond its threshold and beyond the runs' 95%% confidence intervals (docs/REPORTS.md).",
+        "beyond its threshold and beyond the runs' 95% confidence intervals (docs/REPORTS.md).",
     )
     compare.add_argument("refs", nargs="+", metavar="RUN", help="run ids; with --fail-on: BASELINE CANDIDATE")
     compare.add_argument(

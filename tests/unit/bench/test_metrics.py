@@ -186,7 +186,7 @@ def test_one_write_requests_leave_the_others_per_token_figures_alone(records):
 
 
 def test_tokens_per_chunk_where_the_server_listed_each_chunks_tokens(records):
-    a, b, _, d = records  # A: 4 tokens in 3 chunks; B: 1 in 1; D: 4 in 2 (all exact: the lists add up)
+    a, _, _, d = records  # A: 4 tokens in 3 chunks; B: 1 in 1; D: 4 in 2 (all exact: the lists add up)
     assert m.tokens_per_chunk(a) == pytest.approx(4 / 3) and m.tokens_per_chunk(d) == 2.0
     assert m.mean_tokens_per_chunk(records) == pytest.approx((4 / 3 + 1 + 2) / 3)
     d.token_attribution = "estimated"
