@@ -34,6 +34,8 @@ class TokenizerOptions:
     server_only: bool = False
     verify_tls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # --chat-template-kwargs: chat prompts are measured with them
+    endpoint_url: str | None = None  # the generation endpoint: checks an approximate count against the server's usage
+    exact_lengths: bool = False  # --exact-prompt-lengths: no approximation, an error instead
 
 
 class TokenizerError(DeepserveError):
@@ -104,13 +106,51 @@ def load_token_counter(
     except TokenizerError as exc:
         if options.server_only:
             raise TokenizerError(f"{exc}; --skip-tokenizer-init needs the server's /tokenize to count tokens") from exc
-        tiny_dir = _tiny_tokenizer_dir(model)
-        if tiny_dir is None:
-            raise TokenizerError(f"{exc}; pass --tokenizer DIR (a local tokenizer directory) instead") from exc
-        local = LocalTokenCounter.load(str(tiny_dir), chat_template_kwargs=options.chat_template_kwargs)
-        local.server_check = f"unverified ({exc}); deepserve's tiny model, whose tokenizer it writes byte for byte"
-        return local
+        return _without_server_tokenizer(exc, model, served, api_key, options)
+    counter.check_decode()
     return counter
+
+
+def _without_server_tokenizer(
+    why: TokenizerError, model: str, served: str, api_key: str | None, options: TokenizerOptions
+) -> TokenCounter:
+    """No /tokenize and no local tokenizer: deepserve's own tiny model's tokenizer (written here byte for byte), else
+    the stated approximation (approximate.py), unless exact lengths were required."""
+    tiny_dir = _tiny_tokenizer_dir(model)
+    if tiny_dir is not None:
+        local = LocalTokenCounter.load(str(tiny_dir), chat_template_kwargs=options.chat_template_kwargs)
+        local.server_check = f"unverified ({why}); deepserve's tiny model, whose tokenizer it writes byte for byte"
+        return local
+    if options.exact_lengths or options.endpoint_url is None:
+        raise TokenizerError(
+            f"{why}; pass --tokenizer DIR (a local tokenizer directory) for exact prompt lengths, or leave out "
+            "--exact-prompt-lengths to run with approximate ones (one token per common English word, checked against "
+            "the server's usage)"
+        ) from why
+    from deepserve.bench.approximate import ApproximateTokenCounter, calibrate
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    calibration = calibrate(options.endpoint_url, served, headers, options.verify_tls)
+    counter = ApproximateTokenCounter(calibration, options.endpoint_url)
+    counter.server_check = f"approximate: the server cannot count tokens ({why}); {calibration.note}"
+    return counter
+
+
+def counting_method(counter: TokenCounter) -> dict[str, Any]:
+    """How the run's prompt lengths were counted, for the results and the console: exactly with the server's own
+    tokenizer (with or without its /detokenize), exactly with a local tokenizer, or by the stated approximation."""
+    if isinstance(counter, ServerTokenCounter):
+        method = "server" if counter.can_decode else "server-tokenize-only"
+    elif isinstance(counter, LocalTokenCounter):
+        method = "local"
+    else:
+        method = "approximate"
+    return {
+        "method": method,
+        "exact": method != "approximate",
+        "source": counter.source,
+        "check": getattr(counter, "server_check", None),
+    }
 
 
 def _tiny_tokenizer_dir(model: str) -> Path | None:
@@ -261,6 +301,7 @@ class ServerTokenCounter:
     """The server's tokenizer over HTTP: vLLM's POST /tokenize and /detokenize (at the server root, not /v1)."""
 
     concurrent = True  # calls are HTTP round trips: prompt builds may overlap them (httpx.Client is thread-safe)
+    can_decode = True  # False: the server has /tokenize but no /detokenize (check_decode); prompts are cut by words
 
     def __init__(
         self,
@@ -286,6 +327,15 @@ class ServerTokenCounter:
     def check(self) -> None:
         """Fail fast when the server cannot tokenize for us (TokenizerError with the server's answer)."""
         self.encode("hello")
+
+    def check_decode(self) -> None:
+        """Whether /detokenize answers too (vLLM's does; other servers have only /tokenize): without it prompts are
+        still exact, cut at word boundaries and measured again instead of cut at a token and decoded."""
+        try:
+            self.decode(self.encode("hello"))
+        except TokenizerError as exc:
+            self.can_decode = False
+            self.server_check = f"is the server's, without /detokenize ({exc})"
 
     def encode(self, text: str) -> list[int]:
         return self._tokenize({"prompt": text, "add_special_tokens": False})

@@ -234,14 +234,15 @@ def _print_outcome(console: Console, outcome: TuneOutcome) -> None:
         else:
             verdict = "SLOs hold" if item.holds else "SLOs missed"
             measured = (
-                f"{item.output_tok_s:,.0f} output tok/s{forecast}, goodput {item.goodput_tok_s:,.0f} tok/s, {verdict}"
-                + ("" if item.judged_at == JUDGED_AT_LOAD else f" at {item.judged_at}")
+                f"{item.output_tok_s:,.0f} output tok/s{forecast}, goodput {item.goodput_output_tok_s:,.0f} tok/s, "
+                f"{verdict}" + ("" if item.judged_at == JUDGED_AT_LOAD else f" at {item.judged_at}")
             )
         console.print(f"  {entry.params.get('variant') or entry.point_id}: {measured}")
     if outcome.best is None:
         console.print("No measured point met every SLO: no best.yaml written. Loosen an SLO or try other values.")
         return
     console.print(
-        f"[bold green]Best:[/] {outcome.best.description}: goodput {outcome.best.goodput_tok_s:,.0f} output tok/s "
+        f"[bold green]Best:[/] {outcome.best.description}: "
+        f"goodput {outcome.best.goodput_output_tok_s:,.0f} output tok/s "
         f"at {outcome.best.judged_at}. Serve it: deepserve serve --config {outcome.best_path}"
     )

@@ -21,10 +21,10 @@ from typing import Any
 import yaml
 
 from deepserve.config import deepserve_home
-from deepserve.engines.base import LaunchSpec, LoadMetricNames, ResolvedModel, flag_args, gpu_only_flags, url_host
+from deepserve.engines.base import LaunchSpec, ResolvedModel, flag_args, gpu_only_flags, url_host
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.metrics import TRTLLM_METRICS
 from deepserve.engines.platform import ROCM, gpu_platform
-from deepserve.engines.trtllm_metrics import KV_CACHE_USAGE, PROMETHEUS_PATH, RUNNING, WAITING
 from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import get_accelerator
 
@@ -56,9 +56,7 @@ _PHASES = (
 class TrtllmEngine:
     name = "trtllm"
     package = "tensorrt_llm"
-    load_metrics = LoadMetricNames(
-        waiting=(WAITING,), running=(RUNNING,), kv_cache_usage=(KV_CACHE_USAGE,), path=PROMETHEUS_PATH
-    )
+    metric_names = TRTLLM_METRICS
     install_hint = (
         "TensorRT-LLM runs on NVIDIA GPUs only and is easiest to get as NVIDIA's container: "
         f"`docker run --gpus all --ipc=host -p 8000:8000 {NGC_IMAGE}` (NGC; trtllm-serve is on its PATH), or "

@@ -20,6 +20,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from deepserve.engines.metrics import sample_name, with_label
 from deepserve.gateway.upstreams import CLIENT_FAILURES, UpstreamPool, UpstreamReplica
 
 ENGINE_METRICS_PATH = "/metrics/engines"
@@ -40,19 +41,7 @@ class _Family:
 
 def label_sample(line: str, replica: str) -> str:
     """LINE (one Prometheus sample) with replica="REPLICA" as its first label."""
-    label = f'{REPLICA_LABEL}="{_escape(replica)}"'
-    brace, space = line.find("{"), line.find(" ")
-    if brace != -1 and (space == -1 or brace < space):
-        inner_start = brace + 1
-        separator = "" if line[inner_start : inner_start + 1] == "}" else ","
-        return f"{line[:inner_start]}{label}{separator}{line[inner_start:]}"
-    if space == -1:
-        return line
-    return f"{line[:space]}{{{label}}}{line[space:]}"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return with_label(line, REPLICA_LABEL, replica)
 
 
 def merge_exposition(texts: dict[str, str], errors: dict[str, str] | None = None) -> str:
@@ -70,18 +59,13 @@ def merge_exposition(texts: dict[str, str], errors: dict[str, str] | None = None
                     family.headers.setdefault(parts[1], line)
                 continue  # other comments are dropped
             if family is None:  # a sample before any header: a family of its own
-                family = families.setdefault(_sample_name(line), _Family())
+                family = families.setdefault(sample_name(line), _Family())
             family.samples.append(label_sample(line, replica))
     lines = [f"# replica {replica} left out: {reason}" for replica, reason in (errors or {}).items()]
     for family in families.values():
         lines += family.headers.values()
         lines += family.samples
     return "\n".join(lines) + "\n" if lines else ""
-
-
-def _sample_name(line: str) -> str:
-    ends = [i for i in (line.find("{"), line.find(" ")) if i >= 0]
-    return line[: min(ends)] if ends else line
 
 
 async def scrape_replicas(pool: UpstreamPool) -> tuple[dict[str, str], dict[str, str]]:

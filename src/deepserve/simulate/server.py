@@ -142,7 +142,9 @@ class SimulatorApp:
             ("GET", "/simulate/sends"): self._sends,
         }
         if not config.tokenize_endpoints:
-            del self._routes[("POST", "/tokenize")], self._routes[("POST", "/detokenize")]
+            del self._routes[("POST", "/tokenize")]
+        if not config.tokenize_endpoints or not config.detokenize_endpoint:
+            del self._routes[("POST", "/detokenize")]
         if not config.metrics_endpoint:
             del self._routes[("GET", "/metrics")]
         if not config.log_sends:

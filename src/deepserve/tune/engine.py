@@ -72,7 +72,7 @@ def probe_from_result(load: float, result: dict[str, Any], slos: Sequence[Slo]) 
     return Probe(
         load=load,
         holds=all(check.holds for check in checks),
-        goodput_tok_s=output_goodput_tok_s(result, slos),
+        goodput_output_tok_s=output_goodput_tok_s(result, slos),
         output_tok_s=float(result.get("output_throughput") or 0.0),
         summary=summary,
     )
@@ -197,4 +197,4 @@ def _load_words(options: SearchOptions, load: float) -> str:
 
 def _probe_words(probe: Probe) -> str:
     verdict = "SLOs hold" if probe.holds else "SLOs missed"
-    return f"{verdict}, goodput {probe.goodput_tok_s:,.0f} of {probe.output_tok_s:,.0f} output tok/s"
+    return f"{verdict}, goodput {probe.goodput_output_tok_s:,.0f} of {probe.output_tok_s:,.0f} output tok/s"

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from deepserve.bench import runner
 from deepserve.bench.config import BenchConfig
+from deepserve.bench.driver import Driver
 from deepserve.bench.runner import BenchError, run_benchmark, save_result
 from deepserve.cli.main import main
 from deepserve.models.tiny import write_tiny_model
@@ -148,7 +148,7 @@ def test_a_run_that_fails_still_stops_the_profiler(monkeypatch):
     async def broken_dispatch(self):
         raise RuntimeError("dispatcher failed")
 
-    monkeypatch.setattr(runner._Driver, "_dispatch", broken_dispatch)  # a fault inside the measured run
+    monkeypatch.setattr(Driver, "_dispatch", broken_dispatch)  # a fault inside the measured run
     with simulator_thread(profiler_endpoints=True) as server:
         with pytest.raises(RuntimeError, match="dispatcher failed"):
             run_benchmark(bench(server.root_url, metrics={"server_metrics": False, "profile": True}), False)

@@ -200,7 +200,9 @@ def test_output_bounds_must_come_together_and_in_order() -> None:
 
 
 def test_unknown_dataset_lists_the_valid_ones() -> None:
-    valid = "custom, long, mooncake, multi_turn, prefix_repetition, random, sampled, shared_prefix, sharegpt"
+    valid = (
+        "agent_trace, custom, long, mooncake, multi_turn, prefix_repetition, random, sampled, shared_prefix, sharegpt"
+    )
     with pytest.raises(ValidationError, match=f"unknown dataset 'nonesuch'; valid: {valid}, timed_trace"):
         WorkloadConfig(dataset_name="nonesuch")
     # vLLM's datasets that are not built in say why and what to use instead
@@ -283,7 +285,18 @@ def test_custom_oversamples_to_num_prompts_unless_told_not_to(tmp_path: Path, ti
         ('\n{"text": "no prompt"}\n', r"bad\.jsonl:2: expected a 'prompt' or 'messages' key"),
         ('{"prompt": ""}\n', r"bad\.jsonl:1: 'prompt' must be a non-empty string"),
         ('{"prompt": "x", "output_tokens": "ten"}\n', r"bad\.jsonl:1: 'output_tokens' must be a positive integer"),
-        ('{"messages": [{"role": "user"}]}\n', r"bad\.jsonl:1: messages\[0\] must be an object with string"),
+        ('{"messages": [{"role": "user"}]}\n', r"bad\.jsonl:1: messages\[0\] must have a string 'content'"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}\n', r"messages\[0\] must be an object with a 'role'"),
+        (
+            '{"messages": [{"role": "tool", "content": "21 C"}]}\n',
+            r"messages\[0\]: a tool message needs the 'tool_call_id'",
+        ),
+        (
+            '{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c"}]}]}\n',
+            r"messages\[0\]: 'tool_calls' must be a list like",
+        ),
+        ('{"prompt": "x", "tools": [{"name": "f"}]}\n', r"bad\.jsonl:1: 'tools' must be a list like"),
+        ('{"prompt": "x", "tool_choice": "sometimes"}\n', r"'tool_choice' must be none, auto, required"),
         ("\n\n", r"bad\.jsonl: no requests"),
     ],
 )

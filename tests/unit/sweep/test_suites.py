@@ -58,6 +58,10 @@ def test_the_issue_s_suites_exist_at_the_seeds_sizes():
     prefix = {p.variant: p for p in get_suite("prefix-cache").points()}
     assert prefix["shared prefix"].params["shared_prefix_len"] == 2000 and prefix["no sharing"].input_len == 3200
     assert {p.concurrency for p in prefix.values()} == {128}
+    reasoning = get_suite("reasoning").points()
+    assert {p.variant for p in reasoning} == {"thinking on", "thinking off"}
+    assert {p.params["chat_template_kwargs"] for p in reasoning} == {'{"thinking": true}', '{"thinking": false}'}
+    assert {p.params["endpoint"] for p in reasoning} == {"/v1/chat/completions"}
     offline = get_suite("offline").points()
     assert [p.num_prompts for p in offline] == [32, 64, 128, 256, 512, 1024]
     assert all(p.concurrency is None and math.isinf(p.request_rate) for p in offline)

@@ -14,7 +14,7 @@ from deepserve.bench.config import BenchConfig
 from deepserve.errors import ConfigError, DeepserveError
 from deepserve.results.store import ResultsStore
 from deepserve.results.sweepdir import load_result_set, read_index
-from deepserve.sweep.grid import apply_overrides, grid_spec, parse_list, point_id
+from deepserve.sweep.grid import apply_overrides, grid_spec, parse_list, point_id, template_variants
 from deepserve.sweep.run import SweepOptions, run_sweep, saturation_reason
 
 PEAK_OUTPUT_TOK_S = 400.0
@@ -67,6 +67,22 @@ def test_grid_is_every_combination_with_the_axis_varying_fastest():
         (512, 4),
     ]
     assert len({p.point_id for p in spec.points}) == 6
+
+
+def test_chat_template_options_given_several_times_run_every_point_once_with_each():
+    variants = template_variants(['{"thinking": true}', '{"thinking": false}'])
+    assert list(variants) == ["thinking=true", "thinking=false"]
+    spec = grid_spec({"max_concurrency": [1, 4]}, "g", {}, variants)
+    assert [(p.variant, p.overrides["max_concurrency"]) for p in spec.points] == [
+        ("thinking=true", 1), ("thinking=true", 4), ("thinking=false", 1), ("thinking=false", 4),
+    ]  # fmt: skip
+    chat = base().model_copy(update={"target": base().target.model_copy(update={"endpoint": "/v1/chat/completions"})})
+    config = apply_overrides(chat, spec.points[2].overrides)
+    assert config.target.template_kwargs() == {"thinking": False}
+    assert spec.signature != grid_spec({"max_concurrency": [1, 4]}, "g", {}).signature
+    for bad in ("[1]", "{not json"):
+        with pytest.raises(ConfigError, match="--chat-template-kwargs"):
+            template_variants([bad, "{}"])
 
 
 def test_point_ids_are_readable_and_change_with_any_parameter():

@@ -34,6 +34,9 @@ class DraftRequest:
     prompt_len: int  # tokens the server processes for PROMPT (BOS, chat template included)
     output_len: int | None = None
     arrival_s: float | None = None  # a trace's release time, seconds after the first request
+    extra_body: dict[str, Any] = field(default_factory=dict)  # the request's own body fields (tools, tool_choice, …)
+    session: int | None = None  # an agent trace's session and the request's place in it (from 1)
+    turn: int | None = None
 
 
 @dataclass
