@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -36,6 +36,7 @@ __all__ = [
     "SAMPLE_SUFFIXES",
     "Child",
     "FakeClock",
+    "present",
     "samples",
     "simulator",
     "simulator_thread",
@@ -46,6 +47,8 @@ __all__ = [
     "vllm_exported_samples",
     "wait_until",
 ]
+
+T = TypeVar("T")
 
 # How long a test waits for something that takes milliseconds when the machine is idle: a bound for a shared,
 # loaded machine, never a measurement.
@@ -67,6 +70,13 @@ class FakeClock:
 
     def sleep(self, seconds: float) -> None:
         self.advance(seconds)
+
+
+def present(value: T | None, what: str = "the value") -> T:
+    """VALUE, which the test expects to be there: an assertion that fails on None (naming WHAT), and the type
+    without None for what the test does with it next."""
+    assert value is not None, f"{what} is missing"
+    return value
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = SETTLE_BOUND_S, interval_s: float = 0.005) -> None:

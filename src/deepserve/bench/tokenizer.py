@@ -308,13 +308,14 @@ class ServerTokenCounter:
         base_url: str,
         model: str,
         api_key: str | None,
-        client: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
         probe: bool = False,
         verify_tls: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """PROBE: a short timeout, for a check that must not hold up a run whose server cannot answer.
-        CHAT_TEMPLATE_KWARGS: sent with chat prompts, as with the requests."""
+        """TRANSPORT: httpx's, by default the network (a test's MockTransport answers in-process). PROBE: a short
+        timeout, for a check that must not hold up a run whose server cannot answer. CHAT_TEMPLATE_KWARGS: sent with
+        chat prompts, as with the requests."""
         self.root_url = base_url.rstrip("/").removesuffix("/v1")
         self.model = model
         self.source = f"server:{self.root_url}/tokenize"
@@ -322,7 +323,7 @@ class ServerTokenCounter:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = PROBE_TIMEOUT_S if probe else TOKENIZE_TIMEOUT_S
-        self._client = client or httpx.Client(timeout=timeout, headers=headers, verify=verify_tls)
+        self._client = httpx.Client(timeout=timeout, headers=headers, verify=verify_tls, transport=transport)
 
     def check(self) -> None:
         """Fail fast when the server cannot tokenize for us (TokenizerError with the server's answer)."""
@@ -358,7 +359,7 @@ class ServerTokenCounter:
             chat["chat_template_kwargs"] = self.chat_template_kwargs
         return self._tokenize(chat)
 
-    def vocab_pieces(self) -> None:
+    def vocab_pieces(self) -> list[str] | None:
         return None  # the server does not list its vocabulary; random prompts use pseudo-words instead
 
     def close(self) -> None:

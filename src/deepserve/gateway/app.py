@@ -242,7 +242,7 @@ class GatewayApp:
         self.lost_ledger_rows = 0  # set by close(): rows the ledger could not write
         self._owns_state = keyring is None and ledger is None
         self._engine_metrics = EngineMetricsCache(self.pool, clock=clock)
-        self._engine_load = (
+        self.engine_load_scraper = (  # engine_aware balancing only
             EngineLoadScraper(self.pool, policy.engine_load, config.engine_metrics_interval_s, clock)
             if policy.engine_load is not None
             else None
@@ -282,9 +282,9 @@ class GatewayApp:
         await self.pool.start()
         if self.prefill_pool is not None:
             await self.prefill_pool.start()
-        if self._engine_load is not None:
-            await self._engine_load.scrape_once()
-            self._engine_load.start()
+        if self.engine_load_scraper is not None:
+            await self.engine_load_scraper.scrape_once()
+            self.engine_load_scraper.start()
         self.connections.start()
         self._key_task = asyncio.create_task(self._refresh_keys(), name="key-refresh")
 
@@ -293,8 +293,8 @@ class GatewayApp:
             self._key_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._key_task
-        if self._engine_load is not None:
-            await self._engine_load.close()
+        if self.engine_load_scraper is not None:
+            await self.engine_load_scraper.close()
         await self.limiter.close()
         await self.connections.close()
         await self.pool.close()
@@ -306,6 +306,11 @@ class GatewayApp:
         if self._owns_state and self.keyring:
             self.keyring.source.close()
         self.metrics.publish_live_state()  # with several workers: this one's last counts outlive it
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests being proxied now (what `cut_in_flight` would end)."""
+        return len(self._in_flight)
 
     def cut_in_flight(self, reason: str) -> int:
         """End every proxied request still in flight (the shutdown grace period is over): a stream gets an error
@@ -551,7 +556,7 @@ class GatewayApp:
             preferred = self._continued_on(parsed, exchange.key) if endpoint is RESPONSES else None
             key = exchange.key
             exchange.admission = await self.limiter.admit(
-                key.id if key else None, key.limits if key else None, self._charge(parsed)
+                key.id if key else None, key.limits if key else None, self.tpm_charge(parsed)
             )
             watcher = _cancel_on_disconnect(scope, receive, exchange, task)
             await self.limiter.acquire_slot(exchange.admission)
@@ -597,7 +602,7 @@ class GatewayApp:
             allowed = ", ".join(sorted(key.models or ()))
             raise PermissionDenied(f"this key may not use {client_model!r}; it may use: {allowed}", param="model")
 
-    def _charge(self, parsed: ParsedRequest) -> int:
+    def tpm_charge(self, parsed: ParsedRequest) -> int:
         """Tokens charged to the key's tpm bucket on admission (corrected with the real usage afterwards): the
         estimate, but never more than the model's context (DEFAULT_CHARGE_CAP_TOKENS when that is unknown), so
         that one request with an absurd max_tokens cannot put a key in debt for years."""

@@ -109,6 +109,16 @@ class HttpResponse:
             self._detached = True
             self._connection.close()
 
+    @property
+    def reading_paused(self) -> bool:
+        """Whether the connection stopped reading from the upstream (the reader is behind: TCP pushes back)."""
+        return self._connection.reading_paused
+
+    @property
+    def buffered_chunks(self) -> int:
+        """Body chunks received and not read yet."""
+        return len(self._connection._chunks)  # the module's own class
+
 
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to ORIGIN: the parser's callbacks fill a queue of body chunks that one reader
@@ -194,6 +204,11 @@ class _Connection(asyncio.Protocol):
     @property
     def reusable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
+
+    @property
+    def reading_paused(self) -> bool:
+        transport = self._transport
+        return transport is not None and not transport.is_reading()
 
     async def exchange(self, head: bytes, body: bytes, head_timeout_s: float | None = None) -> HttpResponse:
         """Send a request; return once the response's head arrived (within HEAD_TIMEOUT_S, when given)."""
@@ -521,6 +536,16 @@ class HttpClient:
         for idle in self._idle.values():
             for connection in [c for c in idle if now_s - c.idle_since_s >= self.idle_s]:
                 connection.close()
+
+    @property
+    def open_connections(self) -> int:
+        """Connections open now, in use or idle."""
+        return len(self._all)
+
+    @property
+    def awaiting_head(self) -> int:
+        """Requests sent whose response head has not arrived yet."""
+        return sum(connection.awaiting_head for connection in self._all)
 
     def check_timeouts(self) -> None:
         """Check every open connection's deadlines now (what their timers do when they fire)."""

@@ -776,7 +776,7 @@ class SimulatorServer:
     def __init__(self, deployment: SimulatedDeployment, config: SimulateConfig) -> None:
         self.deployment = deployment
         self.config = config
-        self.app: SimulatorApp | None = None
+        self._app: SimulatorApp | None = None
         self._server: asyncio.AbstractServer | None = None
         self._stamped: KernelStampedServer | None = None
         self.host = "127.0.0.1"
@@ -796,8 +796,15 @@ class SimulatorServer:
             self._server = await loop.create_server(lambda: _Connection(app), host, port, backlog=4096)
             self.port = int(self._server.sockets[0].getsockname()[1])
         self.host = host
-        self.app = app
+        self._app = app
         return app
+
+    @property
+    def app(self) -> SimulatorApp:
+        """The running simulator's state (stats, controls, engine): there once start() has returned."""
+        if self._app is None:
+            raise RuntimeError("the simulator has not started: call start() (or use running_simulator) first")
+        return self._app
 
     @property
     def base_url(self) -> str:
@@ -817,8 +824,8 @@ class SimulatorServer:
         if self._server is not None:
             self._server.close()
             self._server = None
-        if self.app is not None:
-            for conn in list(self.app.connections):
+        if self._app is not None:
+            for conn in list(self._app.connections):
                 conn.abort()
         await asyncio.sleep(0)  # let the aborted connections' connection_lost run
 
@@ -852,7 +859,6 @@ class SimulatorThread:
 
     @property
     def app(self) -> SimulatorApp:
-        assert self.server.app is not None, "the simulator has not started"
         return self.server.app
 
     @property
