@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 
 from deepserve.gateway.balancing import PolicySettings, RoutingHints, make_policy, prompt_text_for_routing
+from deepserve.gateway.clock import Clock
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.connections import BODY_TIMEOUT_SCOPE_KEY, ConnectionGuard
 from deepserve.gateway.disaggregation import decode_body, kv_transfer_params, prefill_body
@@ -68,7 +69,7 @@ from deepserve.gateway.validation import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     RESPONSES,
-    Endpoint,
+    ApiRoute,
     ParsedRequest,
     load_json_object,
     parse_request,
@@ -125,7 +126,7 @@ class _Exchange:
         "usage",
     )
 
-    def __init__(self, endpoint: Endpoint, client: Any = None, method: str = "POST") -> None:
+    def __init__(self, endpoint: ApiRoute, client: Any = None, method: str = "POST") -> None:
         self.endpoint = endpoint
         self.client = client  # (host, port) of the client, and the method: for the access log
         self.method = method
@@ -192,7 +193,7 @@ class GatewayApp:
         keyring: KeyRing | None = None,
         ledger: UsageLedger | None = None,
         limiter: Limiter | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
         resolve: Resolver = system_resolve,
     ) -> None:
         """CLOCK times every deadline of the gateway (client connections, upstream requests, the slot queue, the
@@ -536,7 +537,7 @@ class GatewayApp:
             else:
                 response.close()
 
-    async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _proxy(self, endpoint: ApiRoute, scope: Scope, receive: Receive, send: Send) -> None:
         exchange = _Exchange(endpoint, scope.get("client"), scope["method"])
         watcher: asyncio.Task[None] | None = None
         task = asyncio.current_task()
@@ -672,7 +673,7 @@ class GatewayApp:
 
     # ---- prefill/decode disaggregation --------------------------------------------------------------------------
 
-    def _disaggregated(self, endpoint: Endpoint, parsed: ParsedRequest) -> bool:
+    def _disaggregated(self, endpoint: ApiRoute, parsed: ParsedRequest) -> bool:
         """Prefilled apart: completions and chat, when prefill replicas are configured and the client does not run
         the KV-transfer protocol itself."""
         return (

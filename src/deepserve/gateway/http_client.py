@@ -29,6 +29,7 @@ from typing import cast
 import httptools
 
 from deepserve import _compat
+from deepserve.gateway.clock import Clock
 
 # Flow control: stop reading from the upstream while this many body chunks wait for the reader; go on at half that.
 _PAUSE_AT_CHUNKS = 64
@@ -42,7 +43,6 @@ MAX_FETCH_BYTES = 16 << 20
 
 # (host, port) -> the IP addresses to try, in order.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
-Clock = Callable[[], float]
 
 
 async def system_resolve(host: str, port: int) -> list[str]:

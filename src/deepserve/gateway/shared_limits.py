@@ -50,8 +50,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from deepserve._compat import timeout
+from deepserve.gateway.clock import Clock
 from deepserve.gateway.errors import LimiterUnavailable, Overloaded, RateLimited
-from deepserve.gateway.limits import Admission, Clock, KeyLimits, LocalLimiter
+from deepserve.gateway.limits import Admission, KeyLimits, LocalLimiter
 from deepserve.gateway.resp import ReplyError, RespConnection
 
 log = logging.getLogger(__name__)
