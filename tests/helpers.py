@@ -29,7 +29,8 @@ from deepserve._compat import timeout
 from deepserve.models.tiny import tiny_config
 from deepserve.net import free_port
 from deepserve.simulate.fixed import FAKE_MODEL, fixed_timing, simulate_command
-from deepserve.simulate.server import SimulatorServer, SimulatorThread, running_simulator
+from deepserve.simulate.server import SimulatorServer, running_simulator
+from deepserve.simulate.thread import SimulatorThread
 
 __all__ = [
     "FAKE_MODEL",

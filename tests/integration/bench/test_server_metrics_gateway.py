@@ -19,7 +19,7 @@ from deepserve.bench.runner import run_benchmark
 from deepserve.bench.server_metrics import ServerMetricsScraper
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.server import running_gateway
-from deepserve.simulate.server import SimulatorThread
+from deepserve.simulate.thread import SimulatorThread
 from tests.helpers import simulator_thread
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ from deepserve.bench.runner import BenchError, run_benchmark, save_result
 from deepserve.cli.main import main
 from deepserve.models.tiny import write_tiny_model
 from deepserve.simulate.fixed import fixed_timing
-from deepserve.simulate.server import SimulatorThread
+from deepserve.simulate.thread import SimulatorThread
 from tests.helpers import present, simulator_thread
 
 pytestmark = pytest.mark.timeout(120)
