@@ -48,6 +48,21 @@ class TokenCounter(Protocol):
 
     source: str  # "local:/path/to/tokenizer" or "server:http://host:port/tokenize"
 
+    @property
+    def concurrent(self) -> bool:
+        """Whether calls may overlap (each is a round trip to the server): prompt builds then run in threads."""
+        ...
+
+    @property
+    def can_decode(self) -> bool:
+        """Whether ids turn back into text (a server without /detokenize cannot: prompts are then cut by words)."""
+        ...
+
+    @property
+    def server_check(self) -> str | None:
+        """How the counts were checked against the server's, for the results; None when not checked."""
+        ...
+
     def encode(self, text: str) -> list[int]:
         """Token ids of TEXT alone, without BOS or any other special token added."""
         ...
@@ -67,6 +82,11 @@ class TokenCounter(Protocol):
 
     def vocab_pieces(self) -> list[str] | None:
         """Texts of single tokens that re-encode to themselves (for random prompts), or None if unknown."""
+        ...
+
+    def render_chat(self, messages: ChatMessages) -> str | None:
+        """MESSAGES as one completion prompt with the model's chat template; None when this tokenizer has no
+        template at hand (the server's and the approximation render nothing here)."""
         ...
 
 
@@ -149,7 +169,7 @@ def counting_method(counter: TokenCounter) -> dict[str, Any]:
         "method": method,
         "exact": method != "approximate",
         "source": counter.source,
-        "check": getattr(counter, "server_check", None),
+        "check": counter.server_check,
     }
 
 
@@ -197,6 +217,7 @@ class LocalTokenCounter:
     """A Hugging Face tokenizer loaded from a local directory (tokenizer.json, tokenizer_config.json); no network."""
 
     concurrent = False  # one process, one tokenizer: builds run in turn
+    can_decode = True
 
     def __init__(self, hf_tokenizer: Any, path: str, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self._tok = hf_tokenizer
@@ -361,6 +382,9 @@ class ServerTokenCounter:
 
     def vocab_pieces(self) -> list[str] | None:
         return None  # the server does not list its vocabulary; random prompts use pseudo-words instead
+
+    def render_chat(self, messages: ChatMessages) -> None:
+        return None  # the server renders chat only inside a request: messages go to the chat endpoint instead
 
     def close(self) -> None:
         self._client.close()
