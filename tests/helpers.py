@@ -23,9 +23,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deepserve._compat import timeout
+from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.models.tiny import tiny_config
 from deepserve.net import free_port
 from deepserve.simulate.fixed import FAKE_MODEL, fixed_timing, simulate_command
@@ -37,11 +40,14 @@ __all__ = [
     "SAMPLE_SUFFIXES",
     "Child",
     "FakeClock",
+    "metric_total",
     "present",
     "samples",
+    "scrape",
     "simulator",
     "simulator_thread",
     "start_child",
+    "start_gateway",
     "start_simulator",
     "tiny_config_dir",
     "until",
@@ -164,6 +170,12 @@ def start_child(argv: list[str], ready_prefix: str = "READY ", timeout_s: float 
     return child
 
 
+def start_gateway(config: GatewayConfig, timeout_s: float = 30) -> Child:
+    """`deepserve gateway` in its own process, with the command line `deepserve serve` runs it with (gateway_argv);
+    its url is the OpenAI base URL (…/v1)."""
+    return start_child(gateway_argv(config, sys.executable), "GATEWAY READY", timeout_s)
+
+
 def start_simulator(*flags: str, model: str = FAKE_MODEL) -> Child:
     """`deepserve simulate --model MODEL FLAGS` in its own process on a free port (give it --fixed-* timings or a
     model the planner knows); its url is the OpenAI base URL (…/v1)."""
@@ -213,6 +225,18 @@ _VLLM_DEFINITION = re.compile(r'self\._(counter|gauge|histogram)_cls\(\s*name="(
 def samples(kind: str, name: str) -> set[str]:
     """The sample names a Prometheus metric of KIND called NAME is exposed under."""
     return {name + suffix for suffix in SAMPLE_SUFFIXES[kind]}
+
+
+def scrape(url: str, timeout_s: float = 30) -> list[tuple[str, dict[str, str], float]]:
+    """The samples (name, labels, value) that the Prometheus endpoint at URL exposes now, read with
+    prometheus_client's own parser (not deepserve's, which some tests check)."""
+    text = httpx.get(url, timeout=timeout_s).raise_for_status().text
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def metric_total(scraped: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    """The sum of the samples called NAME whose labels include LABELS (0 when there is none)."""
+    return sum(value for sample, tags, value in scraped if sample == name and labels.items() <= tags.items())
 
 
 def vllm_exported_samples() -> set[str]:

@@ -16,7 +16,10 @@ instant the engine's running batch is most likely at its peak.
 
 Behind deepserve's gateway, `<base>/metrics` has only the gateway's series; its `/metrics/engines` has every healthy
 replica's, labelled by replica. When the first URL has no engine series, the scraper tries that one; the summary
-says which URL the numbers came from.
+says which URL the numbers came from. The gateway answers that URL from a scrape up to a quarter second old (it
+shields the engines from callers in a loop), so the run's first and last samples, which bound every counter's
+growth, are taken that long after the run's start and end: the last one then counts the last requests' steps (a
+run of the tiny MTP model, whose last wave took under a quarter second, had half its drafts missing without it).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ from deepserve.engines.metrics import (
 )
 
 GATEWAY_ENGINES_PATH = "/metrics/engines"  # deepserve's gateway: every replica's /metrics (gateway/engine_metrics.py)
+# How old the gateway's answer there may be (gateway/engine_metrics.py CACHE_S; a test keeps them equal), plus a margin
+GATEWAY_ENGINES_MAX_AGE_S = 0.25
+GATEWAY_FRESH_WAIT_S = GATEWAY_ENGINES_MAX_AGE_S + 0.05
 AUTO_MIN_INTERVAL_S = 0.05  # the first samples of a run
 AUTO_MAX_INTERVAL_S = 1.0  # a long run's
 AUTO_SAMPLES_PER_ELAPSED = 20  # interval = elapsed / 20 in between
@@ -250,7 +256,7 @@ class ServerMetricsScraper:
         self._peak_scrapes = 0
 
     async def start(self) -> None:
-        await self._scrape()  # the baseline for counters
+        await self._scrape_fresh()  # the baseline for counters
         if self.fallback_url and not any(self._samples[-1:]):
             await self._try_fallback()
         if self._unavailable is None:
@@ -264,6 +270,7 @@ class ServerMetricsScraper:
 
     async def _try_fallback(self) -> None:
         assert self.fallback_url is not None
+        await asyncio.sleep(_fresh_wait_s(self.fallback_url))  # the baseline: no older than the run
         try:
             response = await self._client.get(self.fallback_url)
         except httpx.HTTPError:
@@ -284,6 +291,12 @@ class ServerMetricsScraper:
                 self._peak_scrapes += 1
                 await asyncio.sleep(PEAK_SETTLE_S)
             await self._scrape()
+
+    async def _scrape_fresh(self) -> None:
+        """A sample of the server as it is now (at the run's start and end): through the gateway's cached merge,
+        once the answer it may hold is younger than this moment."""
+        await asyncio.sleep(_fresh_wait_s(self.url))
+        await self._scrape()
 
     async def _scrape(self) -> None:
         try:
@@ -309,7 +322,7 @@ class ServerMetricsScraper:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            await self._scrape()
+            await self._scrape_fresh()  # after the last request: what the engine counted for it
         await self._client.aclose()
         if self._unavailable is not None:
             return ServerMetricsSummary(available=False, note=self._unavailable, url=self.url)
@@ -328,6 +341,12 @@ class ServerMetricsScraper:
             f"(at most {AUTO_MAX_INTERVAL_S:g} s)"
         )
         return f"{every}, and {self._peak_scrapes} times at a new high of the client's requests in flight"
+
+
+def _fresh_wait_s(url: str) -> float:
+    """How long to wait before a sample of URL must show the server as it is now: deepserve's gateway's merged
+    engines' metrics may be GATEWAY_ENGINES_MAX_AGE_S old; an engine's own /metrics is live."""
+    return GATEWAY_FRESH_WAIT_S if httpx.URL(url).path.endswith(GATEWAY_ENGINES_PATH) else 0.0
 
 
 def scraper_for(config: BenchConfig) -> ServerMetricsScraper | None:

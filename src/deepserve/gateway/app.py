@@ -600,7 +600,8 @@ class GatewayApp:
 
     async def _prefill(self, exchange: Exchange, parsed: ParsedRequest, hints: RoutingHints) -> bytes | _EngineAnswer:
         """Prefill the prompt on a prefill replica (disaggregation.py); the decode request's body, or the prefill
-        engine's refusal. With no prefill to be had, the request as it is: its decode replica prefills it."""
+        engine's refusal. With no prefill to be had, the request as it is: its decode replica prefills it (a
+        fallback)."""
         pool = self.prefill_pool
         assert pool is not None
         request, body = prefill_body(parsed.body)
@@ -627,11 +628,11 @@ class GatewayApp:
             exchange.prefill_upstream = replica.url
             self.metrics.pd_phase(parsed.model, "prefill").observe(time.perf_counter() - started_s)
             params = kv_transfer_params(answer)
-            if params is None:
-                reason = "no_kv_transfer_params"
-                break
+            # Without kv_transfer_params the decode request goes as the client sent it: a connector that finds the
+            # KV by the prompt itself (vLLM's ExampleConnector) loads it so, and never returns any.
+            self.metrics.pd_handoffs.labels("none" if params is None else "returned").inc()
             exchange.decode_sent_s = time.perf_counter()
-            return decode_body(request, params)
+            return parsed.body if params is None else decode_body(request, params)
         self.metrics.pd_fallbacks.labels(reason).inc()
         log.warning("prefill/decode: %s; the decode replica prefills the request itself", reason.replace("_", " "))
         return parsed.body

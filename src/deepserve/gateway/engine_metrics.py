@@ -5,8 +5,10 @@ label is the upstream URL as configured (the config has no other name for a repl
 internal URLs: when the gateway requires keys, the app answers only callers with a valid key (docs/GATEWAY.md).
 
 Its callers must not be able to drive the engines' /metrics (on an open gateway anyone may call it): concurrent
-requests share one scrape, and its result is answered for CACHE_S after it (at most 1/CACHE_S scrapes per second
-per replica, however many callers).
+requests share one scrape, and its result is answered until CACHE_S after that scrape began (at most 1/CACHE_S
+scrapes per second per replica, however many callers). So an answer reflects the engines as they were at most CACHE_S
+before it: a client that needs a sample taken after some moment (the benchmark's last sample, after its run) asks
+CACHE_S after that moment.
 
 Samples are regrouped by metric family across replicas (one HELP/TYPE header per family), because Prometheus text
 format requires a family's samples to be contiguous. A replica that does not answer is named in a comment line and
@@ -88,7 +90,8 @@ async def _scrape(pool: UpstreamPool, replica: UpstreamReplica) -> tuple[str | N
 
 
 class EngineMetricsCache:
-    """The merged exposition of POOL's replicas: one scrape for all concurrent callers, reused for CACHE_S."""
+    """The merged exposition of POOL's replicas: one scrape for all concurrent callers, reused until CACHE_S after
+    it began."""
 
     def __init__(self, pool: UpstreamPool, cache_s: float = CACHE_S, clock: Clock = time.monotonic):
         self.pool = pool
@@ -107,10 +110,11 @@ class EngineMetricsCache:
         return await asyncio.shield(self._scrape)
 
     async def _refresh(self) -> bytes:
+        began_s = self._clock()  # the age counts from here: what the engines said may be this old, not younger
         try:
             texts, errors = await scrape_replicas(self.pool)
             self._body = merge_exposition(texts, errors).encode()
-            self._scraped_at_s = self._clock()
+            self._scraped_at_s = began_s
             return self._body
         finally:
             self._scrape = None

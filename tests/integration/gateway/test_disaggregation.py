@@ -65,6 +65,8 @@ async def test_a_stream_is_prefilled_on_one_replica_and_decoded_on_the_other() -
         metrics = app.metrics.render().decode()
         for phase in ("prefill", "decode_first_token"):
             assert f'deepserve_gateway_pd_phase_seconds_count{{model="fake-model",phase="{phase}"}} 1.0' in metrics
+        assert 'deepserve_gateway_pd_handoffs_total{kv_transfer_params="returned"} 1.0' in metrics
+        assert "deepserve_gateway_pd_fallbacks_total{" not in metrics
         assert f'deepserve_gateway_prefill_upstream_healthy{{replica="{prefill.base_url}"}} 1.0' in metrics
 
 

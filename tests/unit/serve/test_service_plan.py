@@ -267,3 +267,15 @@ def test_cpu_mtp_on_the_tiny_model_counts_the_module(no_gpu: None, tmp_path: Pat
     assert plan.config.speculative_method == "mtp"
     assert plan.fit is not None and "with its MTP module" in plan.fit.summary
     assert '"num_speculative_tokens":2' in plan.launch.shell_line()
+
+
+@pytest.mark.parametrize(("gpu_type", "command"), [("h200", "vllm serve"), ("mi300x", "VLLM_ROCM_USE_AITER=1")])
+def test_dry_run_with_a_gpu_type_plans_for_those_gpus_on_a_machine_without_one(
+    no_gpu: None, gpu_type: str, command: str
+) -> None:
+    """`--gpu-type` names the nodes a dry run is for: it must not fall back to this machine's CPU build."""
+    config = EngineConfig(model="deepseek-ai/DeepSeek-R1", gpu_type=gpu_type, tensor_parallel_size=8)
+    plan = service.plan_service(config, ServeConfig(), on_this_machine=False)
+    text = service.dry_run_text(plan, ServeConfig())
+    assert "on cpu" not in text and "does not fit" not in text
+    assert any(line.startswith(command) for line in text.splitlines())
