@@ -156,7 +156,7 @@ def _gpus_per_node(config: EngineConfig, on_this_machine: bool) -> int | None:
     return len(local_gpus()) if on_this_machine else None
 
 
-def preflight(plan: ServicePlan) -> None:
+def check_can_run(plan: ServicePlan) -> None:
     """The checks that need the machine but start nothing: the memory plan (no install fixes a deployment that
     cannot fit), engine installed, ports free, the master address."""
     if plan.fit is not None and plan.fit.fits is False and not plan.force:
