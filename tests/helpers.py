@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -32,7 +32,8 @@ from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.models.tiny import tiny_config
 from deepserve.net import free_port
 from deepserve.simulate.fixed import FAKE_MODEL, fixed_timing, simulate_command
-from deepserve.simulate.server import SimulatorServer, SimulatorThread, running_simulator
+from deepserve.simulate.server import SimulatorServer, running_simulator
+from deepserve.simulate.thread import SimulatorThread
 
 __all__ = [
     "FAKE_MODEL",
@@ -40,6 +41,7 @@ __all__ = [
     "Child",
     "FakeClock",
     "metric_total",
+    "present",
     "samples",
     "scrape",
     "simulator",
@@ -52,6 +54,8 @@ __all__ = [
     "vllm_exported_samples",
     "wait_until",
 ]
+
+T = TypeVar("T")
 
 # How long a test waits for something that takes milliseconds when the machine is idle: a bound for a shared,
 # loaded machine, never a measurement.
@@ -73,6 +77,13 @@ class FakeClock:
 
     def sleep(self, seconds: float) -> None:
         self.advance(seconds)
+
+
+def present(value: T | None, what: str = "the value") -> T:
+    """VALUE, which the test expects to be there: an assertion that fails on None (naming WHAT), and the type
+    without None for what the test does with it next."""
+    assert value is not None, f"{what} is missing"
+    return value
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = SETTLE_BOUND_S, interval_s: float = 0.005) -> None:

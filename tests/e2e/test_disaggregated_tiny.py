@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from deepserve.gateway.config import GatewayConfig
 from tests.helpers import metric_total, scrape, start_gateway, wait_until
@@ -36,7 +37,9 @@ PROMPT = [(i * 11) % 250 + 3 for i in range(150)]
 
 
 # A chat message whose prompt is over 128 tokens too (one token per byte, plus the template's).
-MESSAGES = [{"role": "user", "content": "".join(chr(ord("a") + (i * 7) % 26) for i in range(150))}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "".join(chr(ord("a") + (i * 7) % 26) for i in range(150))}
+]
 
 
 def post(engine: ServedTiny, body: dict[str, Any], path: str = "/completions") -> dict[str, Any]:
@@ -139,7 +142,7 @@ def test_the_gateway_prefills_on_the_prefill_engine_and_decodes_on_the_decode_en
 
         stream = client.chat.completions.create(
             model=decode.model,
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=3,
             temperature=0,
             logprobs=True,

@@ -105,6 +105,9 @@ class ApproximateTokenCounter:
     def vocab_pieces(self) -> list[str]:
         return list(COMMON_WORDS)
 
+    def render_chat(self, messages: ChatMessages) -> None:
+        return None  # no chat template here: messages go to the chat endpoint instead
+
     def _id(self, unit: str) -> int:
         if unit not in self._ids:
             self._ids[unit] = len(self._units)

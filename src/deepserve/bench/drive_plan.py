@@ -92,7 +92,9 @@ def request_id_prefix(target: TargetConfig) -> str:
     return target.request_id_prefix if target.request_id_prefix is not None else f"bench-{uuid.uuid4().hex[:8]}-"
 
 
-def make_plan(config: BenchConfig, model: str, workload: Workload, prefix: str, token_ids: bool = False) -> DrivePlan:
+def make_drive_plan(
+    config: BenchConfig, model: str, workload: Workload, prefix: str, token_ids: bool = False
+) -> DrivePlan:
     """Everything encoded before the run. TOKEN_IDS: every request asks for its chunks' token ids."""
     target, load = config.target, config.load
     endpoint = Endpoint.from_url(target.url)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.preflight import PREFLIGHT_TIMEOUT_S, BenchError
+from deepserve.bench.server_check import SERVER_CHECK_TIMEOUT_S, BenchError
 
 
 class Profiler:
@@ -36,7 +36,7 @@ async def _profile_call(config: BenchConfig, path: str) -> None:
     target = config.target
     url = target.root_url + path
     try:
-        async with httpx.AsyncClient(timeout=PREFLIGHT_TIMEOUT_S * 6, verify=not target.insecure) as client:
+        async with httpx.AsyncClient(timeout=SERVER_CHECK_TIMEOUT_S * 6, verify=not target.insecure) as client:
             response = await client.post(url, headers=target.request_headers())
     except httpx.HTTPError as exc:
         raise BenchError(f"--profile: POST {url} failed ({exc.__class__.__name__}: {exc})") from exc

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from deepserve.bench.attribution import ESTIMATED, ONE_PER_CHUNK, attribute_chunk_tokens, spread_by_text
 from deepserve.bench.client import DecodedStream, RawResponse, StreamingClient, decode_events
 from deepserve.bench.phases import set_phases
-from deepserve.bench.tokenizer import TokenCounter
 from deepserve.bench.types import RequestRecord
 
 
@@ -119,8 +119,14 @@ def set_chunks(record: RequestRecord, times: list[float], tokens: list[int], pha
     set_phases(record, kinds, moved, phases.usage_reasoning, phases.tool_calls, phases.finish_s)
 
 
+class TextCounter(Protocol):
+    """What counting a reply's tokens needs of a tokenizer (a TokenCounter is one)."""
+
+    def count(self, text: str) -> int: ...
+
+
 def finish_records(
-    records: list[RequestRecord], uncounted: dict[int, UncountedOutput], counter: TokenCounter | None
+    records: list[RequestRecord], uncounted: dict[int, UncountedOutput], counter: TextCounter | None
 ) -> list[RequestRecord]:
     """Count the output of requests whose server sent no usage with the tokenizer and spread it over their chunks
     by text; without a tokenizer they keep one token per chunk. Returns the records in index order."""

@@ -1,4 +1,4 @@
-"""One benchmark run, end to end: check the target (preflight.py), build the workload, decide the token-ids probe,
+"""One benchmark run, end to end: check the target (server_check.py), build the workload, decide the token-ids probe,
 encode the run (drive_plan.py), send it from this process (driver.py) or from worker processes (workers.py) while the
 server's metrics are sampled (server_metrics.py) and its profiler runs (profiler.py), then turn what arrived into
 records and the result."""
@@ -9,13 +9,13 @@ from datetime import datetime
 
 from deepserve.bench.attribution import attribution_counts, overall_attribution
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.drive_plan import DrivePlan, make_plan, request_id_prefix
+from deepserve.bench.drive_plan import DrivePlan, make_drive_plan, request_id_prefix
 from deepserve.bench.driver import DriveOutcome, Driver, raise_open_files_limit, run_async
 from deepserve.bench.output import BenchResult, save_result
-from deepserve.bench.preflight import BenchError, check_server
 from deepserve.bench.profiler import Profiler
 from deepserve.bench.progress import LiveCounters, ProgressDisplay
 from deepserve.bench.records import finish_records, output_source
+from deepserve.bench.server_check import BenchError, check_server
 from deepserve.bench.server_metrics import ServerMetricsSummary, scraper_for
 from deepserve.bench.token_ids import decide_token_ids
 from deepserve.bench.tokenizer import TokenCounter, TokenizerOptions, load_token_counter
@@ -87,7 +87,7 @@ def run_workload(
         raise BenchError("the workload has no requests; check --num-prompts and the dataset")
     prefix = request_id_prefix(config.target)
     token_ids = decide_token_ids(config.target, model, f"{prefix}probe")
-    plan = make_plan(config, model, workload, prefix, token_ids.send)
+    plan = make_drive_plan(config, model, workload, prefix, token_ids.send)
     raise_open_files_limit()
     started_at = datetime.now()
     outcome, server, profile = run_async(_measure(config, plan, display))

@@ -48,6 +48,21 @@ class TokenCounter(Protocol):
 
     source: str  # "local:/path/to/tokenizer" or "server:http://host:port/tokenize"
 
+    @property
+    def concurrent(self) -> bool:
+        """Whether calls may overlap (each is a round trip to the server): prompt builds then run in threads."""
+        ...
+
+    @property
+    def can_decode(self) -> bool:
+        """Whether ids turn back into text (a server without /detokenize cannot: prompts are then cut by words)."""
+        ...
+
+    @property
+    def server_check(self) -> str | None:
+        """How the counts were checked against the server's, for the results; None when not checked."""
+        ...
+
     def encode(self, text: str) -> list[int]:
         """Token ids of TEXT alone, without BOS or any other special token added."""
         ...
@@ -67,6 +82,11 @@ class TokenCounter(Protocol):
 
     def vocab_pieces(self) -> list[str] | None:
         """Texts of single tokens that re-encode to themselves (for random prompts), or None if unknown."""
+        ...
+
+    def render_chat(self, messages: ChatMessages) -> str | None:
+        """MESSAGES as one completion prompt with the model's chat template; None when this tokenizer has no
+        template at hand (the server's and the approximation render nothing here)."""
         ...
 
 
@@ -149,7 +169,7 @@ def counting_method(counter: TokenCounter) -> dict[str, Any]:
         "method": method,
         "exact": method != "approximate",
         "source": counter.source,
-        "check": getattr(counter, "server_check", None),
+        "check": counter.server_check,
     }
 
 
@@ -197,6 +217,7 @@ class LocalTokenCounter:
     """A Hugging Face tokenizer loaded from a local directory (tokenizer.json, tokenizer_config.json); no network."""
 
     concurrent = False  # one process, one tokenizer: builds run in turn
+    can_decode = True
 
     def __init__(self, hf_tokenizer: Any, path: str, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self._tok = hf_tokenizer
@@ -308,13 +329,14 @@ class ServerTokenCounter:
         base_url: str,
         model: str,
         api_key: str | None,
-        client: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
         probe: bool = False,
         verify_tls: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """PROBE: a short timeout, for a check that must not hold up a run whose server cannot answer.
-        CHAT_TEMPLATE_KWARGS: sent with chat prompts, as with the requests."""
+        """TRANSPORT: httpx's, by default the network (a test's MockTransport answers in-process). PROBE: a short
+        timeout, for a check that must not hold up a run whose server cannot answer. CHAT_TEMPLATE_KWARGS: sent with
+        chat prompts, as with the requests."""
         self.root_url = base_url.rstrip("/").removesuffix("/v1")
         self.model = model
         self.source = f"server:{self.root_url}/tokenize"
@@ -322,7 +344,7 @@ class ServerTokenCounter:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = PROBE_TIMEOUT_S if probe else TOKENIZE_TIMEOUT_S
-        self._client = client or httpx.Client(timeout=timeout, headers=headers, verify=verify_tls)
+        self._client = httpx.Client(timeout=timeout, headers=headers, verify=verify_tls, transport=transport)
 
     def check(self) -> None:
         """Fail fast when the server cannot tokenize for us (TokenizerError with the server's answer)."""
@@ -358,8 +380,11 @@ class ServerTokenCounter:
             chat["chat_template_kwargs"] = self.chat_template_kwargs
         return self._tokenize(chat)
 
-    def vocab_pieces(self) -> None:
+    def vocab_pieces(self) -> list[str] | None:
         return None  # the server does not list its vocabulary; random prompts use pseudo-words instead
+
+    def render_chat(self, messages: ChatMessages) -> None:
+        return None  # the server renders chat only inside a request: messages go to the chat endpoint instead
 
     def close(self) -> None:
         self._client.close()

@@ -68,7 +68,7 @@ def dataset_names() -> list[str]:
 
 def replays_trace(dataset_name: str) -> bool:
     """Whether the dataset's requests carry their own release times (trace replay)."""
-    return bool(getattr(DATASETS[dataset_name], "replays_trace", False))
+    return DATASETS[dataset_name].replays_trace
 
 
 class WorkloadConfig(BaseModel):
@@ -319,7 +319,7 @@ def build_workload(config: WorkloadConfig, counter: TokenCounter, chat: bool) ->
         "num_requests": len(requests) or sum(len(conversation.turns) for conversation in conversations),
         "endpoint": "chat" if chat else "completions",
         "tokenizer_source": counter.source,
-        "tokenizer_check": getattr(counter, "server_check", None),  # local tokenizers: compared with the server's
+        "tokenizer_check": counter.server_check,  # local tokenizers: compared with the server's
         "token_counting": counting_method(counter),  # exact (server, local) or the stated approximation
         "input_len_unit": "server prompt tokens (BOS and chat template included)",
         "text_source": ctx.text_source(),

@@ -17,7 +17,7 @@ from deepserve.errors import ConfigError
 from deepserve.plan.speculative import parse_acceptance
 from deepserve.results.slo import DEFAULT_SLOS, parse_slos
 from deepserve.serve.run import stop_on_sigterm
-from deepserve.serve.service_plan import preflight
+from deepserve.serve.service_plan import check_can_run
 from deepserve.tune.engine import EnginePointRunner, service_plan
 from deepserve.tune.grid import engine_fields, parse_axis, parse_setting
 from deepserve.tune.run import TuneOptions, TuneOutcome, extra, run_tune
@@ -125,7 +125,7 @@ def _tune(args: argparse.Namespace) -> int:
         return 0
     runnable = [planned for planned in spec.points if planned.skip_reason is None]
     if runnable:
-        preflight(service_plan(runnable[0].point.config, request.python))  # the engine is installed
+        check_can_run(service_plan(runnable[0].point.config, request.python))  # the engine is installed
     options = TuneOptions(
         slos=request.slos,
         max_points=args.max_points,

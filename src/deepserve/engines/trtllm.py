@@ -221,19 +221,13 @@ def _kv_cache_config(config: EngineConfig) -> dict[str, Any]:
 
 
 def _speculative_fields(config: EngineConfig) -> tuple[str | None, int | None]:
-    """(method, draft tokens) of the config's speculative decoding. EngineConfig is gaining these fields (with the
-    reasoning and tool parsers) in parallel work; until they land, nothing is configured. This is the one place
-    that reads them."""
-    method = getattr(config, "speculative_method", None)
-    tokens = getattr(config, "num_speculative_tokens", None)
-    return (str(method) if method else None), (int(tokens) if tokens else None)
+    """(method, draft tokens) of the config's speculative decoding; None for what it leaves out (0 tokens too)."""
+    return config.speculative_method or None, config.num_speculative_tokens or None
 
 
 def _parser_fields(config: EngineConfig) -> tuple[str | None, str | None]:
-    """(reasoning parser, tool parser) in vLLM's names, read like _speculative_fields (fields still to land)."""
-    reasoning = getattr(config, "reasoning_parser", None)
-    tool = getattr(config, "tool_call_parser", None)
-    return (str(reasoning) if reasoning else None), (str(tool) if tool else None)
+    """(reasoning parser, tool parser) in vLLM's names; None for what the config leaves out."""
+    return config.reasoning_parser or None, config.tool_call_parser or None
 
 
 def speculative_options(method: str | None, draft_tokens: int | None) -> dict[str, Any]:

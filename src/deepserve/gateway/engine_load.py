@@ -14,16 +14,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 
 from deepserve.engines.metrics import LOAD_QUANTITIES, MetricNames, first_present, read_metrics
 from deepserve.engines.registry import ENGINES
 from deepserve.gateway.balancing import EngineLoad
+from deepserve.gateway.clock import Clock
 from deepserve.gateway.upstreams import CLIENT_FAILURES, UpstreamPool, UpstreamReplica
 
 log = logging.getLogger(__name__)
 
-Clock = Callable[[], float]
 
 # A scrape that takes longer than this many intervals is abandoned (the replica's load is then unknown).
 SCRAPE_TIMEOUT_INTERVALS = 5

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 from deepserve.engines.metrics import sample_name, with_label
+from deepserve.gateway.clock import Clock
 from deepserve.gateway.upstreams import CLIENT_FAILURES, UpstreamPool, UpstreamReplica
 
 ENGINE_METRICS_PATH = "/metrics/engines"
@@ -93,7 +93,7 @@ class EngineMetricsCache:
     """The merged exposition of POOL's replicas: one scrape for all concurrent callers, reused until CACHE_S after
     it began."""
 
-    def __init__(self, pool: UpstreamPool, cache_s: float = CACHE_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, pool: UpstreamPool, cache_s: float = CACHE_S, clock: Clock = time.monotonic):
         self.pool = pool
         self.cache_s = cache_s
         self._clock = clock

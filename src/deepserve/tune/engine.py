@@ -20,7 +20,7 @@ from deepserve.net import free_port
 from deepserve.results.slo import Slo
 from deepserve.serve.config import ServeConfig
 from deepserve.serve.run import started_service
-from deepserve.serve.service_plan import ServicePlan, plan_service, preflight
+from deepserve.serve.service_plan import ServicePlan, check_can_run, plan_service
 from deepserve.sweep.grid import apply_overrides
 from deepserve.tune.goodput import check_slos, output_goodput_tok_s
 from deepserve.tune.grid import TunePoint
@@ -100,7 +100,7 @@ class EnginePointRunner:
 
     def __call__(self, point: TunePoint, bench: BenchConfig) -> PointRun:
         plan = service_plan(point.config, self.python)
-        preflight(plan)
+        check_can_run(plan)
         log_file = self.logs_dir / f"{point.point_id}.log"
         log_file.parent.mkdir(parents=True, exist_ok=True)
         log_file.write_text("")  # this start's log only: a retried point's earlier log goes

@@ -252,7 +252,7 @@ def _under_load(plan: Plan, shape: LoadShape, caveat: str) -> Forecast:
 
 
 def _caveat(plan: Plan) -> str:
-    provenance = getattr(plan.factors, "provenance", "")
+    provenance = plan.factors.provenance
     return "" if provenance in ("", "fitted") else f"efficiency factors {provenance}"
 
 

@@ -18,7 +18,7 @@ from deepserve.bench.output import console_block
 from deepserve.bench.runner import BenchError, check_server, run_workload
 from deepserve.bench.types import RequestSpec
 from deepserve.bench.workloads import Workload
-from tests.helpers import simulator_thread
+from tests.helpers import present, simulator_thread
 
 pytestmark = pytest.mark.timeout(120)
 PROBE = 1  # the token-ids probe comes first: measured request i is the simulator's request i + PROBE
@@ -120,7 +120,8 @@ def test_server_errors_mid_run_become_failed_requests():
 def test_several_tokens_per_chunk_with_and_without_token_ids(token_ids, mode, attribution, sent, reason):
     with simulator_thread(itl_ms=5, tokens_per_chunk=3, record_bodies=True, token_ids=token_ids) as server:
         result = run(server, n=2, output_len=10, target={"return_token_ids": mode})
-        ids, bodies = list(server.app.stats.request_ids), list(server.app.stats.bodies)
+        ids = [present(request_id, "the x-request-id header") for request_id in server.app.stats.request_ids]
+        bodies = list(server.app.stats.bodies)
     data = result.to_json()
     assert data["completed"] == 2  # a server that rejects the field fails the probe, never the run
     assert data["return_token_ids"]["sent"] is sent and reason in data["return_token_ids"]["reason"]

@@ -20,7 +20,7 @@ from deepserve.bench.server_metrics import GATEWAY_ENGINES_MAX_AGE_S, GATEWAY_FR
 from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.engine_metrics import CACHE_S
 from deepserve.gateway.server import running_gateway
-from deepserve.simulate.server import SimulatorThread
+from deepserve.simulate.thread import SimulatorThread
 from tests.helpers import metric_total, scrape, simulator_thread
 
 pytestmark = pytest.mark.timeout(120)

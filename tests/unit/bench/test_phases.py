@@ -118,7 +118,7 @@ def test_without_usage_reasoning_and_arguments_are_counted_by_the_tokenizer_too(
 
     phases = Phases.of(decoded, 0.0)
     uncounted = {0: UncountedOutput(decoded.text, decoded.chunk_text_lens, phases, decoded.other_text)}
-    [done] = finish_records([record], uncounted, Words())  # type: ignore[arg-type]
+    [done] = finish_records([record], uncounted, Words())
     assert done.output_len == 5 and (done.reasoning_tokens, done.answer_tokens) == (3, 2)
 
 

@@ -4,6 +4,7 @@ and the combined result (means, intervals, every run's values) in the JSON and t
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -32,7 +33,7 @@ def test_confidence_interval_by_hand():
 
 
 def test_runs_combine_measurements_only():
-    runs = [
+    runs: list[dict[str, Any]] = [
         {"completed": 10, "output_throughput": 100.0, "median_ttft_ms": 20.0, "max_concurrency": 4, "errors": {}},
         {"completed": 10, "output_throughput": 120.0, "median_ttft_ms": None, "max_concurrency": 4, "errors": {}},
     ]

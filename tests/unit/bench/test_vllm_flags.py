@@ -259,7 +259,7 @@ def test_chat_template_kwargs_also_shape_how_chat_prompts_are_counted():
         "http://127.0.0.1:9",
         "m",
         None,
-        client=httpx.Client(transport=httpx.MockTransport(handler)),
+        transport=httpx.MockTransport(handler),
         chat_template_kwargs={"thinking": True},
     )
     assert counter.prompt_ids([{"role": "user", "content": "hi"}]) == [1, 2, 3]

@@ -94,6 +94,7 @@ def test_random_input_length_counts_the_chat_template_in_chat_mode(tiny: LocalTo
     workload = build_workload(WorkloadConfig(num_prompts=3, random_input_len=50), tiny, chat=True)
     for spec in workload.requests:
         assert spec.prompt_len == 50  # usage.prompt_tokens: BOS + <｜User｜> + 47 text tokens + <｜Assistant｜>
+        assert isinstance(spec.prompt, list)  # messages in chat mode
         assert len(tiny.encode(spec.prompt[0]["content"])) == 47
 
 
@@ -381,9 +382,7 @@ def test_messages_on_completions_need_a_local_chat_template(tmp_path: Path, tiny
         tokens = tiny.prompt_ids(body["messages"]) if "messages" in body else tiny.prompt_ids(body["prompt"])
         return httpx.Response(200, json={"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
-    server = ServerTokenCounter(
-        "http://127.0.0.1:8000/v1", "m", None, client=httpx.Client(transport=httpx.MockTransport(handle))
-    )
+    server = ServerTokenCounter("http://127.0.0.1:8000/v1", "m", None, transport=httpx.MockTransport(handle))
     path = _write(tmp_path, "chat.jsonl", '{"messages": [{"role": "user", "content": "hi there"}]}\n')
     config = WorkloadConfig(dataset_name="custom", dataset_path=path)
     with pytest.raises(DatasetError, match=r"chat\.jsonl:1: 'messages' on the completions endpoint.*--tokenizer"):

@@ -19,6 +19,7 @@ from deepserve.engines.metrics import (
     with_label,
 )
 from deepserve.engines.registry import ENGINES
+from tests.helpers import present
 
 TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -38,8 +39,8 @@ def test_a_sample_line_parses_with_labels_timestamps_and_odd_label_values():
     sample = parse_sample('m{a="x } y",b="q\\"t"} 7 1700000000')
     assert sample is not None and (sample.name, sample.value) == ("m", 7.0)
     assert sample.labels == '{a="x } y",b="q\\"t"}'
-    assert parse_sample("m 3").value == 3.0  # type: ignore[union-attr]
-    assert parse_sample("m NaN") is not None and parse_sample("m +Inf").value == float("inf")  # type: ignore[union-attr]
+    assert present(parse_sample("m 3")).value == 3.0
+    assert parse_sample("m NaN") is not None and present(parse_sample("m +Inf")).value == float("inf")
     assert parse_sample('m{a="1" 2') is None and parse_sample("m") is None
 
 

@@ -10,6 +10,7 @@ from deepserve.bench.config import BenchConfig
 from deepserve.errors import ConfigError
 from deepserve.sweep.grid import apply_overrides
 from deepserve.sweep.suites import SUITES, SpeedProbe, fit_prefill, get_suite, plan_suite
+from tests.helpers import present
 
 # Roughly the tiny model on 2 CPU cores: 116 output tok/s alone, about 870 at concurrency 64 (docs/DESIGN.md);
 # prefill 0.3 s at 1K tokens, 27 s at 10K, 68 s at 16K (measured: attention dominates).
@@ -88,7 +89,7 @@ def test_every_suite_fits_15_minutes_on_the_tiny_cpu_model(name: str):
 
 def test_context_scaling_keeps_the_ratios():
     plan = plan_suite(get_suite("input-length"), 2048, None, None)
-    lengths = sorted({p.input_len for p in plan.points})
+    lengths = sorted({present(p.input_len) for p in plan.points})
     assert lengths[1] / lengths[0] == pytest.approx(4, rel=0.01)
     assert max(p.max_request_tokens() for p in plan.points) <= 0.9 * 2048
     assert "2048-token context" in plan.notes[0]
@@ -112,7 +113,7 @@ def test_a_fast_server_keeps_the_seed_lengths_and_runs_each_point_for_a_time():
 def test_a_slow_server_gets_shorter_requests():
     plan = plan_suite(get_suite("output-length"), 32768, 900, TINY_CPU)
     assert plan.length_factor < 0.5
-    outputs = [p.output_len for p in plan.points]
+    outputs = [present(p.output_len) for p in plan.points]
     assert outputs == sorted(outputs) and outputs[-1] / outputs[0] == pytest.approx(16, rel=0.1)
 
 

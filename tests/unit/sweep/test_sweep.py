@@ -16,6 +16,7 @@ from deepserve.results.store import ResultsStore
 from deepserve.results.sweepdir import load_result_set, read_index
 from deepserve.sweep.grid import apply_overrides, grid_spec, parse_list, point_id, template_variants
 from deepserve.sweep.run import SweepOptions, run_sweep, saturation_reason
+from tests.helpers import present
 
 PEAK_OUTPUT_TOK_S = 400.0
 
@@ -135,7 +136,7 @@ def test_a_failed_point_stops_the_sweep_and_the_rerun_resumes_there(tmp_path: Pa
     spec = grid_spec({"max_concurrency": [1, 2, 4]}, "model", {})
     first = run_sweep(tmp_path, spec, base(), server, options(stop_at_saturation=False), progress=lambda _: None)
     assert (first.ran, first.failed) == (1, 1)
-    index = read_index(tmp_path)
+    index = present(read_index(tmp_path), "the sweep index")
     assert [e.status for e in index.points] == ["done", "failed", "pending"]
     assert "cannot reach the server" in index.points[1].note
     server.fail_at_call = None
@@ -194,7 +195,7 @@ def test_the_time_budget_skips_points_that_would_start_late(tmp_path: Path):
     spec = grid_spec({"max_concurrency": [1, 2, 4]}, "model", {})
     outcome = run_sweep(tmp_path, spec, base(), ModelServer(), options(time_budget_s=0.0), progress=lambda _: None)
     assert outcome.skipped == 3
-    assert all("time budget" in e.note for e in read_index(tmp_path).points)
+    assert all("time budget" in e.note for e in present(read_index(tmp_path), "the sweep index").points)
 
 
 def test_points_are_recorded_in_the_store(tmp_path: Path, isolated_home: Path):

@@ -6,6 +6,7 @@ from deepserve.engines.config import EngineConfig
 from deepserve.results.slo import parse_slo
 from deepserve.tune.search import Probe, SearchOutcome
 from deepserve.tune.select import Scored, choose_best, ranking, resources, score
+from tests.helpers import present
 from tests.unit.tune.fake_points import batched_server_result
 
 
@@ -32,7 +33,7 @@ def test_ties_go_to_fewer_gpus_then_less_memory_then_smaller_batches():
     ]
     best = choose_best(points, tie_margin=0.02)
     assert best is not None and best.point_id == "smaller"
-    assert choose_best(points, tie_margin=0.0).point_id == "tp2"  # type: ignore[union-attr]
+    assert present(choose_best(points, tie_margin=0.0)).point_id == "tp2"
 
 
 def test_an_engine_default_batch_counts_as_large():

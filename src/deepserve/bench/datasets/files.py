@@ -225,13 +225,13 @@ def _for_endpoint(prompt: str | ChatMessages, ctx: DatasetContext, where: str) -
         return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if isinstance(prompt, str):
         return prompt
-    render = getattr(ctx.counter, "render_chat", None)
-    if render is None:
+    rendered = ctx.counter.render_chat(prompt)
+    if rendered is None:
         raise DatasetError(
             f"{where}: 'messages' on the completions endpoint need a chat template to render them; "
             "use --endpoint /v1/chat/completions, or pass --tokenizer DIR"
         )
-    return str(render(prompt))
+    return rendered
 
 
 def requires_chat(extra_body: dict[str, Any], ctx: DatasetContext, where: str) -> None:
@@ -245,6 +245,7 @@ class CustomDataset:
 
     name = "custom"
     default_num_prompts = ALL_REQUESTS
+    replays_trace = False
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         path = require_path(config, self.name)
@@ -270,6 +271,7 @@ class ShareGPTDataset:
 
     name = "sharegpt"
     default_num_prompts = ALL_REQUESTS
+    replays_trace = False
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         path = require_path(config, self.name)

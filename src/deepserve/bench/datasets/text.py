@@ -152,7 +152,7 @@ class PromptBuilder:
     @property
     def can_decode(self) -> bool:
         """Whether the tokenizer turns ids back into text (a server without /detokenize cannot)."""
-        return bool(getattr(self.counter, "can_decode", True))
+        return self.counter.can_decode
 
     def _pad(self, rng: np.random.Generator, n_tokens: int) -> str:
         """About N_TOKENS more tokens of random pieces; without /detokenize, a short shortfall is made up exactly

@@ -9,7 +9,7 @@ import httpx
 from deepserve.bench.config import BenchConfig, TargetConfig
 from deepserve.errors import DeepserveError, unknown_name
 
-PREFLIGHT_TIMEOUT_S = 10.0
+SERVER_CHECK_TIMEOUT_S = 10.0
 READY_CHECK_INTERVAL_S = 1.0
 
 
@@ -46,7 +46,7 @@ def _list_models(target: TargetConfig) -> httpx.Response:
     while True:
         try:
             response = httpx.get(
-                url, headers=target.request_headers(), timeout=PREFLIGHT_TIMEOUT_S, verify=not target.insecure
+                url, headers=target.request_headers(), timeout=SERVER_CHECK_TIMEOUT_S, verify=not target.insecure
             )
         except httpx.HTTPError as exc:
             if time.monotonic() < deadline_s:
