@@ -22,7 +22,11 @@ as a path of its own, so that a change is measured against the code before it in
 `--redis` adds two paths: the gateway with its limits in Redis (`--redis-url`, a redis-server this benchmark starts on
 loopback) and `--workers 2` with Redis. Every deepserve path sends a key with (generous) rpm, tpm and concurrency
 limits, so that the whole admission path runs; `--latency-requests N` times N sequential non-streamed requests per
-path, which shows what the Redis round trips add to each request.
+path, which shows what the Redis round trips add to each request. With `--baseline-src` too, the other checkout's
+gateway gets the two Redis paths as well (`base+redis`, `base+w=2`, on a redis-server of their own, since the two
+versions' scripts may keep their state differently), and after the tables Redis's own account of each Redis path
+(`INFO commandstats`, reset before each batch: script calls per stream, µs per call, and the commands the scripts
+ran). `--paths` measures only the paths named (and `direct`, which every difference needs).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class Server:
     process: subprocess.Popen[str]
     output: list[str] = field(default_factory=list)
     api_key: str = "sk-bench-master-key"  # what the load generator sends (LiteLLM's master key by default)
+    redis_url: str | None = None  # the Redis that holds this gateway's limits (its commands are counted)
 
     def cpu_s(self) -> float:
         """CPU seconds used so far by the server and its children."""
@@ -196,6 +201,25 @@ def start_redis() -> Server:
         time.sleep(0.05)
     server.stop()
     raise RuntimeError("redis-server did not answer PING")
+
+
+def redis_reset_stats(url: str) -> None:
+    import redis
+
+    with redis.Redis.from_url(url) as client:
+        client.config_resetstat()
+
+
+def redis_command_stats(url: str) -> dict[str, tuple[int, float]]:
+    """Redis's own count of each command since the last reset: name → (calls, µs). Redis 7 counts the commands a
+    Lua script calls too, each under its own name, besides the EVALSHA that ran the script."""
+    import redis
+
+    with redis.Redis.from_url(url) as client:
+        stats = client.info("commandstats")
+        reads = int(client.info("stats")["total_reads_processed"])  # what the clients wrote, in Redis's reads
+    commands = {name.removeprefix("cmdstat_"): (int(v["calls"]), float(v["usec"])) for name, v in stats.items()}
+    return {**commands, "reads": (reads, 0.0)}
 
 
 def ensure_litellm() -> Path | None:
@@ -452,6 +476,9 @@ def main() -> int:
     parser.add_argument("--redis", action="store_true", help="add the gateway with Redis limits and --workers 2")
     parser.add_argument("--latency-requests", type=int, default=0, help="sequential requests per path, timed")
     parser.add_argument("--no-rate", action="store_true", help="skip the requests/s measurement")
+    parser.add_argument(
+        "--paths", nargs="+", choices=PATHS[1:], default=None, help="only these paths (and direct, always measured)"
+    )
     args = parser.parse_args()
     if args.wave and not args.lockstep:
         parser.error("--wave needs --lockstep: waves end together only when the engine steps every stream together")
@@ -497,6 +524,19 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
             workers = start_gateway(upstream.url, key, redis_url=redis.url, workers=2)
             servers.append(workers)
             targets["workers=2"] = workers
+            for server in (shared, workers):
+                server.redis_url = redis.url
+        if args.redis and args.baseline_src is not None:
+            # a Redis of its own: the two versions' scripts may store their state differently
+            base_redis = start_redis()
+            servers.append(base_redis)
+            for name, fields in (("base+redis", {}), ("base+w=2", {"workers": 2})):
+                server = start_gateway(upstream.url, key, src=args.baseline_src, redis_url=base_redis.url, **fields)
+                server.redis_url = base_redis.url
+                servers.append(server)
+                targets[name] = server
+        if args.paths:
+            targets = {name: server for name, server in targets.items() if name == "direct" or name in args.paths}
         binary = None if args.no_litellm else ensure_litellm()
         if binary is not None:
             try:
@@ -517,6 +557,9 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
     """Each path in turn under the same load. For the proxies, also the CPU the proxy process itself used per
     request: unlike latency, that does not depend on what else the shared cores are doing."""
     rows: dict[str, object] = {}
+    redis_stats: dict[str, dict[str, list[float]]] = collections.defaultdict(dict)  # "32/gw+redis" → command stats
+    redis_streams: collections.Counter[str] = collections.Counter()
+    rows["redis"] = (redis_stats, redis_streams)
     stream_s = (args.ttft_ms + args.tokens * args.itl_ms) / 1000
     for server in targets.values():  # warm every path (imports, connection pools, caches) before anything counts
         await request_rate(server.url, 16, 1.0, warm_s=0.0, api_key=server.api_key)
@@ -537,9 +580,14 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
             # alternate the order (A B, B A, …) so that a change in the machine's load hits every path alike
             for name in names if repeat % 2 == 0 else names[::-1]:
                 server = targets[name]
+                if server.redis_url:
+                    redis_reset_stats(server.redis_url)
                 started, cpu_before = time.perf_counter(), server.cpu_s()
                 batch = await _load(args, server, concurrency, args.rounds, stream_s)
                 elapsed_s = time.perf_counter() - started
+                if server.redis_url:
+                    _add_redis_stats(redis_stats, f"{concurrency}/{name}", redis_command_stats(server.redis_url))
+                    redis_streams[f"{concurrency}/{name}"] += concurrency * args.rounds
                 cpu_s[name] += (server.cpu_s() - cpu_before) * (args.rounds - 1) / args.rounds
                 wall_s[name] += elapsed_s * (args.rounds - 1) / args.rounds
                 results[name] += batch
@@ -575,12 +623,41 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
     return rows
 
 
+def _add_redis_stats(into: dict[str, dict[str, list[float]]], path: str, stats: dict[str, tuple[int, float]]) -> None:
+    for command, (calls, usec) in stats.items():
+        total = into[path].setdefault(command, [0, 0.0])
+        total[0] += calls
+        total[1] += usec
+
+
 async def _load(
     args: argparse.Namespace, server: Server, concurrency: int, rounds: int, stream_s: float
 ) -> list[StreamResult]:
     if args.wave:
         return await wave_load(server.url, concurrency, rounds, args.tokens, server.api_key)
     return await stream_load(server.url, concurrency, rounds, args.tokens, stream_s, server.api_key)
+
+
+def _print_redis_stats(measured: object) -> None:
+    """What each Redis path cost Redis per stream (every measured batch, warm-up wave included): the scripts
+    (EVALSHA) and, inside them, the commands they called."""
+    if not isinstance(measured, tuple) or not measured[0]:
+        return
+    stats, streams = measured
+    print()
+    print("Redis's own time (INFO commandstats, reset before each batch): per stream, and per call")
+    print("| streams/path | EVALSHA per stream | µs per EVALSHA | Redis µs per stream | Redis reads per stream "
+          "| commands inside the scripts (calls per stream × µs per call) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---|")
+    for path, commands in stats.items():
+        count = max(1, streams[path])
+        calls, usec = commands.get("evalsha", (0, 0.0))
+        skip = ("evalsha", "reads", "config|resetstat", "info")
+        top = sorted(((name, c, u) for name, (c, u) in commands.items() if name not in skip), key=lambda item: -item[2])
+        inside = ", ".join(f"{name} {c / count:.1f}×{u / max(1, c):.2f}" for name, c, u in top[:8])
+        reads = commands.get("reads", (0, 0.0))[0]
+        print(f"| {path} | {calls / count:.2f} | {usec / max(1, calls):.2f} | {usec / count:.1f} | {reads / count:.2f} "
+              f"| {inside} |")  # fmt: skip
 
 
 def _spread_row(concurrency: int, name: str, summary: StreamSummary, direct: StreamSummary) -> str:
@@ -592,7 +669,7 @@ def _spread_row(concurrency: int, name: str, summary: StreamSummary, direct: Str
             f"{' / '.join(f'{v:+.2f}' for v in p99s)} | {min(p99s):+.2f} … {max(p99s):+.2f} |")  # fmt: skip
 
 
-PATHS = ("direct", "gateway", "baseline", "gw+redis", "workers=2", "litellm")
+PATHS = ("direct", "gateway", "baseline", "gw+redis", "workers=2", "base+redis", "base+w=2", "litellm")
 
 
 def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
@@ -630,6 +707,7 @@ def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
     print("|---|---|---|---|---|")
     for row in spreads:
         print(row)
+    _print_redis_stats(rows.get("redis"))
     latency = rows.get("latency")
     if isinstance(latency, dict):
         print()

@@ -184,6 +184,19 @@ class RespConnection:
         futures = self._write(protocol, b"".join(encode_command(c) for c in commands), len(commands))
         return await self._answers(protocol, futures)
 
+    def send(self, commands: list[tuple[Any, ...]] | list[list[Any]]) -> list[asyncio.Future[Reply]] | None:
+        """Write COMMANDS at once, without waiting for anything: a future per reply (an error reply is its result,
+        a failure of the connection its exception), or None when no connection is open (`pipeline` opens one).
+        Any number of these may be in flight; Redis answers them in the order they were written."""
+        protocol = self._protocol
+        if protocol is None or protocol.lost is not None or not commands:
+            return None
+        futures = self._write(protocol, b"".join(encode_command(c) for c in commands), len(commands))
+        last = futures[-1]
+        timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, protocol, last)
+        last.add_done_callback(lambda _: timer.cancel())
+        return futures
+
     async def close(self) -> None:
         if self._connecting is not None and not self._connecting.done():
             self._connecting.cancel()

@@ -5,14 +5,17 @@ enforce one limit.
 Every decision is one Lua script, which Redis runs atomically: the check and the charge cannot be split by another
 gateway's request (no check-then-set race). An admitted request costs two script calls: the admission script (key
 limits and, when free, a global slot) and the release script (sent in the background once the request ended). Calls
-go out in pipelines (`ScriptBatcher`): alone when the connection is idle, and together with every call made while
-the previous pipeline was in flight when busy, so that under load a round trip serves many requests. The scripts
+go out in pipelines (`ScriptBatcher`): alone when no call waits for an answer, and otherwise together with every
+call made in the same turn of the event loop, without waiting for the answers in flight, so that under load one
+write serves many requests and no admission waits behind another's round trip. The scripts
 go over a lean connection of their own (resp.py: redis-py's client work was most of what Redis added per request);
 redis-py does the rest (subscriptions, the revocation hash).
 
 Concurrency slots are leases: a sorted-set member whose score is its expiry. The gateway renews its leases every
-lease/3 seconds; a gateway that dies stops renewing, and its slots expire after at most `--redis-lease-s`, so they
-never leak. Every script drops expired members before it counts.
+lease/3 seconds; a gateway that dies stops renewing, and its slots expire after at most `--redis-lease-s` (rounded up
+to a whole second: whole-number scores are what Redis stores and compares cheaply), so they never leak. A script
+drops a set's expired members before it decides on it when they could change the decision (the set looks full);
+until then they only take room, and counting first saves a command on every call.
 
 Time comes from Redis (`TIME`) so that gateways whose clocks differ agree, unless a clock is injected (tests). This
 gateway's own waits (a queued request's timeout, the pause after Redis failed, the fallback limits) are timed by
@@ -40,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import hashlib
 import itertools
 import logging
@@ -68,22 +72,37 @@ SLOT_POLL_S = 0.1
 LISTEN_POLL_S = 0.25
 
 _PRELUDE = """
+-- Redis's clock, read once and only by the scripts that need it (an injected clock's time comes as ARGV[1])
 local now = tonumber(ARGV[1])
-if not now then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local function clock()
+  if not now then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  end
+  return now
 end
 -- a token bucket stored as {tokens, at}; a missing bucket is a full one
 local function refill(key, capacity)
   local state = redis.call('HMGET', key, 'tokens', 'at')
   local tokens = tonumber(state[1])
   if not tokens then return capacity end
-  return math.min(capacity, tokens + math.max(0, now - tonumber(state[2])) * capacity / 60)
+  return math.min(capacity, tokens + math.max(0, clock() - tonumber(state[2])) * capacity / 60)
 end
 local function store(key, capacity, tokens)
-  redis.call('HSET', key, 'tokens', tostring(tokens), 'at', tostring(now))
+  redis.call('HSET', key, 'tokens', tostring(tokens), 'at', tostring(clock()))
   -- full again, the bucket is the same as no bucket: Redis may drop it then
   redis.call('PEXPIRE', key, math.ceil((capacity - tokens) * 60000 / capacity) + 1000)
+end
+-- when a lease taken (or renewed) now expires: rounded up to a whole second, because Redis stores and compares a
+-- whole-number score as an integer, and formats and parses every other score on each insert (most of what a call
+-- cost). A lease so lasts up to a second longer, never shorter; the unit stays seconds, as for every version
+local function expiry(lease_s) return math.ceil(clock() + lease_s) end
+-- the live leases of a set. Expired ones are dropped only when they could make a difference (the set looks full):
+-- until then they only take room, and counting first saves a command on every call
+local function held(key, max)
+  local count = redis.call('ZCARD', key)
+  if count >= max then count = count - redis.call('ZREMRANGEBYSCORE', key, '-inf', clock()) end
+  return count
 end
 """
 
@@ -98,9 +117,8 @@ local lease, lease_s = ARGV[2], tonumber(ARGV[3])
 local rpm, tpm, key_max = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local global_max, charge = tonumber(ARGV[7]), tonumber(ARGV[8])
 if key_max > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  local held = redis.call('ZCARD', KEYS[3])
-  if held >= key_max then return {2, tostring(held)} end
+  local count = held(KEYS[3], key_max)
+  if count >= key_max then return {2, tostring(count)} end
 end
 local rpm_left, tpm_left
 if rpm > 0 then
@@ -116,18 +134,16 @@ if tpm > 0 then
 end
 if rpm_left then store(KEYS[1], rpm, rpm_left) end
 if tpm_left then store(KEYS[2], tpm, tpm_left) end
-local expiry = now + lease_s
+local until_s = expiry(lease_s)
+local ttl_ms = math.ceil(lease_s * 2000)
 if key_max > 0 then
-  redis.call('ZADD', KEYS[3], expiry, lease)
-  redis.call('PEXPIRE', KEYS[3], math.ceil(lease_s * 2000))
+  redis.call('ZADD', KEYS[3], until_s, lease)
+  redis.call('PEXPIRE', KEYS[3], ttl_ms)
 end
-if ARGV[9] == '1' then
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
-  if redis.call('ZCARD', KEYS[4]) < global_max then
-    redis.call('ZADD', KEYS[4], expiry, lease)
-    redis.call('PEXPIRE', KEYS[4], math.ceil(lease_s * 2000))
-    return {0, '0'}
-  end
+if ARGV[9] == '1' and held(KEYS[4], global_max) < global_max then
+  redis.call('ZADD', KEYS[4], until_s, lease)
+  redis.call('PEXPIRE', KEYS[4], ttl_ms)
+  return {0, '0'}
 end
 return {1, '0'}
 """
@@ -137,9 +153,8 @@ return {1, '0'}
 _TAKE_SLOT = (
     _PRELUDE
     + """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+if held(KEYS[1], tonumber(ARGV[4])) >= tonumber(ARGV[4]) then return 0 end
+redis.call('ZADD', KEYS[1], expiry(tonumber(ARGV[3])), ARGV[2])
 redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3]) * 2000))
 return 1
 """
@@ -147,7 +162,8 @@ return 1
 
 # KEYS: tpm bucket, key leases, global leases.
 # ARGV: now, lease, tpm, tokens to give back (negative: charge more), held a global slot, global max, channel.
-# A slot freed from a full set is announced on the channel, so that gateways with waiting requests retry at once.
+# A slot freed from a full set is announced on the channel, so that gateways with waiting requests retry at once
+# (expired leases count as held here: at worst an announcement too many, never one missed).
 _RELEASE = (
     _PRELUDE
     + """
@@ -155,7 +171,6 @@ local tpm, delta = tonumber(ARGV[3]), tonumber(ARGV[4])
 if tpm > 0 and delta ~= 0 then store(KEYS[1], tpm, math.min(tpm, refill(KEYS[1], tpm) + delta)) end
 redis.call('ZREM', KEYS[2], ARGV[2])
 if ARGV[5] == '1' then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   local full = redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[6])
   if redis.call('ZREM', KEYS[3], ARGV[2]) == 1 and full then redis.call('PUBLISH', ARGV[7], '1') end
 end
@@ -168,25 +183,35 @@ return 1
 _RENEW = (
     _PRELUDE
     + """
-local expiry = now + tonumber(ARGV[2])
-for i, key in ipairs(KEYS) do redis.call('ZADD', key, 'XX', expiry, ARGV[i + 2]) end
+local until_s = expiry(tonumber(ARGV[2]))
+for i, key in ipairs(KEYS) do redis.call('ZADD', key, 'XX', until_s, ARGV[i + 2]) end
 return #KEYS
 """
 )
 
 
+_Call = tuple[str, list[Any], "asyncio.Future[Any]"]  # a script's name, its EVALSHA command, its caller's future
+
+
 class ScriptBatcher:
-    """Calls Lua scripts by hash in pipelines on a lean connection (resp.py): a call made while no pipeline is in
-    flight goes out at once (no added wait); calls made while one is in flight go together in the next. Under load
-    that turns N round trips into one. A script missing from Redis's cache (Redis restarted) is loaded again and its
-    calls retried once. Failures of the connection fail every call of the pipeline."""
+    """Calls Lua scripts by hash on a lean connection (resp.py). A call made while no earlier one waits for its
+    answer is written at once; calls made while some do are written together at the end of the event loop's turn,
+    without waiting for those answers (several writes may be in flight; Redis answers them in order). So the first
+    request of a burst is not held back by the others, the rest of the burst goes out in one write, and an admission
+    never waits behind the releases of the requests that just ended. Answers reach their callers through callbacks,
+    with no task per call. A script missing from Redis's cache (Redis restarted) is loaded again and its calls
+    retried once. A failure of the connection fails every call still waiting on it."""
 
     def __init__(self, connection: RespConnection, sources: dict[str, str]) -> None:
         self._connection = connection
         self._sources = sources
         self._hashes = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in sources.items()}
-        self._pending: list[tuple[str, list[Any], asyncio.Future[Any]]] = []
-        self._flusher: asyncio.Task[None] | None = None
+        self._pending: list[_Call] = []
+        self._flush_scheduled = False
+        self._in_flight = 0  # writes not answered yet
+        self._tasks: set[asyncio.Task[None]] = set()  # sends that wait for a connection or for the scripts' reload
+        self.writes = 0  # writes so far, and the calls in them (tests and measurements read them)
+        self.calls = 0
 
     async def load(self) -> None:
         replies = await self._connection.pipeline([("SCRIPT", "LOAD", source) for source in self._sources.values()])
@@ -196,40 +221,63 @@ class ScriptBatcher:
 
     def submit(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """Queue one call; its future gets the script's result (or exception)."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((name, ["EVALSHA", self._hashes[name], len(keys), *keys, *args], future))
-        if self._flusher is None:
-            self._flusher = asyncio.create_task(self._flush(), name="redis-pipeline")
+        if not self._in_flight:
+            self._flush()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)  # after the callbacks already queued: every call of this turn goes with it
         return future
 
     async def close(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        abandoned, self._pending = self._pending, []  # the gateway stops
+        for _, _, future in abandoned:
+            future.cancel()
 
-    async def _flush(self) -> None:
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        self.writes += 1
+        self.calls += len(batch)
+        self._in_flight += 1
+        replies = self._connection.send([command for _, command, _ in batch])
+        if replies is None:  # no connection yet, or it failed: connect first
+            self._spawn(self._connect_and_send(batch))
+            return
+        replies[-1].add_done_callback(lambda _: self._answered(batch, replies))
+
+    def _answered(self, batch: list[_Call], replies: list[asyncio.Future[Any]]) -> None:
+        self._in_flight -= 1  # the last reply is in, so every earlier one is (in order, or failed with it)
+        self._deliver(batch, [_outcome(reply) for reply in replies], retry_missing=True)
+
+    async def _connect_and_send(self, batch: list[_Call]) -> None:
         try:
-            while self._pending:
-                batch, self._pending = self._pending, []
-                await self._send(batch, retry_missing=True)
+            await self._send(batch, retry_missing=True)
         finally:
-            self._flusher = None
-            abandoned, self._pending = self._pending, []  # only when cancelled (the gateway stops)
-            for _, _, future in abandoned:
-                if not future.done():
-                    future.cancel()
+            self._in_flight -= 1
 
-    async def _send(self, batch: list[tuple[str, list[Any], asyncio.Future[Any]]], retry_missing: bool) -> None:
+    async def _send(self, batch: list[_Call], retry_missing: bool) -> None:
+        results: list[Any]
         try:
             results = await self._connection.pipeline([command for _, command, _ in batch])
-        except BaseException as exc:
+        except Exception as exc:
+            results = [exc] * len(batch)
+        except BaseException:  # cancelled: the gateway stops
             for _, _, future in batch:
-                if not future.done():
-                    future.set_exception(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
-            if not isinstance(exc, Exception):
-                raise
-            return
+                future.cancel()
+            raise
+        self._deliver(batch, results, retry_missing)
+
+    def _deliver(self, batch: list[_Call], results: list[Any], retry_missing: bool) -> None:
+        """Give each call its result (an error reply or a failure: as its exception); calls whose script was missing
+        go again once it is loaded."""
         missing = []
         for item, result in zip(batch, results, strict=True):
             future = item[2]
@@ -237,19 +285,32 @@ class ScriptBatcher:
                 missing.append(item)
             elif future.done():
                 continue  # its caller went away
-            elif isinstance(result, ReplyError):
+            elif isinstance(result, BaseException):
                 future.set_exception(result)
             else:
                 future.set_result(result)
         if missing:
-            try:
-                await self.load()
-            except Exception as exc:
-                for _, _, future in missing:
-                    if not future.done():
-                        future.set_exception(exc)
-                return
-            await self._send(missing, retry_missing=False)
+            self._spawn(self._reload_and_send(missing))
+
+    async def _reload_and_send(self, batch: list[_Call]) -> None:
+        try:
+            await self.load()
+        except Exception as exc:
+            self._deliver(batch, [exc] * len(batch), retry_missing=False)
+            return
+        await self._send(batch, retry_missing=False)
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.create_task(coroutine, name="redis-pipeline")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _outcome(reply: asyncio.Future[Any]) -> Any:
+    """A reply's value, or the exception that took its place."""
+    if reply.cancelled():
+        return ConnectionError("the call to Redis was cancelled")
+    return reply.exception() or reply.result()
 
 
 class RedisNames:
@@ -326,7 +387,7 @@ class RedisLimiter:
         self._held: dict[str, Admission] = {}  # lease → admission, for renewal
         self._waiters: collections.deque[asyncio.Event] = collections.deque()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._releases: set[asyncio.Task[Any]] = set()  # of _tasks: releases not yet answered by Redis
+        self._releases: set[asyncio.Future[Any]] = set()  # releases not yet answered by Redis
         self._client: Any = None
         self._connection: RespConnection | None = None  # the scripts' (hot path); _client does the rest
         self._scripts: ScriptBatcher | None = None
@@ -540,15 +601,20 @@ class RedisLimiter:
             self._now(), admission.lease, tpm or 0, delta, 1 if had_slot else 0, self.max_concurrency,
             self.names.slots,
         ]  # fmt: skip
-        task = self._spawn(self._release(keys, args, had_slot), "redis-release")
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        released = self._call("release", keys, args)
+        self._releases.add(released)
+        released.add_done_callback(functools.partial(self._released, had_slot))
 
-    async def _release(self, keys: list[str], args: list[Any], had_slot: bool) -> None:
-        try:
-            await self._call("release", keys, args)
-        except self._failures as exc:  # its leases expire by themselves; only a tpm correction is lost
-            self.mark_down(exc)
+    def _released(self, had_slot: bool, released: asyncio.Future[Any]) -> None:
+        self._releases.discard(released)
+        if released.cancelled():  # the gateway stops
+            return
+        exc = released.exception()
+        if exc is not None:  # its leases expire by themselves; only a tpm correction is lost
+            if isinstance(exc, self._failures):
+                self.mark_down(exc)
+            else:
+                log.error("releasing a request's limits in Redis failed: %r", exc)
             return
         if had_slot:
             self._wake_oldest()

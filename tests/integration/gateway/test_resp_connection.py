@@ -82,6 +82,40 @@ async def test_a_unix_socket(tmp_path: Path) -> None:
         stop_redis_server(server)
 
 
+# A script that keeps Redis busy for about 0.2 s (Redis 7 lets a script read TIME and carry on)
+BUSY_SCRIPT = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start > 200000
+return 'done'
+"""
+
+
+async def test_send_writes_at_once_and_several_writes_are_answered_in_order(redis_server: RedisServer) -> None:
+    async with connection(redis_server.url) as conn:
+        assert conn.send([("PING",)]) is None  # no connection yet: `pipeline` opens one
+        assert await conn.call("PING") == "PONG"
+        slow = conn.send([("EVAL", BUSY_SCRIPT, 0)])
+        assert slow is not None
+        quick = conn.send([("INCR", "n"), ("NOSUCHCOMMAND",)])  # written while the slow one runs
+        assert quick is not None
+        done, _ = await asyncio.wait(quick, timeout=0.1)
+        assert not done and not slow[0].done()  # Redis answers in order: after the slow script
+        assert await slow[0] == "done"
+        assert await quick[0] == 1 and isinstance(await quick[1], ReplyError)
+
+
+async def test_a_write_not_answered_in_time_fails_and_the_next_call_connects_again(redis_server: RedisServer) -> None:
+    async with connection(redis_server.url, timeout_s=0.05) as conn:
+        first = await conn.call("CLIENT", "ID")
+        late = conn.send([("EVAL", BUSY_SCRIPT, 0)])
+        assert late is not None
+        with pytest.raises(TimeoutError, match="within 0.05 s"):
+            await late[0]
+        await asyncio.sleep(0.3)  # the script ends
+        assert await conn.call("CLIENT", "ID") != first
+
+
 async def test_a_silent_server_times_out_and_the_next_call_connects_again() -> None:
     accepted: list[asyncio.StreamWriter] = []
 

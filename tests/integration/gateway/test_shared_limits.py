@@ -292,6 +292,69 @@ async def test_hundreds_of_concurrent_requests_go_through_a_few_connections(redi
         await limiter.close()
 
 
+async def test_a_bursts_first_call_goes_at_once_and_the_rest_in_one_write_without_waiting(
+    redis_server: RedisServer,
+) -> None:
+    """The first request of a burst is not held back by the others, and the others do not wait for its answer (nor
+    for any earlier write's: e.g. the releases of the requests that just ended)."""
+    from deepserve.gateway.resp import RespConnection
+
+    from .test_resp_connection import BUSY_SCRIPT
+
+    connection = RespConnection(redis_server.url, 5.0)
+    batcher = shared_limits.ScriptBatcher(connection, {"busy": BUSY_SCRIPT, "echo": "return ARGV[1]"})
+    try:
+        await batcher.load()
+        busy = batcher.submit("busy", [], [])
+        assert (batcher.writes, batcher.calls) == (1, 1)  # written before this turn of the loop ends
+        echoes = [batcher.submit("echo", [], [i]) for i in range(10)]
+        await asyncio.sleep(0)
+        assert (batcher.writes, batcher.calls) == (2, 11)  # the rest of the turn, together
+        assert not busy.done()  # ... while Redis still runs the first
+        assert await asyncio.gather(busy, *echoes) == ["done", *map(str, range(10))]
+        later = batcher.submit("echo", [], ["alone"])
+        assert batcher.writes == 3 and await later == "alone"  # idle again: at once
+    finally:
+        await batcher.close()
+        await connection.close()
+
+
+async def test_leases_expire_on_a_whole_second_and_expired_ones_go_when_the_set_is_full(
+    redis_server: RedisServer,
+) -> None:
+    import redis
+
+    clock = FakeClock(1000.25)
+    limits = KeyLimits(max_concurrency=2)
+    alive = RedisLimiter(redis_server.url, max_concurrency=8, max_queue=8, queue_timeout_s=5, lease_s=10, clock=clock)
+    dying = RedisLimiter(redis_server.url, max_concurrency=8, max_queue=8, queue_timeout_s=5, lease_s=10, clock=clock)
+    await alive.start()
+    await dying.start()
+    client = redis.Redis.from_url(redis_server.url)
+    key_leases = alive.names.key_leases("k")
+    try:
+        held = await dying.admit("k", limits, 1)
+        lease = held.lease
+        assert held.has_slot and lease is not None
+        # 1010.25 rounded up: a whole-number score (cheap for Redis), never a shorter lease
+        assert client.zscore(key_leases, lease) == client.zscore(alive.names.global_leases, lease) == 1011
+        await dying.close()  # dies holding it
+        clock.now_s += 11  # past its lease
+        first = await alive.admit("k", limits, 1)
+        assert client.zcard(key_leases) == 2  # the expired lease made no difference yet: still there
+        second = await alive.admit("k", limits, 1)  # the set looked full: the expired lease went, then it counted
+        assert client.zcard(key_leases) == 2 and client.zscore(key_leases, lease) is None
+        with pytest.raises(Exception, match="2 requests in flight"):
+            await alive.admit("k", limits, 1)
+        for admission in (first, second):
+            alive.release(admission, None)
+        await alive.settle()
+        assert client.zcard(key_leases) == 0 and client.zcard(alive.names.global_leases) == 1  # the dead one's
+    finally:
+        client.close()
+        await alive.close()
+
+
 async def test_scripts_lost_by_a_restarted_redis_are_loaded_again(redis_server: RedisServer) -> None:
     import redis
 
