@@ -14,7 +14,7 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
     """The plan as an EngineConfig for ENGINE (each engine's launcher maps the layout to its own flags)."""
     layout = deployment.layout
     memory = deployment.memory
-    seqs = deployment.running_cap // layout.pp if deployment.running_cap else None
+    seqs = deployment.max_num_seqs_per_rank if deployment.running_cap else None  # each DP rank applies its own
     return EngineConfig.model_validate(
         {
             "engine": engine,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -17,7 +17,7 @@ from deepserve.plan.formats import WeightFormat
 from deepserve.plan.kernels import KernelRates, kernel_rates
 from deepserve.plan.layout import Layout, layout_links
 from deepserve.plan.memory import MemoryPlan
-from deepserve.plan.perf import PerformanceModel
+from deepserve.plan.perf import PerformanceModel, StepOptions
 from deepserve.plan.profiles import SelectedFactors, select_profile
 
 DEFAULT_CONCURRENCY = (1, 8, 16, 32, 64, 128, 256)
@@ -91,15 +91,28 @@ class Deployment:
     engine_version: str | None = None
     max_num_batched_tokens: int = 8192
     calibration: Path | None = None  # kernel figures measured on this GPU class (benchmarks/calibrate_gpu.py)
+    options: StepOptions = field(default_factory=StepOptions)  # two-batch overlap, speculative decoding
 
     @property
     def running_cap(self) -> int:
-        """Most requests running at once: what the KV cache holds at the planned lengths, and max_num_seqs per
-        pipeline micro-batch."""
+        """Most requests running at once: what the KV cache holds at the planned lengths, and max_num_seqs, which
+        each data-parallel rank applies to its own requests (vLLM V1 and SGLang: all pipeline micro-batches
+        together; vLLM V0: each micro-batch)."""
         cap = self.memory.max_concurrent_sequences
         if self.max_num_seqs is not None:
-            cap = min(cap, self.max_num_seqs * self.layout.pp)
+            cap = min(cap, self.max_num_seqs * self.layout.dp * self.micro_batches_capped())
         return max(cap, 0)
+
+    @property
+    def max_num_seqs_per_rank(self) -> int:
+        """The --max-num-seqs (SGLang: --max-running-requests per rank) that lets the running cap through."""
+        return max(-(-self.running_cap // (self.layout.dp * self.micro_batches_capped())), 1)
+
+    def micro_batches_capped(self) -> int:
+        """How many pipeline micro-batches one max_num_seqs covers separately (vLLM V0: each; else one cap)."""
+        selected = self.select_engine()
+        per_micro_batch = selected is not None and selected.facts.max_num_seqs_per_micro_batch
+        return self.layout.pp if per_micro_batch else 1
 
     def select_engine(self, across_engines: bool = True) -> SelectedFactors | None:
         """The engine profile for this deployment (see plan/profiles.py); None when none may stand in."""
@@ -130,4 +143,5 @@ class Deployment:
             rates or self.kernel_rates(),
             engine,
             self.kv_dtype,
+            self.options,
         )

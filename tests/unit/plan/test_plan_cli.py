@@ -179,16 +179,20 @@ def test_config_file_section(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 
 
 def test_validate_command(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "validate")
+    code, out, _ = run(capsys, "validate", "--steady")
     assert code == 0
     assert out.index("leave-one-source-out over") < out.index("in-sample (fitted on every row) over")
-    assert "meets the targets" in out and "cannot predict" in out and "trtllm" in out
-    code, out, _ = run(capsys, "validate", "--json")
+    assert "MAPE by source" in out and "MAPE by layout kind" in out and "cannot predict" in out and "trtllm" in out
+    code, out, _ = run(capsys, "validate", "--steady", "--json")
     data = json.loads(out)
-    assert data["leave_one_source_out"]["meets_targets"] is True
-    assert data["leave_one_source_out"]["mape_pct_by_metric"]["tpot"] <= 30
-    assert len(data["in_sample"]["rows"]) + len(data["unpredictable"]) == 31
-    code, _out, _ = run(capsys, "validate", "--cross-validate")  # the earlier flag still parses
+    held = data["leave_one_source_out"]
+    assert held["headline_mape_pct_by_metric"]["tpot"] <= 30
+    assert {"by_source", "by_layout_kind", "by_run"} <= held.keys()
+    counted = len(data["in_sample"]["rows"]) + len(data["unpredictable"]) + len(data["not_held_out"])
+    assert counted == 31 + 332
+    code, out, _ = run(capsys, "validate", "--steady", "--markdown")
+    assert "| source |" in out and "| layout kind |" in out
+    code, _out, _ = run(capsys, "validate", "--steady", "--cross-validate")  # the earlier flag still parses
     assert code == 0
 
 
