@@ -9,11 +9,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from deepserve.cli import plan_validate
+from deepserve.cli import plan_search, plan_validate
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
 from deepserve.plan.planner import Plan, make_plan
 from deepserve.plan.types import PlanConfig
+from deepserve.simulate.forecast import SimulatorForecaster
 
 GB = 1e9
 
@@ -37,6 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="plan_command", metavar="ACTION", required=False)
 
     plan_validate.register(actions)
+    plan_search.register(actions)
 
 
 def _levels(text: str) -> list[int]:
@@ -54,7 +56,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.concurrency is not None:
         overrides["concurrency"] = args.concurrency
     config = load_section(PlanConfig, "plan", args.config, overrides)
-    plan = make_plan(config)
+    plan = make_plan(config, SimulatorForecaster() if config.num_prompts else None)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
@@ -95,6 +97,8 @@ def print_plan(console: Console, plan: Plan) -> None:
         _print_explanations(console, plan)
         return
     console.print(_predictions_table(plan))
+    if plan.forecasts:
+        console.print(_forecasts_table(plan))
     if plan.config.slo_itl_ms is not None:
         within = plan.max_concurrency_within_slo
         text = "none: even one request misses it" if within is None else f"{within}"
@@ -104,6 +108,27 @@ def print_plan(console: Console, plan: Plan) -> None:
     for engine, line in plan.commands.items():
         console.print(f"[bold]{engine}[/]: {line}", soft_wrap=True, highlight=False)
     _print_serve_lines(console, plan)
+    console.print(f"[bold]deploy[/]: {plan.deploy_render}", soft_wrap=True, highlight=False)
+
+
+def _forecasts_table(plan: Plan) -> Table:
+    """The finite benchmark (--num-prompts) as the simulator runs it, beside the steady closed loop."""
+    run = plan.forecasts[0].run
+    rate = "all at once" if run.request_rate is None else f"at {run.request_rate:g} req/s"
+    title = f"the benchmark forecast: {run.num_prompts} requests {rate}, per concurrency cap (steady in brackets)"
+    table = Table(title=title)
+    for column in ("concurrency", "output tok/s", "TPOT ms", "TTFT ms mean", "TTFT ms p99", "duration s"):
+        table.add_column(column, justify="right")
+    for forecast, steady in zip(plan.forecasts, plan.predictions, strict=True):
+        table.add_row(
+            str(forecast.run.concurrency),
+            f"{forecast.output_throughput_tok_s:,.0f} ({steady.output_throughput_tok_s:,.0f})",
+            f"{forecast.tpot_ms.mean:,.1f} ({steady.tpot_ms:,.1f})",
+            f"{forecast.ttft_ms.mean:,.0f} ({steady.ttft_ms:,.0f})",
+            f"{forecast.ttft_ms.p99:,.0f}",
+            f"{forecast.duration_s:,.1f}",
+        )
+    return table
 
 
 def _print_serve_lines(console: Console, plan: Plan) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shlex
+
+from deepserve.config import changed_flags
 from deepserve.engines.config import EngineConfig, serve_command
 from deepserve.engines.registry import ENGINES
 from deepserve.models.resolve import ResolvedModel
@@ -51,3 +54,14 @@ def serve_commands(deployment: Deployment, config: PlanConfig) -> tuple[str, ...
         update={"gpu_type": deployment.accelerator.name, "host": "0.0.0.0" if deployment.nodes > 1 else "127.0.0.1"}
     )
     return tuple(serve_command(engine.for_node(rank)) for rank in range(deployment.nodes))
+
+
+DEPLOY_SKIP = ("extra_args", "node_rank", "master_addr", "host", "trust_remote_code")
+
+
+def deploy_render_command(deployment: Deployment, config: PlanConfig, target: str = "kubernetes") -> str:
+    """The `deepserve deploy render` line that deploys the plan (engine flags as `serve` takes them)."""
+    engine = engine_config(deployment, config, config.engine)
+    engine = engine.model_copy(update={"gpu_type": deployment.accelerator.name})
+    argv = ["deepserve", "deploy", "render", "--target", target, "--out", f"deploy-{target}"]
+    return shlex.join([*argv, *changed_flags(engine, skip=DEPLOY_SKIP)])

@@ -57,6 +57,15 @@ class PlanConfig(Section):
     calibration: Path | None = Field(
         None, description="JSON from benchmarks/calibrate_gpu.py: measured kernel efficiencies replace the table's"
     )
+    num_prompts: int | None = Field(
+        None, ge=1, description="forecast a benchmark of this many requests per concurrency level (the simulator)"
+    )
+    request_rate: float | None = Field(
+        None, gt=0, description="with --num-prompts: requests arrive at this Poisson rate (None: all at once)"
+    )
+    length_spread: float = Field(
+        0.0, ge=0, lt=1, description="with --num-prompts: lengths drawn within mean x (1 +- spread)"
+    )
 
     @field_validator("engine")
     @classmethod
