@@ -80,8 +80,11 @@ class KernelRates:
 
 
 def weight_family(format_name: str) -> str:
+    """The kernel table's family for a weight format: fp8, fp4 (NVFP4, MXFP4), int4 (AWQ, GPTQ), 16bit."""
     if format_name.startswith("fp8"):
         return "fp8"
+    if "fp4" in format_name:
+        return "fp4"
     if "int4" in format_name:
         return "int4"
     return "16bit"
