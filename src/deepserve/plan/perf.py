@@ -294,7 +294,7 @@ class PerformanceModel:
             self._prefill_attention(rank.prefill_tokens, rank.prefill_context, rank.prefill_mean_position),
         )
         return StepCost(
-            self._overhead_s(decode_tokens, prefill_tokens),
+            self._overhead_s(rank.decode_tokens, rank.prefill_tokens),
             work,
             self._comm(
                 decode_tokens * verify + prefill_tokens,
@@ -322,6 +322,8 @@ class PerformanceModel:
         return self._launch_s(self.prefill_launch_mode if prefill_tokens else self.launch_mode)
 
     def _overhead_s(self, decode_tokens: float, prefill_tokens: float) -> float:
+        """The engine's own time: small kernels per layer, CPU time per step and per sequence of the busiest rank
+        (each data-parallel rank runs its own scheduler)."""
         p = self.engine.parameters
         sequences = decode_tokens + (1 if prefill_tokens else 0)
         small_kernels = self._shape.layers * p.kernels_per_layer * self._step_launch_s(prefill_tokens)

@@ -26,11 +26,12 @@ PARAMETER_NAMES = (
     "step_overhead_ms",
     "per_sequence_us",
 )
-# Four observables pin four parameters: a single user's TPOT (the step's small kernels), a single user's TTFT at a
+# Five observables pin five parameters: a single user's TPOT (the step's small kernels), a single user's TTFT at a
 # short prompt (the per-request overhead), how TTFT and saturated throughput grow with the prompt (the prefill
-# path's efficiency) and TPOT of a tensor-parallel group spread over nodes (its all-reduces' latency). Each fitted
-# parameter also has a prior (value, factor, source) that holds it where a fold's rows say nothing about it.
-MAX_FITTED = 4
+# path's efficiency), TPOT of a tensor-parallel group spread over nodes (its all-reduces' latency) and how TPOT grows
+# with the running batch beyond its kernels (CPU time per sequence). Each fitted parameter also has a prior (value,
+# factor, source) that holds it where a fold's rows say nothing about it.
+MAX_FITTED = 5
 
 
 @dataclass(frozen=True)
