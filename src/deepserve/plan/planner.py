@@ -319,9 +319,17 @@ def highest_concurrency_within(model: PerformanceModel, workload: Workload, cap:
 
 
 def _layout_from(config: PlanConfig) -> Layout | None:
+    """The layout the flags ask for; what they leave out fills the GPUs: PP from TP x DP when TP is given (so TP1 x
+    DP16 with EP on 16 GPUs is wide EP over two nodes, PP 1), else PP across the nodes for TP alone and PP 1 with
+    data-parallel attention."""
     if config.tp is None and config.pp is None and config.dp == 1 and not config.ep:
         return None
     dp = config.dp
-    pp = config.pp or nodes_for(config)
+    if config.pp is not None:
+        pp = config.pp
+    elif config.tp is not None:
+        pp = max(config.gpus // (config.tp * dp), 1)
+    else:
+        pp = nodes_for(config) if dp == 1 else 1
     tp = config.tp or max(config.gpus // (pp * dp), 1)
     return Layout(tp=tp, pp=pp, dp=dp, ep=config.ep)

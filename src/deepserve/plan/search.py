@@ -467,8 +467,15 @@ def _colocated_commands(plan_config: PlanConfig, candidate: Candidate) -> Chosen
     tail = " -- " + shlex.join(extra) if extra else ""
     serve = tuple(line + tail for line in plan.serve_commands)
     render = deploy_render_command(plan.deployment, plan_config) + tail
-    notes = ("MTP needs the checkpoint's MTP module (loaded only for speculative decoding)",) if extra else ()
-    return ChosenCommands(serve, render, notes)
+    notes = ["MTP needs the checkpoint's MTP module (loaded only for speculative decoding)"] if extra else []
+    layout = candidate.layout
+    if candidate.engine == "sglang" and layout.dp > 1 and not layout.ep:
+        notes.append(
+            f"SGLang: data-parallel attention with split experts is --tp-size {layout.tp * layout.dp} --dp-size "
+            f"{layout.dp} --enable-dp-attention without --ep-size; deepserve's SGLang launcher adds "
+            "--enable-dp-attention only with expert parallelism, so add it after `--`"
+        )
+    return ChosenCommands(serve, render, tuple(notes))
 
 
 def _pool_commands(config: SearchConfig, candidate: Candidate, pools: Pools, point: SearchPoint) -> ChosenCommands:

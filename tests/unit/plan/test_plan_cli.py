@@ -248,3 +248,16 @@ def test_a_plan_that_does_not_fit_names_the_gpus_that_would(capsys: pytest.Captu
     _code, out, _ = run(capsys, "--model", "deepseek-ai/DeepSeek-V3", "--gpu", "h100")
     assert "it fits on 16 x h100-sxm (2 node(s)" in out
     assert "MTP module" in out
+
+
+def test_wide_ep_over_two_nodes_needs_no_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp 1 --dp 16 --ep on 16 GPUs is wide EP over two nodes with PP 1 (issue 20: PP = nodes was added and the
+    layout refused); --max-num-seqs is each data-parallel rank's."""
+    code, out, err = run(capsys, "--gpu", "h100", "--gpus", "16", "--tp", "1", "--dp", "16", "--ep", "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["layout"] == {"tp": 1, "pp": 1, "dp": 16, "ep": True} and plan["nodes"] == 2
+    per_rank = plan["max_num_seqs_per_dp_rank"]
+    assert f"--max-num-seqs {per_rank}" in plan["commands"]["vllm"]
+    assert per_rank * 16 >= plan["max_concurrent_sequences"] > (per_rank - 1) * 16
+    assert "each of the 16 data-parallel ranks" in " ".join(e["text"] for e in plan["explanations"])
