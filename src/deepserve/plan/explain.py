@@ -205,7 +205,21 @@ def explain_kv_cache(config: PlanConfig, deployment: Deployment) -> str:
         text += f"; max_num_seqs {deployment.max_num_seqs} caps the running batch at {cap}"
     else:
         text += f"; the running batch is limited by the KV cache at {cap} sequences"
-    return text
+    return text + _max_num_seqs_words(deployment)
+
+
+def _max_num_seqs_words(deployment: Deployment) -> str:
+    """--max-num-seqs as the engines apply it: per data-parallel rank, over all pipeline micro-batches together
+    (vLLM V1, SGLang's --max-running-requests per rank) or per micro-batch (vLLM V0)."""
+    layout = deployment.layout
+    per_rank = deployment.max_num_seqs_per_rank
+    if per_rank is None:  # not one sequence fits: there is nothing to cap
+        return ""
+    scope = "each pipeline micro-batch" if deployment.micro_batches_capped() > 1 else "all its pipeline micro-batches"
+    words = f"; the commands pass --max-num-seqs {per_rank}: "
+    if layout.dp > 1:
+        return words + f"each of the {layout.dp} data-parallel ranks runs up to {per_rank} of them ({scope})"
+    return words + f"the engine runs up to {per_rank} over {scope}"
 
 
 def _nonlinear_kv_text(memory: MemoryPlan, tp: int) -> str:
