@@ -17,6 +17,7 @@ from typing import Any
 
 from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import Accelerator, Link
+from deepserve.plan.formats import get_format
 
 KERNELS_PATH = Path(__file__).with_name("data") / "kernels.json"
 
@@ -90,6 +91,21 @@ def weight_family(format_name: str) -> str:
     return "16bit"
 
 
+@lru_cache(maxsize=16)
+def kind_families(format_name: str) -> dict[str, str]:
+    """The weight family each kind of work's figures are for. A format whose routed experts have a 4-bit format of
+    their own (DeepSeek-V4's MXFP4 experts, NVIDIA's NVFP4 exports) runs its experts on the fp4 figures and
+    everything else on its FP8 figures; other formats run every kind on their one family."""
+    family = weight_family(format_name)
+    try:
+        expert_format = get_format(format_name).expert_format
+    except ConfigError:
+        expert_format = None
+    if expert_format is None:
+        return {kind: family for kind in WORK_KINDS}
+    return {kind: "fp4" if kind == "moe_gemm" else "fp8" for kind in WORK_KINDS}
+
+
 @lru_cache(maxsize=4)
 def _table(path: Path = KERNELS_PATH) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(path.read_text())
@@ -107,7 +123,8 @@ def kernel_rates(accelerator: Accelerator, format_name: str, path: Path = KERNEL
         )
     entry = classes[accelerator.hardware_class]
     family = weight_family(format_name)
-    kinds = {kind: _kind_rate(entry, kind, family, accelerator.hardware_class) for kind in WORK_KINDS}
+    families = kind_families(format_name)
+    kinds = {kind: _kind_rate(entry, kind, families[kind], accelerator.hardware_class) for kind in WORK_KINDS}
     for kind, efficiency in accelerator.measured_compute_efficiency:
         kinds[kind] = replace(
             kinds[kind], compute_efficiency=efficiency, measured=True, source=f"measured on {accelerator.name}"

@@ -26,7 +26,7 @@ from functools import lru_cache
 from deepserve.hardware.catalog import Accelerator, Link
 from deepserve.models.spec import ModelSpec, dtype_bytes
 from deepserve.plan.attention_cost import SPARSE_ATTENTION_KINDS, decode_step_cost, prefill_step_cost
-from deepserve.plan.formats import WeightFormat
+from deepserve.plan.formats import WeightFormat, format_support
 from deepserve.plan.kernels import KernelRates, KindRate
 from deepserve.plan.layout import Layout, Links, stage_layers
 from deepserve.plan.memory import shard_count
@@ -184,10 +184,12 @@ class _StageShape:
 @dataclass(frozen=True)
 class StepOptions:
     """How the engine runs the step model's kinds of work beyond the kernels: two-batch overlap of communication
-    (SGLang's --enable-two-batch-overlap, vLLM's --enable-dbo). Speculative decoding is a model of its own
-    (plan/speculative.py: SpeculativeModel), not an option here."""
+    (SGLang's --enable-two-batch-overlap, vLLM's --enable-dbo) and, where CUDA graphs are off (SGLang's
+    --disable-cuda-graph, vLLM's --enforce-eager), the launch mode of every kernel of every step. Speculative decoding
+    is a model of its own (plan/speculative.py: SpeculativeModel), not an option here."""
 
     overlap_comm: bool = False
+    launch_mode: str | None = None  # a kernels.json launch_us mode for every step (None: the engine version's)
 
 
 class PerformanceModel:
@@ -216,11 +218,14 @@ class PerformanceModel:
         self.options = options or StepOptions()
         self._shape = _stage_shape(spec, fmt, layout)
         facts = engine.facts
-        self.launch_mode = facts.step_launch(rates.family)
-        self.prefill_launch_mode = facts.prefill_launch or self.launch_mode
+        self.launch_mode = self.options.launch_mode or facts.step_launch(rates.family)
+        self.prefill_launch_mode = self.options.launch_mode or facts.prefill_launch or self.launch_mode
         self.per_expert_moe = facts.moe_per_expert.get(rates.family)
         self.mixed_prefill = facts.mixed_prefill
         self.version_step_s = facts.step_overhead_ms * 1e-3
+        # FP4 experts compute natively on Blackwell (NVFP4 at the FP4 rate, MXFP4 x MXFP8 at FP8's) and weight-only
+        # elsewhere (Hopper's Marlin: 4-bit weights dequantized in a 16-bit GEMM): plan/formats.format_support
+        self.expert_dtype = format_support(fmt, accelerator).expert_compute_dtype
 
     @property
     def factors(self) -> SelectedFactors:
@@ -332,7 +337,7 @@ class PerformanceModel:
         nbytes = shape.moe_layers * touched * per_expert * self.fmt.bytes_per_param("routed_experts")
         flops_per_token = 2 * spec.num_experts_per_tok * per_expert * shape.moe_layers
         compute = self._compute_s(
-            flops_per_token * decode_tokens, flops_per_token * prefill_tokens, rate, self.fmt.compute_dtype
+            flops_per_token * decode_tokens, flops_per_token * prefill_tokens, rate, self.expert_dtype
         )
         return WorkCost("moe_gemm", self._memory_s(nbytes, rate), compute, self._moe_floor_s(touched))
 
