@@ -87,6 +87,7 @@ def build_deployment(
         max_num_batched_tokens,
         draft_modules=draft_modules or (speculation is not None and speculation.draft_layers > 0),
         fp4_indexer_cache=fp4_indexer_cache,
+        prompt_len=workload.input_len,
     )
     return Deployment(
         spec,
