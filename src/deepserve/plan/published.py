@@ -40,7 +40,6 @@ ROWS_PATH = Path(__file__).with_name("data") / "published_rows.csv"
 RESEARCH_ROW_OFFSET = 100
 SCORED_KINDS = ("closed_loop", "sweep_peak", "finite", "prefill_phase", "decode_phase")
 GPUS_PER_NODE = 8
-EAGER_LAUNCH_MODE = "host_synchronised"  # CUDA graphs off: each kernel waits for the host's Python to launch it
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,6 @@ class SourceSetup:
     decode_batch_per_gpu: float = 0.0  # decode-phase rows: sequences per GPU (0: as many as the KV cache holds)
     accept_lengths: tuple[tuple[int, float], ...] = ()  # speculative rows: (draft tokens, mean acceptance length)
     max_num_batched_tokens: int = 8192
-    cuda_graphs: bool = True  # False: the engine ran with CUDA graphs off, every kernel launched from the host
 
 
 SOURCE_SETUPS = {
@@ -102,23 +100,10 @@ SOURCE_SETUPS = {
         length_spread=0.111,
         max_num_batched_tokens=32768,
     ),
-    # TensorRT-LLM's DeepSeek-R1 guide (trtllm-bench throughput, an in-process client), one setup per GPU: the H200
-    # max-throughput run caps each of the 8 attention-DP ranks at max_batch_size 128 requests and max_num_tokens 1151
-    # tokens a step, the B200 BF16-KV run at 384 and 1536; 1K/2K requests (max_seq_len 3072). Its MTP runs state no
-    # acceptance: tech blog 1's ablation of the same R1 MTP module at 1K/2K measured 2.82 tokens per step with 3.
-    "trtllm-best-perf@H200-SXM5-141GB": SourceSetup(
-        max_num_seqs=128, max_model_len=3072, max_num_batched_tokens=1151, accept_lengths=((3, 2.82),)
-    ),
-    "trtllm-best-perf@B200": SourceSetup(
-        max_num_seqs=384, max_model_len=3072, max_num_batched_tokens=1536, accept_lengths=((3, 2.82),)
-    ),
-    # TensorRT-LLM tech blog 1 ("Pushing Latency Boundaries", B200, one user): mean acceptance lengths of its MTP
-    # ablation, 1 to 5 drafts.
-    "trtllm-b200-latency": SourceSetup(accept_lengths=((1, 1.92), (2, 2.58), (3, 2.82), (4, 2.99), (5, 3.01))),
-    # sglang issue 3361: `--enable-torch-compile --torch-compile-max-bs 96 --disable-cuda-graph`: without CUDA
-    # graphs PyTorch launches every kernel of every step from Python, one at a time, so the GPU waits on the host
-    # for each short kernel (the kernel table's host-synchronised launch, 9.6 us, stands for it).
-    "sglang-3361-h800": SourceSetup(cuda_graphs=False),
+    # TensorRT-LLM's DeepSeek-R1 guide (trtllm-bench throughput, an in-process client): the H200 max-throughput run
+    # caps each of the 8 attention-DP ranks at max_batch_size 128 requests and max_num_tokens 1151 tokens a step,
+    # 1K/2K requests (max_seq_len 3072 in its options).
+    "trtllm-best-perf": SourceSetup(max_num_seqs=128, max_model_len=3072, max_num_batched_tokens=1151),
     # PR 3602: bench_serving's default range ratio (lengths uniform in [1, L]).
     "sglang-3602-h200": SourceSetup(length_mean_factor=0.5, length_spread=1.0),
 }
@@ -215,12 +200,7 @@ class PublishedRow:
 
     @property
     def setup(self) -> SourceSetup:
-        """SOURCE_SETUPS' entry for this row: a source's runs on one GPU type ("source_id@hardware") before the
-        source's own."""
-        for key in (f"{self.source_id}@{self.hardware}", self.source_id, self.source):
-            if key in SOURCE_SETUPS:
-                return SOURCE_SETUPS[key]
-        return SourceSetup()
+        return SOURCE_SETUPS.get(self.source_id or self.source, SOURCE_SETUPS.get(self.source, SourceSetup()))
 
     @property
     def parsed_metric(self) -> RowMetric | None:
@@ -381,21 +361,9 @@ def _gpu_known(row: PublishedRow) -> str | None:
     return None
 
 
-# A weights column's first word (the rest says which export) as the planner's format: DeepSeek-V4's release is MXFP4
-# experts with FP8 elsewhere ("fp4"); NVIDIA's exports (nvidia/DeepSeek-R1-FP4, -0528-FP4, the blogs' "nvfp4-moe")
-# keep NVFP4 experts beside FP8/BF16 attention, read as the nvfp4 format (FP8 elsewhere).
-WEIGHT_WORDS = {"fp4": "mxfp4", "nvfp4-moe": "nvfp4"}
-
-
-def row_weights(row: PublishedRow) -> str:
-    """The planner's weight format for ROW's weights column."""
-    head = row.weights.split(" (")[0].strip().lower()
-    return WEIGHT_WORDS.get(head, head)
-
-
 def _format_known(row: PublishedRow) -> str | None:
     try:
-        get_format(row_weights(row))
+        get_format(row.weights)
     except DeepserveError:
         return f"{row.weights!r}"
     return None
@@ -468,7 +436,7 @@ def row_deployment(row: PublishedRow, calibration: Path | None = None) -> Deploy
         row.hardware,
         row.gpus,
         nodes=row.stage_count,
-        weights=row_weights(row),
+        weights=row.weights,
         layout=row.layout(),
         engine=row.engine,
         kv_dtype="auto" if row.kv_dtype in ("auto", "") else row.kv_dtype,
@@ -481,8 +449,7 @@ def row_deployment(row: PublishedRow, calibration: Path | None = None) -> Deploy
         engine_version=_version(row.engine_version),
         speculation=row_speculation(row),
     )
-    launch = None if setup.cuda_graphs else EAGER_LAUNCH_MODE
-    deployment = replace(deployment, options=StepOptions(overlap_comm=setup.overlap_comm, launch_mode=launch))
+    deployment = replace(deployment, options=StepOptions(overlap_comm=setup.overlap_comm))
     if calibration is not None and calibrated_class(calibration) == deployment.accelerator.hardware_class:
         return replace(deployment, calibration=calibration)
     return deployment
