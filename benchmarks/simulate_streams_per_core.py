@@ -149,9 +149,10 @@ class _NullTransport:
 def engine_only_us_per_token(streams: int, tokens: int) -> float:
     """CPU microseconds per token of the simulator's own work, sockets left out (ManualClock, null transports)."""
     from deepserve.engines.config import EngineConfig
+    from deepserve.simulate.app import SimulatorApp
     from deepserve.simulate.clock import ManualClock
     from deepserve.simulate.config import SimulateConfig
-    from deepserve.simulate.server import SimulatorApp, _Connection
+    from deepserve.simulate.http import Connection
     from deepserve.simulate.setup import build_engine, resolve
 
     sim = SimulateConfig(fixed_step_ms=20)
@@ -161,7 +162,7 @@ def engine_only_us_per_token(streams: int, tokens: int) -> float:
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": tokens, "stream": True}).encode()
     request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     for _ in range(streams):
-        connection = _Connection(app)
+        connection = Connection(app, set())
         connection.connection_made(_NullTransport())  # type: ignore[arg-type]
         connection.data_received(request)
     started = time.process_time()

@@ -77,20 +77,20 @@ class SpecCounters:
 
 def spec_counters(metrics_text: str) -> SpecCounters:
     """The spec-decode counters in a /metrics page (vllm/v1/spec_decode/metrics.py), summed over engines."""
-    totals = {names.SPEC_DECODE_NUM_DRAFTS: 0.0, names.SPEC_DECODE_NUM_DRAFT_TOKENS: 0.0,
-              names.SPEC_DECODE_NUM_ACCEPTED_TOKENS: 0.0}  # fmt: skip
+    totals = {names.SPEC_DECODE_DRAFTS: 0.0, names.SPEC_DECODE_DRAFT_TOKENS: 0.0,
+              names.SPEC_DECODE_ACCEPTED_TOKENS: 0.0}  # fmt: skip
     positions: dict[int, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             if sample.name in totals:
                 totals[sample.name] += sample.value
-            elif sample.name == names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS:
-                position = int(sample.labels[names.POSITION_LABEL])
+            elif sample.name == names.SPEC_DECODE_ACCEPTED_PER_POSITION:
+                position = int(sample.labels[names.SPEC_DECODE_POSITION_LABEL])
                 positions[position] = positions.get(position, 0.0) + sample.value
     return SpecCounters(
-        totals[names.SPEC_DECODE_NUM_DRAFTS],
-        totals[names.SPEC_DECODE_NUM_DRAFT_TOKENS],
-        totals[names.SPEC_DECODE_NUM_ACCEPTED_TOKENS],
+        totals[names.SPEC_DECODE_DRAFTS],
+        totals[names.SPEC_DECODE_DRAFT_TOKENS],
+        totals[names.SPEC_DECODE_ACCEPTED_TOKENS],
         tuple(positions[p] for p in sorted(positions)),
     )
 

@@ -59,7 +59,7 @@ def table(out: Path) -> list[str]:
         rows.append(
             f"| {entry['params']['variant']} | {status} | {_n(timings.get('startup'))} | "
             f"{_n(timings.get('benchmark'))} | {_n(timings.get('stop'))} | {_n(item.get('output_tok_s'))} | "
-            f"{_n(item.get('goodput_tok_s'))} | {'hold' if item.get('slos_hold') else 'missed' if item else '–'} | "
+            f"{_n(_goodput(item))} | {'hold' if item.get('slos_hold') else 'missed' if item else '–'} | "
             f"{_n(predicted)} |"
         )
     return rows
@@ -78,9 +78,9 @@ def summary(out: Path) -> list[str]:
     ]
     if best and default:
         lines.append(
-            f"best: {best['engine']}: goodput {best['goodput_tok_s']:,.0f} tok/s, output {best['output_tok_s']:,.0f} "
-            f"tok/s; vLLM's defaults: goodput {default['goodput_tok_s']:,.0f}, output {default['output_tok_s']:,.0f} "
-            f"({_ratio(best['goodput_tok_s'], default['goodput_tok_s'])} goodput, "
+            f"best: {best['engine']}: goodput {_goodput(best):,.0f} tok/s, output {best['output_tok_s']:,.0f} "
+            f"tok/s; vLLM's defaults: goodput {_goodput(default):,.0f}, output {default['output_tok_s']:,.0f} "
+            f"({_ratio(_goodput(best), _goodput(default))} goodput, "
             f"{_ratio(best['output_tok_s'], default['output_tok_s'])} output)"
         )
     elif not best:
@@ -114,3 +114,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _goodput(item: dict) -> float | None:
+    """A scored point's goodput (output tokens/s): its key was goodput_tok_s in tune directories written earlier."""
+    return item.get("goodput_output_tok_s", item.get("goodput_tok_s"))

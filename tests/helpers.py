@@ -21,31 +21,41 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deepserve._compat import timeout
+from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.models.tiny import tiny_config
 from deepserve.net import free_port
 from deepserve.simulate.fixed import FAKE_MODEL, fixed_timing, simulate_command
-from deepserve.simulate.server import SimulatorServer, SimulatorThread, running_simulator
+from deepserve.simulate.server import SimulatorServer, running_simulator
+from deepserve.simulate.thread import SimulatorThread
 
 __all__ = [
     "FAKE_MODEL",
     "SAMPLE_SUFFIXES",
     "Child",
     "FakeClock",
+    "metric_total",
+    "present",
     "samples",
+    "scrape",
     "simulator",
     "simulator_thread",
     "start_child",
+    "start_gateway",
     "start_simulator",
     "tiny_config_dir",
     "until",
     "vllm_exported_samples",
     "wait_until",
 ]
+
+T = TypeVar("T")
 
 # How long a test waits for something that takes milliseconds when the machine is idle: a bound for a shared,
 # loaded machine, never a measurement.
@@ -67,6 +77,13 @@ class FakeClock:
 
     def sleep(self, seconds: float) -> None:
         self.advance(seconds)
+
+
+def present(value: T | None, what: str = "the value") -> T:
+    """VALUE, which the test expects to be there: an assertion that fails on None (naming WHAT), and the type
+    without None for what the test does with it next."""
+    assert value is not None, f"{what} is missing"
+    return value
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = SETTLE_BOUND_S, interval_s: float = 0.005) -> None:
@@ -153,6 +170,12 @@ def start_child(argv: list[str], ready_prefix: str = "READY ", timeout_s: float 
     return child
 
 
+def start_gateway(config: GatewayConfig, timeout_s: float = 30) -> Child:
+    """`deepserve gateway` in its own process, with the command line `deepserve serve` runs it with (gateway_argv);
+    its url is the OpenAI base URL (…/v1)."""
+    return start_child(gateway_argv(config, sys.executable), "GATEWAY READY", timeout_s)
+
+
 def start_simulator(*flags: str, model: str = FAKE_MODEL) -> Child:
     """`deepserve simulate --model MODEL FLAGS` in its own process on a free port (give it --fixed-* timings or a
     model the planner knows); its url is the OpenAI base URL (…/v1)."""
@@ -202,6 +225,18 @@ _VLLM_DEFINITION = re.compile(r'self\._(counter|gauge|histogram)_cls\(\s*name="(
 def samples(kind: str, name: str) -> set[str]:
     """The sample names a Prometheus metric of KIND called NAME is exposed under."""
     return {name + suffix for suffix in SAMPLE_SUFFIXES[kind]}
+
+
+def scrape(url: str, timeout_s: float = 30) -> list[tuple[str, dict[str, str], float]]:
+    """The samples (name, labels, value) that the Prometheus endpoint at URL exposes now, read with
+    prometheus_client's own parser (not deepserve's, which some tests check)."""
+    text = httpx.get(url, timeout=timeout_s).raise_for_status().text
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def metric_total(scraped: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    """The sum of the samples called NAME whose labels include LABELS (0 when there is none)."""
+    return sum(value for sample, tags, value in scraped if sample == name and labels.items() <= tags.items())
 
 
 def vllm_exported_samples() -> set[str]:

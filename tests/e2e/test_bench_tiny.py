@@ -55,7 +55,10 @@ def test_bench_tiny_model(served_tiny, tmp_path_factory, tmp_path, endpoint):
     assert all(sum(record.chunk_tokens) == OUTPUT_LEN for record in result.records)
     assert data["total_input_tokens"] >= 4 * 32 * 0.9  # the server's prompt_tokens
     assert [key for key in VLLM_KEYS if key not in data] == []
-    assert data["median_ttft_ms"] > 0 and data["median_tpot_ms"] > 0
+    assert data["median_ttft_ms"] > 0
+    # a starved vLLM CPU API server may send a whole answer in one write: no TPOT for it, never a TPOT of 0
+    assert data["median_tpot_ms"] is None or data["median_tpot_ms"] > 0
+    assert data["median_tpot_ms"] is not None or data["one_write_requests"] == data["completed"]
     server = data["server_metrics"]
     assert server["available"] is True, server["note"]
     assert server["url"] == served_tiny.root_url + "/metrics/engines"  # the gateway's own /metrics has no vllm:

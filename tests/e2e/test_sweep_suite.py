@@ -47,7 +47,10 @@ def test_concurrency_suite_runs_resumes_records_and_reports(served_tiny, tmp_pat
         result = json.loads((out / point["result_file"]).read_text())
         assert result["completed"] > 0 and result["failed"] == 0
         assert result["max_concurrency"] == point["params"]["max_concurrency"]
-        assert result["output_throughput"] > 0 and result["p99_itl_ms"] > 0
+        assert result["output_throughput"] > 0
+        # a starved vLLM CPU API server may send whole answers in one write: then no ITL (null), never 0
+        assert result["p99_itl_ms"] is None or result["p99_itl_ms"] > 0
+        assert result["p99_itl_ms"] is not None or result["one_write_requests"] == result["completed"]
     # Points not run were skipped for a stated reason: saturation or the budget.
     for point in index["points"]:
         assert point["status"] in ("done", "skipped")
@@ -60,9 +63,15 @@ def test_concurrency_suite_runs_resumes_records_and_reports(served_tiny, tmp_pat
     deployment = index["metadata"]["deployment"]
     assert deployment["accelerator"] == "cpu" and deployment["host"]["memory_bandwidth_gb_s"] > 0
     assert deployment["model_config"]["model_type"] == "deepseek_v3"
-    assert "of the hardware&#x27;s memory-bandwidth limit" in html and 'id="decode_vs_hardware_limit"' in html
-    assert 'id="pareto"' in html
-    assert "the highest concurrency that meets P99 ITL" in html or "no measured concurrency meets" in html
+    # Per-token figures come only from points with gaps between tokens (on a busy machine vLLM's CPU API server may
+    # send whole answers in one write, mostly at low concurrency); the limit line and the chart need one and two.
+    timed = [p for p in done if json.loads((out / p["result_file"]).read_text())["mean_tpot_ms"] is not None]
+    if timed:
+        assert "of the hardware&#x27;s memory-bandwidth limit" in html
+    if len(timed) >= 2:
+        assert 'id="decode_vs_hardware_limit"' in html and 'id="pareto"' in html
+    answers = ("the highest concurrency that meets P99 ITL", "no measured concurrency meets", "arrived in one write")
+    assert any(answer in html for answer in answers)
     runs = ResultsStore().list_runs(suite="concurrency")
     assert {run.point_id for run in runs} == {p["point_id"] for p in done}
 

@@ -13,11 +13,15 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from openai import OpenAI
 
+from deepserve.bench.config import BenchConfig
+from deepserve.bench.runner import run_benchmark, save_result
 from deepserve.models.tiny.markov import (
     START_BYTE,
     byte_token,
@@ -33,6 +37,7 @@ ASSISTANT = special_token_id("<｜Assistant｜>")  # what a chat prompt ends wit
 # 2 degrees of freedom: exceeded with probability 1e-6 when the output follows the model's distribution
 CHI_SQUARE_LIMIT = 27.6
 SPEC_METRICS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+BENCH_REQUESTS, BENCH_OUTPUT_LEN = 4, 48
 
 
 def _serve_with_mtp(tmp_path_factory: pytest.TempPathFactory, model: str, k: int) -> ServedTiny:
@@ -65,7 +70,7 @@ class TestFullAcceptance:
         for position in range(FULL_K):
             accepted = after[f"position {position}"] - before.get(f"position {position}", 0)
             assert accepted == after["num_drafts"] - before["num_drafts"]
-        assert chunks[0] == 1 and set(chunks[1:-1]) == {FULL_K + 1}, chunks  # the prompt's token, then K+1 per step
+        assert _whole_steps(chunks, FULL_K), chunks  # the prompt's token, then K+1 per step
         assert greedy_next(ASSISTANT) == byte_token(START_BYTE + 1)  # a chat continues as after `a`
         assert text == "".join(chr(START_BYTE + i) for i in range(1, 25))  # greedy counts up: bcd…
 
@@ -96,6 +101,19 @@ class TestFullAcceptance:
         assert off_chain <= 2, counts  # the other 317 tokens share about 2e-5 of the probability
         assert chi_square < CHI_SQUARE_LIMIT, counts
 
+    def test_bench_reports_full_acceptance_from_the_engines_counters(
+        self, served_full: ServedTiny, tmp_path: Path
+    ) -> None:
+        data, records, engine = _bench_spec_decode(served_full, tmp_path)
+        spec = data["server_metrics"]["spec_decode"]
+        assert spec["acceptance_rate"] == 1.0 and spec["mean_acceptance_length"] == FULL_K + 1
+        assert spec["acceptance_by_position"] == [1.0] * FULL_K
+        _assert_spec_decode_matches(spec, engine, FULL_K)
+        drafts_per_request = spec["drafts"] / BENCH_REQUESTS
+        assert data["mean_tokens_per_chunk"] >= BENCH_OUTPUT_LEN / (1 + drafts_per_request)
+        for chunks in records:
+            assert _whole_steps(chunks, FULL_K) and sum(chunks) == BENCH_OUTPUT_LEN, chunks
+
 
 class TestPartialAcceptance:
     def test_partial_mtp_acceptance_is_what_the_model_predicts(self, served_partial: ServedTiny) -> None:
@@ -113,6 +131,73 @@ class TestPartialAcceptance:
         for position in range(PARTIAL_K):
             accepted = after[f"position {position}"] - before.get(f"position {position}", 0)
             assert accepted == pytest.approx(3 * predicted.accepted_per_position[position], abs=3)
+
+    def test_bench_reports_the_predicted_acceptance_from_the_engines_counters(
+        self, served_partial: ServedTiny, tmp_path: Path
+    ) -> None:
+        data, _, engine = _bench_spec_decode(served_partial, tmp_path)
+        spec = data["server_metrics"]["spec_decode"]
+        _assert_spec_decode_matches(spec, engine, PARTIAL_K)
+        predicted = simulate_greedy_speculation(ASSISTANT, BENCH_OUTPUT_LEN, PARTIAL_K, "partial")
+        assert 0 < spec["acceptance_rate"] < 1
+        assert spec["acceptance_rate"] == pytest.approx(predicted.acceptance_rate, abs=0.03), (spec, predicted)
+        assert spec["drafts"] == pytest.approx(BENCH_REQUESTS * predicted.drafts, abs=BENCH_REQUESTS)
+        predicted_length = 1 + predicted.accepted_tokens / predicted.drafts
+        assert spec["mean_acceptance_length"] == pytest.approx(predicted_length, abs=0.1)
+        for position in range(PARTIAL_K):
+            rate = predicted.accepted_per_position[position] / predicted.drafts
+            assert spec["acceptance_by_position"][position] == pytest.approx(rate, abs=0.05)
+        # one chunk per step at most (merged steps make fewer): at least the step's mean tokens per chunk
+        assert data["mean_tokens_per_chunk"] >= BENCH_OUTPUT_LEN / (1 + spec["drafts"] / BENCH_REQUESTS)
+
+
+def _bench_spec_decode(served: ServedTiny, tmp_path: Path) -> tuple[dict[str, Any], list[list[int]], dict[str, float]]:
+    """`deepserve bench` (the library's run) through the gateway: greedy chat, BENCH_REQUESTS requests of exactly
+    BENCH_OUTPUT_LEN tokens, each chunk's token ids asked for. Its JSON result, each request's tokens per chunk,
+    and the engine's own counters' growth over the run (read from the engine, not through the gateway)."""
+    config = BenchConfig.model_validate(
+        {
+            "target": {"base_url": served.base_url, "endpoint": "/v1/chat/completions", "temperature": 0},
+            "workload": {
+                "dataset_name": "random",
+                "random_input_len": 16,
+                "random_output_len": BENCH_OUTPUT_LEN,
+                "num_prompts": BENCH_REQUESTS,
+                "ignore_eos": True,
+            },
+            "load": {"max_concurrency": 2, "num_warmups": 0},  # warm-ups would count in the server's figures
+        }
+    )
+    before = _spec_counters(served)
+    result = run_benchmark(config, display=False)
+    after = _spec_counters(served)
+    data = json.loads(save_result(result, tmp_path / "result.json").read_text())
+    assert data["completed"] == BENCH_REQUESTS, data["errors_by_message"]
+    assert data["total_output_tokens"] == BENCH_REQUESTS * BENCH_OUTPUT_LEN
+    assert data["return_token_ids"]["sent"] is True and data["token_attribution"] == "exact"
+    assert data["server_metrics"]["available"] is True, data["server_metrics"]["note"]
+    assert data["server_metrics"]["spec_decode"]["source"] == "counters"
+    grown = {name: after[name] - before.get(name, 0) for name in after}
+    return data, [record.chunk_tokens for record in result.records], grown
+
+
+def _whole_steps(chunks: list[int], k: int) -> bool:
+    """Whether CHUNKS (tokens per streamed chunk) are whole engine steps of full acceptance: the prompt's step yields
+    one token, each later one K+1 (the last may be cut by max_tokens). A chunk holds one step, or several that vLLM
+    merged while its API server was behind (its RequestOutputCollector merges a request's outputs that wait to be
+    sent, as on a busy machine), never part of one."""
+    return chunks[0] % (k + 1) == 1 and all(count % (k + 1) == 0 for count in chunks[1:-1])
+
+
+def _assert_spec_decode_matches(spec: dict[str, Any], engine: dict[str, float], k: int) -> None:
+    """The bench's figures are the engine's counters differenced over the run, with vLLM's definitions."""
+    assert spec["drafts"] == engine["num_drafts"] > 0
+    assert spec["draft_tokens"] == engine["num_draft_tokens"]
+    assert spec["accepted_tokens"] == engine["num_accepted_tokens"]
+    assert spec["acceptance_rate"] == pytest.approx(engine["num_accepted_tokens"] / engine["num_draft_tokens"])
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + engine["num_accepted_tokens"] / engine["num_drafts"])
+    by_position = [engine[f"position {position}"] / engine["num_drafts"] for position in range(k)]
+    assert spec["acceptance_by_position"] == pytest.approx(by_position)
 
 
 def _stream_chat(served: ServedTiny, max_tokens: int) -> tuple[list[int], str]:

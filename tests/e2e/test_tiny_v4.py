@@ -4,16 +4,27 @@ from the model's serving defaults.
 
 The weights are random, so the model never writes a tool call by itself: the tool-call test makes it write one with
 vLLM's structured outputs (a regex that only V4's DSML text for one call matches), and checks that vLLM's V4 parser
-turns the streamed text into `tool_calls` deltas that reach the client through the gateway."""
+turns the streamed text into `tool_calls` deltas that reach the client through the gateway.
+
+`deepserve bench` measures reasoning on it: requests with thinking on and off (each line's own
+chat_template_kwargs), reasoning closed after a few tokens by vLLM's thinking_token_budget so that the same request
+also answers (random weights never write </think> themselves), and the output kept to whole characters with
+allowed_token_ids: vLLM counts reasoning tokens by the text its parser emits, and a random byte that ends inside a
+UTF-8 character emits none (the budget's 6 reasoning tokens were counted as 3)."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
+from deepserve.bench.config import BenchConfig
+from deepserve.bench.runner import run_benchmark, save_result
+from deepserve.models.tiny.tokenizer import BYTE_TOKEN_OFFSET, special_token_id
 from tests.e2e.conftest import ServedTiny, start_deepserve, stop_and_wait
 
 IGNORE_EOS = {"ignore_eos": True}
@@ -24,6 +35,9 @@ WEATHER_CALL = (
     f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
     f"</{DSML}invoke>\n</{DSML}tool_calls>"
 )
+REASONING_BUDGET, BENCH_OUTPUT_LEN = 6, 16
+# Lower-case letters (one token each) and </think>, which the thinking budget forces
+WHOLE_CHARACTERS = [BYTE_TOKEN_OFFSET + byte for byte in b"abcdefghijklmnopqrstuvwxyz"] + [special_token_id("</think>")]
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -101,6 +115,72 @@ def test_tool_call_parsed_from_the_stream(served_v4: ServedTiny, client: OpenAI)
     arguments = "".join(call.function.arguments or "" for call in calls if call.function is not None)
     assert arguments.replace(" ", "") == '{"city":"Paris"}'
     assert "tool_calls" in finish_reasons
+
+
+def test_bench_measures_reasoning_and_answer_with_thinking_on_and_off(served_v4: ServedTiny, tmp_path: Path) -> None:
+    """`deepserve bench` through the gateway, a custom dataset whose lines turn thinking on and off: the thinking
+    requests reason first (their reasoning closed by vLLM's thinking_token_budget), then answer; the others answer
+    at once and have no reasoning tokens."""
+    thinking = [True, False, True, False]
+    dataset = tmp_path / "thinking.jsonl"
+    lines = [
+        {
+            "messages": [{"role": "user", "content": f"Question {i}: say hi."}],
+            "output_tokens": BENCH_OUTPUT_LEN,
+            "chat_template_kwargs": {"thinking": on},
+        }
+        for i, on in enumerate(thinking)
+    ]
+    dataset.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = BenchConfig.model_validate(
+        {
+            "target": {
+                "base_url": served_v4.base_url,
+                "endpoint": "/v1/chat/completions",
+                "temperature": 0,
+                "extra_body": json.dumps(
+                    {"thinking_token_budget": REASONING_BUDGET, "allowed_token_ids": WHOLE_CHARACTERS}
+                ),
+            },
+            "workload": {
+                "dataset_name": "custom",
+                "dataset_path": str(dataset),
+                "disable_shuffle": True,  # record i is line i
+                "ignore_eos": True,
+            },
+            "load": {"max_concurrency": 2, "num_warmups": 0},
+        }
+    )
+    result = run_benchmark(config, display=False)
+    data = json.loads(save_result(result, tmp_path / "result.json").read_text())
+    assert data["completed"] == len(thinking), data["errors_by_message"]
+    assert data["total_output_tokens"] == len(thinking) * BENCH_OUTPUT_LEN
+
+    records = sorted(result.records, key=lambda record: record.index)
+    for record, on in zip(records, thinking, strict=True):
+        assert record.output_len == BENCH_OUTPUT_LEN and record.first_token_s is not None
+        if on:
+            assert record.reasoning_tokens == REASONING_BUDGET, record  # the server's count (usage)
+            assert record.answer_tokens == BENCH_OUTPUT_LEN - REASONING_BUDGET  # </think> and the answer
+            assert record.first_reasoning_s == record.first_token_s < record.first_answer_s
+            assert record.prompt_len > 400  # the server's count: V4's encoder adds its reasoning instruction
+        else:  # no reasoning: left out of the reasoning figures (its answer's first token is its TTFT)
+            assert record.reasoning_tokens is None and record.answer_tokens is None, record
+            assert record.first_reasoning_s is None and record.first_answer_s is None
+            assert record.prompt_len < 40  # the line's own chat_template_kwargs reached the server
+
+    on_records = [record for record, on in zip(records, thinking, strict=True) if on]
+    assert data["reasoning_requests"] == len(on_records)
+    assert data["total_reasoning_tokens"] == len(on_records) * REASONING_BUDGET
+    assert data["total_answer_tokens"] == len(on_records) * (BENCH_OUTPUT_LEN - REASONING_BUDGET)
+    assert data["mean_reasoning_tokens"] == REASONING_BUDGET
+    for key in ("mean_reasoning_ttft_ms", "median_reasoning_ttft_ms", "mean_answer_ttft_ms", "p99_answer_ttft_ms"):
+        assert data[key] > 0, key
+    assert data["mean_answer_ttft_ms"] > data["mean_reasoning_ttft_ms"]  # the answer comes after the reasoning
+    # over the requests that reasoned, from their own records
+    for name, moment in (("reasoning", "first_reasoning_s"), ("answer", "first_answer_s")):
+        waits_ms = [(getattr(record, moment) - record.sent_s) * 1000 for record in on_records]
+        assert data[f"mean_{name}_ttft_ms"] == pytest.approx(sum(waits_ms) / len(waits_ms)), name
 
 
 def _stream_deltas(client: OpenAI, model: str, options: dict[str, object]) -> list[dict[str, object]]:

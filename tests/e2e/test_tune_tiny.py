@@ -46,7 +46,7 @@ def test_tune_over_max_num_seqs_picks_16(tmp_path: Path, isolated_home: Path, ca
 
     index = json.loads((out / "index.json").read_text())
     assert [point["status"] for point in index["points"]] == ["done", "done"]
-    goodput = {item["engine"]: item["goodput_tok_s"] for item in index["metadata"]["scored"]}
+    goodput = {item["engine"]: item["goodput_output_tok_s"] for item in index["metadata"]["scored"]}
     assert goodput["max_num_seqs=16"] > goodput["max_num_seqs=2"]  # by how much depends on the machine's load
     assert index["metadata"]["best"]["engine"] == "max_num_seqs=16"
     for point in index["points"]:

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import httptools
 import orjson
 
+from deepserve.bench.phases import ANSWER, REASONING, TOOL_CALL
 from deepserve.bench.types import RequestSpec
 from deepserve.net import SO_TIMESTAMPNS, TIMESTAMP_SPACE, ArrivalClock
 
@@ -68,10 +69,19 @@ class DecodedStream:
     chunk_tokens: list[int] = field(default_factory=list)  # the server's count where it listed them, else 1
     chunk_text_lens: list[int] = field(default_factory=list)  # characters of text each chunk carried
     counted_chunks: int = 0  # chunks whose tokens the server listed (token_ids or logprobs)
-    text: str = ""
+    text: str = ""  # the answer's text (reasoning and tool-call arguments left out, as vLLM's client keeps it)
+    other_text: str = ""  # the reasoning and tool-call text: counted with the answer's when the server gives no usage
     usage_completion_tokens: int | None = None
     usage_prompt_tokens: int | None = None
+    usage_reasoning_tokens: int | None = None  # usage.completion_tokens_details.reasoning_tokens, where reported
     error: str | None = None
+    # What each token chunk carried, as phases.py's bit flags (REASONING, ANSWER, TOOL_CALL): empty while every
+    # chunk is plain answer text, so the usual stream keeps no list; for a chunk with reasoning and answer text,
+    # the reasoning's share of its text
+    chunk_kinds: list[int] = field(default_factory=list)
+    reasoning_share: dict[int, float] = field(default_factory=dict)
+    tool_calls: set[int] = field(default_factory=set)  # the tool calls' indices (one per call)
+    finish_s: float | None = None  # arrival of the chunk that gave the finish reason
 
     @property
     def all_chunks_counted(self) -> bool:
@@ -436,23 +446,35 @@ class StreamingClient:
         self._ssl = _tls_context(verify_tls) if endpoint.use_tls else None
         self.tally = Tally()
 
-    async def send(self, request: bytes) -> tuple[float, RawResponse]:
+    async def send(self, request: bytes, not_after: float | None = None) -> tuple[float, RawResponse] | None:
         """Send one request; returns (the time it was sent, the response). Never raises for network faults:
-        they come back as `RawResponse.error`."""
+        they come back as `RawResponse.error`. NOT_AFTER (perf_counter seconds): a request whose connection is
+        ready only after it is not sent at all (None comes back): a duration-bound run ends when it ends."""
         reused = bool(self._idle)
-        sent_s, response, conn = await self._send_once(request)
+        sent = await self._send_once(request, not_after)
+        if sent is None:
+            return None
+        sent_s, response, conn = sent
         if response.error and reused and conn is not None and conn.bytes_received == 0:
             # An idle keep-alive connection the server had already closed: not the request's fault, retry once.
-            sent_s, response, conn = await self._send_once(request)
+            sent = await self._send_once(request, not_after)
+            if sent is None:
+                return None
+            sent_s, response, conn = sent
         return sent_s, response
 
-    async def _send_once(self, request: bytes) -> tuple[float, RawResponse, _Connection | None]:
+    async def _send_once(
+        self, request: bytes, not_after: float | None = None
+    ) -> tuple[float, RawResponse, _Connection | None] | None:
         try:
             conn = await self._acquire()
         except (OSError, asyncio.TimeoutError) as exc:
             now = time.perf_counter()
             return now, RawResponse(error=_connect_error(self.endpoint, exc), end_s=now), None
         sent_s = time.perf_counter()
+        if not_after is not None and sent_s >= not_after:
+            self._release(conn, True)
+            return None
         waiter = conn.start(request)
         try:
             await asyncio.wait_for(waiter, self.timeout_s)
@@ -543,6 +565,7 @@ def decode_events(response: RawResponse) -> DecodedStream:
         out.error = response.error or http_error_message(response.status, response.body)
         return out
     texts: list[str] = []
+    others: list[str] = []
     times, tokens, text_lens = out.chunk_times, out.chunk_tokens, out.chunk_text_lens
     for payload, arrived_s in zip(response.event_payloads, response.event_times, strict=True):
         if payload == DONE:
@@ -573,8 +596,9 @@ def decode_events(response: RawResponse) -> DecodedStream:
             text_lens.append(len(text))
             texts.append(text)
         elif type(choice) is dict:
-            _take_choice(choice, arrived_s, out, texts)
+            _take_choice(choice, arrived_s, out, texts, others)
     out.text = "".join(texts)
+    out.other_text = "".join(others)
     if out.error is None:
         out.error = response.error
     if out.error is None and not out.chunk_times:
@@ -589,13 +613,28 @@ def _take_usage(event: dict[str, Any], out: DecodedStream) -> None:
             out.usage_completion_tokens = usage["completion_tokens"]
         if isinstance(usage.get("prompt_tokens"), int):
             out.usage_prompt_tokens = usage["prompt_tokens"]
+        details = usage.get("completion_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
+            out.usage_reasoning_tokens = details["reasoning_tokens"]
 
 
-def _take_choice(choice: dict[str, Any], arrived_s: float, out: DecodedStream, texts: list[str]) -> None:
+def _take_choice(
+    choice: dict[str, Any], arrived_s: float, out: DecodedStream, texts: list[str], others: list[str]
+) -> None:
     delta = choice.get("delta")
+    reasoning = ""
+    kind = ANSWER
+    if choice.get("finish_reason"):
+        out.finish_s = arrived_s
     if isinstance(delta, dict):  # chat
-        text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
-        if "role" in delta and not text and not choice.get("finish_reason"):
+        text = delta.get("content") or ""
+        reasoning = _text_of(delta.get("reasoning_content") or delta.get("reasoning"))
+        calls = delta.get("tool_calls")
+        kind = (REASONING if reasoning else 0) | (ANSWER if text else 0) | (TOOL_CALL if calls else 0)
+        if calls:
+            arguments = _tool_call_text(calls, out.tool_calls)
+            others.append(arguments)
+        if "role" in delta and not kind and not choice.get("finish_reason"):
             return  # the role header chunk some servers send before the first token: carries no token
     else:
         text = choice.get("text") or ""
@@ -604,11 +643,44 @@ def _take_choice(choice: dict[str, Any], arrived_s: float, out: DecodedStream, t
     tokens = _listed_token_count(choice)
     if tokens == 0:
         return
+    other_chars = len(reasoning) + (len(others[-1]) if kind & TOOL_CALL else 0)
+    _keep_kind(out, kind or ANSWER, len(reasoning), len(text) + other_chars - len(reasoning))
     out.counted_chunks += tokens is not None
     out.chunk_times.append(arrived_s)
     out.chunk_tokens.append(1 if tokens is None else tokens)
-    out.chunk_text_lens.append(len(text))
+    out.chunk_text_lens.append(len(text) + other_chars)
     texts.append(text)
+    if reasoning:
+        others.append(reasoning)
+
+
+def _text_of(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _tool_call_text(calls: Any, seen: set[int]) -> str:
+    """The argument text of a chunk's tool-call deltas (its weight when tokens are spread by text); notes each
+    call's index in SEEN."""
+    pieces = []
+    for position, call in enumerate(calls if isinstance(calls, list) else []):
+        if not isinstance(call, dict):
+            continue
+        index = call.get("index")
+        seen.add(index if isinstance(index, int) else position)
+        function = call.get("function")
+        if isinstance(function, dict):
+            pieces += [_text_of(function.get("name")), _text_of(function.get("arguments"))]
+    return "".join(pieces)
+
+
+def _keep_kind(out: DecodedStream, kind: int, reasoning_chars: int, answer_chars: int) -> None:
+    """Note what the next token chunk carried, once any chunk carried more than plain answer text."""
+    position = len(out.chunk_times)
+    if kind != ANSWER or out.chunk_kinds:
+        out.chunk_kinds += [ANSWER] * (position - len(out.chunk_kinds))  # the plain chunks before the first other
+        out.chunk_kinds.append(kind)
+    if kind & REASONING and kind & (ANSWER | TOOL_CALL):
+        out.reasoning_share[position] = reasoning_chars / max(reasoning_chars + answer_chars, 1)
 
 
 def _listed_token_count(choice: dict[str, Any]) -> int | None:

@@ -234,9 +234,21 @@ class MetricsConfig(Section):
     metric_percentiles: str = Field("99", description="comma-separated percentiles, e.g. 50,90,99 (P25..P99 always)")
     server_metrics: bool = Field(True, description="scrape the server's Prometheus /metrics during the run")
     server_metrics_url: str | None = Field(None, description="Prometheus URL (default: <base URL>/metrics)")
-    server_metrics_interval_s: float = Field(1.0, gt=0, description="seconds between /metrics scrapes")
+    server_metrics_interval_s: float | None = Field(
+        None,
+        gt=0,
+        description="seconds between /metrics scrapes (default: every 50 ms at first, then a twentieth of the time "
+        "elapsed, at most 1 s; and at each new high of requests in flight)",
+    )
     profile: bool = Field(
         False, description="POST the server's /start_profile after the warm-ups, /stop_profile after the run (vLLM's)"
+    )
+    num_runs: int = Field(
+        1,
+        ge=1,
+        le=100,
+        description="run the same requests N times: every metric is then the mean over the runs, with its 95%% "
+        "confidence interval (Student's t)",
     )
 
     @field_validator("goodput")

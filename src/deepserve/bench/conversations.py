@@ -67,11 +67,13 @@ async def converse(
     t0: float,
     scheduled_s: float,
     on_record: Callable[[RequestRecord, DecodedStream], None],
+    not_after: float | None = None,
 ) -> int:
     """Send CONVERSATION's turns in order, handing each turn's record to ON_RECORD as it completes; returns the
     turns not sent (after a failed one). Turn i gets index FIRST_INDEX + i and id ID_PREFIX + index. SCHEDULED_S:
     when the conversation was released (run clock); a later turn is scheduled at the end of the previous answer
-    plus its think time."""
+    plus its think time. NOT_AFTER: the first turn is not sent after it (a duration-bound run has ended); a
+    conversation in progress goes on."""
     answers: list[str] = []
     previous: RequestRecord | None = None
     turns = conversation.spec.turns
@@ -83,7 +85,10 @@ async def converse(
         request_id = f"{id_prefix}{index}"
         payload = turn_payload(conversation, answers, turn, chat)
         wire = build_request_bytes(endpoint, payload, conversation.headers, request_id)
-        sent_abs, response = await send_safely(client, wire)
+        sent = await send_safely(client, wire, not_after if number == 0 else None)
+        if sent is None:
+            return 0  # the run ended before the conversation could start: nothing of it was sent
+        sent_abs, response = sent
         prompt_len = estimated_prompt_len(turn, previous)
         record, decoded = record_of(index, prompt_len, scheduled_s, sent_abs, response, t0)
         record.request_id, record.conversation, record.turn = request_id, conversation.spec.index, number + 1

@@ -4,6 +4,7 @@ ours), and per-request records as CSV or JSONL."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -16,7 +17,8 @@ from deepserve.bench import metrics as m
 from deepserve.bench.arrivals import describe_arrivals
 from deepserve.bench.attribution import ESTIMATED, EXACT, ONE_PER_CHUNK
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.server_metrics import ServerMetricsSummary
+from deepserve.bench.repeats import combine_runs
+from deepserve.bench.server_metrics import ServerMetricsSummary, SpecDecodeSummary
 from deepserve.bench.token_ids import TokenIdsDecision
 from deepserve.bench.types import RequestRecord
 
@@ -27,6 +29,10 @@ METRIC_TITLES = {
     "itl": ("ITL", "Inter-token Latency"),
     "e2el": ("E2EL", "End-to-end Latency"),
     "client_queue_time": ("Client Queue Time", "Client-side Queue Time"),
+    "reasoning_ttft": ("Reasoning TTFT", "Time to First Reasoning Token"),
+    "answer_ttft": ("Answer TTFT", "Time to First Answer Token"),
+    "tool_call_start": ("Tool Call Start", "Time to the First Tool-Call Delta"),
+    "tool_call_end": ("Tool Call End", "Time to the Complete Tool Call"),
 }
 
 
@@ -51,8 +57,22 @@ class BenchResult:
     started_at: datetime = field(default_factory=datetime.now)
     clock_origin_s: float = 0.0  # t = 0 of the record times, as time.perf_counter() (system-wide monotonic)
     profile: str | None = None  # --profile: what happened to the server's profiler
+    runs: list[BenchResult] = field(default_factory=list)  # --num-runs: each run (this result holds their means)
+
+    @classmethod
+    def of_runs(cls, config: BenchConfig, runs: list[BenchResult]) -> BenchResult:
+        """The result of --num-runs: every run's records (tagged with their run), the last run's facts, and (in
+        `summary`) each metric's mean over the runs."""
+        last = runs[-1]
+        combined = dataclasses.replace(last, config=config, runs=runs, incomplete=any(run.incomplete for run in runs))
+        combined.records = [record for run in runs for record in run.records]
+        combined.duration_s = sum(run.duration_s for run in runs) / len(runs)
+        combined.started_at = runs[0].started_at
+        return combined
 
     def summary(self) -> dict[str, Any]:
+        if self.runs:
+            return self._repeated_summary()
         metrics_config = self.config.metrics
         return m.summarize(
             self.records,
@@ -61,6 +81,16 @@ class BenchResult:
             metrics_config.percentiles,
             metrics_config.slos_ms or None,
         )
+
+    def _repeated_summary(self) -> dict[str, Any]:
+        """The runs' summaries combined: measurements as means, with their confidence intervals and every run's
+        own values (repeats.py)."""
+        per_run = [run.summary() for run in self.runs]
+        combined, intervals = combine_runs(per_run)
+        combined["num_runs"] = len(self.runs)
+        combined["confidence_intervals"] = {key: interval.to_json() for key, interval in intervals.items()}
+        combined["runs"] = [{key: summary[key] for key in intervals} for summary in per_run]
+        return combined
 
     def to_json(self) -> dict[str, Any]:
         """vLLM's result keys (date, backend, model_id, …, completed, mean_ttft_ms, p99_itl_ms, …) and ours."""
@@ -98,6 +128,7 @@ class BenchResult:
                 "goodput_slos_ms": config.metrics.slos_ms or None,
                 "workload": self.workload_definition,
                 "tokenizer_source": self.tokenizer_source,
+                "token_counting": self.workload_definition.get("token_counting"),
                 "output_tokens_source": self.output_tokens_source,
                 "token_attribution": self.token_attribution,
                 "token_attribution_requests": self.token_attribution_requests,
@@ -154,12 +185,13 @@ def console_block(result: BenchResult) -> str:
         lines.append(
             "Traffic: " + describe_arrivals(load.request_rate, load.burstiness, load.ramp_up_s, load.rate_ramp())
         )
+    lines += _counting_rows(data.get("token_counting"))
     lines.append(_row("Benchmark duration (s):", data["duration"]))
     lines.append(_row("Total input tokens:", data["total_input_tokens"]))
     lines.append(_row("Total generated tokens:", data["total_output_tokens"]))
     lines.append(_row("Request throughput (req/s):", data["request_throughput"]))
-    if data["request_goodput"] is not None:
-        lines.append(_row("Request goodput (req/s):", data["request_goodput"]))
+    if data["goodput_req_s"] is not None:
+        lines.append(_row("Request goodput (req/s):", data["goodput_req_s"]))
     lines.append(_row("Output token throughput (tok/s):", data["output_throughput"]))
     lines.append(_row("Peak output token throughput (tok/s):", data["max_output_tokens_per_s"]))
     lines.append(_row("Peak concurrent requests:", data["max_concurrent_requests"]))
@@ -168,26 +200,106 @@ def console_block(result: BenchResult) -> str:
         lines += _metric_rows(data, metric, config.metrics.percentiles)
         if metric == "itl":
             lines += _attribution_note(data)
+    lines += _phase_rows(data, config.metrics.selected_metrics, config.metrics.percentiles)
     if "ttft_by_turn_ms" in data:
         lines += _turn_rows(data)
-    lines += _server_rows(result.server)
+    lines += _server_rows(result.server, data.get("mean_tokens_per_chunk"))
     if data["errors_by_message"]:
         lines.append(_title("Failures by Error", "-"))
         lines += [f"{count:>6}  {message[: WIDTH * 2]}" for message, count in data["errors_by_message"].items()]
+    lines += _runs_rows(data)
     if result.incomplete:
         lines.append("INCOMPLETE: interrupted; partial results (in-flight requests were dropped)")
     lines.append("=" * WIDTH)
     return "\n".join(lines)
 
 
+COUNTING_WORDS = {
+    "server": "exact, by the server's /tokenize and /detokenize",
+    "server-tokenize-only": "exact, by the server's /tokenize (it has no /detokenize: prompts cut at words)",
+    "local": "exact, by a local tokenizer",
+    "approximate": "APPROXIMATE: one token per common English word (no /tokenize, no --tokenizer)",
+}
+
+
+def _counting_rows(counting: dict[str, Any] | None) -> list[str]:
+    """How the prompts' lengths were counted: exact (which tokenizer) or the stated approximation (and its check)."""
+    if not counting:
+        return []
+    rows = [f"Prompt lengths: {COUNTING_WORDS.get(counting['method'], counting['method'])}"]
+    if counting["method"] == "approximate" and counting.get("check"):
+        rows.append(f"  {counting['check']}")
+    return rows
+
+
+RUNS_SHOWN = (
+    ("request_throughput", "Request throughput (req/s)"),
+    ("output_throughput", "Output token throughput (tok/s)"),
+    ("median_ttft_ms", "Median TTFT (ms)"),
+    ("p99_ttft_ms", "P99 TTFT (ms)"),
+    ("median_tpot_ms", "Median TPOT (ms)"),
+    ("median_itl_ms", "Median ITL (ms)"),
+    ("p99_itl_ms", "P99 ITL (ms)"),
+    ("median_e2el_ms", "Median E2EL (ms)"),
+)
+
+
+def _runs_rows(data: dict[str, Any]) -> list[str]:
+    """--num-runs: the main metrics' mean ± the half-width of their 95% confidence interval, and their range."""
+    intervals = data.get("confidence_intervals")
+    if not intervals:
+        return []
+    rows = [_title(f" {data['num_runs']} Runs: Mean ± 95% CI ", "-")]
+    for key, label in RUNS_SHOWN:
+        interval = intervals.get(key)
+        if interval is None:
+            continue
+        half = interval["ci95_half_width"]
+        spread = f" ± {half:,.2f}" if half is not None else ""
+        values = [run[key] for run in data["runs"] if key in run]
+        rows.append(f"{label:<32} {interval['mean']:,.2f}{spread}  (runs {min(values):,.2f} to {max(values):,.2f})")
+    rows.append("(every value above is the mean over the runs; the JSON has each run's and every interval)")
+    return rows
+
+
 def _metric_rows(data: dict[str, Any], metric: str, asked: tuple[float, ...]) -> list[str]:
     short, header = METRIC_TITLES[metric]
     rows = [_title(header, "-")]
-    rows.append(_row(f"Mean {short} (ms):", data[f"mean_{metric}_ms"]))
-    rows.append(_row(f"Median {short} (ms):", data[f"median_{metric}_ms"]))
+    rows.append(_row(f"Mean {short} (ms):", _or_na(data[f"mean_{metric}_ms"])))
+    rows.append(_row(f"Median {short} (ms):", _or_na(data[f"median_{metric}_ms"])))
     for point in sorted(set(m.STANDARD_PERCENTILES) | set(asked)):
         word = m.percentile_word(point)
-        rows.append(_row(f"P{word} {short} (ms):", data[f"p{word}_{metric}_ms"]))
+        rows.append(_row(f"P{word} {short} (ms):", _or_na(data[f"p{word}_{metric}_ms"])))
+    if metric in m.PER_TOKEN_METRICS and data.get("one_write_requests"):
+        rows.append(
+            f"{data['one_write_requests']} of {data['completed']} requests arrived in one write (every token at "
+            f"once): no {short} for them"
+        )
+    return rows
+
+
+def _or_na(value: Any) -> Any:
+    return "n/a" if value is None else value
+
+
+def _phase_rows(data: dict[str, Any], shown: tuple[str, ...], asked: tuple[float, ...]) -> list[str]:
+    """Reasoning (tokens, time to the first reasoning and answer tokens) and tool calls, when the run had any."""
+    rows: list[str] = []
+    if "reasoning_requests" in data:
+        rows.append(_title("Reasoning", "-"))
+        rows.append(_row("Requests that reasoned:", data["reasoning_requests"]))
+        rows.append(_row("Mean reasoning tokens:", data["mean_reasoning_tokens"]))
+        rows.append(_row("Mean answer tokens:", data["mean_answer_tokens"]))
+        rows += [
+            row for metric in m.REASONING_METRICS if metric not in shown for row in _metric_rows(data, metric, asked)
+        ]
+    if "tool_call_requests" in data:
+        rows.append(_title("Tool Calls", "-"))
+        rows.append(_row("Requests with tool calls:", data["tool_call_requests"]))
+        rows.append(_row("Tool calls:", data["total_tool_calls"]))
+        rows += [
+            row for metric in m.TOOL_CALL_METRICS if metric not in shown for row in _metric_rows(data, metric, asked)
+        ]
     return rows
 
 
@@ -224,7 +336,7 @@ def _turn_rows(data: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _server_rows(server: ServerMetricsSummary) -> list[str]:
+def _server_rows(server: ServerMetricsSummary, tokens_per_chunk: float | None = None) -> list[str]:
     rows = [_title("Server Metrics (Prometheus)", "-")]
     if server.url:
         rows.append(f"from {server.url}")
@@ -232,6 +344,8 @@ def _server_rows(server: ServerMetricsSummary) -> list[str]:
         return [*rows, f"not collected: {server.note}"]
     if server.note:
         rows.append(server.note)
+    if server.sampling:
+        rows.append(f"sampled {server.scrapes} times: {server.sampling}")
     values = [
         ("Peak running requests:", server.peak_running),
         ("Peak waiting requests:", server.peak_waiting),
@@ -245,7 +359,28 @@ def _server_rows(server: ServerMetricsSummary) -> list[str]:
         ),
         ("Preemptions:", server.preemptions),
     ]
-    return rows + [_row(label, "n/a" if value is None else value) for label, value in values]
+    rows += [_row(label, "n/a" if value is None else value) for label, value in values]
+    return rows + _spec_decode_rows(server.spec_decode, tokens_per_chunk)
+
+
+def _spec_decode_rows(spec: SpecDecodeSummary | None, tokens_per_chunk: float | None) -> list[str]:
+    """Speculative decoding as the engine counted it over the run (nothing when it reported none), and the tokens
+    per chunk the client saw (per request, with the server's token ids)."""
+    if spec is None:
+        return []
+    rows = [_title("Speculative Decoding (server)", "-"), f"from {spec.source}"]
+    if spec.drafts is not None:
+        rows += [_row("Drafts:", spec.drafts), _row("Draft tokens:", spec.draft_tokens)]
+        rows.append(_row("Accepted tokens:", spec.accepted_tokens))
+    rate = None if spec.acceptance_rate is None else spec.acceptance_rate * 100
+    rows.append(_row("Acceptance rate (%):", "n/a" if rate is None else rate))
+    length = spec.mean_acceptance_length
+    rows.append(_row("Mean acceptance length (tokens):", "n/a" if length is None else length))
+    for position, value in enumerate(spec.acceptance_by_position):
+        rows.append(_row(f"Acceptance at draft position {position} (%):", value * 100))
+    if tokens_per_chunk is not None:
+        rows.append(_row("Client: mean tokens per chunk:", tokens_per_chunk))
+    return rows
 
 
 def _title(text: str, fill: str) -> str:
@@ -309,9 +444,19 @@ RECORD_COLUMNS = (
     "e2el_ms",
     "client_queue_time_ms",
     "num_chunks",
+    "one_write",
+    "tokens_per_chunk",
     "token_attribution",
     "conversation",
     "turn",
+    "reasoning_tokens",
+    "answer_tokens",
+    "reasoning_ttft_ms",
+    "answer_ttft_ms",
+    "tool_calls",
+    "tool_call_start_ms",
+    "tool_call_end_ms",
+    "run",
 )
 
 
@@ -334,9 +479,19 @@ def record_row(record: RequestRecord) -> dict[str, Any]:
         "e2el_ms": m.e2el_ms(record),
         "client_queue_time_ms": m.client_queue_time_ms(record),
         "num_chunks": len(record.chunk_times_s),
+        "one_write": m.arrived_in_one_write(record),
+        "tokens_per_chunk": m.tokens_per_chunk(record),
         "token_attribution": record.token_attribution,
         "conversation": record.conversation,
         "turn": record.turn,
+        "reasoning_tokens": record.reasoning_tokens,
+        "answer_tokens": record.answer_tokens,
+        "reasoning_ttft_ms": m.reasoning_ttft_ms(record),
+        "answer_ttft_ms": m.answer_ttft_ms(record),
+        "tool_calls": record.tool_calls,
+        "tool_call_start_ms": m.tool_call_start_ms(record),
+        "tool_call_end_ms": m.tool_call_end_ms(record),
+        "run": record.run,
     }
 
 

@@ -34,6 +34,8 @@ class TokenizerOptions:
     server_only: bool = False
     verify_tls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # --chat-template-kwargs: chat prompts are measured with them
+    endpoint_url: str | None = None  # the generation endpoint: checks an approximate count against the server's usage
+    exact_lengths: bool = False  # --exact-prompt-lengths: no approximation, an error instead
 
 
 class TokenizerError(DeepserveError):
@@ -45,6 +47,21 @@ class TokenCounter(Protocol):
     """Tokenization that a workload and the metrics share. `source` says which tokenizer, for the results."""
 
     source: str  # "local:/path/to/tokenizer" or "server:http://host:port/tokenize"
+
+    @property
+    def concurrent(self) -> bool:
+        """Whether calls may overlap (each is a round trip to the server): prompt builds then run in threads."""
+        ...
+
+    @property
+    def can_decode(self) -> bool:
+        """Whether ids turn back into text (a server without /detokenize cannot: prompts are then cut by words)."""
+        ...
+
+    @property
+    def server_check(self) -> str | None:
+        """How the counts were checked against the server's, for the results; None when not checked."""
+        ...
 
     def encode(self, text: str) -> list[int]:
         """Token ids of TEXT alone, without BOS or any other special token added."""
@@ -65,6 +82,11 @@ class TokenCounter(Protocol):
 
     def vocab_pieces(self) -> list[str] | None:
         """Texts of single tokens that re-encode to themselves (for random prompts), or None if unknown."""
+        ...
+
+    def render_chat(self, messages: ChatMessages) -> str | None:
+        """MESSAGES as one completion prompt with the model's chat template; None when this tokenizer has no
+        template at hand (the server's and the approximation render nothing here)."""
         ...
 
 
@@ -104,13 +126,51 @@ def load_token_counter(
     except TokenizerError as exc:
         if options.server_only:
             raise TokenizerError(f"{exc}; --skip-tokenizer-init needs the server's /tokenize to count tokens") from exc
-        tiny_dir = _tiny_tokenizer_dir(model)
-        if tiny_dir is None:
-            raise TokenizerError(f"{exc}; pass --tokenizer DIR (a local tokenizer directory) instead") from exc
-        local = LocalTokenCounter.load(str(tiny_dir), chat_template_kwargs=options.chat_template_kwargs)
-        local.server_check = f"unverified ({exc}); deepserve's tiny model, whose tokenizer it writes byte for byte"
-        return local
+        return _without_server_tokenizer(exc, model, served, api_key, options)
+    counter.check_decode()
     return counter
+
+
+def _without_server_tokenizer(
+    why: TokenizerError, model: str, served: str, api_key: str | None, options: TokenizerOptions
+) -> TokenCounter:
+    """No /tokenize and no local tokenizer: deepserve's own tiny model's tokenizer (written here byte for byte), else
+    the stated approximation (approximate.py), unless exact lengths were required."""
+    tiny_dir = _tiny_tokenizer_dir(model)
+    if tiny_dir is not None:
+        local = LocalTokenCounter.load(str(tiny_dir), chat_template_kwargs=options.chat_template_kwargs)
+        local.server_check = f"unverified ({why}); deepserve's tiny model, whose tokenizer it writes byte for byte"
+        return local
+    if options.exact_lengths or options.endpoint_url is None:
+        raise TokenizerError(
+            f"{why}; pass --tokenizer DIR (a local tokenizer directory) for exact prompt lengths, or leave out "
+            "--exact-prompt-lengths to run with approximate ones (one token per common English word, checked against "
+            "the server's usage)"
+        ) from why
+    from deepserve.bench.approximate import ApproximateTokenCounter, calibrate
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    calibration = calibrate(options.endpoint_url, served, headers, options.verify_tls)
+    counter = ApproximateTokenCounter(calibration, options.endpoint_url)
+    counter.server_check = f"approximate: the server cannot count tokens ({why}); {calibration.note}"
+    return counter
+
+
+def counting_method(counter: TokenCounter) -> dict[str, Any]:
+    """How the run's prompt lengths were counted, for the results and the console: exactly with the server's own
+    tokenizer (with or without its /detokenize), exactly with a local tokenizer, or by the stated approximation."""
+    if isinstance(counter, ServerTokenCounter):
+        method = "server" if counter.can_decode else "server-tokenize-only"
+    elif isinstance(counter, LocalTokenCounter):
+        method = "local"
+    else:
+        method = "approximate"
+    return {
+        "method": method,
+        "exact": method != "approximate",
+        "source": counter.source,
+        "check": counter.server_check,
+    }
 
 
 def _tiny_tokenizer_dir(model: str) -> Path | None:
@@ -157,6 +217,7 @@ class LocalTokenCounter:
     """A Hugging Face tokenizer loaded from a local directory (tokenizer.json, tokenizer_config.json); no network."""
 
     concurrent = False  # one process, one tokenizer: builds run in turn
+    can_decode = True
 
     def __init__(self, hf_tokenizer: Any, path: str, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self._tok = hf_tokenizer
@@ -261,19 +322,21 @@ class ServerTokenCounter:
     """The server's tokenizer over HTTP: vLLM's POST /tokenize and /detokenize (at the server root, not /v1)."""
 
     concurrent = True  # calls are HTTP round trips: prompt builds may overlap them (httpx.Client is thread-safe)
+    can_decode = True  # False: the server has /tokenize but no /detokenize (check_decode); prompts are cut by words
 
     def __init__(
         self,
         base_url: str,
         model: str,
         api_key: str | None,
-        client: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
         probe: bool = False,
         verify_tls: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """PROBE: a short timeout, for a check that must not hold up a run whose server cannot answer.
-        CHAT_TEMPLATE_KWARGS: sent with chat prompts, as with the requests."""
+        """TRANSPORT: httpx's, by default the network (a test's MockTransport answers in-process). PROBE: a short
+        timeout, for a check that must not hold up a run whose server cannot answer. CHAT_TEMPLATE_KWARGS: sent with
+        chat prompts, as with the requests."""
         self.root_url = base_url.rstrip("/").removesuffix("/v1")
         self.model = model
         self.source = f"server:{self.root_url}/tokenize"
@@ -281,11 +344,20 @@ class ServerTokenCounter:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = PROBE_TIMEOUT_S if probe else TOKENIZE_TIMEOUT_S
-        self._client = client or httpx.Client(timeout=timeout, headers=headers, verify=verify_tls)
+        self._client = httpx.Client(timeout=timeout, headers=headers, verify=verify_tls, transport=transport)
 
     def check(self) -> None:
         """Fail fast when the server cannot tokenize for us (TokenizerError with the server's answer)."""
         self.encode("hello")
+
+    def check_decode(self) -> None:
+        """Whether /detokenize answers too (vLLM's does; other servers have only /tokenize): without it prompts are
+        still exact, cut at word boundaries and measured again instead of cut at a token and decoded."""
+        try:
+            self.decode(self.encode("hello"))
+        except TokenizerError as exc:
+            self.can_decode = False
+            self.server_check = f"is the server's, without /detokenize ({exc})"
 
     def encode(self, text: str) -> list[int]:
         return self._tokenize({"prompt": text, "add_special_tokens": False})
@@ -308,8 +380,11 @@ class ServerTokenCounter:
             chat["chat_template_kwargs"] = self.chat_template_kwargs
         return self._tokenize(chat)
 
-    def vocab_pieces(self) -> None:
+    def vocab_pieces(self) -> list[str] | None:
         return None  # the server does not list its vocabulary; random prompts use pseudo-words instead
+
+    def render_chat(self, messages: ChatMessages) -> None:
+        return None  # the server renders chat only inside a request: messages go to the chat endpoint instead
 
     def close(self) -> None:
         self._client.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]  # OpenAI chat messages (tool calls and tool results included)
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,10 @@ class RequestSpec:
     output_len: int  # max_tokens
     min_output_len: int | None = None  # sent as min_tokens where the server supports it
     ignore_eos: bool = False
-    extra_body: dict[str, Any] = field(default_factory=dict)
+    extra_body: dict[str, Any] = field(default_factory=dict)  # this request's own fields: tools, tool_choice, …
     arrival_s: float | None = None  # a replayed trace's release time (s after the start); None: the arrival process
+    session: int | None = None  # an agent trace's session, and the request's place in it (from 1): the records'
+    turn: int | None = None  # conversation and turn
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,15 @@ class RequestRecord:
     request_id: str | None = None  # the x-request-id it was sent with
     conversation: int | None = None  # multi-turn workloads: the conversation's index
     turn: int | None = None  # and the turn's number in it, from 1
+    # phases.py: reasoning models and tool calls (None where the response had none)
+    first_reasoning_s: float | None = None  # first chunk with reasoning text
+    first_answer_s: float | None = None  # first chunk with answer text (after the reasoning)
+    reasoning_tokens: int | None = None  # of output_len: the server's count (usage) where given, else by chunk
+    answer_tokens: int | None = None  # output_len - reasoning_tokens
+    first_tool_call_s: float | None = None  # first chunk with a tool-call delta
+    tool_call_end_s: float | None = None  # the tool calls complete: their last delta, or the finish reason after it
+    tool_calls: int = 0  # tool calls the response made
+    run: int | None = None  # --num-runs: which run (from 1) the request belongs to
 
     @property
     def success(self) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deepserve.bench.datasets.agent_trace import AgentTraceDataset
 from deepserve.bench.datasets.base import Dataset, DatasetContext, DraftRequest, draw_uniform_ints
 from deepserve.bench.datasets.files import CustomDataset, ShareGPTDataset
 from deepserve.bench.datasets.multi_turn import MultiTurnDataset
@@ -26,7 +27,7 @@ from deepserve.bench.datasets.synthetic import (
     SharedPrefixDataset,
 )
 from deepserve.bench.datasets.traces import MooncakeDataset, TimedTraceDataset
-from deepserve.bench.tokenizer import TokenCounter
+from deepserve.bench.tokenizer import TokenCounter, counting_method
 from deepserve.bench.types import ConversationSpec, RequestSpec
 from deepserve.bench.vllm_compat import REFUSED_VLLM_DATASETS, refused_dataset
 from deepserve.errors import ConfigError, unknown_name
@@ -44,6 +45,7 @@ DATASETS: dict[str, Dataset] = {
         MooncakeDataset(),
         TimedTraceDataset(),
         MultiTurnDataset(),
+        AgentTraceDataset(),
     )
 }
 # datasets whose 'messages' lines are rendered with the chat template here on /v1/completions (files.py)
@@ -53,6 +55,7 @@ DATASET_ALIASES = {
     "prefix-repetition": "prefix_repetition",
     "multi-turn": "multi_turn",
     "timed-trace": "timed_trace",
+    "agent-trace": "agent_trace",
 }
 # vLLM's --output-len sets every dataset's own output length (as in vLLM's main_async)
 OUTPUT_LEN_FIELDS = ("random_output_len", "sharegpt_output_len", "custom_output_len", "prefix_repetition_output_len")
@@ -65,7 +68,7 @@ def dataset_names() -> list[str]:
 
 def replays_trace(dataset_name: str) -> bool:
     """Whether the dataset's requests carry their own release times (trace replay)."""
-    return bool(getattr(DATASETS[dataset_name], "replays_trace", False))
+    return DATASETS[dataset_name].replays_trace
 
 
 class WorkloadConfig(BaseModel):
@@ -76,10 +79,10 @@ class WorkloadConfig(BaseModel):
     dataset_name: str = Field(
         default="random",
         description="random, long, sampled, shared_prefix, prefix_repetition, multi_turn, custom (JSONL), sharegpt "
-        "(JSON), or a trace to replay: mooncake (JSONL), timed_trace (vLLM's)",
+        "(JSON), or a trace to replay: mooncake (JSONL), timed_trace (vLLM's), agent_trace (tool-calling sessions)",
     )
     dataset_path: str | None = Field(
-        default=None, description="the file for custom, sharegpt, mooncake and timed_trace"
+        default=None, description="the file for custom, sharegpt, mooncake, timed_trace and agent_trace"
     )
     num_prompts: int | None = Field(
         default=None, ge=1, description="requests to send (default per dataset: 1000; long: 1; sampled: 200)"
@@ -95,6 +98,11 @@ class WorkloadConfig(BaseModel):
     trust_remote_code: bool = Field(default=False, description="let a local tokenizer run its own code (vLLM's)")
     skip_tokenizer_init: bool = Field(
         default=False, description="load no local tokenizer: count prompts with the server's /tokenize (vLLM's)"
+    )
+    exact_prompt_lengths: bool = Field(
+        default=False,
+        description="refuse to run on approximate prompt lengths (a server without /tokenize and no --tokenizer): "
+        "fail instead of counting one token per common English word",
     )
     no_stream: bool = Field(
         default=False,
@@ -311,7 +319,8 @@ def build_workload(config: WorkloadConfig, counter: TokenCounter, chat: bool) ->
         "num_requests": len(requests) or sum(len(conversation.turns) for conversation in conversations),
         "endpoint": "chat" if chat else "completions",
         "tokenizer_source": counter.source,
-        "tokenizer_check": getattr(counter, "server_check", None),  # local tokenizers: compared with the server's
+        "tokenizer_check": counter.server_check,  # local tokenizers: compared with the server's
+        "token_counting": counting_method(counter),  # exact (server, local) or the stated approximation
         "input_len_unit": "server prompt tokens (BOS and chat template included)",
         "text_source": ctx.text_source(),
         **result.details,
@@ -337,7 +346,10 @@ def _spec(index: int, draft: DraftRequest, drawn_output_len: int | None, config:
         output_len=output_len,
         min_output_len=output_len if config.exact_output_len else None,
         ignore_eos=config.sends_ignore_eos,
+        extra_body=draft.extra_body,
         arrival_s=draft.arrival_s,
+        session=draft.session,
+        turn=draft.turn,
     )
 
 
@@ -348,6 +360,8 @@ def requests_digest(requests: list[RequestSpec]) -> str:
         record: list[Any] = [spec.prompt, spec.prompt_len, spec.output_len, spec.min_output_len, spec.ignore_eos]
         if spec.arrival_s is not None:  # only then: earlier workloads keep their digests
             record.append(spec.arrival_s)
+        if spec.extra_body:
+            record.append(spec.extra_body)
         digest.update(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode())
     return digest.hexdigest()
 

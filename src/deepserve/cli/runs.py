@@ -10,6 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from deepserve.errors import ConfigError
+from deepserve.results.compare import gate, load_subject, parse_fail_on
 from deepserve.results.points import SUMMARY_COLUMNS, format_rate
 from deepserve.results.store import DB_ENV, ResultsStore, RunRecord
 
@@ -38,8 +40,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument("--json", action="store_true", help="print the full result JSON")
     show.set_defaults(handler=_show)
 
-    compare = commands.add_parser("compare", help="runs side by side, with the ratio to the first")
-    compare.add_argument("run_ids", type=int, nargs="+")
+    compare = commands.add_parser(
+        "compare",
+        help="runs side by side, with the ratio to the first; with --fail-on, a regression gate for CI",
+        description="Without --fail-on: stored runs side by side. With --fail-on: BASELINE CANDIDATE (each a run id, "
+        "a result JSON file, or a sweep directory, compared point by point) and exit 1 when a metric regressed "
+        "beyond its threshold and beyond the runs' 95% confidence intervals (docs/REPORTS.md).",
+    )
+    compare.add_argument("refs", nargs="+", metavar="RUN", help="run ids; with --fail-on: BASELINE CANDIDATE")
+    compare.add_argument(
+        "--fail-on",
+        action="append",
+        default=None,
+        metavar="METRIC=±N%",
+        help="fail when METRIC moves the worse way by more than N%%: p99_ttft_ms=+10%% (a latency rising), "
+        "output_throughput=-5%% (a throughput falling); repeatable",
+    )
     compare.set_defaults(handler=_compare)
 
     remove = commands.add_parser("rm", help="delete runs")
@@ -100,7 +116,11 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    runs = _store(args).get_many(args.run_ids)
+    if args.fail_on:
+        return _gate(args)
+    if not all(ref.isdigit() for ref in args.refs):
+        raise ConfigError("runs compare without --fail-on takes run ids (see `deepserve runs list`)")
+    runs = _store(args).get_many([int(ref) for ref in args.refs])
     table = Table("metric", *(f"run {run.run_id}" for run in runs), title="compare (ratio to the first run)")
     table.add_row("label", *(run.label or "" for run in runs))
     table.add_row("point", *(run.params.describe() for run in runs))
@@ -115,6 +135,24 @@ def _compare(args: argparse.Namespace) -> int:
             cells.append(_cell(value) + ratio)
         table.add_row(heading, *cells)
     _console().print(table)
+    return 0
+
+
+def _gate(args: argparse.Namespace) -> int:
+    """BASELINE CANDIDATE --fail-on …: one line per metric (and per point of a sweep), then the verdict; exit 1
+    on a regression beyond noise."""
+    if len(args.refs) != 2:
+        raise ConfigError(f"--fail-on compares two results, BASELINE CANDIDATE; got {len(args.refs)}")
+    thresholds = [parse_fail_on(text) for text in args.fail_on]
+    baseline, candidate = (load_subject(ref, _store(args)) for ref in args.refs)
+    verdicts = gate(baseline, candidate, thresholds)
+    for verdict in verdicts:
+        print(f"{verdict.where + ': ' if verdict.where else ''}{verdict.why}")
+    failed = [verdict for verdict in verdicts if verdict.regressed]
+    if failed:
+        print(f"FAIL: {len(failed)} of {len(verdicts)} checks regressed ({baseline.label} → {candidate.label})")
+        return 1
+    print(f"PASS: {len(verdicts)} checks, no regression beyond the thresholds and the noise")
     return 0
 
 

@@ -21,7 +21,7 @@ from deepserve.engines.supervisor import SupervisedProcess
 from deepserve.gateway.config import GatewayConfig
 from deepserve.serve.config import ServeConfig
 from deepserve.serve.run import run_service
-from deepserve.serve.service_plan import ServicePlan, dry_run_text, plan_service, preflight
+from deepserve.serve.service_plan import ServicePlan, check_can_run, dry_run_text, plan_service
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(dry_run_text(plan, serve, gateway))
         return 0
-    preflight(plan)
+    check_can_run(plan)
     console = Console(stderr=True)
     with _ProgressLine(console, plan) as progress:
         return run_service(plan, progress.update, lambda ready_s, proc: progress.ready(ready_s, proc))

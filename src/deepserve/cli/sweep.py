@@ -16,7 +16,15 @@ from deepserve.errors import ConfigError
 from deepserve.results.slo import parse_slos
 from deepserve.results.sweepdir import read_index
 from deepserve.sweep.compare import Target, common_context, common_plan, parse_targets, target_config
-from deepserve.sweep.grid import LIST_FIELDS, SweepSpec, grid_spec, parse_list, signature, suite_spec
+from deepserve.sweep.grid import (
+    LIST_FIELDS,
+    SweepSpec,
+    grid_spec,
+    parse_list,
+    signature,
+    suite_spec,
+    template_variants,
+)
 from deepserve.sweep.probe import probe_speed, server_facts
 from deepserve.sweep.resume import stored_points
 from deepserve.sweep.run import SweepOptions, SweepOutcome, run_sweep
@@ -47,6 +55,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name in LIST_FIELDS:
         flag = "--" + name.replace("_", "-")
         group.add_argument(flag, default=None, metavar="V[,V...]", help=f"one value or a comma-separated list ({name})")
+    group.add_argument(
+        "--chat-template-kwargs",
+        action="append",
+        default=None,
+        metavar="JSON",
+        help="chat template options (a JSON object); given several times, every point runs once with each, e.g. "
+        "'{\"thinking\": true}' and '{\"thinking\": false}'",
+    )
     group.add_argument("--suite", default=None, help=f"a named suite: {', '.join(SUITES)}")
     group.add_argument("--list-suites", action="store_true", help="list the suites and exit")
     group.add_argument(
@@ -87,15 +103,18 @@ def _sweep(args: argparse.Namespace) -> int:
     lists = {name: parse_list(name, getattr(args, name), LIST_TYPES[name]) for name in LIST_FIELDS}
     for name in LIST_FIELDS:
         setattr(args, name, None)  # the grid sets these per point; the base config must not
+    options = args.chat_template_kwargs or []
+    variants = template_variants(options) if len(options) > 1 else None
+    args.chat_template_kwargs = options[0] if len(options) == 1 else None
     slos = parse_slos(args.slo)
     base = config_from_args(args, ["deepserve", *sys.argv[1:]])
     base = base.model_copy(update={"output": base.output.model_copy(update={"disable_tqdm": True})})
     if args.target:
         return _compare(args, base, lists, parse_targets(args.target), console)
     facts = server_facts(base)
-    asked = _asked(args, base, lists)
+    asked = _asked(args, base, lists) | ({"variants": variants} if variants else {})
     directory = Path(base.output.result_dir or Path.cwd() / "sweeps" / _default_dir_name(args, asked))
-    spec = _spec(args, base, lists, facts, asked, directory, console)
+    spec = _spec(args, base, lists, facts, asked, directory, console, variants)
     console.print(f"Sweep '{spec.label}': {len(spec.points)} points → {directory}")
     outcome = run_sweep(directory, spec, base, _run_point, _options(args), progress=console.print)
     console.print(
@@ -246,13 +265,19 @@ def _spec(
     asked: dict[str, Any],
     directory: Path,
     console: Console,
+    variants: dict[str, dict[str, Any]] | None = None,
 ) -> SweepSpec:
     label = base.output.label or f"{facts.get('model', 'model')} {args.suite or 'sweep'}"
     metadata = {**facts, "command": " ".join(base.command_line or []), **_user_metadata(base)}
     if args.suite is None:
-        spec = grid_spec({name: values for name, values in lists.items() if values}, label, asked)
+        spec = grid_spec({name: values for name, values in lists.items() if values}, label, asked, variants)
         spec.metadata.update(metadata)
         return spec
+    if variants:
+        raise ConfigError(
+            "with --suite, give --chat-template-kwargs once (it applies to every point); the reasoning suite runs "
+            "thinking on and off, or drop --suite for a grid"
+        )
     suite = get_suite(args.suite)
     _check_suite_lists(lists)
     given = {name: values[0] for name, values in lists.items() if values}

@@ -17,7 +17,7 @@ from deepserve.errors import ConfigError
 from deepserve.plan.speculative import parse_acceptance
 from deepserve.results.slo import DEFAULT_SLOS, parse_slos
 from deepserve.serve.run import stop_on_sigterm
-from deepserve.serve.service_plan import preflight
+from deepserve.serve.service_plan import check_can_run
 from deepserve.tune.engine import EnginePointRunner, service_plan
 from deepserve.tune.grid import engine_fields, parse_axis, parse_setting
 from deepserve.tune.run import TuneOptions, TuneOutcome, extra, run_tune
@@ -125,7 +125,7 @@ def _tune(args: argparse.Namespace) -> int:
         return 0
     runnable = [planned for planned in spec.points if planned.skip_reason is None]
     if runnable:
-        preflight(service_plan(runnable[0].point.config, request.python))  # the engine is installed
+        check_can_run(service_plan(runnable[0].point.config, request.python))  # the engine is installed
     options = TuneOptions(
         slos=request.slos,
         max_points=args.max_points,
@@ -234,14 +234,15 @@ def _print_outcome(console: Console, outcome: TuneOutcome) -> None:
         else:
             verdict = "SLOs hold" if item.holds else "SLOs missed"
             measured = (
-                f"{item.output_tok_s:,.0f} output tok/s{forecast}, goodput {item.goodput_tok_s:,.0f} tok/s, {verdict}"
-                + ("" if item.judged_at == JUDGED_AT_LOAD else f" at {item.judged_at}")
+                f"{item.output_tok_s:,.0f} output tok/s{forecast}, goodput {item.goodput_output_tok_s:,.0f} tok/s, "
+                f"{verdict}" + ("" if item.judged_at == JUDGED_AT_LOAD else f" at {item.judged_at}")
             )
         console.print(f"  {entry.params.get('variant') or entry.point_id}: {measured}")
     if outcome.best is None:
         console.print("No measured point met every SLO: no best.yaml written. Loosen an SLO or try other values.")
         return
     console.print(
-        f"[bold green]Best:[/] {outcome.best.description}: goodput {outcome.best.goodput_tok_s:,.0f} output tok/s "
+        f"[bold green]Best:[/] {outcome.best.description}: "
+        f"goodput {outcome.best.goodput_output_tok_s:,.0f} output tok/s "
         f"at {outcome.best.judged_at}. Serve it: deepserve serve --config {outcome.best_path}"
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Protocol
 
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.metrics import MetricNames
 from deepserve.models.resolve import ResolvedModel
 
 
@@ -53,24 +54,13 @@ class LaunchSpec:
 FILE_MARKER = "DEEPSERVE_FILE_END"
 
 
-@dataclass(frozen=True)
-class LoadMetricNames:
-    """The Prometheus series in which a running engine reports its load (what the gateway's engine_aware policy
-    reads). Several names for one quantity: the first one present wins (engines rename series between versions)."""
-
-    waiting: tuple[str, ...]  # requests queued, not yet scheduled
-    running: tuple[str, ...]  # requests in the running batch
-    kv_cache_usage: tuple[str, ...]  # fraction (0..1) of the KV cache in use
-    path: str = "/metrics"  # where the engine serves them in Prometheus's text format
-
-
 class Engine(Protocol):
     name: str
     package: str  # the Python module whose presence means the engine is installed
     install_hint: str
     image: str  # the engine's official container image, for rendered deployments (`deepserve deploy render`)
     rocm_image: str | None  # its image for AMD GPUs (ROCm); None when the engine has no ROCm build
-    load_metrics: LoadMetricNames
+    metric_names: MetricNames  # its metric names (engines/metrics.py): load, prefix cache, speculative decoding
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         """The command that runs CONFIG on this node (CONFIG.node_rank of CONFIG.nnodes) under PYTHON; with PYTHON

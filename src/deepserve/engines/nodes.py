@@ -150,6 +150,12 @@ class RollCall:
             return
         self._closing = True
         self._broadcast("STOP", {"reason": reason})
+        self.close()
+
+    def close(self) -> None:
+        """Drop every node's connection and stop listening, without a word (`stop` says STOP first): to the other
+        nodes this looks as if node 0 crashed."""
+        self._closing = True
         with self._lock:
             members = list(self.members.values())
         for member in members:
@@ -185,7 +191,7 @@ class RollCall:
 
     def _serve_member(self, conn: socket.socket) -> None:
         lines = _Lines(conn, PEER_SILENCE_S)
-        member = self._admit(conn, lines.next())
+        member = self.admit(conn, lines.next())
         if member is None:
             conn.close()
             return
@@ -200,7 +206,7 @@ class RollCall:
         if still_member and not self._closing:
             self.left.append((member.rank, f"{member.host} closed its connection or went silent"))
 
-    def _admit(self, conn: socket.socket, line: bytes | None) -> _Member | None:
+    def admit(self, conn: socket.socket, line: bytes | None) -> _Member | None:
         """Answer a JOIN. The rank is checked and taken under one lock, so two nodes claiming the same rank at once
         cannot both get in; a node whose connection fails before it hears OK is not kept as a member."""
         if line is None:

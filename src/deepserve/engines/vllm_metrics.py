@@ -20,11 +20,13 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 REQUEST_SUCCESS = "vllm:request_success_total"  # labelled finished_reason
-# speculative decoding, exported only when it is on (vllm/v1/spec_decode/metrics.py, SpecDecodingProm)
-SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts_total"  # verifications of a request's drafts
-SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
-SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens_total"
-SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # labelled position
+# speculative decoding (vllm/v1/spec_decode/metrics.py): acceptance rate = accepted / draft tokens, mean acceptance
+# length = 1 + accepted / drafts, acceptance at draft position i = accepted at i / drafts
+SPEC_DECODE_DRAFTS = "vllm:spec_decode_num_drafts_total"
+SPEC_DECODE_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_DECODE_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens_total"
+SPEC_DECODE_ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # labelled position="i"
+SPEC_DECODE_POSITION_LABEL = "position"
 
 # ---- histograms (seconds, or tokens) -------------------------------------------------------------------------------
 TTFT = "vllm:time_to_first_token_seconds"
@@ -40,7 +42,6 @@ ITERATION_TOKENS = "vllm:iteration_tokens_total"  # a histogram despite its name
 # ---- labels and buckets --------------------------------------------------------------------------------------------
 MODEL_LABEL = "model_name"
 ENGINE_LABEL = "engine"  # the engine core's index within one server
-POSITION_LABEL = "position"  # draft position 0..K-1 of the per-position acceptance counter
 TTFT_BUCKETS_S = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
     160.0, 640.0, 2560.0,

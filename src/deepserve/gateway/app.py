@@ -11,18 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 
+from deepserve.gateway.asgi import (
+    JSON_HEADER,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_request_body,
+    request_headers,
+    send_error,
+    send_json,
+)
 from deepserve.gateway.balancing import PolicySettings, RoutingHints, make_policy, prompt_text_for_routing
+from deepserve.gateway.clock import Clock
 from deepserve.gateway.config import GatewayConfig
-from deepserve.gateway.connections import BODY_TIMEOUT_SCOPE_KEY, ConnectionGuard
+from deepserve.gateway.connections import ConnectionGuard
 from deepserve.gateway.disaggregation import decode_body, kv_transfer_params, prefill_body
 from deepserve.gateway.engine_load import EngineLoadScraper
 from deepserve.gateway.engine_metrics import ENGINE_METRICS_PATH, EngineMetricsCache
@@ -39,17 +51,17 @@ from deepserve.gateway.errors import (
     Overloaded,
     PermissionDenied,
     RateLimited,
-    RequestTimeout,
     UpstreamBadStatus,
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from deepserve.gateway.exchange import Exchange, billable_tokens
 from deepserve.gateway.http_client import HttpClient, HttpResponse, Resolver, system_resolve
 from deepserve.gateway.http_server import DISCONNECT_SCOPE_KEY
 from deepserve.gateway.keys import ApiKey, KeyRing, key_source
 from deepserve.gateway.ledger import UsageLedger, UsageRow
-from deepserve.gateway.limits import Admission, Limiter, make_limiter
+from deepserve.gateway.limits import Limiter, make_limiter
 from deepserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.responses import ResponseRoutes
@@ -63,12 +75,12 @@ from deepserve.gateway.upstreams import (
     read_body,
     upstream_error,
 )
-from deepserve.gateway.usage import NO_COUNTS, TokenCounts, read_usage
+from deepserve.gateway.usage import TokenCounts
 from deepserve.gateway.validation import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     RESPONSES,
-    Endpoint,
+    ApiRoute,
     ParsedRequest,
     load_json_object,
     parse_request,
@@ -79,13 +91,6 @@ log = logging.getLogger(__name__)
 # One line per request when --access-log is on (server.run_gateway sends it to stderr).
 access_log = logging.getLogger("deepserve.gateway.access")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-ANONYMOUS = "anonymous"
-_JSON = (b"content-type", b"application/json")
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _KEY_REFRESH_INTERVAL_S = 1.0
 # The most tokens a request is charged to its key's tokens-per-minute bucket when the model's context length is not
@@ -96,94 +101,6 @@ DEFAULT_CHARGE_CAP_TOKENS = 131072
 _MAX_LOGGED_BODY_BYTES = 1 << 20
 
 
-class _Exchange:
-    """One proxied request's state, from arrival to the ledger row."""
-
-    __slots__ = (
-        "admission",
-        "arrival_ts",
-        "client",
-        "client_gone",
-        "cut",
-        "decode_sent_s",
-        "endpoint",
-        "error",
-        "finished",
-        "key",
-        "logged_body",
-        "method",
-        "parsed",
-        "prefill_upstream",
-        "request_body",
-        "response_id",
-        "response_started",
-        "started_s",
-        "status",
-        "tap",
-        "ttft_s",
-        "upstream",
-        "usage",
-    )
-
-    def __init__(self, endpoint: Endpoint, client: Any = None, method: str = "POST") -> None:
-        self.endpoint = endpoint
-        self.client = client  # (host, port) of the client, and the method: for the access log
-        self.method = method
-        self.started_s = time.perf_counter()
-        self.arrival_ts = time.time()
-        self.key: ApiKey | None = None
-        self.parsed: ParsedRequest | None = None
-        self.admission: Admission | None = None
-        self.status = 200
-        self.error: str | None = None
-        self.ttft_s: float | None = None
-        self.upstream: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.response_started = False
-        self.finished = False
-        self.client_gone = False
-        self.cut: str | None = None  # why the gateway ended the request (shutdown), when it did
-        self.logged_body: list[bytes] | None = None
-        self.request_body: bytes | None = None  # as received, kept only with log_bodies
-        self.tap: StreamTap | None = None  # a stream's relay state: usage, events delivered
-        self.response_id: str | None = None  # a Responses API answer's id
-        self.prefill_upstream: str | None = None  # the prefill replica (prefill/decode disaggregation)
-        self.decode_sent_s: float | None = None  # when the decode request went out, after its prefill
-
-    @property
-    def key_name(self) -> str:
-        return self.key.name if self.key else ANONYMOUS
-
-    @property
-    def model(self) -> str:
-        return self.parsed.client_model if self.parsed else "-"
-
-    def token_counts(self) -> TokenCounts:
-        """The request's tokens: the upstream's usage when it sent one; for a stream that ended without it (the
-        client went away, the gateway cut it), the tokens it delivered, counted from the events relayed. Reasoning
-        tokens from the usage when it says, else counted from the stream's reasoning events."""
-        usage = self.usage if self.usage is not None or self.tap is None else self.tap.usage
-        if usage is not None:
-            counts = read_usage(usage)
-        elif self.tap is not None and self.response_started:
-            counts = TokenCounts(None, self.tap.delivered_tokens())
-        else:
-            return NO_COUNTS
-        if counts.reasoning is None and self.tap is not None and self.tap.reasoning_events:
-            counts = dataclasses.replace(counts, reasoning=self.tap.reasoning_events, reasoning_source="deltas")
-        return counts
-
-    def used_tokens(self, tokens: TokenCounts) -> int | None:
-        """What the request cost its key's token bucket, from its TOKENS (`token_counts`): the usage, or the prompt
-        estimate plus the tokens delivered."""
-        prompt, completion = tokens.prompt, tokens.completion
-        if prompt is None and completion is None:
-            return None
-        if prompt is None:
-            prompt = self.parsed.prompt_tokens_estimate if self.parsed else 0
-        return prompt + (completion or 0)
-
-
 class GatewayApp:
     def __init__(
         self,
@@ -192,7 +109,7 @@ class GatewayApp:
         keyring: KeyRing | None = None,
         ledger: UsageLedger | None = None,
         limiter: Limiter | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
         resolve: Resolver = system_resolve,
     ) -> None:
         """CLOCK times every deadline of the gateway (client connections, upstream requests, the slot queue, the
@@ -242,7 +159,7 @@ class GatewayApp:
         self.lost_ledger_rows = 0  # set by close(): rows the ledger could not write
         self._owns_state = keyring is None and ledger is None
         self._engine_metrics = EngineMetricsCache(self.pool, clock=clock)
-        self._engine_load = (
+        self.engine_load_scraper = (  # engine_aware balancing only
             EngineLoadScraper(self.pool, policy.engine_load, config.engine_metrics_interval_s, clock)
             if policy.engine_load is not None
             else None
@@ -251,7 +168,7 @@ class GatewayApp:
         self._prefix_for_routing = policy.wants_prefix
         self._session_header = config.session_header.encode()
         self._key_task: asyncio.Task[None] | None = None
-        self._in_flight: dict[_Exchange, asyncio.Task[Any]] = {}  # proxied requests, for cut_in_flight
+        self._in_flight: dict[Exchange, asyncio.Task[Any]] = {}  # proxied requests, for cut_in_flight
         self._access_log = access_log if config.access_log else None
         self._routes: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             CHAT_COMPLETIONS.path: self._chat_completions,
@@ -282,9 +199,9 @@ class GatewayApp:
         await self.pool.start()
         if self.prefill_pool is not None:
             await self.prefill_pool.start()
-        if self._engine_load is not None:
-            await self._engine_load.scrape_once()
-            self._engine_load.start()
+        if self.engine_load_scraper is not None:
+            await self.engine_load_scraper.scrape_once()
+            self.engine_load_scraper.start()
         self.connections.start()
         self._key_task = asyncio.create_task(self._refresh_keys(), name="key-refresh")
 
@@ -293,8 +210,8 @@ class GatewayApp:
             self._key_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._key_task
-        if self._engine_load is not None:
-            await self._engine_load.close()
+        if self.engine_load_scraper is not None:
+            await self.engine_load_scraper.close()
         await self.limiter.close()
         await self.connections.close()
         await self.pool.close()
@@ -306,6 +223,11 @@ class GatewayApp:
         if self._owns_state and self.keyring:
             self.keyring.source.close()
         self.metrics.publish_live_state()  # with several workers: this one's last counts outlive it
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests being proxied now (what `cut_in_flight` would end)."""
+        return len(self._in_flight)
 
     def cut_in_flight(self, reason: str) -> int:
         """End every proxied request still in flight (the shutdown grace period is over): a stream gets an error
@@ -360,7 +282,7 @@ class GatewayApp:
 
     async def _not_found(self, scope: Scope, receive: Receive, send: Send) -> None:
         routes = ", ".join(self._routes)
-        await _send_error(send, NotFound(f"no route {scope['path'][:200]}; the gateway serves {routes}"))
+        await send_error(send, NotFound(f"no route {scope['path'][:200]}; the gateway serves {routes}"))
 
     async def _access_logged(
         self, handler: Callable[[Scope, Receive, Send], Awaitable[None]], scope: Scope, receive: Receive, send: Send
@@ -388,12 +310,12 @@ class GatewayApp:
     # ---- small routes -------------------------------------------------------------------------------------------
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _send_json(send, 200, b'{"status":"ok"}')
+        await send_json(send, 200, b'{"status":"ok"}')
 
     async def _ready(self, scope: Scope, receive: Receive, send: Send) -> None:
         healthy = sum(replica.healthy for replica in self.pool.replicas)
         body = json.dumps({"ready": healthy > 0, "healthy_upstreams": healthy, "upstreams": len(self.pool.replicas)})
-        await _send_json(send, 200 if healthy else 503, body.encode())
+        await send_json(send, 200 if healthy else 503, body.encode())
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _send_prometheus(send, self.metrics.render())
@@ -403,18 +325,18 @@ class GatewayApp:
         a valid key (the URLs say where the engines live); on an open gateway, for anyone."""
         if self.keys_required:
             try:
-                self._authenticate(_header(scope, b"authorization"))
+                self._authenticate(header(scope, b"authorization"))
             except GatewayError as exc:
                 self.metrics.rejections.labels(exc.code or exc.error_type).inc()
-                await _send_error(send, exc)
+                await send_error(send, exc)
                 return
         await _send_prometheus(send, await self._engine_metrics.body())
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            key = self._authenticate(_header(scope, b"authorization"))
+            key = self._authenticate(header(scope, b"authorization"))
         except GatewayError as exc:
-            await _send_error(send, exc)
+            await send_error(send, exc)
             return
         created = int(time.time())
         cards = [
@@ -428,7 +350,7 @@ class GatewayApp:
         ]
         if key is not None:
             cards = [card for card in cards if key.allows(str(card["id"]))]
-        await _send_json(send, 200, json.dumps({"object": "list", "data": cards}).encode())
+        await send_json(send, 200, json.dumps({"object": "list", "data": cards}).encode())
 
     async def _tokenizer(self, scope: Scope, receive: Receive, send: Send) -> None:
         """vLLM's /tokenize and /detokenize, forwarded to a replica that serves the model, so that clients (the
@@ -436,9 +358,9 @@ class GatewayApp:
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{scope['path']} takes POST")
-            headers = _request_headers(scope, self._session_header)
+            headers = request_headers(scope, self._session_header)
             key = self._authenticate(headers.authorization)
-            raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes, scope)
+            raw = await read_request_body(receive, headers.content_length, self.config.max_body_bytes, scope)
             request = load_json_object(raw)
             client_model = str(request.get("model") or next(iter(self.pool.models), ""))
             model = resolve_model(client_model, self.pool.models, self.aliases)
@@ -452,13 +374,13 @@ class GatewayApp:
             finally:
                 response.release()
         except GatewayError as exc:
-            await _send_error(send, exc)
+            await send_error(send, exc)
             return
         except Exception as exc:  # a bug of ours: answer in OpenAI's shape, keep the traceback in the log
             log.exception("unexpected error while forwarding %s", scope["path"])
-            await _send_error(send, InternalError(f"internal gateway error ({type(exc).__name__})"))
+            await send_error(send, InternalError(f"internal gateway error ({type(exc).__name__})"))
             return
-        await _send_json(send, response.status, body)
+        await send_json(send, response.status, body)
 
     # ---- the proxied endpoints ----------------------------------------------------------------------------------
 
@@ -478,7 +400,7 @@ class GatewayApp:
         Nothing is generated: no queue, no charge, no ledger row."""
         try:
             response_id, action = _response_id_and_action(scope)
-            key = self._authenticate(_header(scope, b"authorization"))
+            key = self._authenticate(header(scope, b"authorization"))
             replicas = self._replicas_holding(response_id, key)
             query = scope.get("query_string") or b""
             target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
@@ -492,10 +414,10 @@ class GatewayApp:
                 await self._relay_answer(response, replica, streamed and action == "" and response.status == 200, send)
                 return
         except GatewayError as exc:
-            await _send_error(send, exc)
+            await send_error(send, exc)
         except Exception as exc:  # a bug of ours: answer in OpenAI's shape, keep the traceback in the log
             log.exception("unexpected error while forwarding %s", scope["path"][:200])
-            await _send_error(send, InternalError(f"internal gateway error ({type(exc).__name__})"))
+            await send_error(send, InternalError(f"internal gateway error ({type(exc).__name__})"))
 
     def _replicas_holding(self, response_id: str, key: ApiKey | None) -> list[UpstreamReplica]:
         """Where RESPONSE_ID may be: the replica that answered it, or every healthy one; NotFound when another key
@@ -518,7 +440,7 @@ class GatewayApp:
             if not streamed:
                 body = await read_body(response, replica)
                 complete = True
-                await _send_json(send, response.status, body)
+                await send_json(send, response.status, body)
                 return
             await send({"type": "http.response.start", "status": response.status, "headers": _SSE_HEADERS})
             async for chunk in iter_chunks(response, replica):
@@ -531,8 +453,8 @@ class GatewayApp:
             else:
                 response.close()
 
-    async def _proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
-        exchange = _Exchange(endpoint, scope.get("client"), scope["method"])
+    async def _proxy(self, endpoint: ApiRoute, scope: Scope, receive: Receive, send: Send) -> None:
+        exchange = Exchange(endpoint, scope.get("client"), scope["method"])
         watcher: asyncio.Task[None] | None = None
         task = asyncio.current_task()
         if task is not None:
@@ -540,9 +462,9 @@ class GatewayApp:
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{endpoint.path} takes POST")
-            headers = _request_headers(scope, self._session_header)
+            headers = request_headers(scope, self._session_header)
             exchange.key = self._authenticate(headers.authorization)
-            raw = await _read_body(receive, headers.content_length, self.config.max_body_bytes, scope)
+            raw = await read_request_body(receive, headers.content_length, self.config.max_body_bytes, scope)
             if self.config.log_bodies:
                 exchange.request_body = raw
             parsed = parse_request(endpoint, raw, self.pool.models, self.aliases, self.template_defaults)
@@ -551,7 +473,7 @@ class GatewayApp:
             preferred = self._continued_on(parsed, exchange.key) if endpoint is RESPONSES else None
             key = exchange.key
             exchange.admission = await self.limiter.admit(
-                key.id if key else None, key.limits if key else None, self._charge(parsed)
+                key.id if key else None, key.limits if key else None, self.tpm_charge(parsed)
             )
             watcher = _cancel_on_disconnect(scope, receive, exchange, task)
             await self.limiter.acquire_slot(exchange.admission)
@@ -597,7 +519,7 @@ class GatewayApp:
             allowed = ", ".join(sorted(key.models or ()))
             raise PermissionDenied(f"this key may not use {client_model!r}; it may use: {allowed}", param="model")
 
-    def _charge(self, parsed: ParsedRequest) -> int:
+    def tpm_charge(self, parsed: ParsedRequest) -> int:
         """Tokens charged to the key's tpm bucket on admission (corrected with the real usage afterwards): the
         estimate, but never more than the model's context (DEFAULT_CHARGE_CAP_TOKENS when that is unknown), so
         that one request with an absurd max_tokens cannot put a key in debt for years."""
@@ -618,7 +540,7 @@ class GatewayApp:
         return stored.replica
 
     async def _forward(
-        self, exchange: _Exchange, parsed: ParsedRequest, hints: RoutingHints, send: Send, preferred: str | None = None
+        self, exchange: Exchange, parsed: ParsedRequest, hints: RoutingHints, send: Send, preferred: str | None = None
     ) -> None:
         """Try replicas until one answers, while the client has received nothing. Another replica is preferred for
         a retry; when there is none, a replica that dropped the connection (rather than refusing it) is tried
@@ -667,7 +589,7 @@ class GatewayApp:
 
     # ---- prefill/decode disaggregation --------------------------------------------------------------------------
 
-    def _disaggregated(self, endpoint: Endpoint, parsed: ParsedRequest) -> bool:
+    def _disaggregated(self, endpoint: ApiRoute, parsed: ParsedRequest) -> bool:
         """Prefilled apart: completions and chat, when prefill replicas are configured and the client does not run
         the KV-transfer protocol itself."""
         return (
@@ -676,9 +598,10 @@ class GatewayApp:
             and "kv_transfer_params" not in parsed.request
         )
 
-    async def _prefill(self, exchange: _Exchange, parsed: ParsedRequest, hints: RoutingHints) -> bytes | _EngineAnswer:
+    async def _prefill(self, exchange: Exchange, parsed: ParsedRequest, hints: RoutingHints) -> bytes | _EngineAnswer:
         """Prefill the prompt on a prefill replica (disaggregation.py); the decode request's body, or the prefill
-        engine's refusal. With no prefill to be had, the request as it is: its decode replica prefills it."""
+        engine's refusal. With no prefill to be had, the request as it is: its decode replica prefills it (a
+        fallback)."""
         pool = self.prefill_pool
         assert pool is not None
         request, body = prefill_body(parsed.body)
@@ -705,11 +628,11 @@ class GatewayApp:
             exchange.prefill_upstream = replica.url
             self.metrics.pd_phase(parsed.model, "prefill").observe(time.perf_counter() - started_s)
             params = kv_transfer_params(answer)
-            if params is None:
-                reason = "no_kv_transfer_params"
-                break
+            # Without kv_transfer_params the decode request goes as the client sent it: a connector that finds the
+            # KV by the prompt itself (vLLM's ExampleConnector) loads it so, and never returns any.
+            self.metrics.pd_handoffs.labels("none" if params is None else "returned").inc()
             exchange.decode_sent_s = time.perf_counter()
-            return decode_body(request, params)
+            return parsed.body if params is None else decode_body(request, params)
         self.metrics.pd_fallbacks.labels(reason).inc()
         log.warning("prefill/decode: %s; the decode replica prefills the request itself", reason.replace("_", " "))
         return parsed.body
@@ -734,7 +657,7 @@ class GatewayApp:
         return response.status, answer
 
     async def _attempt(
-        self, exchange: _Exchange, parsed: ParsedRequest, replica: UpstreamReplica, send: Send, body: bytes
+        self, exchange: Exchange, parsed: ParsedRequest, replica: UpstreamReplica, send: Send, body: bytes
     ) -> None:
         # A stream's head comes at once from a live engine (its tokens follow): a replica silent for longer hangs.
         # A non-streamed answer's head comes with the whole answer, so only the read timeout applies to it.
@@ -759,7 +682,7 @@ class GatewayApp:
             else:
                 response.close()  # mid-response: close it, so that the engine sees the abort
 
-    async def _send_whole(self, exchange: _Exchange, status: int, body: bytes, send: Send) -> None:
+    async def _send_whole(self, exchange: Exchange, status: int, body: bytes, send: Send) -> None:
         exchange.status = status
         if status == 200 and b'"usage"' in body:
             with contextlib.suppress(ValueError, AttributeError, RecursionError):  # an answer we cannot read is
@@ -772,12 +695,12 @@ class GatewayApp:
             exchange.logged_body = [body]
         exchange.finished = True
         exchange.response_started = True
-        headers = [_JSON, (b"content-length", str(len(body)).encode())]
+        headers = [JSON_HEADER, (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
     async def _relay_stream(
-        self, exchange: _Exchange, parsed: ParsedRequest, response: HttpResponse, replica: UpstreamReplica, send: Send
+        self, exchange: Exchange, parsed: ParsedRequest, response: HttpResponse, replica: UpstreamReplica, send: Send
     ) -> None:
         """Forward each complete event as it arrives (the per-event path: one await on the connection per chunk)."""
         tap = exchange.tap = StreamTap(parsed.strip_usage_chunk, exchange.endpoint.stream_shape)
@@ -817,7 +740,7 @@ class GatewayApp:
             exchange.response_started = True
         await send({"type": "http.response.body", "body": rest, "more_body": False})
 
-    async def _fail(self, exchange: _Exchange, exc: GatewayError, send: Send) -> None:
+    async def _fail(self, exchange: Exchange, exc: GatewayError, send: Send) -> None:
         exchange.error = exc.ledger_text()
         if isinstance(exc, (RateLimited, Overloaded)):
             self.metrics.rejections.labels(exc.reason).inc()
@@ -834,16 +757,16 @@ class GatewayApp:
         else:
             exchange.status = exc.status
             exchange.response_started = True
-            await _send_error(send, exc)
+            await send_error(send, exc)
 
-    def _account(self, exchange: _Exchange) -> None:
+    def _account(self, exchange: Exchange) -> None:
         """Metrics, the key's token correction, the ledger row and the access-log line; never raises into the
         request."""
         try:
             self._remember_response(exchange)
             tokens = exchange.token_counts()
             if exchange.admission is not None:
-                self.limiter.release(exchange.admission, _billable_tokens(exchange, tokens))
+                self.limiter.release(exchange.admission, billable_tokens(exchange, tokens))
             self._observe(exchange, tokens)
             if self.ledger is not None:
                 self.ledger.record(self._usage_row(exchange, tokens))
@@ -852,12 +775,12 @@ class GatewayApp:
         except Exception:
             log.exception("accounting for a request failed")
 
-    def _remember_response(self, exchange: _Exchange) -> None:
+    def _remember_response(self, exchange: Exchange) -> None:
         response_id = exchange.response_id or (exchange.tap.response_id if exchange.tap is not None else None)
         if response_id is not None and exchange.upstream is not None and exchange.status == 200:
             self.responses.remember(response_id, exchange.upstream, exchange.key.id if exchange.key else None)
 
-    def _log_access(self, exchange: _Exchange, tokens: TokenCounts) -> None:
+    def _log_access(self, exchange: Exchange, tokens: TokenCounts) -> None:
         assert self._access_log is not None
         prompt, completion = tokens.prompt, tokens.completion
         ttft = f"{exchange.ttft_s * 1000:.1f}ms" if exchange.ttft_s is not None else "-"
@@ -868,7 +791,7 @@ class GatewayApp:
             exchange.upstream or "-", ttft, _or_dash(prompt), _or_dash(completion),
         )  # fmt: skip
 
-    def _observe(self, exchange: _Exchange, tokens: TokenCounts) -> None:
+    def _observe(self, exchange: Exchange, tokens: TokenCounts) -> None:
         model, key = exchange.model, exchange.key_name
         metrics = self.metrics
         metrics.request_counter(key, model, exchange.status).inc()
@@ -889,7 +812,7 @@ class GatewayApp:
         if tokens.reasoning:
             metrics.reasoning_counter(key, model, tokens.reasoning_source or "").inc(tokens.reasoning)
 
-    def _usage_row(self, exchange: _Exchange, tokens: TokenCounts) -> UsageRow:
+    def _usage_row(self, exchange: Exchange, tokens: TokenCounts) -> UsageRow:
         request_body = response_body = None
         if self.config.log_bodies and exchange.parsed is not None:
             request_body = (exchange.request_body or b"").decode(errors="replace")  # as the client sent it
@@ -925,74 +848,6 @@ class _EngineAnswer:
         self.body = body
 
 
-def _billable_tokens(exchange: _Exchange, tokens: TokenCounts) -> int | None:
-    """The tokens to charge the key for in the end, from its TOKENS (`_Exchange.token_counts`): the upstream's
-    usage, or for a stream that ended early (client gone, cut at shutdown, upstream failure) the prompt estimate
-    plus the tokens it delivered; none when the request failed before any engine answered it (refused upstream, no
-    replica, queue timeout, cut while waiting); unknown (the estimate stays charged) when the client left before an
-    answer, since the engine may have worked for it."""
-    used = exchange.used_tokens(tokens)
-    if used is None and exchange.ttft_s is None and exchange.status >= 400 and exchange.status != ClientGone.status:
-        return 0
-    return used
-
-
-# ---- ASGI helpers -------------------------------------------------------------------------------------------------
-
-
-class _RequestHeaders:
-    __slots__ = ("authorization", "content_length", "session")
-
-    def __init__(self) -> None:
-        self.authorization: bytes | None = None
-        self.content_length: int | None = None
-        self.session: str | None = None
-
-
-def _request_headers(scope: Scope, session_header: bytes) -> _RequestHeaders:
-    found = _RequestHeaders()
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            found.authorization = value
-        elif name == b"content-length":
-            with contextlib.suppress(ValueError):
-                found.content_length = int(value)
-        elif name == session_header:
-            found.session = value.decode("latin-1")
-    return found
-
-
-def _header(scope: Scope, wanted: bytes) -> bytes | None:
-    for name, value in scope["headers"]:
-        if name == wanted:
-            return bytes(value)
-    return None
-
-
-async def _read_body(receive: Receive, content_length: int | None, limit: int, scope: Scope) -> bytes:
-    if content_length is not None and content_length > limit:
-        raise BodyTooLarge(f"the request body is {content_length} bytes; the limit is {limit}")
-    message = await receive()
-    body = message.get("body", b"")
-    if not message.get("more_body"):
-        if message["type"] == "http.disconnect":
-            raise _gone_while_reading(scope)
-        if len(body) > limit:
-            raise BodyTooLarge(f"the request body is over the limit of {limit} bytes")
-        return bytes(body)
-    parts = [body]
-    size = len(body)
-    while message.get("more_body"):
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _gone_while_reading(scope)
-        parts.append(message.get("body", b""))
-        size += len(parts[-1])
-        if size > limit:
-            raise BodyTooLarge(f"the request body is over the limit of {limit} bytes")
-    return b"".join(parts)
-
-
 _RESPONSE_BY_ID = RESPONSES.path + "/"
 
 
@@ -1014,14 +869,6 @@ def _response_not_found(response_id: str, param: str = "response_id") -> NotFoun
     return NotFound(f"Response with id '{response_id[:80]}' not found.", param=param)
 
 
-def _gone_while_reading(scope: Scope) -> GatewayError:
-    """The server's body timeout (connections.py marks the scope) or the client's own disconnect."""
-    timeout_s = scope.get(BODY_TIMEOUT_SCOPE_KEY)
-    if timeout_s is not None:
-        return RequestTimeout(f"the request body did not arrive within {timeout_s:g} s")
-    return ClientGone("the client went away before its request was complete")
-
-
 def _or_dash(value: int | None) -> str:
     return "-" if value is None else str(value)
 
@@ -1033,7 +880,7 @@ def _client_text(client: Any) -> str:
 
 
 def _cancel_on_disconnect(
-    scope: Scope, receive: Receive, exchange: _Exchange, task: asyncio.Task[Any] | None
+    scope: Scope, receive: Receive, exchange: Exchange, task: asyncio.Task[Any] | None
 ) -> asyncio.Task[None] | None:
     """Cancel TASK when the client disconnects before the response is complete: through the gateway's server's
     disconnect callback (no task per request), or under another ASGI server through a task that waits in receive."""
@@ -1064,17 +911,4 @@ def _uncancel() -> None:
 async def _send_prometheus(send: Send, body: bytes) -> None:
     headers = [(b"content-type", METRICS_CONTENT_TYPE), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _send_json(send: Send, status: int, body: bytes) -> None:
-    headers = [_JSON, (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _send_error(send: Send, exc: GatewayError) -> None:
-    body = exc.body()
-    headers = [_JSON, (b"content-length", str(len(body)).encode()), *exc.headers()]
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

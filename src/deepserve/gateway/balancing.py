@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from deepserve.errors import ConfigError, unknown_name
+from deepserve.gateway.clock import Clock
 
 
 class Replica(Protocol):
@@ -238,7 +239,7 @@ class EngineAware:
         self,
         weights: Mapping[str, float] | None = None,
         stale_after_s: float = 2.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.weights = {**DEFAULT_SCORE_WEIGHTS, **(weights or {})}
         self.stale_after_s = stale_after_s
@@ -314,7 +315,7 @@ class PolicySettings:
 
     score_weights: Mapping[str, float] = field(default_factory=dict)
     engine_metrics_interval_s: float = 0.2
-    clock: Callable[[], float] = time.monotonic  # what the engines' load is timed by (the gateway's clock)
+    clock: Clock = time.monotonic  # what the engines' load is timed by (the gateway's clock)
 
 
 POLICIES: dict[str, Callable[[PolicySettings], BalancingPolicy]] = {

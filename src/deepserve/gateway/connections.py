@@ -25,10 +25,9 @@ import collections
 import contextlib
 import json
 import time
-from collections.abc import Callable
 from typing import Protocol
 
-Clock = Callable[[], float]
+from deepserve.gateway.clock import Clock
 
 # Set in a request's ASGI scope when its body did not arrive in time (the app answers that request 408).
 BODY_TIMEOUT_SCOPE_KEY = "deepserve.body_timeout_s"

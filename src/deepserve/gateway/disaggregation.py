@@ -12,6 +12,12 @@ disaggregated_serving/):
 2. the decode request is the client's with those `kv_transfer_params`, sent to a decode replica, whose answer
    (streamed or not) goes to the client.
 
+A prefill answered without `kv_transfer_params` (vLLM then sends `null`) is decoded with the client's request as it
+is: a connector that finds the KV by the prompt itself (vLLM's ExampleConnector, through a shared directory)
+returns none, and the decode engine's connector loads it all the same (counted in
+deepserve_gateway_pd_handoffs_total as `none`; a prefill engine without a connector answers so too, and the decode
+replica then prefills the prompt itself).
+
 A request whose client already gives `kv_transfer_params` is sent as it is (the client runs the protocol itself). A
 prefill that no replica can take (none healthy, every attempt failed) is left to the decode replica, which then
 prefills the prompt itself (slower, but served; counted in deepserve_gateway_pd_fallbacks_total). A prefill the

@@ -1,10 +1,9 @@
 """What each replica's engine says about its own load: requests waiting and running, KV-cache use, read from its
 Prometheus /metrics every `interval_s` (for the engine_aware balancing policy).
 
-Only the few series named in each engine's `load_metrics` (engines/) are looked for, by searching the text for their
-names rather than parsing every line: vLLM's /metrics is about 100 KB of mostly histograms, scraped several times a
-second per replica. Series with several label sets (several engines behind one server, e.g. data parallel) are
-combined: waiting and running add up, the KV-cache fraction takes the fullest engine's.
+The text is read by the engines' shared reader (engines/metrics.py), which looks only for the series named in each
+engine's table (`metric_names`): waiting and running add up over label sets (several engines behind one server,
+e.g. data parallel), the KV-cache fraction takes the fullest engine's.
 
 Engines serve their series at different paths (vLLM and SGLang at /metrics; TensorRT-LLM at /prometheus/metrics,
 its /metrics being JSON): each replica's path is found once, by trying the engines' paths in turn, and kept."""
@@ -15,34 +14,34 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 
-from deepserve.engines.base import LoadMetricNames
+from deepserve.engines.metrics import LOAD_QUANTITIES, MetricNames, first_present, read_metrics
 from deepserve.engines.registry import ENGINES
 from deepserve.gateway.balancing import EngineLoad
+from deepserve.gateway.clock import Clock
 from deepserve.gateway.upstreams import CLIENT_FAILURES, UpstreamPool, UpstreamReplica
 
 log = logging.getLogger(__name__)
 
-Clock = Callable[[], float]
 
 # A scrape that takes longer than this many intervals is abandoned (the replica's load is then unknown).
 SCRAPE_TIMEOUT_INTERVALS = 5
 
 
-def parse_engine_load(text: str, scraped_at_s: float, engines: tuple[LoadMetricNames, ...] | None = None) -> EngineLoad:
+def parse_engine_load(text: str, scraped_at_s: float, engines: tuple[MetricNames, ...] | None = None) -> EngineLoad:
     """The load in TEXT (Prometheus text format), by the first engine whose series are present; zeros when none."""
     return find_engine_load(text, scraped_at_s, engines) or EngineLoad(0.0, 0.0, 0.0, scraped_at_s)
 
 
 def find_engine_load(
-    text: str, scraped_at_s: float, engines: tuple[LoadMetricNames, ...] | None = None
+    text: str, scraped_at_s: float, engines: tuple[MetricNames, ...] | None = None
 ) -> EngineLoad | None:
     """As parse_engine_load, but None when TEXT holds no engine's series."""
-    for names in engines or tuple(engine.load_metrics for engine in ENGINES.values()):
-        waiting = _first_present(text, names.waiting, _sum)
-        running = _first_present(text, names.running, _sum)
-        kv_cache = _first_present(text, names.kv_cache_usage, max)
+    for names in engines or tuple(engine.metric_names for engine in ENGINES.values()):
+        values = read_metrics(text, names.only(*LOAD_QUANTITIES))
+        waiting = first_present(values, names.waiting)
+        running = first_present(values, names.running)
+        kv_cache = first_present(values, names.kv_cache_usage)
         if waiting is not None or running is not None or kv_cache is not None:
             return EngineLoad(waiting or 0.0, running or 0.0, min(1.0, max(0.0, kv_cache or 0.0)), scraped_at_s)
     return None
@@ -50,41 +49,8 @@ def find_engine_load(
 
 def metrics_paths() -> tuple[str, ...]:
     """Where the registered engines serve their load series, /metrics first."""
-    paths = [engine.load_metrics.path for engine in ENGINES.values()]
+    paths = [engine.metric_names.path for engine in ENGINES.values()]
     return tuple(sorted(set(paths), key=lambda path: (path != "/metrics", paths.index(path))))
-
-
-def _sum(values: list[float]) -> float:
-    return float(sum(values))
-
-
-def _first_present(text: str, names: tuple[str, ...], combine: Callable[[list[float]], float]) -> float | None:
-    for name in names:
-        values = _sample_values(text, name)
-        if values:
-            return combine(values)
-    return None
-
-
-def _sample_values(text: str, name: str) -> list[float]:
-    """The values of every sample of series NAME (any labels) in TEXT."""
-    values: list[float] = []
-    start = 0
-    while True:
-        at = text.find(name, start)
-        if at < 0:
-            return values
-        start = at + len(name)
-        if at and text[at - 1] != "\n":
-            continue  # inside another line (a HELP/TYPE comment, or a longer name ending in NAME)
-        follower = text[start : start + 1]
-        if follower not in ("{", " "):
-            continue  # a longer name that starts with NAME
-        end = text.find("\n", start)
-        line = text[start : end if end >= 0 else len(text)]
-        rest = line[line.rfind("}") + 1 :] if follower == "{" else line
-        with contextlib.suppress(IndexError, ValueError):
-            values.append(float(rest.split()[0]))
 
 
 class EngineLoadScraper:

@@ -5,8 +5,10 @@ label is the upstream URL as configured (the config has no other name for a repl
 internal URLs: when the gateway requires keys, the app answers only callers with a valid key (docs/GATEWAY.md).
 
 Its callers must not be able to drive the engines' /metrics (on an open gateway anyone may call it): concurrent
-requests share one scrape, and its result is answered for CACHE_S after it (at most 1/CACHE_S scrapes per second
-per replica, however many callers).
+requests share one scrape, and its result is answered until CACHE_S after that scrape began (at most 1/CACHE_S
+scrapes per second per replica, however many callers). So an answer reflects the engines as they were at most CACHE_S
+before it: a client that needs a sample taken after some moment (the benchmark's last sample, after its run) asks
+CACHE_S after that moment.
 
 Samples are regrouped by metric family across replicas (one HELP/TYPE header per family), because Prometheus text
 format requires a family's samples to be contiguous. A replica that does not answer is named in a comment line and
@@ -18,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
+from deepserve.engines.metrics import sample_name, with_label
+from deepserve.gateway.clock import Clock
 from deepserve.gateway.upstreams import CLIENT_FAILURES, UpstreamPool, UpstreamReplica
 
 ENGINE_METRICS_PATH = "/metrics/engines"
@@ -40,19 +43,7 @@ class _Family:
 
 def label_sample(line: str, replica: str) -> str:
     """LINE (one Prometheus sample) with replica="REPLICA" as its first label."""
-    label = f'{REPLICA_LABEL}="{_escape(replica)}"'
-    brace, space = line.find("{"), line.find(" ")
-    if brace != -1 and (space == -1 or brace < space):
-        inner_start = brace + 1
-        separator = "" if line[inner_start : inner_start + 1] == "}" else ","
-        return f"{line[:inner_start]}{label}{separator}{line[inner_start:]}"
-    if space == -1:
-        return line
-    return f"{line[:space]}{{{label}}}{line[space:]}"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return with_label(line, REPLICA_LABEL, replica)
 
 
 def merge_exposition(texts: dict[str, str], errors: dict[str, str] | None = None) -> str:
@@ -70,18 +61,13 @@ def merge_exposition(texts: dict[str, str], errors: dict[str, str] | None = None
                     family.headers.setdefault(parts[1], line)
                 continue  # other comments are dropped
             if family is None:  # a sample before any header: a family of its own
-                family = families.setdefault(_sample_name(line), _Family())
+                family = families.setdefault(sample_name(line), _Family())
             family.samples.append(label_sample(line, replica))
     lines = [f"# replica {replica} left out: {reason}" for replica, reason in (errors or {}).items()]
     for family in families.values():
         lines += family.headers.values()
         lines += family.samples
     return "\n".join(lines) + "\n" if lines else ""
-
-
-def _sample_name(line: str) -> str:
-    ends = [i for i in (line.find("{"), line.find(" ")) if i >= 0]
-    return line[: min(ends)] if ends else line
 
 
 async def scrape_replicas(pool: UpstreamPool) -> tuple[dict[str, str], dict[str, str]]:
@@ -104,9 +90,10 @@ async def _scrape(pool: UpstreamPool, replica: UpstreamReplica) -> tuple[str | N
 
 
 class EngineMetricsCache:
-    """The merged exposition of POOL's replicas: one scrape for all concurrent callers, reused for CACHE_S."""
+    """The merged exposition of POOL's replicas: one scrape for all concurrent callers, reused until CACHE_S after
+    it began."""
 
-    def __init__(self, pool: UpstreamPool, cache_s: float = CACHE_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, pool: UpstreamPool, cache_s: float = CACHE_S, clock: Clock = time.monotonic):
         self.pool = pool
         self.cache_s = cache_s
         self._clock = clock
@@ -123,10 +110,11 @@ class EngineMetricsCache:
         return await asyncio.shield(self._scrape)
 
     async def _refresh(self) -> bytes:
+        began_s = self._clock()  # the age counts from here: what the engines said may be this old, not younger
         try:
             texts, errors = await scrape_replicas(self.pool)
             self._body = merge_exposition(texts, errors).encode()
-            self._scraped_at_s = self._clock()
+            self._scraped_at_s = began_s
             return self._body
         finally:
             self._scrape = None

@@ -29,6 +29,7 @@ from typing import cast
 import httptools
 
 from deepserve import _compat
+from deepserve.gateway.clock import Clock
 
 # Flow control: stop reading from the upstream while this many body chunks wait for the reader; go on at half that.
 _PAUSE_AT_CHUNKS = 64
@@ -42,7 +43,6 @@ MAX_FETCH_BYTES = 16 << 20
 
 # (host, port) -> the IP addresses to try, in order.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
-Clock = Callable[[], float]
 
 
 async def system_resolve(host: str, port: int) -> list[str]:
@@ -108,6 +108,16 @@ class HttpResponse:
         if not self._detached:
             self._detached = True
             self._connection.close()
+
+    @property
+    def reading_paused(self) -> bool:
+        """Whether the connection stopped reading from the upstream (the reader is behind: TCP pushes back)."""
+        return self._connection.reading_paused
+
+    @property
+    def buffered_chunks(self) -> int:
+        """Body chunks received and not read yet."""
+        return len(self._connection._chunks)  # the module's own class
 
 
 class _Connection(asyncio.Protocol):
@@ -194,6 +204,11 @@ class _Connection(asyncio.Protocol):
     @property
     def reusable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
+
+    @property
+    def reading_paused(self) -> bool:
+        transport = self._transport
+        return transport is not None and not transport.is_reading()
 
     async def exchange(self, head: bytes, body: bytes, head_timeout_s: float | None = None) -> HttpResponse:
         """Send a request; return once the response's head arrived (within HEAD_TIMEOUT_S, when given)."""
@@ -521,6 +536,16 @@ class HttpClient:
         for idle in self._idle.values():
             for connection in [c for c in idle if now_s - c.idle_since_s >= self.idle_s]:
                 connection.close()
+
+    @property
+    def open_connections(self) -> int:
+        """Connections open now, in use or idle."""
+        return len(self._all)
+
+    @property
+    def awaiting_head(self) -> int:
+        """Requests sent whose response head has not arrived yet."""
+        return sum(connection.awaiting_head for connection in self._all)
 
     def check_timeouts(self) -> None:
         """Check every open connection's deadlines now (what their timers do when they fire)."""

@@ -31,12 +31,13 @@ import http
 import logging
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 from urllib.parse import unquote
 
 import httptools
 
+from deepserve.gateway.asgi import App, Message, Scope
 from deepserve.gateway.connections import (
     BODY_TIMEOUT_SCOPE_KEY,
     LINGER_MAX_BYTES,
@@ -47,11 +48,6 @@ from deepserve.gateway.connections import (
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Coroutine[Any, Any, None]]
 
 # scope[DISCONNECT_SCOPE_KEY](callback): call CALLBACK (no arguments) if the client goes away mid-request.
 DISCONNECT_SCOPE_KEY = "deepserve.on_disconnect"

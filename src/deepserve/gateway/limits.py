@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from deepserve.errors import ConfigError
+from deepserve.gateway.clock import Clock
 from deepserve.gateway.errors import Overloaded, RateLimited
 
 if TYPE_CHECKING:
     from deepserve.gateway.config import GatewayConfig
-
-Clock = Callable[[], float]
 
 
 class TokenBucket:

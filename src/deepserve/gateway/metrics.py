@@ -98,7 +98,12 @@ class GatewayMetrics:
         )  # fmt: skip
         self.pd_fallbacks = Counter(
             "deepserve_gateway_pd_fallbacks", "Requests decoded without a prefill replica's KV cache, by reason "
-            "(no_prefill_replica, prefill_failed, no_kv_transfer_params)", ["reason"], registry=r,
+            "(no_prefill_replica, prefill_failed)", ["reason"], registry=r,
+        )  # fmt: skip
+        self.pd_handoffs = Counter(
+            "deepserve_gateway_pd_handoffs", "Prefilled requests sent on to a decode replica, by whether the prefill "
+            "answered with kv_transfer_params (returned) or without (none: connectors that find the KV by the prompt "
+            "itself, such as ExampleConnector, return none)", ["kv_transfer_params"], registry=r,
         )  # fmt: skip
         self.limiter_fallbacks = Counter(
             "deepserve_gateway_limiter_fallbacks", "Requests admitted by this gateway's own limits while the shared "

@@ -50,8 +50,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from deepserve._compat import timeout
+from deepserve.gateway.clock import Clock
 from deepserve.gateway.errors import LimiterUnavailable, Overloaded, RateLimited
-from deepserve.gateway.limits import Admission, Clock, KeyLimits, LocalLimiter
+from deepserve.gateway.limits import Admission, KeyLimits, LocalLimiter
 from deepserve.gateway.resp import ReplyError, RespConnection
 
 log = logging.getLogger(__name__)
@@ -347,7 +348,7 @@ class RedisLimiter:
             await self._scripts.load()
             await self.load_revocations()
         except self._failures as exc:
-            self._mark_down(exc)
+            self.mark_down(exc)
         self._spawn(self._listen(), "redis-listen")
         self._spawn(self._renew_loop(), "redis-lease-renewal")
 
@@ -394,7 +395,7 @@ class RedisLimiter:
         self.on_error = on_error
 
     async def admit(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> Admission:
-        if not self._reachable():
+        if not self.reachable():
             return self._fallback(key_id, limits, charged_tokens)
         admission = Admission(key_id, limits, charged_tokens)
         admission.local = False
@@ -417,11 +418,11 @@ class RedisLimiter:
             self._release_in_background(admission, had_slot=True, delta=0)  # it may have been admitted
             raise
         except self._failures as exc:
-            self._mark_down(exc)
+            self.mark_down(exc)
             if _is_timeout(exc):  # Redis may have run it after all: give back its leases, if any
                 self._release_in_background(admission, had_slot=True, delta=0)
             return self._fallback(key_id, limits, charged_tokens)
-        self._mark_up()
+        self.mark_up()
         code = int(code)
         if code >= 2:
             raise _refusal(code, float(detail), limits, charged_tokens)
@@ -484,7 +485,7 @@ class RedisLimiter:
                 self._wake_oldest()
 
     async def _take_slot(self, admission: Admission) -> bool:
-        if not self._reachable():
+        if not self.reachable():
             return await self._local_slot(admission)
         args = [self._now(), admission.lease, self.lease_s, self.max_concurrency]
         try:
@@ -493,9 +494,9 @@ class RedisLimiter:
             self._release_in_background(admission, had_slot=True, delta=0)
             raise
         except self._failures as exc:
-            self._mark_down(exc)
+            self.mark_down(exc)
             return await self._local_slot(admission)
-        self._mark_up()
+        self.mark_up()
         admission.has_slot = bool(int(taken))
         return admission.has_slot
 
@@ -547,7 +548,7 @@ class RedisLimiter:
         try:
             await self._call("release", keys, args)
         except self._failures as exc:  # its leases expire by themselves; only a tpm correction is lost
-            self._mark_down(exc)
+            self.mark_down(exc)
             return
         if had_slot:
             self._wake_oldest()
@@ -568,7 +569,7 @@ class RedisLimiter:
         try:
             await self._call("renew", keys, [self._now(), self.lease_s, *members])
         except self._failures as exc:
-            self._mark_down(exc)
+            self.mark_down(exc)
 
     async def _renew_loop(self) -> None:
         while True:
@@ -583,7 +584,7 @@ class RedisLimiter:
             try:
                 await pubsub.subscribe(self.names.slots, self.names.revocations)
                 await self.load_revocations()
-                self._mark_up()
+                self.mark_up()
                 while not self._closing:
                     message = await pubsub.get_message(timeout=LISTEN_POLL_S)
                     if message is None:
@@ -593,7 +594,7 @@ class RedisLimiter:
                     else:
                         self._wake_oldest()
             except self._failures as exc:
-                self._mark_down(exc)
+                self.mark_down(exc)
                 await asyncio.sleep(max(RETRY_S, LISTEN_POLL_S))
             finally:
                 with contextlib.suppress(*self._failures):
@@ -614,10 +615,13 @@ class RedisLimiter:
 
     # ---- Redis unreachable --------------------------------------------------------------------------------------
 
-    def _reachable(self) -> bool:
+    def reachable(self) -> bool:
+        """Whether to try Redis now: it is up, or it was marked down long enough ago (RETRY_S) to try again."""
         return self.up or self._local_clock() >= self._down_until
 
-    def _mark_down(self, exc: BaseException) -> None:
+    def mark_down(self, exc: BaseException) -> None:
+        """A call to Redis failed with EXC: a refused connection takes it out at once, a late answer only the
+        TIMEOUTS_TO_DOWN-th in a row."""
         self.errors += 1
         self.on_error()
         self._last_error = f"{type(exc).__name__}: {exc}".rstrip(": ")
@@ -632,7 +636,8 @@ class RedisLimiter:
             then = "this gateway's own limits apply meanwhile" if self.fail_open else "requests get 503 meanwhile"
             log.warning("the shared limits' Redis at %s failed (%s); %s", self.where, self._last_error, then)
 
-    def _mark_up(self) -> None:
+    def mark_up(self) -> None:
+        """A call to Redis was answered in time."""
         self._timeouts_in_a_row = 0
         if not self.up:
             self.up = True

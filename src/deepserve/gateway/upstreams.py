@@ -28,13 +28,14 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from deepserve.errors import ConfigError
 from deepserve.gateway.balancing import BalancingPolicy, RoutingHints
+from deepserve.gateway.clock import Clock
 from deepserve.gateway.errors import (
     NoHealthyUpstream,
     UpstreamError,
@@ -128,7 +129,7 @@ class UpstreamPool:
         read_timeout_s: float = 600.0,
         health_check_interval_s: float = 1.0,
         max_model_len: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
         client: HttpClient | None = None,
         api_key_file: Path | None = None,
         discover: bool = False,

@@ -288,9 +288,9 @@ _FIELD_HINTS = {
 
 
 @dataclass(frozen=True)
-class Endpoint:
-    """One OpenAI endpoint the gateway forwards: its allowed fields, where the prompt is, which fields cap the output
-    tokens (the first given counts), and how its streams carry usage."""
+class ApiRoute:
+    """One route of OpenAI's API that the gateway forwards: its path, its allowed fields, where the prompt is, which
+    fields cap the output tokens (the first given counts), and how its streams carry usage."""
 
     path: str
     fields: Mapping[str, Check]
@@ -303,8 +303,8 @@ class Endpoint:
     chat_template: bool = False  # takes chat_template_kwargs (the gateway's default thinking mode applies)
 
 
-COMPLETIONS = Endpoint("/v1/completions", COMPLETION_FIELDS, "prompt", ("max_tokens",), COMPLETION_STREAM)
-CHAT_COMPLETIONS = Endpoint(
+COMPLETIONS = ApiRoute("/v1/completions", COMPLETION_FIELDS, "prompt", ("max_tokens",), COMPLETION_STREAM)
+CHAT_COMPLETIONS = ApiRoute(
     "/v1/chat/completions",
     CHAT_FIELDS,
     "messages",
@@ -312,7 +312,7 @@ CHAT_COMPLETIONS = Endpoint(
     CHAT_STREAM,
     chat_template=True,
 )
-RESPONSES = Endpoint(
+RESPONSES = ApiRoute(
     "/v1/responses",
     RESPONSES_FIELDS,
     "input",
@@ -365,7 +365,7 @@ def resolve_model(client_model: str, models: Mapping[str, int | None], aliases: 
 
 
 def parse_request(
-    endpoint: Endpoint,
+    endpoint: ApiRoute,
     raw: bytes,
     models: Mapping[str, int | None],
     aliases: Mapping[str, str],
@@ -412,7 +412,7 @@ def parse_request(
     )
 
 
-def _max_tokens(endpoint: Endpoint, request: dict[str, Any]) -> int | None:
+def _max_tokens(endpoint: ApiRoute, request: dict[str, Any]) -> int | None:
     for name in endpoint.max_tokens_fields:
         value = request.get(name)
         if value is not None:
@@ -421,7 +421,7 @@ def _max_tokens(endpoint: Endpoint, request: dict[str, Any]) -> int | None:
 
 
 def _template_defaults(
-    endpoint: Endpoint,
+    endpoint: ApiRoute,
     request: dict[str, Any],
     defaults: Mapping[str, Mapping[str, Any]] | None,
     client_model: str,
@@ -509,7 +509,7 @@ def _quote(value: Any) -> str:
     return text if len(text) <= _QUOTED_CHARS else text[: _QUOTED_CHARS - 1] + "…"
 
 
-def _check_fields(endpoint: Endpoint, request: dict[str, Any]) -> None:
+def _check_fields(endpoint: ApiRoute, request: dict[str, Any]) -> None:
     """Each field known for ENDPOINT and of its type (null is allowed for optional fields). The ledger's copy of
     an error names the field only when it is a known one, and never quotes the value."""
     for required in ("model", endpoint.prompt_field):

@@ -195,13 +195,14 @@ def _allowed_cpus() -> set[int]:
 def _first_numa_node_cpus(cpu: int) -> set[int]:
     """The CPUs of the NUMA node holding CPU (empty where sysfs does not say, as off Linux)."""
     for cpulist in sorted(Path("/sys/devices/system/node").glob("node*/cpulist")):
-        cpus = _parse_cpu_list(cpulist.read_text())
+        cpus = parse_cpu_list(cpulist.read_text())
         if cpu in cpus:
             return cpus
     return set()
 
 
-def _parse_cpu_list(text: str) -> set[int]:
+def parse_cpu_list(text: str) -> set[int]:
+    """The CPUs of a kernel CPU list (/sys/.../cpulist, cpuset.cpus): "0-3,8" is {0, 1, 2, 3, 8}."""
     cpus: set[int] = set()
     for part in filter(None, text.strip().split(",")):
         low, _, high = part.partition("-")

@@ -52,12 +52,16 @@ def slo_answers(sets: list[ResultSet], slos: Sequence[Slo]) -> list[SloAnswer]:
 def _slo_answer(line: sr.Series, slos: Sequence[Slo]) -> SloAnswer:
     words = " and ".join(slo.words for slo in slos)
     best = None
-    for point in line.points:
+    judged = [point for point in line.points if all(point.metric(slo.metric) is not None for slo in slos)]
+    for point in judged:  # a point without a value (no per-token gaps measured) is neither a pass nor a fail
         if not all(slo.met_by(point.metric(slo.metric)) for slo in slos):
             break
         best = point
+    if not judged:
+        text = f"{line.label}: no point has a value for {words} (every response arrived in one write)."
+        return SloAnswer(line.label, None, None, None, text)
     if best is None:
-        first = line.points[0]
+        first = judged[0]
         measured = ", ".join(f"{metric_words(slo.metric)} {_ms(first.metric(slo.metric))}" for slo in slos)
         text = (
             f"{line.label}: no measured concurrency meets {words}; even concurrency "
@@ -66,8 +70,8 @@ def _slo_answer(line: sr.Series, slos: Sequence[Slo]) -> SloAnswer:
         return SloAnswer(line.label, None, None, None, text)
     output, total = best.metric("output_throughput"), best.metric("total_token_throughput")
     concurrency = best.params.max_concurrency
-    highest = line.points[-1].params.max_concurrency
-    limit = "" if best is not line.points[-1] else f" (the highest measured; the SLO may hold beyond {highest})"
+    highest = judged[-1].params.max_concurrency
+    limit = "" if best is not judged[-1] else f" (the highest measured; the SLO may hold beyond {highest})"
     text = (
         f"{line.label}: the highest concurrency that meets {words} is {concurrency}{limit}; "
         f"there it delivers {_tps(output)} output tokens/s ({_tps(total)} total tokens/s)."

@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -123,6 +123,8 @@ def _points_html(sets: list[ResultSet]) -> str:
         f"<th>{_e(h)}</th>" for _, h in SUMMARY_COLUMNS
     )
     head += "".join(f"<th>{_e(heading)}</th>" for _, heading, _ in derived)
+    extra = _run_columns(sets)
+    head += "".join(f"<th>{_e(heading)}</th>" for heading, _ in extra)
     rows = []
     for result_set in sets:
         for point in result_set.points:
@@ -137,11 +139,55 @@ def _points_html(sets: list[ResultSet]) -> str:
                 _td(params.num_prompts),
                 _td(point.metric(dv.GPUS)),
             ]
-            cells += [_td(point.metric(key)) for key, _ in SUMMARY_COLUMNS]
+            cells += [_measured_td(point, key) for key, _ in SUMMARY_COLUMNS]
             cells += [_derived_td(point, key, decimals) for key, _, decimals in derived]
+            cells += [_td(value(point)) for _, value in extra]
             rows.append("<tr>" + "".join(cells) + "</tr>")
     table = f'<table class="points"><tr>{head}</tr>{"".join(rows)}</table>'
     return f'<h2 id="points">Every point</h2><div class="wide">{table}</div>'
+
+
+def _measured_td(point: ResultPoint, key: str) -> str:
+    """A measured value; with --num-runs, the mean ± the half-width of its 95% confidence interval."""
+    value = point.metric(key)
+    interval = (point.result.get("confidence_intervals") or {}).get(key) or {}
+    half = interval.get("ci95_half_width")
+    if value is None or not isinstance(half, int | float):
+        return _td(value)
+    return f"<td>{value:,.2f} ± {half:,.2f}</td>"
+
+
+def _spec_decode(key: str) -> Callable[[ResultPoint], float | None]:
+    def value(point: ResultPoint) -> float | None:
+        spec = (point.result.get("server_metrics") or {}).get("spec_decode") or {}
+        number = spec.get(key)
+        return float(number) if isinstance(number, int | float) else None
+
+    return value
+
+
+def _result_key(key: str) -> Callable[[ResultPoint], float | None]:
+    return lambda point: point.metric(key)
+
+
+# Columns a run adds when it has them: repeated runs, responses without gaps, reasoning, tool calls, speculative
+# decoding (docs/METRICS.md). Each is shown when any point of the report has it.
+RUN_COLUMNS: tuple[tuple[str, Callable[[ResultPoint], float | None]], ...] = (
+    ("runs", _result_key("num_runs")),
+    ("one-write requests", _result_key("one_write_requests")),
+    ("mean reasoning tokens", _result_key("mean_reasoning_tokens")),
+    ("median reasoning TTFT (ms)", _result_key("median_reasoning_ttft_ms")),
+    ("median answer TTFT (ms)", _result_key("median_answer_ttft_ms")),
+    ("median tool call start (ms)", _result_key("median_tool_call_start_ms")),
+    ("median tool call end (ms)", _result_key("median_tool_call_end_ms")),
+    ("spec. acceptance rate", _spec_decode("acceptance_rate")),
+    ("spec. mean acceptance length", _spec_decode("mean_acceptance_length")),
+)
+
+
+def _run_columns(sets: list[ResultSet]) -> list[tuple[str, Callable[[ResultPoint], float | None]]]:
+    points = [point for result_set in sets for point in result_set.points]
+    return [(heading, value) for heading, value in RUN_COLUMNS if any(value(point) for point in points)]
 
 
 def _derived_columns(sets: list[ResultSet]) -> list[tuple[str, str, str]]:

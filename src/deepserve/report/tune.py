@@ -26,7 +26,7 @@ class TuneRow:
     point: str  # the engine fields of the point, e.g. "max_num_seqs=16"
     measured_tok_s: float | None
     predicted_tok_s: float | None
-    goodput_tok_s: float | None  # None: the result has no per-request lists
+    goodput_output_tok_s: float | None  # None: the result has no per-request lists
     slos_hold: bool | None
     measured_tpot_ms: float | None
     predicted_tpot_ms: float | None
@@ -58,7 +58,7 @@ def predicted_vs_measured_chart(sets: list[ResultSet], slos: Sequence[Slo], out_
     fig.suptitle("Tuned points: predicted vs measured output throughput", fontsize=13, fontweight="bold")
     bars = (
         ("measured output", [row.measured_tok_s for row in rows], COLORS[0], None),
-        ("goodput (every SLO met)", [row.goodput_tok_s for row in rows], COLORS[2], None),
+        ("goodput (every SLO met)", [row.goodput_output_tok_s for row in rows], COLORS[2], None),
         ("predicted by the planner", [row.predicted_tok_s for row in rows], "white", "//"),
     )
     width = 0.8 / len(bars)
@@ -101,7 +101,7 @@ def tune_section_html(sets: Sequence[ResultSet], slos: Sequence[Slo]) -> str:
         verdict = "–" if row.slos_hold is None else ("hold" if row.slos_hold else "missed")
         cells = [
             _text(row.set_label), _text(row.point), _number(row.measured_tok_s), _number(row.predicted_tok_s),
-            _number(row.ratio), _number(row.goodput_tok_s), _text(verdict), _number(row.measured_tpot_ms),
+            _number(row.ratio), _number(row.goodput_output_tok_s), _text(verdict), _number(row.measured_tpot_ms),
             _number(row.predicted_tpot_ms), _number(row.measured_ttft_ms), _number(row.predicted_ttft_ms),
             _text(row.search or "–"),
         ]  # fmt: skip
@@ -130,7 +130,7 @@ def _row(set_label: str, point: ResultPoint, slos: Sequence[Slo]) -> TuneRow:
         point=point.params.variant or point.point_id,
         measured_tok_s=point.metric("output_throughput"),
         predicted_tok_s=_float(predicted.get("output_tok_s")),
-        goodput_tok_s=goodput,
+        goodput_output_tok_s=goodput,
         slos_hold=holds,
         measured_tpot_ms=point.metric("mean_tpot_ms"),
         predicted_tpot_ms=_float(predicted.get("tpot_ms")),

@@ -91,10 +91,14 @@ class ResultPoint:
 
     def metric(self, key: str) -> float | None:
         """A numeric result value (or a derived one), or None where neither has it (vLLM omits metrics not asked
-        for)."""
+        for). A per-token latency of exactly 0 is None too: no token follows another in no time, so it is the zero
+        a benchmark writes when no request had a gap to measure (every response arrived in one write; deepserve
+        now writes null there), and a chart, an answer or a ratio must not take it for a speed."""
         value = self.result.get(key)
         if isinstance(value, bool) or not isinstance(value, int | float):
             value = self.derived.get(key)
+        if value is not None and value == 0 and is_per_token_latency(key):
+            return None
         return None if value is None else float(value)
 
 
@@ -106,6 +110,11 @@ class ResultSet:
     points: list[ResultPoint]
     metadata: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+
+
+def is_per_token_latency(key: str) -> bool:
+    """Whether KEY is a TPOT or ITL statistic (mean_tpot_ms, p99_itl_ms, …), undefined without gaps between tokens."""
+    return key.endswith(("_tpot_ms", "_itl_ms")) and not key.startswith("std_")
 
 
 def format_rate(rate: float | None) -> str:

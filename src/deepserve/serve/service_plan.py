@@ -21,6 +21,7 @@ from deepserve.engines.vllm_workarounds import check_workarounds
 from deepserve.errors import ConfigError, EngineError
 from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.config import base_url as gateway_base_url
+from deepserve.hardware.catalog import get_accelerator
 from deepserve.hardware.detect import has_gpu, local_gpus
 from deepserve.models.resolve import ResolvedModel, resolve_model
 from deepserve.net import ensure_port_free, free_port
@@ -155,7 +156,7 @@ def _gpus_per_node(config: EngineConfig, on_this_machine: bool) -> int | None:
     return len(local_gpus()) if on_this_machine else None
 
 
-def preflight(plan: ServicePlan) -> None:
+def check_can_run(plan: ServicePlan) -> None:
     """The checks that need the machine but start nothing: the memory plan (no install fixes a deployment that
     cannot fit), engine installed, ports free, the master address."""
     if plan.fit is not None and plan.fit.fits is False and not plan.force:
@@ -230,6 +231,8 @@ def _user_config(node: ServicePlan) -> EngineConfig:
 
 def _uses_cpu(config: EngineConfig, on_this_machine: bool = True) -> bool:
     if config.device == "auto":
+        if not on_this_machine and _names_a_gpu(config.gpu_type):
+            return False  # a dry run for the nodes --gpu-type names, whatever this machine has
         return not has_gpu()
     if config.device in ("cuda", "rocm") and not has_gpu() and on_this_machine:  # a dry run may plan for GPUs
         vendor = "NVIDIA" if config.device == "cuda" else "AMD"
@@ -238,6 +241,11 @@ def _uses_cpu(config: EngineConfig, on_this_machine: bool = True) -> bool:
             "list none); install the driver, or add --dry-run to print the commands for a GPU machine"
         )
     return config.device == "cpu"
+
+
+def _names_a_gpu(gpu_type: str | None) -> bool:
+    """GPU_TYPE is a GPU of the catalog (the CPU host is not)."""
+    return bool(gpu_type) and get_accelerator(str(gpu_type)).vendor in ("nvidia", "amd")
 
 
 def _with_platform(config: EngineConfig, on_cpu: bool, on_this_machine: bool) -> EngineConfig:

@@ -99,6 +99,7 @@ class SimulateConfig(Section):
         "(varied, as real vocabularies: a client counting tokens by text is then not exact; /detokenize differs)",
     )
     tokenize_endpoints: bool = Field(True, description="serve /tokenize and /detokenize (off: 404, as some servers)")
+    detokenize_endpoint: bool = Field(True, description="serve /detokenize (off: 404, a server with /tokenize only)")
     metrics_endpoint: bool = Field(True, description="serve /metrics (off: 404, a server without metrics)")
     models_max_model_len: bool = Field(
         True, description="list max_model_len in /v1/models (off: as SGLang and older servers do not)"

@@ -149,14 +149,16 @@ def render(
 def _spec_decode(out: _Exposition, counters: CounterReading) -> None:
     if counters.spec_accepted_per_position is None:
         return
-    out.counter(names.SPEC_DECODE_NUM_DRAFTS, "Number of spec decoding drafts.", counters.spec_drafts or 0)
-    out.counter(names.SPEC_DECODE_NUM_DRAFT_TOKENS, "Number of draft tokens.", counters.spec_draft_tokens or 0)
-    out.counter(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "Number of accepted tokens.", counters.spec_accepted_tokens or 0)
+    out.counter(names.SPEC_DECODE_DRAFTS, "Number of spec decoding drafts.", counters.spec_drafts or 0)
+    out.counter(names.SPEC_DECODE_DRAFT_TOKENS, "Number of draft tokens.", counters.spec_draft_tokens or 0)
+    out.counter(names.SPEC_DECODE_ACCEPTED_TOKENS, "Number of accepted tokens.", counters.spec_accepted_tokens or 0)
     per_position = {str(position): count for position, count in enumerate(counters.spec_accepted_per_position)}
     out.labelled_counter(
-        names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS, "Accepted tokens per draft position.", names.POSITION_LABEL,
+        names.SPEC_DECODE_ACCEPTED_PER_POSITION,
+        "Accepted tokens per draft position.",
+        names.SPEC_DECODE_POSITION_LABEL,
         per_position,
-    )  # fmt: skip
+    )
 
 
 class _Exposition:

@@ -77,21 +77,44 @@ def signature(inputs: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def grid_spec(lists: dict[str, list[Any]], label: str, inputs: dict[str, Any]) -> SweepSpec:
+def template_variants(options: list[str]) -> dict[str, dict[str, Any]]:
+    """--chat-template-kwargs given several times to a sweep: one variant of every point per option set, named
+    by it ("thinking=true"). Each must be a JSON object."""
+    variants: dict[str, dict[str, Any]] = {}
+    for text in options:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--chat-template-kwargs {text!r} is not valid JSON ({exc.msg})") from exc
+        if not isinstance(value, dict):
+            raise ConfigError(f"--chat-template-kwargs {text!r} must be a JSON object, e.g. '{{\"thinking\": false}}'")
+        name = ", ".join(f"{key}={json.dumps(item)}" for key, item in value.items()) or "no options"
+        variants[name] = {"chat_template_kwargs": json.dumps(value)}
+    return variants
+
+
+def grid_spec(
+    lists: dict[str, list[Any]],
+    label: str,
+    inputs: dict[str, Any],
+    variants: dict[str, dict[str, Any]] | None = None,
+) -> SweepSpec:
     """Points of a plain grid: every combination of the given lists (input × output × rate × concurrency, with
-    the sweep axis varying fastest so that each line runs from its lowest value up)."""
+    the sweep axis varying fastest so that each line runs from its lowest value up), once per VARIANT (a name and
+    the fields it sets, e.g. chat template options) when given."""
     order = ("random_input_len", "random_output_len", "request_rate", "max_concurrency")
     names = [name for name in order if lists.get(name)]
     axis = next((name for name in ("max_concurrency", "request_rate") if len(lists.get(name) or []) > 1), None)
     if axis is not None:  # the axis last: it varies fastest
         names = [name for name in names if name != axis] + [axis]
     points = []
-    for values in product(*(lists[name] for name in names)):
-        overrides = dict(zip(names, values, strict=True))
-        points.append(SweepPoint(point_id(overrides, None), overrides))
-    if not points:
-        points = [SweepPoint(point_id({}, None), {})]
-    return SweepSpec(label, points, axis, signature({"grid": lists, **inputs}))
+    named: list[tuple[str | None, dict[str, Any]]] = list(variants.items()) if variants else [(None, {})]
+    for variant, fields in named:
+        for values in product(*(lists[name] for name in names)):
+            overrides = {**fields, **dict(zip(names, values, strict=True))}
+            points.append(SweepPoint(point_id(overrides, variant), overrides, variant))
+    asked = {"grid": lists, **inputs, **({"variants": variants} if variants else {})}
+    return SweepSpec(label, points, axis, signature(asked))
 
 
 def suite_spec(plan: SuitePlan, label: str, inputs: dict[str, Any]) -> SweepSpec:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from deepserve.results.points import PointParams, params_from_result
 from deepserve.results.store import record_run
 from deepserve.results.sweepdir import PointEntry, SweepIndex, now_iso, write_index, write_point_result
 from deepserve.sweep.grid import SweepPoint, SweepSpec, apply_overrides
-from deepserve.sweep.resume import prepare_index, stored_points
+from deepserve.sweep.resume import Outcome, PointTask, prepare_index, run_points, stored_points
 
 PointRunner = Callable[[BenchConfig], dict[str, Any]]  # one point's config → its result JSON
 Progress = Callable[[str], None]
@@ -59,36 +60,32 @@ def run_sweep(
     options: SweepOptions,
     progress: Progress = print,
 ) -> SweepOutcome:
-    """Run every unfinished point of SPEC into DIRECTORY; see the module doc for resume and early stop."""
+    """Run every unfinished point of SPEC into DIRECTORY; see the module doc for resume and early stop. Every
+    point's config is checked first: a bad one fails the sweep before any point runs."""
     started = time.monotonic()
     index = prepare_index(directory, spec)
-    axis = index.sweep_axis
     points = stored_points(index)
-    counts = {"ran": 0, "kept": 0, "skipped": 0, "failed": 0}
-    for number, point in enumerate(points, start=1):
-        entry = index.entry(point.point_id)
-        assert entry is not None
-        where = f"[{number}/{len(points)}] {_describe(entry)}"
-        if entry.status == "done" and entry.result_file and (directory / entry.result_file).is_file():
-            counts["kept"] += 1
-            progress(f"{where}: kept (finished earlier)")
-            continue
-        reason = _skip_reason(directory, index, entry, axis, options, started)
-        if reason:
-            entry.status, entry.note = "skipped", reason
-            counts["skipped"] += 1
-            progress(f"{where}: skipped, {reason}")
-            write_index(directory, index)
-            continue
-        progress(f"{where}: running")
-        ok = _run_one(directory, index, entry, point, base, run_point, options)
-        counts["ran" if ok else "failed"] += 1
-        progress(f"{where}: {entry.note}")
-        if not ok:
-            break  # a point that could not run at all (server gone, Ctrl-C): stop; a re-run resumes here
-    index.stopped_reason = None if counts["failed"] == 0 else "a point failed; re-run the same command to resume"
+    for point in points:
+        apply_overrides(base, point.overrides)  # raises ConfigError with the fix, before any work
+
+    def tasks() -> Iterator[PointTask]:
+        for number, point in enumerate(points, start=1):
+            entry = index.entry(point.point_id)
+            assert entry is not None
+            finished = entry.status == "done" and entry.result_file and (directory / entry.result_file).is_file()
+            yield PointTask(
+                entry,
+                f"[{number}/{len(points)}] {_describe(entry)}",
+                partial(_run_one, directory, index, entry, point, base, run_point, options),
+                earlier="done" if finished else None,
+                skip_reason=partial(_skip_reason, directory, index, entry, index.sweep_axis, options, started),
+            )
+
+    counts = run_points(directory, index, tasks(), progress, stop_on_failure=True)
+    stopped = counts.failed or counts.interrupted
+    index.stopped_reason = "a point failed; re-run the same command to resume" if stopped else None
     write_index(directory, index)
-    return SweepOutcome(directory, index, elapsed_s=time.monotonic() - started, **counts)
+    return SweepOutcome(directory, index, elapsed_s=time.monotonic() - started, **counts.as_dict())
 
 
 def _run_one(
@@ -99,7 +96,7 @@ def _run_one(
     base: BenchConfig,
     run_point: PointRunner,
     options: SweepOptions,
-) -> bool:
+) -> Outcome:
     entry.started_at = now_iso()
     began = time.monotonic()
     try:
@@ -107,7 +104,7 @@ def _run_one(
         result = run_point(config)
     except (DeepserveError, OSError) as exc:
         entry.status, entry.note = "failed", f"failed: {exc}"
-        return False
+        return "failed"
     finally:
         entry.finished_at = now_iso()
         entry.wall_s = round(time.monotonic() - began, 2)
@@ -115,7 +112,7 @@ def _run_one(
     if result.get("incomplete"):
         entry.status, entry.note = "failed", "interrupted: partial result not kept; re-run to resume"
         write_index(directory, index)
-        return False
+        return "failed"
     entry.result_file = write_point_result(directory, point.point_id, result)
     entry.status, entry.note = "done", _headline(result, entry.wall_s or 0.0)
     write_index(directory, index)
@@ -131,7 +128,7 @@ def _run_one(
             suite=index.suite,
             db_path=options.db_path,
         )
-    return True
+    return "done"
 
 
 def _skip_reason(

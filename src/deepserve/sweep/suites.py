@@ -128,6 +128,7 @@ def _seed_count(params: dict[str, Any]) -> int:
     return max(5 * int(concurrency), 50) if concurrency else 100
 
 
+THINKING_ON, THINKING_OFF = "thinking on", "thinking off"
 _RANDOM_1K = {"dataset_name": "random", "random_input_len": 1024, "random_output_len": 256, "ignore_eos": True}
 _CONCURRENCY_CHARTS = ("throughput_vs_concurrency", "itl_vs_concurrency", "ttft_ttlt_vs_concurrency")
 _RATE_CHARTS = ("completed_vs_offered_rate", "ttft_ttlt_vs_rate", "throughput_vs_completed_rate")
@@ -301,6 +302,22 @@ SUITES: dict[str, Suite] = {
                 PREFIX_SHARED: {"dataset_name": "shared_prefix", "shared_prefix_len": 2000, "num_prefix_groups": 1},
             },
             charts=("prefix_sharing",),
+        ),
+        Suite(
+            name="reasoning",
+            title="Thinking on against off",
+            seed="DeepSeek V3.1 and later: thinking switched per request with chat_template_kwargs (issue 18)",
+            description="The concurrency sweep on the chat endpoint with the model's thinking on and off "
+            '(chat_template_kwargs {"thinking": true} / false): the time to the first answer token, reasoning '
+            "and answer tokens per request, and what thinking costs in throughput.",
+            base=_RANDOM_1K | {"endpoint": "/v1/chat/completions"},
+            grid={"max_concurrency": [1, 4, 16, 64]},
+            variants={
+                THINKING_ON: {"chat_template_kwargs": '{"thinking": true}'},
+                THINKING_OFF: {"chat_template_kwargs": '{"thinking": false}'},
+            },
+            sweep_axis="max_concurrency",
+            charts=_CONCURRENCY_CHARTS,
         ),
         Suite(
             name="offline",

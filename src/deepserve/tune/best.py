@@ -32,7 +32,7 @@ def best_yaml(
     lines = [
         f"# deepserve tune '{label}', {now_iso()}: the best of {measured} measured points in {directory.resolve()}",
         f"# (every point: index.json there, or `deepserve report {directory} --out REPORT_DIR`).",
-        f"# {best.description}: goodput {best.goodput_tok_s:,.1f} of {best.output_tok_s:,.1f} output tok/s "
+        f"# {best.description}: goodput {best.goodput_output_tok_s:,.1f} of {best.output_tok_s:,.1f} output tok/s "
         f"at {best.judged_at}; SLOs: {slo_words}.",
         *(f"#   {check.words}" for check in best.checks),
         f"# Serve it: deepserve serve --config {directory / BEST_NAME}",

@@ -20,7 +20,7 @@ from deepserve.net import free_port
 from deepserve.results.slo import Slo
 from deepserve.serve.config import ServeConfig
 from deepserve.serve.run import started_service
-from deepserve.serve.service_plan import ServicePlan, plan_service, preflight
+from deepserve.serve.service_plan import ServicePlan, check_can_run, plan_service
 from deepserve.sweep.grid import apply_overrides
 from deepserve.tune.goodput import check_slos, output_goodput_tok_s
 from deepserve.tune.grid import TunePoint
@@ -72,7 +72,7 @@ def probe_from_result(load: float, result: dict[str, Any], slos: Sequence[Slo]) 
     return Probe(
         load=load,
         holds=all(check.holds for check in checks),
-        goodput_tok_s=output_goodput_tok_s(result, slos),
+        goodput_output_tok_s=output_goodput_tok_s(result, slos),
         output_tok_s=float(result.get("output_throughput") or 0.0),
         summary=summary,
     )
@@ -100,7 +100,7 @@ class EnginePointRunner:
 
     def __call__(self, point: TunePoint, bench: BenchConfig) -> PointRun:
         plan = service_plan(point.config, self.python)
-        preflight(plan)
+        check_can_run(plan)
         log_file = self.logs_dir / f"{point.point_id}.log"
         log_file.parent.mkdir(parents=True, exist_ok=True)
         log_file.write_text("")  # this start's log only: a retried point's earlier log goes
@@ -197,4 +197,4 @@ def _load_words(options: SearchOptions, load: float) -> str:
 
 def _probe_words(probe: Probe) -> str:
     verdict = "SLOs hold" if probe.holds else "SLOs missed"
-    return f"{verdict}, goodput {probe.goodput_tok_s:,.0f} of {probe.output_tok_s:,.0f} output tok/s"
+    return f"{verdict}, goodput {probe.goodput_output_tok_s:,.0f} of {probe.output_tok_s:,.0f} output tok/s"

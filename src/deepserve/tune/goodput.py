@@ -152,6 +152,6 @@ def _from_details(result: dict[str, Any], slo: Slo) -> float | None:
     done = [r for r in requests_of(result) if r.completed]
     if metric == "itl":
         return statistic([gap for r in done for gap in r.itls_ms], stat)
-    if metric == "tpot":
-        return statistic([r.tpot_ms for r in done if r.output_len >= 2], stat)
+    if metric == "tpot":  # a reply of two or more tokens without gaps arrived in one write: it has no TPOT
+        return statistic([r.tpot_ms for r in done if r.output_len >= 2 and r.itls_ms], stat)
     return statistic([r.ttft_ms if metric == "ttft" else r.e2el_ms for r in done], stat)

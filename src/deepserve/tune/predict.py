@@ -81,7 +81,7 @@ class Forecast:
     def meets(self, slos: Sequence[Slo]) -> bool:
         return all((value := self.value_for(slo)) is None or value <= slo.max_ms for slo in slos)
 
-    def goodput_tok_s(self, slos: Sequence[Slo]) -> float | None:
+    def goodput_output_tok_s(self, slos: Sequence[Slo]) -> float | None:
         """Predicted output tokens/s if every SLO is predicted to hold, else 0; None without a prediction."""
         if self.output_tok_s is None:
             return None
@@ -205,7 +205,7 @@ def prune_reason(forecast: Forecast, slos: Sequence[Slo], margin: float | None) 
 def promise(forecast: Forecast, slos: Sequence[Slo]) -> tuple[int, float]:
     """Sort key, most promising first: predicted to meet the SLOs (by predicted goodput), then not predicted,
     then predicted to miss (by predicted throughput)."""
-    goodput = forecast.goodput_tok_s(slos)
+    goodput = forecast.goodput_output_tok_s(slos)
     if goodput is None:
         return (1, 0.0)
     if goodput > 0:
@@ -252,7 +252,7 @@ def _under_load(plan: Plan, shape: LoadShape, caveat: str) -> Forecast:
 
 
 def _caveat(plan: Plan) -> str:
-    provenance = getattr(plan.factors, "provenance", "")
+    provenance = plan.factors.provenance
     return "" if provenance in ("", "fitted") else f"efficiency factors {provenance}"
 
 

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from deepserve.bench.config import BenchConfig
-from deepserve.errors import DeepserveError
+from deepserve.errors import ConfigError, DeepserveError
 from deepserve.results.points import params_from_result
 from deepserve.results.slo import Slo
 from deepserve.results.store import record_run
 from deepserve.results.sweepdir import PointEntry, SweepIndex, now_iso, write_index, write_point_result
-from deepserve.sweep.resume import resume_or_start
+from deepserve.sweep.resume import Outcome, PointTask, resume_or_start, run_points
 from deepserve.tune.best import engine_section, write_best
 from deepserve.tune.engine import EngineFailed, PointRun, PointRunner
 from deepserve.tune.predict import Forecast
@@ -66,35 +67,29 @@ def run_tune(
     progress: Progress = print,
     clock: Callable[[], float] = time.monotonic,
 ) -> TuneOutcome:
+    if bench.metrics.num_runs > 1:
+        raise ConfigError(
+            "deepserve tune measures each point once (its goodput is counted from one run's requests); leave out "
+            "--num-runs, and repeat the best point with `deepserve bench --num-runs N` to see its spread"
+        )
     started = clock()
     index = resume_or_start(directory, _fresh_index(spec))
-    counts = {"ran": 0, "kept": 0, "skipped": 0, "failed": 0}
-    interrupted = False
-    try:
+
+    def tasks() -> Iterator[PointTask]:
         for number, planned in enumerate(spec.points, start=1):
             entry = _entry(index, planned, spec)
-            where = f"[{number}/{len(spec.points)}] {planned.point.describe()}"
-            if _finished(directory, entry, options):
-                counts["kept" if entry.status == "done" else "failed"] += 1
-                progress(f"{where}: kept ({entry.status} earlier: {entry.note})")
-                continue
-            reason = planned.skip_reason or _budget_reason(index, options, clock() - started)
-            if reason:
-                entry.status, entry.note = "skipped", reason
-                counts["skipped"] += 1
-                progress(f"{where}: skipped, {reason}")
-                write_index(directory, index)
-                continue
-            progress(f"{where}: starting the engine{_forecast_words(planned.forecast, options.slos)}")
-            status = _run_one(directory, index, entry, planned, bench, run_point, options)
-            if status == "interrupted":
-                interrupted = True
-                progress(f"{where}: interrupted; the engine is stopped, re-run the same command to resume")
-                break
-            counts["ran" if status == "done" else "failed"] += 1
-            progress(f"{where}: {entry.note}")
-    except KeyboardInterrupt:
-        interrupted = True
+            earlier = entry.status if _finished(directory, entry, options) else None
+            yield PointTask(
+                entry,
+                f"[{number}/{len(spec.points)}] {planned.point.describe()}",
+                partial(_run_one, directory, index, entry, planned, bench, run_point, options),
+                earlier=earlier,
+                skip_reason=partial(_skip_reason, index, planned, options, clock, started),
+                starting=f"starting the engine{_forecast_words(planned.forecast, options.slos)}",
+            )
+
+    loop = run_points(directory, index, tasks(), progress, stop_on_failure=False)
+    counts, interrupted = loop.as_dict(), loop.interrupted
     scored = score_points(directory, index, spec, options.slos)
     best = choose_best(scored, options.tie_margin)
     best_path = _write_best(directory, best, spec, options.slos, len(scored)) if best is not None else None
@@ -168,6 +163,12 @@ def _finished(directory: Path, entry: PointEntry, options: TuneOptions) -> bool:
     return entry.status == "failed" and not options.retry_failed
 
 
+def _skip_reason(
+    index: SweepIndex, planned: PlannedPoint, options: TuneOptions, clock: Callable[[], float], started: float
+) -> str | None:
+    return planned.skip_reason or _budget_reason(index, options, clock() - started)
+
+
 def _budget_reason(index: SweepIndex, options: TuneOptions, elapsed_s: float) -> str | None:
     measured = sum(1 for entry in index.points if entry.status in ("done", "failed"))
     if options.max_points is not None and measured >= options.max_points:
@@ -185,8 +186,8 @@ def _run_one(
     bench: BenchConfig,
     run_point: PointRunner,
     options: TuneOptions,
-) -> str:
-    """Run one point and record it at once: "done", "failed" or "interrupted"."""
+) -> Outcome:
+    """Run one point and record it at once: "done", "failed" or "interrupted" (the engine is stopped)."""
     entry.started_at, entry.finished_at = now_iso(), None
     began = time.monotonic()
     try:
@@ -211,14 +212,14 @@ def _run_one(
     return "done"
 
 
-def _failed(directory: Path, index: SweepIndex, entry: PointEntry, began: float, note: str) -> str:
+def _failed(directory: Path, index: SweepIndex, entry: PointEntry, began: float, note: str) -> Outcome:
     entry.status, entry.note = "failed", note
     entry.finished_at, entry.wall_s = now_iso(), round(time.monotonic() - began, 2)
     write_index(directory, index)
     return "failed"
 
 
-def _unfinished(directory: Path, index: SweepIndex, entry: PointEntry) -> str:
+def _unfinished(directory: Path, index: SweepIndex, entry: PointEntry) -> Outcome:
     entry.status, entry.note = "pending", "interrupted; re-run the same command to measure it"
     write_index(directory, index)
     return "interrupted"
@@ -276,6 +277,7 @@ def _headline(scored: Scored, run: PointRun) -> str:
     where = "" if scored.judged_at == JUDGED_AT_LOAD else f" at {scored.judged_at}"
     found = f"; {run.search.words()}" if run.search is not None else ""
     return (
-        f"done: {startup}{scored.output_tok_s:,.0f} output tok/s, goodput {scored.goodput_tok_s:,.0f} tok/s{where}, "
+        f"done: {startup}{scored.output_tok_s:,.0f} output tok/s, "
+        f"goodput {scored.goodput_output_tok_s:,.0f} tok/s{where}, "
         f"{verdict} ({'; '.join(check.words for check in scored.checks)}){found}"
     )

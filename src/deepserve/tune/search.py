@@ -34,7 +34,7 @@ class Probe:
 
     load: float  # requests/s, or concurrent requests
     holds: bool  # every SLO held
-    goodput_tok_s: float
+    goodput_output_tok_s: float
     output_tok_s: float
     summary: dict[str, Any] = field(default_factory=dict)  # the run's headline metrics
 
@@ -130,5 +130,13 @@ def next_load(probes: Sequence[Probe], options: SearchOptions, ceiling: float | 
 
 def outcome_from_json(data: dict[str, Any]) -> SearchOutcome:
     """A search as the point's result file stores it (`SearchOutcome.to_json`)."""
-    probes = tuple(Probe(**probe) for probe in data.get("probes") or [])
+    probes = tuple(Probe(**_renamed(probe)) for probe in data.get("probes") or [])
     return SearchOutcome(data["axis"], data.get("max_load"), data.get("missed_above"), probes)
+
+
+# Keys renamed since results were first written: old tune directories keep reading.
+RENAMED_KEYS = {"goodput_tok_s": "goodput_output_tok_s"}
+
+
+def _renamed(data: dict[str, Any]) -> dict[str, Any]:
+    return {RENAMED_KEYS.get(key, key): value for key, value in data.items()}

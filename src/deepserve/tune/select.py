@@ -25,7 +25,7 @@ class Scored:
     point_id: str
     description: str
     config: EngineConfig
-    goodput_tok_s: float  # of the run it is judged by (with a load search: the best run that held)
+    goodput_output_tok_s: float  # of the run it is judged by (with a load search: the best run that held)
     output_tok_s: float
     holds: bool  # every SLO held in that run
     checks: tuple[SloCheck, ...]
@@ -35,7 +35,7 @@ class Scored:
         return {
             "point_id": self.point_id,
             "engine": self.description,
-            "goodput_tok_s": round(self.goodput_tok_s, 2),
+            "goodput_output_tok_s": round(self.goodput_output_tok_s, 2),
             "output_tok_s": round(self.output_tok_s, 2),
             "slos_hold": self.holds,
             "slos": [check.words for check in self.checks],
@@ -64,14 +64,14 @@ def score(
         checks,
     )
     probe = search.best_probe if search is not None else None
-    if probe is None or (main.holds and main.goodput_tok_s >= probe.goodput_tok_s):
+    if probe is None or (main.holds and main.goodput_output_tok_s >= probe.goodput_output_tok_s):
         return main
     unit = "requests/s" if search is not None and search.axis == "request_rate" else "concurrent requests"
     return Scored(
         point_id,
         description,
         config,
-        probe.goodput_tok_s,
+        probe.goodput_output_tok_s,
         probe.output_tok_s,
         True,
         tuple(SloCheck(slo, probe.summary.get(slo.metric)) for slo in slos),
@@ -95,14 +95,14 @@ def resources(config: EngineConfig) -> tuple[float, ...]:
 def choose_best(scored: Sequence[Scored], tie_margin: float = 0.02) -> Scored | None:
     """The highest goodput among points whose SLOs held; within TIE_MARGIN (a fraction) of it, the fewest
     resources. None when no point met every SLO."""
-    qualifying = [item for item in scored if item.holds and item.goodput_tok_s > 0]
+    qualifying = [item for item in scored if item.holds and item.goodput_output_tok_s > 0]
     if not qualifying:
         return None
-    top = max(item.goodput_tok_s for item in qualifying)
-    tied = [item for item in qualifying if item.goodput_tok_s >= top * (1 - tie_margin)]
-    return min(tied, key=lambda item: (resources(item.config), -item.goodput_tok_s))
+    top = max(item.goodput_output_tok_s for item in qualifying)
+    tied = [item for item in qualifying if item.goodput_output_tok_s >= top * (1 - tie_margin)]
+    return min(tied, key=lambda item: (resources(item.config), -item.goodput_output_tok_s))
 
 
 def ranking(scored: Sequence[Scored]) -> list[Scored]:
     """Points that held first, each group by goodput, highest first (the summary's order)."""
-    return sorted(scored, key=lambda item: (not item.holds, -item.goodput_tok_s, -item.output_tok_s))
+    return sorted(scored, key=lambda item: (not item.holds, -item.goodput_output_tok_s, -item.output_tok_s))

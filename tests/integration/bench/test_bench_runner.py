@@ -5,17 +5,20 @@ it is the simulator's request 0, so the measured requests are 1, 2, … in its a
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 
 import pytest
 
+from deepserve.bench.client import Endpoint, StreamingClient, build_request_bytes
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.metrics import itl_ms
 from deepserve.bench.output import console_block
-from deepserve.bench.runner import BenchError, preflight, run_workload
+from deepserve.bench.runner import BenchError, check_server, run_workload
 from deepserve.bench.types import RequestSpec
 from deepserve.bench.workloads import Workload
-from tests.helpers import simulator_thread
+from tests.helpers import present, simulator_thread
 
 pytestmark = pytest.mark.timeout(120)
 PROBE = 1  # the token-ids probe comes first: measured request i is the simulator's request i + PROBE
@@ -35,7 +38,7 @@ def config(base_url: str, **sections) -> BenchConfig:
 
 def run(server, n=6, output_len=10, counter=None, **sections):
     bench_config = config(server.root_url, **sections)
-    model = preflight(bench_config)
+    model = check_server(bench_config)
     workload = Workload(specs(n, output_len), {"dataset": "hand-made"}, "test")
     return run_workload(bench_config, model, workload, counter, display=False)
 
@@ -60,28 +63,28 @@ def test_success_measures_the_fixed_timings():
 
 def test_model_defaults_to_the_first_served_one_and_wrong_names_list_the_served():
     with simulator_thread(model="served-one") as server:
-        assert preflight(config(server.root_url)) == "served-one"
-        assert preflight(config(server.base_url)) == "served-one"  # a trailing /v1 is fine
+        assert check_server(config(server.root_url)) == "served-one"
+        assert check_server(config(server.base_url)) == "served-one"  # a trailing /v1 is fine
         with pytest.raises(BenchError, match=r"unknown model 'nope'.*served-one"):
-            preflight(config(server.root_url, target={"model": "nope"}))
+            check_server(config(server.root_url, target={"model": "nope"}))
 
 
 def test_unreachable_server_fails_before_the_run():
     with simulator_thread() as server:
         url = server.root_url
     with pytest.raises(BenchError, match="cannot reach the server"):
-        preflight(config(url))
+        check_server(config(url))
 
 
 def test_401_says_to_pass_an_api_key(monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with simulator_thread(api_key="sekret") as server:
         with pytest.raises(BenchError, match=r"HTTP 401.*--api-key"):
-            preflight(config(server.root_url))
+            check_server(config(server.root_url))
         result = run(server, n=2, target={"api_key": "sekret"})
         assert result.to_json()["completed"] == 2
         monkeypatch.setenv("OPENAI_API_KEY", "sekret")
-        assert preflight(config(server.root_url)) == "fake-model"
+        assert check_server(config(server.root_url)) == "fake-model"
 
 
 def test_server_errors_mid_run_become_failed_requests():
@@ -117,7 +120,8 @@ def test_server_errors_mid_run_become_failed_requests():
 def test_several_tokens_per_chunk_with_and_without_token_ids(token_ids, mode, attribution, sent, reason):
     with simulator_thread(itl_ms=5, tokens_per_chunk=3, record_bodies=True, token_ids=token_ids) as server:
         result = run(server, n=2, output_len=10, target={"return_token_ids": mode})
-        ids, bodies = list(server.app.stats.request_ids), list(server.app.stats.bodies)
+        ids = [present(request_id, "the x-request-id header") for request_id in server.app.stats.request_ids]
+        bodies = list(server.app.stats.bodies)
     data = result.to_json()
     assert data["completed"] == 2  # a server that rejects the field fails the probe, never the run
     assert data["return_token_ids"]["sent"] is sent and reason in data["return_token_ids"]["reason"]
@@ -190,6 +194,28 @@ def test_duration_bound_run_cycles_the_workload_and_stops():
     assert len(result.records) > 2  # the two specs were sent again and again
     assert max(record.sent_s for record in result.records) < 0.5
     assert len({record.index for record in result.records}) == len(result.records)
+
+
+def test_a_request_whose_connection_is_ready_only_after_the_deadline_is_not_sent():
+    """The duration bound holds where the request goes out (after its connection is acquired), not where it was
+    released: opening the connection can outlast the run."""
+
+    async def send_both(url: str) -> tuple[object, object]:
+        client = StreamingClient(Endpoint.from_url(url + "/v1/completions"), timeout_s=10)
+        wire = build_request_bytes(
+            client.endpoint, {"model": "fake-model", "prompt": "x", "max_tokens": 2, "stream": True}, {}
+        )
+        try:
+            late = await client.send(wire, not_after=time.perf_counter())
+            on_time = await client.send(wire, not_after=time.perf_counter() + 60)
+        finally:
+            client.close()
+        return late, on_time
+
+    with simulator_thread(itl_ms=1) as server:
+        late, on_time = asyncio.run(send_both(server.root_url))
+        assert server.app.stats.requests == 1  # only the one on time reached the server
+    assert late is None and on_time is not None
 
 
 def test_closed_loop_ramp_raises_concurrency_gradually():

@@ -16,11 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.output import console_block
 from deepserve.bench.runner import run_benchmark
-from deepserve.bench.server_metrics import ServerMetricsScraper
+from deepserve.bench.server_metrics import GATEWAY_ENGINES_MAX_AGE_S, GATEWAY_FRESH_WAIT_S, ServerMetricsScraper
 from deepserve.gateway.config import GatewayConfig
+from deepserve.gateway.engine_metrics import CACHE_S
 from deepserve.gateway.server import running_gateway
-from deepserve.simulate.server import SimulatorThread
-from tests.helpers import simulator_thread
+from deepserve.simulate.thread import SimulatorThread
+from tests.helpers import metric_total, scrape, simulator_thread
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,3 +148,28 @@ def test_without_a_gateway_the_servers_own_metrics_are_used():
 
         summary = asyncio.run(scrape())
     assert summary["url"] == server.root_url + "/metrics" and summary["peak_kv_cache_usage_perc"] == 0.1
+
+
+def test_through_the_gateway_the_runs_counters_grow_by_what_the_engine_counted():
+    """The gateway answers /metrics/engines from a scrape up to a quarter second old: the run's last sample waits
+    that out, so the run counts the drafts of its last requests too (the whole run here takes a few tens of
+    milliseconds: a stale last sample would miss most of them)."""
+    with (
+        simulator_thread(step_ms=2, engine={"num_speculative_tokens": 2}, spec_acceptance=[1.0]) as server,
+        gateway_in_thread(server.base_url) as gateway,
+    ):
+        config = BenchConfig.model_validate(
+            {
+                "target": {"base_url": gateway},
+                "workload": {"random_input_len": 16, "random_output_len": 31, "num_prompts": 8, "ignore_eos": True},
+                "load": {"max_concurrency": 4, "num_warmups": 0},
+            }
+        )
+        before = metric_total(scrape(server.root_url + "/metrics"), "vllm:spec_decode_num_drafts_total")
+        spec = run_benchmark(config, display=False).to_json()["server_metrics"]["spec_decode"]
+        after = metric_total(scrape(server.root_url + "/metrics"), "vllm:spec_decode_num_drafts_total")
+    assert spec["drafts"] == after - before > 0
+
+
+def test_the_bench_waits_out_as_long_as_the_gateway_may_cache_the_engines_metrics():
+    assert GATEWAY_ENGINES_MAX_AGE_S == CACHE_S < GATEWAY_FRESH_WAIT_S

@@ -14,7 +14,7 @@ import pytest
 from deepserve.bench.tokenizer import LocalTokenCounter, ServerTokenCounter, TokenizerError, load_token_counter
 from deepserve.bench.workloads import WorkloadConfig, build_workload
 from deepserve.models.tiny import write_tiny_model
-from deepserve.simulate.server import SimulatorThread
+from deepserve.simulate.thread import SimulatorThread
 from tests.helpers import simulator_thread
 
 MODEL = "deepseek-v3-tiny"

@@ -13,7 +13,7 @@ from deepserve.bench.config import BenchConfig
 from deepserve.bench.output import console_block
 from deepserve.bench.runner import run_benchmark
 from deepserve.simulate.tokenizer import generated_text
-from tests.helpers import simulator_thread
+from tests.helpers import present, simulator_thread
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -79,12 +79,10 @@ def test_multi_turn_conversations_carry_their_history_and_report_ttft_by_turn():
     assert data["mean_input_tokens_by_turn"]["3"] > data["mean_input_tokens_by_turn"]["2"]
     assert data["max_concurrent_requests"] <= 2  # two conversations at a time, one turn each
     assert "TTFT by Turn" in console_block(result)
-    by_turn = {}
-    for record in result.records:
-        by_turn[(record.conversation, record.turn)] = record
+    by_turn = {(present(record.conversation), present(record.turn)): record for record in result.records}
     for (conversation, turn), record in by_turn.items():
         if turn > 1:  # sent after the previous answer ended and the think time passed
-            assert record.sent_s >= by_turn[(conversation, turn - 1)].end_s + 0.05
+            assert record.sent_s >= present(by_turn[(conversation, turn - 1)].end_s) + 0.05
     third_turns = [body for body in bodies if len(body["messages"]) == 5]
     assert len(third_turns) == 4
     for body in third_turns:  # the answers the simulator sent, 5 tokens each

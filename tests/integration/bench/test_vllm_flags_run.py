@@ -11,21 +11,22 @@ import time
 import numpy as np
 import pytest
 
-from deepserve.bench import runner
 from deepserve.bench.config import BenchConfig
+from deepserve.bench.driver import Driver
 from deepserve.bench.runner import BenchError, run_benchmark, save_result
 from deepserve.cli.main import main
 from deepserve.models.tiny import write_tiny_model
 from deepserve.simulate.fixed import fixed_timing
-from deepserve.simulate.server import SimulatorThread
-from tests.helpers import simulator_thread
+from deepserve.simulate.thread import SimulatorThread
+from tests.helpers import present, simulator_thread
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def measured(server: SimulatorThread) -> list[tuple[str, dict]]:
     """(request id, body) of every generation request the simulator received, the token-ids probes left out."""
-    pairs = zip(server.app.stats.request_ids, server.app.stats.bodies, strict=True)
+    request_ids = [present(request_id, "the x-request-id header") for request_id in server.app.stats.request_ids]
+    pairs = zip(request_ids, server.app.stats.bodies, strict=True)
     return [(request_id, body) for request_id, body in pairs if not request_id.endswith("probe")]
 
 
@@ -148,7 +149,7 @@ def test_a_run_that_fails_still_stops_the_profiler(monkeypatch):
     async def broken_dispatch(self):
         raise RuntimeError("dispatcher failed")
 
-    monkeypatch.setattr(runner._Driver, "_dispatch", broken_dispatch)  # a fault inside the measured run
+    monkeypatch.setattr(Driver, "_dispatch", broken_dispatch)  # a fault inside the measured run
     with simulator_thread(profiler_endpoints=True) as server:
         with pytest.raises(RuntimeError, match="dispatcher failed"):
             run_benchmark(bench(server.root_url, metrics={"server_metrics": False, "profile": True}), False)
@@ -218,5 +219,5 @@ def test_a_duration_bound_run_never_sends_an_id_twice():
         sent = [request_id for request_id, _ in measured(server)]
     assert len(sent) > 4
     assert len(set(sent)) == len(sent)
-    assert sorted(record.request_id for record in result.records) == sorted(sent)
+    assert sorted(present(record.request_id) for record in result.records) == sorted(sent)
     assert set(sent) == {f"d-{i}" for i in range(len(sent))}

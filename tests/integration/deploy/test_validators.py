@@ -28,7 +28,7 @@ needs_compose = pytest.mark.skipif(
     DOCKER_COMPOSE is None, reason="docker-compose is not installed (apt-get install docker-compose)"
 )
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (apt-get install prometheus)")
-LAYOUTS = {
+LAYOUTS: dict[str, dict[str, Any]] = {
     "one-node": {"tensor_parallel_size": 8},
     "two-nodes": {
         "tensor_parallel_size": 8,

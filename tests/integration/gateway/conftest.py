@@ -8,7 +8,6 @@ import json
 import shutil
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -19,13 +18,14 @@ import pytest
 import uvloop
 
 from deepserve.gateway.app import GatewayApp
-from deepserve.gateway.config import GatewayConfig, gateway_argv
+from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.ledger import default_ledger_path
 from deepserve.gateway.server import running_gateway
 from deepserve.gateway.validation import CHAT_COMPLETIONS, parse_request
 from deepserve.net import free_port
 from deepserve.simulate.server import SimulatorServer
-from tests.helpers import Child, simulator, start_child, start_simulator
+from tests.helpers import Child, simulator, start_simulator
+from tests.helpers import start_gateway as start_gateway  # the gateway tests' own, now shared with e2e
 
 # Test modules whose tests run on both event loops: the upstream client's protocol code meets uvloop's transports
 # in the gateway process and asyncio's in tests elsewhere, and they differ (pause/resume, close, errors).
@@ -73,10 +73,6 @@ def start_upstream(*flags: str) -> Child:
     context = ("--max-model-len", str(UPSTREAM_MAX_MODEL_LEN))
     timing = () if any(flag.startswith("--fixed-") for flag in flags) else ("--fixed-itl-ms", "0")
     return start_simulator(*context, *timing, *flags)
-
-
-def start_gateway(config: GatewayConfig) -> Child:
-    return start_child(gateway_argv(config, sys.executable), "GATEWAY READY")
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import json
 import select
 import socket
 import threading
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -29,7 +30,7 @@ def _address(url: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
-async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, object]]:
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, Any]]:
     """The status and JSON body of the one response the gateway sends before it closes the connection."""
     raw = await asyncio.wait_for(reader.read(), 10)  # to EOF: the gateway shuts its side after answering
     head, _, body = raw.partition(b"\r\n\r\n")
@@ -52,7 +53,7 @@ async def test_idle_and_half_sent_connections_are_closed_after_the_header_timeou
         app.connections.sweep()
         answers = await asyncio.gather(*(_read_answer(reader) for reader, _ in sockets))
         assert {status for status, _ in answers} == {408}
-        assert all(body["error"]["code"] == "request_timeout" for _, body in answers)  # type: ignore[index]
+        assert all(body["error"]["code"] == "request_timeout" for _, body in answers)
         for _, writer in sockets:
             writer.close()
         await until(lambda: not app.connections.open and not app.connections.lingering)
@@ -66,13 +67,13 @@ async def test_a_body_that_never_completes_gets_408_and_a_ledger_row() -> None:
     async with upstream_and_gateway(clock=clock, body_timeout_s=60.0) as (fake, app, client):
         reader, writer = await asyncio.open_connection(*_address(str(client.base_url)))
         writer.write(HALF_A_HEAD + b"Content-Length: 100\r\n\r\n" + b'{"model": "')  # 11 of 100 bytes
-        await until(lambda: len(app._in_flight) == 1)  # the app is reading the body
+        await until(lambda: app.requests_in_flight == 1)  # the app is reading the body
         clock.now_s += 60.0
         app.connections.sweep()
         status, body = await _read_answer(reader)
-        assert status == 408 and body["error"]["code"] == "request_timeout"  # type: ignore[index]
+        assert status == 408 and body["error"]["code"] == "request_timeout"
         writer.close()
-        await until(lambda: not app._in_flight)
+        await until(lambda: app.requests_in_flight == 0)
         assert app.ledger is not None and app.ledger.flush()
         assert ledger_rows("status, error") == [(408, "the request body did not arrive within 60 s")]
         assert fake.app.stats.requests == 0
@@ -87,7 +88,7 @@ async def test_a_slow_but_steady_request_is_not_cut() -> None:
         clock.now_s += 9.0
         app.connections.sweep()
         writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
-        await until(lambda: len(app._in_flight) == 1)
+        await until(lambda: app.requests_in_flight == 1)
         clock.now_s += 59.0
         app.connections.sweep()
         writer.write(body[10:])
@@ -102,7 +103,7 @@ async def test_a_header_over_the_limit_is_431_and_read_no_further() -> None:
         reader, writer = await asyncio.open_connection(*_address(str(client.base_url)))
         writer.write(HALF_A_HEAD + b"X-Big: " + b"a" * 100_000 + b"\r\n\r\n")
         status, body = await _read_answer(reader)
-        assert status == 431 and body["error"]["code"] == "request_header_fields_too_large"  # type: ignore[index]
+        assert status == 431 and body["error"]["code"] == "request_header_fields_too_large"
         writer.close()
         metrics = app.metrics.render().decode()
         assert 'deepserve_gateway_connections_refused_total{reason="header_too_large"} 1.0' in metrics
@@ -119,7 +120,7 @@ async def test_connections_beyond_the_limit_get_503_and_the_limit_frees_up() -> 
         await until(lambda: len(app.connections.open) == 5)
         reader, writer = await asyncio.open_connection(host, port)
         status, body = await _read_answer(reader)
-        assert status == 503 and body["error"]["code"] == "too_many_connections"  # type: ignore[index]
+        assert status == 503 and body["error"]["code"] == "too_many_connections"
         writer.close()
         for _, held_writer in held:
             held_writer.close()

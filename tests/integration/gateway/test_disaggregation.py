@@ -25,11 +25,6 @@ CHAT: dict[str, Any] = {"model": FAKE_MODEL, "messages": [{"role": "user", "cont
 DECODE_TTFT_MS = 3000.0  # what the decode replica takes when it has to prefill the prompt itself
 
 
-def _stats(server: SimulatorServer) -> Any:
-    assert server.app is not None
-    return server.app.stats
-
-
 @contextlib.asynccontextmanager
 async def disaggregated(
     prefill_options: dict[str, Any] | None = None, **fields: object
@@ -57,19 +52,21 @@ async def test_a_stream_is_prefilled_on_one_replica_and_decoded_on_the_other() -
             rest = b"".join([chunk async for chunk in chunks])
         assert (first + rest).endswith(b"data: [DONE]\n\n") and (first + rest).count(b'"content":') == 6
         assert ttft_s < DECODE_TTFT_MS / 1000 / 2  # the decode did not prefill (a bound for a loaded machine)
-        prefill_body, decode_body = _stats(prefill).bodies[-1], _stats(decode).bodies[-1]
+        prefill_body, decode_body = prefill.app.stats.bodies[-1], decode.app.stats.bodies[-1]
         assert prefill_body["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
         assert prefill_body["max_tokens"] == 1 and prefill_body["stream"] is False
         assert "stream_options" not in prefill_body
         assert decode_body["kv_transfer_params"]["do_remote_prefill"] is True  # what the prefill answered
-        assert decode_body["kv_transfer_params"]["remote_engine_id"] == prefill.app.engine_id  # type: ignore[union-attr]
+        assert decode_body["kv_transfer_params"]["remote_engine_id"] == prefill.app.engine_id
         assert decode_body["stream_options"] == {"include_usage": True} and decode_body["max_tokens"] == 5
-        assert (_stats(prefill).kv_prefills, _stats(decode).kv_remote_prefills) == (1, 1)
+        assert (prefill.app.stats.kv_prefills, decode.app.stats.kv_remote_prefills) == (1, 1)
         assert app.ledger is not None and app.ledger.flush()
         assert ledger_rows("upstream, prefill_upstream, completion_tokens") == [(decode.base_url, prefill.base_url, 5)]
         metrics = app.metrics.render().decode()
         for phase in ("prefill", "decode_first_token"):
             assert f'deepserve_gateway_pd_phase_seconds_count{{model="fake-model",phase="{phase}"}} 1.0' in metrics
+        assert 'deepserve_gateway_pd_handoffs_total{kv_transfer_params="returned"} 1.0' in metrics
+        assert "deepserve_gateway_pd_fallbacks_total{" not in metrics
         assert f'deepserve_gateway_prefill_upstream_healthy{{replica="{prefill.base_url}"}} 1.0' in metrics
 
 
@@ -79,7 +76,7 @@ async def test_whole_answers_of_chat_and_completions_go_the_same_way() -> None:
         completion = await client.post("/completions", json={"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 3})
         assert chat.status_code == completion.status_code == 200
         assert "kv_transfer_params" not in completion.json()  # the decode's answer, not the prefill's
-        assert (_stats(prefill).kv_prefills, _stats(decode).kv_remote_prefills) == (2, 2)
+        assert (prefill.app.stats.kv_prefills, decode.app.stats.kv_remote_prefills) == (2, 2)
 
 
 async def test_without_a_prefill_replica_the_decode_replica_prefills_itself() -> None:
@@ -88,7 +85,7 @@ async def test_without_a_prefill_replica_the_decode_replica_prefills_itself() ->
         config = gateway_config(decode.base_url, prefill_upstream=[nothing])
         async with running_gateway(config) as (app, url), httpx.AsyncClient(base_url=url) as client:
             assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
-            assert "kv_transfer_params" not in _stats(decode).bodies[-1]
+            assert "kv_transfer_params" not in decode.app.stats.bodies[-1]
             metrics = app.metrics.render().decode()
             assert 'deepserve_gateway_pd_fallbacks_total{reason="no_prefill_replica"} 1.0' in metrics
 
@@ -98,7 +95,7 @@ async def test_a_prefill_the_engine_refuses_is_the_answer() -> None:
         too_long = {**CHAT, "messages": [{"role": "user", "content": "x" * 100}]}
         response = await client.post("/chat/completions", json=too_long)
         assert response.status_code == 400 and "maximum context length" in response.json()["error"]["message"]
-        assert _stats(decode).requests == 0
+        assert decode.app.stats.requests == 0
 
 
 async def test_a_client_that_runs_the_protocol_itself_goes_straight_to_decode() -> None:
@@ -108,4 +105,4 @@ async def test_a_client_that_runs_the_protocol_itself_goes_straight_to_decode() 
             "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1]},
         }
         assert (await client.post("/chat/completions", json=own)).status_code == 200
-        assert _stats(prefill).requests == 0 and _stats(decode).bodies[-1] == own
+        assert prefill.app.stats.requests == 0 and decode.app.stats.bodies[-1] == own

@@ -59,7 +59,6 @@ async def replicas_on_one_port(itl_ms: float = 0.0) -> AsyncIterator[tuple[int, 
 
 
 def _requests(server: SimulatorServer) -> int:
-    assert server.app is not None
     return server.app.stats.requests
 
 

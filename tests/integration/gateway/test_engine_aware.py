@@ -55,13 +55,11 @@ async def test_lockstep_gives_every_running_stream_its_token_in_the_same_engine_
         assert all(text.count('"finish_reason"') == 6 for text in texts)  # six token chunks each
         # Each stream on its own timer would take 4 × 6 = 24 wake-ups; in lockstep the four share steps (a stream
         # that arrives between two steps joins the next one), so about 6 or 7 steps serve all 24 tokens.
-        assert engine.app is not None
         assert 6 <= engine.app.engine.stats()["steps"] <= 8
 
 
 async def test_engine_aware_routes_by_the_engines_own_metrics() -> None:
     async with upstream() as busy, upstream() as idle:
-        assert busy.app is not None and idle.app is not None
         busy.app.controls.metric_overrides = load(12, 0.9)
         idle.app.controls.metric_overrides = load(0, 0.2)
         async with (
@@ -74,8 +72,8 @@ async def test_engine_aware_routes_by_the_engines_own_metrics() -> None:
             assert (busy.app.stats.requests, idle.app.stats.requests) == (0, 10)
             busy.app.controls.metric_overrides = load(0, 0.1)  # the tables turn
             idle.app.controls.metric_overrides = load(20, 0.95)
-            assert app._engine_load is not None
-            await app._engine_load.scrape_once()
+            assert app.engine_load_scraper is not None
+            await app.engine_load_scraper.scrape_once()
             for index in range(10):
                 assert (await client.post("/chat/completions", json={**CHAT, "messages": [
                     {"role": "user", "content": f"again {index} " * 50}]})).status_code == 200  # fmt: skip

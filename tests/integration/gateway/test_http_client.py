@@ -19,6 +19,7 @@ from deepserve.gateway.http_client import (
     ConnectFailed,
     FirstByteTimeout,
     HttpClient,
+    HttpResponse,
     IncompleteResponse,
     Origin,
     ResponseTooLarge,
@@ -77,9 +78,8 @@ async def _chunked_answers(reader: asyncio.StreamReader, writer: asyncio.StreamW
         await writer.drain()
 
 
-def _client(clock: FakeClock | None = None, **overrides: float) -> HttpClient:
-    settings = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "idle_s": 4.0, **overrides}
-    return HttpClient(**settings, clock=clock or FakeClock())
+def _client(clock: FakeClock | None = None, *, read_timeout_s: float = 5.0, idle_s: float = 4.0) -> HttpClient:
+    return HttpClient(connect_timeout_s=2.0, read_timeout_s=read_timeout_s, idle_s=idle_s, clock=clock or FakeClock())
 
 
 async def test_responses_are_read_whole_or_in_chunks_over_one_kept_alive_connection() -> None:
@@ -111,7 +111,7 @@ async def test_idle_connections_are_closed_before_the_server_would() -> None:
         assert len(connections) == 2
         clock.now_s += 4.0
         client.sweep_idle()  # what the sweeper task does every IDLE_S / 2
-        assert not client._all  # closed without waiting for a request
+        assert client.open_connections == 0  # closed without waiting for a request
     await client.close()
 
 
@@ -174,7 +174,7 @@ async def test_silence_mid_response_times_out_after_the_read_timeout() -> None:
         client.check_timeouts()
         with pytest.raises(TimeoutError):
             await reading
-        assert not client._all  # the connection was closed
+        assert client.open_connections == 0  # the connection was closed
         response.close()
     await client.close()
 
@@ -205,10 +205,8 @@ async def test_a_reader_that_falls_behind_pauses_the_upstream_and_loses_nothing(
     client = _client()
     async with raw_server(flood) as (origin, _):
         response = await client.request("POST", origin, "/", b"{}")
-        transport = response._connection._transport
-        assert transport is not None
-        await until(lambda: not transport.is_reading())  # the reader is busy elsewhere: TCP pushes back
-        assert len(response._connection._chunks) < 100  # instead of memory growing
+        await until(lambda: response.reading_paused)  # the reader is busy elsewhere: TCP pushes back
+        assert response.buffered_chunks < 100  # instead of memory growing
         assert await response.read() == b"".join(parts)
         response.release()
     await client.close()
@@ -279,9 +277,7 @@ async def test_our_own_backpressure_is_not_taken_for_upstream_silence() -> None:
     client = _client(clock, read_timeout_s=5.0)
     async with raw_server(flood) as (origin, _):
         response = await client.request("POST", origin, "/", b"{}")
-        transport = response._connection._transport
-        assert transport is not None
-        await until(lambda: not transport.is_reading())
+        await until(lambda: response.reading_paused)
         for _ in range(3):  # a slow client downstream: reading stays paused for three read timeouts
             clock.now_s += 5.0
             client.check_timeouts()
@@ -323,9 +319,7 @@ async def test_a_response_released_unread_does_not_pool_its_connection() -> None
     client = _client(read_timeout_s=1.0)
     async with raw_server(answer_at_once) as (origin, connections):
         unread = await client.request("POST", origin, "/", b"{}")
-        transport = unread._connection._transport
-        assert transport is not None
-        await until(lambda: not transport.is_reading())  # the answer is queued and reading is paused
+        await until(lambda: unread.reading_paused)  # the answer is queued and reading is paused
         unread.release()
         response = await client.request("POST", origin, "/", b"{}")
         assert await response.read() == b"".join(parts)
@@ -409,9 +403,9 @@ async def _never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     await asyncio.sleep(30)
 
 
-async def _sent(client: HttpClient, request: asyncio.Future[object]) -> None:
+async def _sent(client: HttpClient, request: asyncio.Future[HttpResponse]) -> None:
     """Wait until REQUEST's connection has sent it and waits for the head."""
-    await until(lambda: any(connection.awaiting_head for connection in client._all) or request.done())
+    await until(lambda: client.awaiting_head > 0 or request.done())
 
 
 async def test_silence_before_the_response_head_times_out() -> None:
@@ -424,7 +418,7 @@ async def test_silence_before_the_response_head_times_out() -> None:
         client.check_timeouts()
         with pytest.raises(TimeoutError):
             await request
-        assert not client._all  # the connection was closed, not pooled
+        assert client.open_connections == 0  # the connection was closed, not pooled
     await client.close()
 
 
@@ -441,7 +435,7 @@ async def test_a_first_byte_timeout_is_shorter_than_the_read_timeout() -> None:
         client.check_timeouts()
         with pytest.raises(FirstByteTimeout):
             await request
-        assert not client._all
+        assert client.open_connections == 0
     await client.close()
 
 
@@ -454,7 +448,7 @@ async def test_a_first_byte_timeout_does_not_limit_a_response_that_started() -> 
         assert await anext(chunks) == b"data"
         clock.now_s += 100.0  # silent mid-response, well past the first-byte timeout, within the read timeout
         client.check_timeouts()
-        assert client._all
+        assert client.open_connections
         response.close()
     await client.close()
 
@@ -571,7 +565,7 @@ async def test_fetch_gives_up_at_its_deadline_with_a_timeout_and_drops_the_conne
         try:
             with pytest.raises(TimeoutError):
                 await client.fetch("GET", origin, "/health", timeout_s=0.2)
-            assert not client._all  # the late exchange's connection is not kept for another request
+            assert client.open_connections == 0  # the late exchange's connection is not kept for another request
         finally:
             await client.close()
 

@@ -96,7 +96,7 @@ async def test_a_streamed_tool_call_reaches_the_openai_client_whole() -> None:
         assert json.loads(arguments) == {"text": generated_text(2, 7)}
         whole = await openai_client.chat.completions.create(**{**CHAT, "tools": TOOLS, "tool_choice": "auto"})
         (call,) = whole.choices[0].message.tool_calls or []
-        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["text"]  # type: ignore[union-attr]
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["text"]
 
 
 EXTENSIONS: list[dict[str, Any]] = [
@@ -117,7 +117,7 @@ async def test_what_reasoning_models_clients_send_is_accepted(extension: dict[st
     async with upstream_and_gateway() as (fake, _, client):
         response = await client.post("/chat/completions", json={**CHAT, **extension})
         assert response.status_code == 200, response.text
-        assert fake.app is not None and fake.app.stats.bodies[-1] == {**CHAT, **extension}  # forwarded unchanged
+        assert fake.app.stats.bodies[-1] == {**CHAT, **extension}  # forwarded unchanged
 
 
 MALFORMED: list[tuple[dict[str, Any], str]] = [
@@ -138,13 +138,14 @@ async def test_malformed_extensions_get_a_400_in_openai_shape(extension: dict[st
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["param"] == param and error["type"] == "invalid_request_error"
-        assert fake.app is not None and fake.app.stats.requests == 0
+        assert fake.app.stats.requests == 0
 
 
 async def test_the_models_default_thinking_mode_applies_when_the_request_does_not_say() -> None:
-    fields = {"default_chat_template_kwargs": [f'{FAKE_MODEL}={{"thinking": false}}']}
-    async with upstream_and_gateway(upstream_options={"reasoning_tokens": 3}, **fields) as (fake, _, client):
-        assert fake.app is not None
+    defaults = [f'{FAKE_MODEL}={{"thinking": false}}']
+    async with upstream_and_gateway(
+        upstream_options={"reasoning_tokens": 3}, default_chat_template_kwargs=defaults
+    ) as (fake, _, client):
         plain = (await client.post("/chat/completions", json=CHAT)).json()["choices"][0]["message"]
         assert "reasoning" not in plain and fake.app.stats.bodies[-1]["chat_template_kwargs"] == {"thinking": False}
         on = {**CHAT, "chat_template_kwargs": {"thinking": True}}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 
 import aiohttp
 import httpx
@@ -12,7 +13,7 @@ import psutil
 import pytest
 
 from deepserve.gateway.app import GatewayApp
-from deepserve.gateway.balancing import rendezvous
+from deepserve.gateway.balancing import Replica, rendezvous
 from deepserve.gateway.server import running_gateway
 from deepserve.simulate.faults import Faults
 from deepserve.simulate.server import SimulatorServer
@@ -67,7 +68,7 @@ async def test_client_disconnect_mid_stream_aborts_the_upstream_and_records_the_
                 received += chunk
                 if received.count(b"data:") == 3:
                     break  # three events (the role and two tokens), then hang up
-        await until(lambda: not app._in_flight)  # the gateway saw the disconnect and accounted for the request
+        await until(lambda: app.requests_in_flight == 0)  # the gateway saw the disconnect and accounted for the request
         await until(lambda: fake.app.stats.aborted == 1)  # and closed its stream: the upstream saw its client go
         assert fake.app.stats.completed == 0
         assert 'status="499"' in app.metrics.render().decode()
@@ -92,7 +93,7 @@ async def test_cut_in_flight_ends_streams_with_an_error_event_and_records_them_c
         assert error["code"] == "gateway_shutdown" and "the test ends it" in error["message"]
         answer = await queued
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "gateway_shutdown"
-        await until(lambda: not app._in_flight)
+        await until(lambda: app.requests_in_flight == 0)
         assert app.ledger is not None and app.ledger.flush()
     rows = ledger_rows("stream, status, completion_tokens, error")
     assert sorted(rows) == [(0, 503, None, "cut: the test ends it"), (1, 503, 2, "cut: the test ends it")]
@@ -115,9 +116,9 @@ async def test_a_queued_request_times_out_by_the_gateways_clock() -> None:
         assert answer.status_code == 503 and "within 30 s of queueing" in answer.json()["error"]["message"]
 
 
-def _session_for(replica: object, replicas: list[object]) -> str:
+def _session_for(replica: Replica, replicas: Sequence[Replica]) -> str:
     """A session id that session_affinity routes to REPLICA."""
-    return next(s for s in (f"session-{n}" for n in range(1000)) if rendezvous(s, replicas) is replica)  # type: ignore[arg-type]
+    return next(s for s in (f"session-{n}" for n in range(1000)) if rendezvous(s, replicas) is replica)
 
 
 async def test_a_silent_replica_is_taken_out_at_its_first_timeout_and_its_waiting_requests_move() -> None:
@@ -136,8 +137,7 @@ async def test_a_silent_replica_is_taken_out_at_its_first_timeout_and_its_waitin
             plain = asyncio.create_task(client.post("/chat/completions", json=CHAT, headers=session))
             stream_body = {**CHAT, "stream": True}
             streamed = asyncio.create_task(client.post("/chat/completions", json=stream_body, headers=session))
-            waiting = app.pool.client._all
-            await until(lambda: sum(c.awaiting_head for c in waiting) == 2)  # both sent to the silent replica
+            await until(lambda: app.pool.client.awaiting_head == 2)  # both sent to the silent replica
             assert hung.outstanding == 2
             clock.now_s += config.first_byte_timeout_s
             app.pool.client.check_timeouts()  # what the stream's timer does after first_byte_timeout_s
@@ -235,14 +235,14 @@ async def test_overload_is_refused_promptly_with_bounded_memory(children: list[C
     children.append(fake)
     gateway = start_gateway(gateway_config(fake.url, port=0, max_concurrency=8, max_queue=16, queue_timeout_s=0.5))
     children.append(gateway)
-    baseline_mb = None
+    rss_mb: list[float] = []  # after each round; the first is the baseline
     for _ in range(4):
         statuses = await _blast(gateway.url, total=600, concurrency=300, body=CHAT)
         # 8 slots and 16 places in the queue for 300 at once: most are refused at once rather than queued.
         assert set(statuses) <= {200, 503} and statuses.get(503, 0) > 300
-        rss_mb = _rss_mb(gateway)
-        baseline_mb = baseline_mb or rss_mb
-    assert rss_mb - baseline_mb < 15, f"the gateway grew from {baseline_mb:.0f} to {rss_mb:.0f} MiB under overload"
+        rss_mb.append(_rss_mb(gateway))
+    grown_mb = rss_mb[-1] - rss_mb[0]
+    assert grown_mb < 15, f"the gateway grew from {rss_mb[0]:.0f} to {rss_mb[-1]:.0f} MiB under overload"
     metrics = httpx.get(gateway.url.removesuffix("/v1") + "/metrics").text
     assert 'deepserve_gateway_rejections_total{reason="queue_full"}' in metrics
     assert gateway.stop() == 0
@@ -274,7 +274,6 @@ async def test_an_unhealthy_replica_leaves_and_returns() -> None:
 
 async def _leave_and_return(app: GatewayApp, flaky: SimulatorServer, client: httpx.AsyncClient) -> None:
     """The health checks are called by the test (the loop's interval is an hour)."""
-    assert flaky.app is not None
     flaky.app.controls.healthy = False  # /health answers 503
     await app.pool.check_all()  # what the health loop does every interval
     assert not app.pool.replicas[0].healthy

@@ -108,7 +108,6 @@ async def test_engines_that_require_an_api_key_get_it_and_a_rotated_key_is_used_
     secret = MountedSecret(tmp_path / "engine-key", "api-key")
     secret.update(b"old-engine-key\n")
     async with upstream(api_key="new-engine-key") as served:
-        assert served.app is not None
         config = gateway_config(served.base_url, upstream_api_key_file=secret.path)
         app = GatewayApp(config)
         async with running_gateway(config, app) as (_, url), httpx.AsyncClient(base_url=url) as client:

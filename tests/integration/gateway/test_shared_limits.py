@@ -175,7 +175,7 @@ async def test_a_stream_cut_at_shutdown_gives_back_its_slot_and_is_billed_what_i
             assert app.cut_in_flight("the test ends it") == 2  # what the drain does when the grace period ends
             received += b"".join([chunk async for chunk in chunks])
         assert b'"gateway_shutdown"' in received and (await queued).status_code == 503
-        await until(lambda: not app._in_flight)
+        await until(lambda: app.requests_in_flight == 0)
         await app.limiter.settle()
         assert app.limiter.in_flight == 0 and app.limiter.waiting == 0
         estimate = prompt_estimate(CHAT)
@@ -361,17 +361,17 @@ def test_a_late_answer_fails_its_own_calls_and_only_three_in_a_row_take_redis_ou
 
     limiter = RedisLimiter("redis://127.0.0.1:1/0", max_concurrency=1, max_queue=1, queue_timeout_s=1)
     for _ in range(2):
-        limiter._mark_down(redis.exceptions.TimeoutError("Timeout reading from socket"))
-    assert limiter.up and limiter._reachable() and limiter.errors == 2
-    limiter._mark_up()  # an answer in time resets the count
+        limiter.mark_down(redis.exceptions.TimeoutError("Timeout reading from socket"))
+    assert limiter.up and limiter.reachable() and limiter.errors == 2
+    limiter.mark_up()  # an answer in time resets the count
     for _ in range(2):
-        limiter._mark_down(redis.exceptions.TimeoutError("Timeout reading from socket"))
+        limiter.mark_down(redis.exceptions.TimeoutError("Timeout reading from socket"))
     assert limiter.up
-    limiter._mark_down(redis.exceptions.TimeoutError("Timeout reading from socket"))
-    assert not limiter.up and not limiter._reachable()
+    limiter.mark_down(redis.exceptions.TimeoutError("Timeout reading from socket"))
+    assert not limiter.up and not limiter.reachable()
     refused = RedisLimiter("redis://127.0.0.1:1/0", max_concurrency=1, max_queue=1, queue_timeout_s=1)
-    refused._mark_down(redis.exceptions.ConnectionError("Connection refused"))
-    assert not refused.up and not refused._reachable()
+    refused.mark_down(redis.exceptions.ConnectionError("Connection refused"))
+    assert not refused.up and not refused.reachable()
 
 
 async def test_unreachable_redis_fails_closed_with_a_clear_503() -> None:

@@ -72,7 +72,7 @@ async def test_a_stream_the_client_dropped_is_billed_the_tokens_it_delivered() -
                 received += chunk
                 if received.count(b"data:") == 3:
                     break  # three tokens, then hang up
-        await until(lambda: not app._in_flight)
+        await until(lambda: app.requests_in_flight == 0)
         await _probe_tokens_left(client, headers, 1000 - (prompt_estimate(CHAT) + 3))
 
 
@@ -92,5 +92,5 @@ async def test_at_shutdown_a_cut_stream_is_billed_what_it_delivered_and_a_cut_wa
             assert app.cut_in_flight("the test ends it") == 2
             received += b"".join([chunk async for chunk in chunks])
         assert (await queued).status_code == 503
-        await until(lambda: not app._in_flight)
+        await until(lambda: app.requests_in_flight == 0)
         await _probe_tokens_left(client, headers, 1000 - (prompt_estimate(CHAT) + 2))

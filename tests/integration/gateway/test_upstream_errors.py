@@ -66,7 +66,7 @@ async def test_a_target_that_is_not_latin_1_fails_before_a_connection_is_taken()
         with pytest.raises(UnicodeEncodeError):
             await client.request("POST", replica.origin, replica.path_prefix + "/v1/completions", b"{}")
         await asyncio.sleep(0.05)
-        assert connections == [] and not client._all  # nothing opened, nothing leaked
+        assert connections == [] and client.open_connections == 0  # nothing opened, nothing leaked
     finally:
         await client.close()
         server.close()

@@ -44,15 +44,15 @@ async def spec_counters(server: SimulatorServer) -> dict[str, float]:
     async with httpx.AsyncClient() as http:
         text = (await http.get(server.root_url + "/metrics")).text
     wanted = (
-        names.SPEC_DECODE_NUM_DRAFTS, names.SPEC_DECODE_NUM_DRAFT_TOKENS, names.SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+        names.SPEC_DECODE_DRAFTS, names.SPEC_DECODE_DRAFT_TOKENS, names.SPEC_DECODE_ACCEPTED_TOKENS,
     )  # fmt: skip
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in wanted:
                 values[sample.name] = sample.value
-            elif sample.name == names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS:
-                values[f"pos{sample.labels[names.POSITION_LABEL]}"] = sample.value
+            elif sample.name == names.SPEC_DECODE_ACCEPTED_PER_POSITION:
+                values[f"pos{sample.labels[names.SPEC_DECODE_POSITION_LABEL]}"] = sample.value
     return values
 
 
@@ -70,9 +70,9 @@ async def test_every_draft_accepted_streams_k_plus_one_tokens_a_chunk() -> None:
     # step's output stops at max_tokens (vLLM counts what the sampler accepted, before the stop)
     assert sizes == [1, 4, 4, 4, 4, 1]
     assert sum(sizes) == 18
-    assert counted[names.SPEC_DECODE_NUM_DRAFTS] == 5
-    assert counted[names.SPEC_DECODE_NUM_DRAFT_TOKENS] == 15
-    assert counted[names.SPEC_DECODE_NUM_ACCEPTED_TOKENS] == 15
+    assert counted[names.SPEC_DECODE_DRAFTS] == 5
+    assert counted[names.SPEC_DECODE_DRAFT_TOKENS] == 15
+    assert counted[names.SPEC_DECODE_ACCEPTED_TOKENS] == 15
     assert (counted["pos0"], counted["pos1"], counted["pos2"]) == (5, 5, 5)
 
 
@@ -82,9 +82,9 @@ async def test_no_draft_accepted_streams_one_token_a_step() -> None:
         chunks = await stream_chunks(server, 6)
         counted = differenced(await spec_counters(server), before)
     assert [len(chunk) for chunk in chunks] == [1] * 6
-    assert counted[names.SPEC_DECODE_NUM_DRAFTS] == 5  # every step after the first verified drafts
-    assert counted[names.SPEC_DECODE_NUM_ACCEPTED_TOKENS] == 0
-    assert counted[names.SPEC_DECODE_NUM_DRAFT_TOKENS] == 10
+    assert counted[names.SPEC_DECODE_DRAFTS] == 5  # every step after the first verified drafts
+    assert counted[names.SPEC_DECODE_ACCEPTED_TOKENS] == 0
+    assert counted[names.SPEC_DECODE_DRAFT_TOKENS] == 10
 
 
 async def test_measured_acceptance_per_position_is_the_one_asked_for() -> None:
@@ -98,11 +98,11 @@ async def test_measured_acceptance_per_position_is_the_one_asked_for() -> None:
             runs.append(await spec_counters(server))
     assert runs[0] == runs[1]
     counted = runs[0]
-    drafts = counted[names.SPEC_DECODE_NUM_DRAFTS]
+    drafts = counted[names.SPEC_DECODE_DRAFTS]
     assert drafts > 500
     rates = [counted[f"pos{position}"] / drafts for position in range(3)]
     assert rates == pytest.approx([0.8, 0.6, 0.4], abs=0.05)
-    mean_length = 1 + counted[names.SPEC_DECODE_NUM_ACCEPTED_TOKENS] / drafts
+    mean_length = 1 + counted[names.SPEC_DECODE_ACCEPTED_TOKENS] / drafts
     assert mean_length == pytest.approx(2.8, abs=0.1)
 
 

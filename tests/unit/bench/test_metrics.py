@@ -92,11 +92,11 @@ def test_goodput_under_slos(records):
     assert m.parse_goodput(["ttft:150", "tpot:25"]) == {"ttft": 150.0, "tpot": 25.0}
     assert m.parse_goodput(["ttft:150 e2el:1000"]) == {"ttft": 150.0, "e2el": 1000.0}
     # TTFT 100, 50, 200 -> A and B meet 150 ms
-    assert m.request_goodput(records, {"ttft": 150}, DURATION_S) == pytest.approx(2 / 2.5)
+    assert m.goodput_req_s(records, {"ttft": 150}, DURATION_S) == pytest.approx(2 / 2.5)
     # TPOT 23.3, undefined (counts as 0), 33.3 -> A and B meet 25 ms; only B meets 20 ms
-    assert m.request_goodput(records, {"ttft": 150, "tpot": 25}, DURATION_S) == pytest.approx(2 / 2.5)
-    assert m.request_goodput(records, {"tpot": 20}, DURATION_S) == pytest.approx(1 / 2.5)
-    assert m.request_goodput(records, {"e2el": 100}, DURATION_S) == pytest.approx(1 / 2.5)  # only B (60 ms)
+    assert m.goodput_req_s(records, {"ttft": 150, "tpot": 25}, DURATION_S) == pytest.approx(2 / 2.5)
+    assert m.goodput_req_s(records, {"tpot": 20}, DURATION_S) == pytest.approx(1 / 2.5)
+    assert m.goodput_req_s(records, {"e2el": 100}, DURATION_S) == pytest.approx(1 / 2.5)  # only B (60 ms)
 
 
 @pytest.mark.parametrize("bad", ["ttft", "latency:10", "ttft:-1"])
@@ -160,3 +160,34 @@ def test_percentile_words_follow_vllm():
     assert m.parse_percentiles("25,50,99.9") == (25.0, 50.0, 99.9)
     with pytest.raises(ValueError):
         m.parse_percentiles("101")
+
+
+def test_a_response_that_arrived_in_one_write_has_no_tpot_nor_itl_not_zeros():
+    # E: sent 3.00; 5 chunks of one token all in one read at 3.40 (a starved server flushed the whole answer)
+    # F: sent 4.00; one chunk of 4 tokens at 4.30
+    e = record(4, 3.0, [(3.40, 1)] * 5, 3.41, 10)
+    f = record(5, 4.0, [(4.30, 4)], 4.31, 10)
+    b = record(1, 1.0, [(1.05, 1)], 1.06, 20)  # one token: no per-token figure anyway, not "one write"
+    assert m.arrived_in_one_write(e) and m.arrived_in_one_write(f) and not m.arrived_in_one_write(b)
+    assert (m.tpot_ms(e), m.itl_ms(e), m.tpot_ms(f), m.itl_ms(f)) == (None, [], None, [])
+    assert m.ttft_ms(e) == pytest.approx(400.0) and m.e2el_ms(e) == pytest.approx(410.0)
+    summary = m.summarize([e, f, b], 5.0)
+    assert summary["one_write_requests"] == 2
+    assert summary["median_itl_ms"] is None and summary["p99_tpot_ms"] is None  # undefined, not vLLM's zeros
+    assert summary["median_ttft_ms"] == pytest.approx(300.0)
+
+
+def test_one_write_requests_leave_the_others_per_token_figures_alone(records):
+    e = record(4, 3.0, [(3.40, 1)] * 5, 3.41, 10)
+    summary = m.summarize([*records, e], DURATION_S)
+    assert summary["one_write_requests"] == 1
+    assert summary["median_itl_ms"] == pytest.approx(20.0)  # A's and D's samples only, as without E
+    assert summary["mean_tpot_ms"] == pytest.approx(((70 / 3) + (100 / 3)) / 2)
+
+
+def test_tokens_per_chunk_where_the_server_listed_each_chunks_tokens(records):
+    a, _, _, d = records  # A: 4 tokens in 3 chunks; B: 1 in 1; D: 4 in 2 (all exact: the lists add up)
+    assert m.tokens_per_chunk(a) == pytest.approx(4 / 3) and m.tokens_per_chunk(d) == 2.0
+    assert m.mean_tokens_per_chunk(records) == pytest.approx((4 / 3 + 1 + 2) / 3)
+    d.token_attribution = "estimated"
+    assert m.tokens_per_chunk(d) is None  # spread by text: not what the server sent per step

@@ -10,7 +10,7 @@ import pytest
 
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.output import BenchResult, console_block, default_result_filename, save_records, save_result
-from deepserve.bench.server_metrics import ServerMetricsSummary
+from deepserve.bench.server_metrics import ServerMetricsSummary, spec_decode_from_counters
 from deepserve.bench.types import RequestRecord
 
 # The keys tools that read `vllm bench serve` results look up (vllm/benchmarks/serve.py).
@@ -121,3 +121,15 @@ def test_records_csv_and_jsonl(tmp_path):
     lines = (save_records(result.records, tmp_path / "r.jsonl", "jsonl")).read_text().splitlines()
     first = json.loads(lines[0])
     assert first["chunk_tokens"] == [1, 1, 1] and first["tpot_ms"] == pytest.approx(100.0)
+
+
+def test_console_block_shows_speculative_decoding_when_the_engine_reported_it():
+    result = make_result()
+    assert "Speculative Decoding" not in console_block(result)
+    result.server.spec_decode = spec_decode_from_counters(20, 60, 36, [18, 14, 4])
+    text = console_block(result)
+    lines = [line.rstrip() for line in text.splitlines()]
+    assert "Acceptance rate (%):                     60.00" in lines
+    assert "Mean acceptance length (tokens):         2.80" in lines
+    assert "Acceptance at draft position 2 (%):      20.00" in lines
+    assert result.to_json()["server_metrics"]["spec_decode"]["acceptance_by_position"] == [0.9, 0.7, 0.2]

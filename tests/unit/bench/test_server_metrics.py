@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from deepserve.bench.server_metrics import parse_metrics, summarize_samples
+from deepserve.bench.server_metrics import AUTO_MIN_INTERVAL_S, auto_interval_s, parse_metrics, summarize_samples
 
 TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -108,3 +110,45 @@ def test_a_server_without_vllm_series_is_noted():
     assert summary.available
     assert "none of the vLLM series" in summary.note
     assert summary.peak_running is None
+
+
+FIXTURES = Path(__file__).parents[2] / "fixtures" / "metrics"
+
+
+def test_speculative_decoding_over_the_run_from_vllms_counters():
+    """Two scrapes written by vLLM's own SpecDecodingProm (tests/fixtures/metrics/make_vllm_spec_decode.py): 20
+    drafts of 3 tokens, 36 accepted, 18/14/4 at positions 0/1/2, over two engines."""
+    before = parse_metrics((FIXTURES / "vllm_spec_decode_before.prom").read_text())
+    after = parse_metrics((FIXTURES / "vllm_spec_decode_after.prom").read_text())
+    spec = summarize_samples([before, after]).spec_decode
+    assert spec is not None and spec.source == "counters"
+    assert (spec.drafts, spec.draft_tokens, spec.accepted_tokens) == (20.0, 60.0, 36.0)
+    assert spec.acceptance_rate == pytest.approx(36 / 60)
+    assert spec.mean_acceptance_length == pytest.approx(1 + 36 / 20)
+    assert spec.acceptance_by_position == pytest.approx([18 / 20, 14 / 20, 4 / 20])
+
+
+def test_no_speculative_decoding_when_the_engine_reports_none():
+    assert summarize_samples([parse_metrics(TEXT), parse_metrics(TEXT)]).spec_decode is None
+
+
+def test_sglang_series_are_read_with_sglangs_names():
+    scrapes = [
+        'sglang:num_running_reqs{dp_rank="0"} 5\nsglang:token_usage 0.2\nsglang:spec_accept_length 2.0\n'
+        "sglang:spec_accept_rate 0.5\nsglang:prompt_tokens_total 100\nsglang:cached_tokens_total 10\n",
+        'sglang:num_running_reqs{dp_rank="0"} 8\nsglang:token_usage 0.4\nsglang:spec_accept_length 3.0\n'
+        "sglang:spec_accept_rate 0.7\nsglang:prompt_tokens_total 300\nsglang:cached_tokens_total 110\n",
+    ]
+    summary = summarize_samples([parse_metrics(text) for text in scrapes])
+    assert summary.engine == "sglang" and summary.note == ""
+    assert (summary.peak_running, summary.peak_kv_cache_usage_perc) == (8.0, 0.4)
+    assert summary.prefix_cache_hit_rate == pytest.approx(100 / 200)
+    spec = summary.spec_decode
+    assert spec is not None and spec.source.startswith("gauges")
+    assert spec.mean_acceptance_length == pytest.approx(2.5) and spec.acceptance_rate == pytest.approx(0.6)
+
+
+def test_the_automatic_interval_grows_with_the_run():
+    assert auto_interval_s(0.0) == AUTO_MIN_INTERVAL_S
+    assert auto_interval_s(5.0) == pytest.approx(0.25)
+    assert auto_interval_s(3600.0) == 1.0

@@ -111,9 +111,7 @@ def _vllm_like(local: LocalTokenCounter, seen: list[tuple[str, dict]]) -> httpx.
 
 def test_server_counter_speaks_vllms_tokenize_api(local: LocalTokenCounter) -> None:
     seen: list[tuple[str, dict]] = []
-    server = ServerTokenCounter(
-        "http://127.0.0.1:8000/v1", "tiny", None, client=httpx.Client(transport=_vllm_like(local, seen))
-    )
+    server = ServerTokenCounter("http://127.0.0.1:8000/v1", "tiny", None, transport=_vllm_like(local, seen))
     assert server.source == "server:http://127.0.0.1:8000/tokenize"
     assert server.encode("ab") == local.encode("ab")
     assert server.prompt_ids("ab") == local.prompt_ids("ab")
@@ -127,16 +125,14 @@ def test_server_counter_speaks_vllms_tokenize_api(local: LocalTokenCounter) -> N
 
 
 def test_server_errors_carry_the_servers_message(local: LocalTokenCounter) -> None:
-    server = ServerTokenCounter(
-        "http://127.0.0.1:8000/v1", "wrong", None, client=httpx.Client(transport=_vllm_like(local, []))
-    )
+    server = ServerTokenCounter("http://127.0.0.1:8000/v1", "wrong", None, transport=_vllm_like(local, []))
     with pytest.raises(TokenizerError, match=r"HTTP 404: The model `wrong` does not exist"):
         server.check()
 
 
 def test_server_answer_that_is_not_json_is_a_clear_error() -> None:
     transport = httpx.MockTransport(lambda request: httpx.Response(200, text="<html>hi</html>"))
-    server = ServerTokenCounter("http://127.0.0.1:8000", "m", None, client=httpx.Client(transport=transport))
+    server = ServerTokenCounter("http://127.0.0.1:8000", "m", None, transport=transport)
     with pytest.raises(TokenizerError, match="not JSON"):
         server.encode("x")
 
@@ -148,8 +144,7 @@ def test_server_sends_the_api_key() -> None:
         headers.append(request.headers.get("authorization"))
         return httpx.Response(200, json={"count": 1, "max_model_len": 8, "tokens": [5]})
 
-    server = ServerTokenCounter("http://127.0.0.1:8000/v1", "m", "sk-test")
-    server._client = httpx.Client(transport=httpx.MockTransport(handle), headers=server._client.headers)
+    server = ServerTokenCounter("http://127.0.0.1:8000/v1", "m", "sk-test", transport=httpx.MockTransport(handle))
     assert server.count("x") == 1
     assert headers == ["Bearer sk-test"]
 

@@ -259,7 +259,7 @@ def test_chat_template_kwargs_also_shape_how_chat_prompts_are_counted():
         "http://127.0.0.1:9",
         "m",
         None,
-        client=httpx.Client(transport=httpx.MockTransport(handler)),
+        transport=httpx.MockTransport(handler),
         chat_template_kwargs={"thinking": True},
     )
     assert counter.prompt_ids([{"role": "user", "content": "hi"}]) == [1, 2, 3]
@@ -270,7 +270,7 @@ def test_chat_template_kwargs_also_shape_how_chat_prompts_are_counted():
 
 def test_renaming_a_request_replaces_its_one_id_header_or_fails_loudly():
     from deepserve.bench.client import Endpoint, build_request_bytes
-    from deepserve.bench.runner import PreparedRequest
+    from deepserve.bench.drive_plan import PreparedRequest
 
     endpoint = Endpoint.from_url("http://127.0.0.1:8000/v1/completions")
     body = {"prompt": "x-request-id: r-0", "max_tokens": 2}

@@ -94,6 +94,7 @@ def test_random_input_length_counts_the_chat_template_in_chat_mode(tiny: LocalTo
     workload = build_workload(WorkloadConfig(num_prompts=3, random_input_len=50), tiny, chat=True)
     for spec in workload.requests:
         assert spec.prompt_len == 50  # usage.prompt_tokens: BOS + <｜User｜> + 47 text tokens + <｜Assistant｜>
+        assert isinstance(spec.prompt, list)  # messages in chat mode
         assert len(tiny.encode(spec.prompt[0]["content"])) == 47
 
 
@@ -200,7 +201,9 @@ def test_output_bounds_must_come_together_and_in_order() -> None:
 
 
 def test_unknown_dataset_lists_the_valid_ones() -> None:
-    valid = "custom, long, mooncake, multi_turn, prefix_repetition, random, sampled, shared_prefix, sharegpt"
+    valid = (
+        "agent_trace, custom, long, mooncake, multi_turn, prefix_repetition, random, sampled, shared_prefix, sharegpt"
+    )
     with pytest.raises(ValidationError, match=f"unknown dataset 'nonesuch'; valid: {valid}, timed_trace"):
         WorkloadConfig(dataset_name="nonesuch")
     # vLLM's datasets that are not built in say why and what to use instead
@@ -283,7 +286,18 @@ def test_custom_oversamples_to_num_prompts_unless_told_not_to(tmp_path: Path, ti
         ('\n{"text": "no prompt"}\n', r"bad\.jsonl:2: expected a 'prompt' or 'messages' key"),
         ('{"prompt": ""}\n', r"bad\.jsonl:1: 'prompt' must be a non-empty string"),
         ('{"prompt": "x", "output_tokens": "ten"}\n', r"bad\.jsonl:1: 'output_tokens' must be a positive integer"),
-        ('{"messages": [{"role": "user"}]}\n', r"bad\.jsonl:1: messages\[0\] must be an object with string"),
+        ('{"messages": [{"role": "user"}]}\n', r"bad\.jsonl:1: messages\[0\] must have a string 'content'"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}\n', r"messages\[0\] must be an object with a 'role'"),
+        (
+            '{"messages": [{"role": "tool", "content": "21 C"}]}\n',
+            r"messages\[0\]: a tool message needs the 'tool_call_id'",
+        ),
+        (
+            '{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c"}]}]}\n',
+            r"messages\[0\]: 'tool_calls' must be a list like",
+        ),
+        ('{"prompt": "x", "tools": [{"name": "f"}]}\n', r"bad\.jsonl:1: 'tools' must be a list like"),
+        ('{"prompt": "x", "tool_choice": "sometimes"}\n', r"'tool_choice' must be none, auto, required"),
         ("\n\n", r"bad\.jsonl: no requests"),
     ],
 )
@@ -368,9 +382,7 @@ def test_messages_on_completions_need_a_local_chat_template(tmp_path: Path, tiny
         tokens = tiny.prompt_ids(body["messages"]) if "messages" in body else tiny.prompt_ids(body["prompt"])
         return httpx.Response(200, json={"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
-    server = ServerTokenCounter(
-        "http://127.0.0.1:8000/v1", "m", None, client=httpx.Client(transport=httpx.MockTransport(handle))
-    )
+    server = ServerTokenCounter("http://127.0.0.1:8000/v1", "m", None, transport=httpx.MockTransport(handle))
     path = _write(tmp_path, "chat.jsonl", '{"messages": [{"role": "user", "content": "hi there"}]}\n')
     config = WorkloadConfig(dataset_name="custom", dataset_path=path)
     with pytest.raises(DatasetError, match=r"chat\.jsonl:1: 'messages' on the completions endpoint.*--tokenizer"):

@@ -70,7 +70,7 @@ def expected(gpu: str | None = None, **fields: Any) -> Expected:
     return Expected(EngineConfig.model_validate(fields))
 
 
-V3 = {"model": "deepseek-ai/DeepSeek-V3", "tensor_parallel_size": 8}
+V3: dict[str, Any] = {"model": "deepseek-ai/DeepSeek-V3", "tensor_parallel_size": 8}
 
 
 def verdict(check: Check) -> Verdict:

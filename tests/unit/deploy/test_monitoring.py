@@ -13,7 +13,7 @@ from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.limits import make_limiter
 from deepserve.gateway.metrics import GatewayMetrics
 from deepserve.gateway.upstreams import UpstreamPool
-from tests.helpers import SAMPLE_SUFFIXES, samples, vllm_exported_samples
+from tests.helpers import SAMPLE_SUFFIXES, present, samples, vllm_exported_samples
 
 
 def gateway_samples() -> set[str]:
@@ -75,7 +75,7 @@ def test_dashboard_has_a_panel_per_entry_laid_out_without_overlap() -> None:
 def test_the_dashboard_has_gpu_panels_from_the_dcgm_exporter() -> None:
     """DCGM exporter's default counters (NVIDIA/dcgm-exporter etc/default-counters.csv)."""
     exprs = [target["expr"] for panel in dashboard("x", 'pod=~"a-.*"')["panels"] for target in panel["targets"]]
-    dcgm = {re.match(r"DCGM_[A-Z_]+", expr).group(0) for expr in exprs if expr.startswith("DCGM_")}  # type: ignore[union-attr]
+    dcgm = {present(re.match(r"DCGM_[A-Z_]+", expr)).group(0) for expr in exprs if expr.startswith("DCGM_")}
     assert dcgm == {
         "DCGM_FI_DEV_GPU_UTIL",
         "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",

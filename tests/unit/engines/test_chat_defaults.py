@@ -66,13 +66,13 @@ def test_overrides_replace_or_switch_off_each_default() -> None:
 
 
 def test_server_wide_chat_template_options_are_vllm_only() -> None:
-    config = EngineConfig(model=V4.source, default_chat_template_kwargs='{"thinking": false}')  # type: ignore[arg-type]
+    config = EngineConfig(model=V4.source, default_chat_template_kwargs='{"thinking": false}')
     assert config.default_chat_template_kwargs == {"thinking": False}
     assert json.loads(_flag(_vllm_argv(config, V4), "--default-chat-template-kwargs") or "") == {"thinking": False}
     with pytest.raises(ConfigError, match="per request"):
         SglangEngine().launch_spec(config.model_copy(update={"engine": "sglang"}), V4, None)
     with pytest.raises(ValueError, match="not valid JSON"):
-        EngineConfig(default_chat_template_kwargs="{thinking")  # type: ignore[arg-type]
+        EngineConfig(default_chat_template_kwargs="{thinking")
 
 
 def test_a_model_of_no_known_format_gets_no_chat_flags() -> None:
@@ -125,7 +125,9 @@ def _vllm_registry(relative_path: str, variable: str) -> set[str]:
         if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Dict):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(isinstance(t, ast.Name) and t.id == variable for t in targets):
-                return {key.value for key in node.value.keys if isinstance(key, ast.Constant)}
+                return {
+                    key.value for key in node.value.keys if isinstance(key, ast.Constant) and isinstance(key.value, str)
+                }
     raise AssertionError(f"{variable} not found in vllm/{relative_path}")
 
 

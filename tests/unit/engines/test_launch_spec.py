@@ -14,7 +14,7 @@ CPU_MODEL = ResolvedModel("/models/tiny", "deepserve/tiny-deepseek-v3", on_cpu=T
 
 
 def vllm_argv(model: ResolvedModel = GPU_MODEL, **fields: object) -> list[str]:
-    return get_engine("vllm").launch_spec(EngineConfig(**fields), model, "python").argv  # type: ignore[arg-type]
+    return get_engine("vllm").launch_spec(EngineConfig(**fields), model, "python").argv
 
 
 def flag_value(argv: list[str], flag: str) -> str:

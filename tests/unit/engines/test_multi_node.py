@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from deepserve.config import changed_flags, load_section
@@ -13,7 +15,12 @@ from deepserve.models.resolve import ResolvedModel
 
 GPU_MODEL = ResolvedModel("deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-V3", on_cpu=False)
 CPU_MODEL = ResolvedModel("/models/tiny", "deepserve/tiny-deepseek-v3", on_cpu=True)
-TWO_NODES_PP = {"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "nnodes": 2, "master_addr": "10.0.0.1"}
+TWO_NODES_PP: dict[str, Any] = {
+    "tensor_parallel_size": 8,
+    "pipeline_parallel_size": 2,
+    "nnodes": 2,
+    "master_addr": "10.0.0.1",
+}
 
 
 def argv_of(model: ResolvedModel = GPU_MODEL, python: str | None = None, **fields: object) -> list[str]:
@@ -54,7 +61,12 @@ def test_a_worker_has_no_url_to_be_ready_at() -> None:
 
 
 def test_whole_replicas_per_node_use_vllms_data_parallel_flags() -> None:
-    fields = {"data_parallel_size": 4, "enable_expert_parallel": True, "nnodes": 2, "master_addr": "10.0.0.1"}
+    fields: dict[str, Any] = {
+        "data_parallel_size": 4,
+        "enable_expert_parallel": True,
+        "nnodes": 2,
+        "master_addr": "10.0.0.1",
+    }
     head = argv_of(**fields, data_parallel_rpc_port=13345)
     worker = argv_of(**fields, node_rank=1, data_parallel_rpc_port=13345)
     for argv in (head, worker):

@@ -28,7 +28,7 @@ TINY = ResolvedModel("/models/tiny", "deepserve/tiny-deepseek-v3", on_cpu=True)
     ],
 )
 def test_platform_from_device_or_gpu_type(fields: dict[str, str], platform: str) -> None:
-    assert gpu_platform(EngineConfig(**fields)) == platform  # type: ignore[arg-type]
+    assert gpu_platform(EngineConfig(**fields)) == platform
 
 
 def test_vllm_on_rocm_turns_aiter_on_and_keeps_its_flags() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,14 +34,14 @@ V4_FLASH_0731 = preset_spec("deepseek-ai/DeepSeek-V4-Flash-0731")
 GPU_MODEL = ResolvedModel("deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-V3", on_cpu=False)
 
 
-def resolve(spec: ModelSpec | None, method: str | None = None, tokens: int | None = None, **kw: object) -> Speculation:
-    speculation = resolve_speculation(method, tokens, spec, **kw)  # type: ignore[arg-type]
+def resolve(spec: ModelSpec | None, method: str | None = None, tokens: int | None = None, **kw: Any) -> Speculation:
+    speculation = resolve_speculation(method, tokens, spec, **kw)
     assert speculation is not None
     return speculation
 
 
 def argv(engine: str, **fields: object) -> list[str]:
-    return get_engine(engine).launch_spec(EngineConfig(**fields), GPU_MODEL, None).argv  # type: ignore[arg-type]
+    return get_engine(engine).launch_spec(EngineConfig(**fields), GPU_MODEL, None).argv
 
 
 # ---- when it is on, and with what ----------------------------------------------------------------------------------
@@ -106,10 +107,10 @@ def test_dspark_runs_with_probabilistic_drafts_as_the_recipes() -> None:
     ],
 )
 def test_what_cannot_run_fails_with_the_fix(
-    spec: ModelSpec | None, method: str | None, tokens: int | None, fields: dict[str, object], message: str
+    spec: ModelSpec | None, method: str | None, tokens: int | None, fields: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(ConfigError, match=message):
-        resolve_speculation(method, tokens, spec, **fields)  # type: ignore[arg-type]
+        resolve_speculation(method, tokens, spec, **fields)
 
 
 def test_cpu_build_refuses_v4_mtp_and_long_ngram_prompts() -> None:

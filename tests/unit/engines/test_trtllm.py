@@ -25,7 +25,7 @@ R1 = ResolvedModel("deepseek-ai/DeepSeek-R1", "deepseek-ai/DeepSeek-R1", on_cpu=
 R1_FP4 = ResolvedModel("nvidia/DeepSeek-R1-FP4", "nvidia/DeepSeek-R1-FP4", on_cpu=False)
 
 # The recipe of NVIDIA's DeepSeek-R1 max-throughput run on 8 x H200 (attention DP8 + EP8), as a config.
-THROUGHPUT = dict(
+THROUGHPUT: dict[str, Any] = dict(
     engine="trtllm",
     tensor_parallel_size=1,
     data_parallel_size=8,

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -101,10 +102,10 @@ def test_patch_is_applied_on_import_before_anyone_imports_from_the_module(
     (tmp_path / "ds_user_mod.py").write_text("from ds_target_mod import broken\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     patch_when_imported("ds_target_mod", lambda module: setattr(module, "broken", lambda: "fixed"))
-    import ds_user_mod  # type: ignore[import-not-found]
+    import ds_user_mod
 
     assert ds_user_mod.broken() == "fixed"
-    applied = []
+    applied: list[ModuleType] = []
     patch_when_imported("ds_target_mod", applied.append)  # imported already: applied at once
     assert applied and applied[0].__name__ == "ds_target_mod"
 

@@ -62,7 +62,7 @@ def test_a_tpm_charge_never_exceeds_the_models_context(context: int | None, char
     raw = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 10**6 - 1}).encode()
     parsed = parse_request(COMPLETIONS, raw, {"m": None}, {})  # the gateway's own check needs a known context
     parsed.max_tokens = 10**12
-    assert app._charge(parsed) == min(parsed.charged_tokens, charged)
+    assert app.tpm_charge(parsed) == min(parsed.charged_tokens, charged)
 
 
 # ---- where each engine serves its series ---------------------------------------------------------------------------
@@ -101,7 +101,7 @@ async def test_the_scraper_finds_each_engines_path_once() -> None:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]  # the port the system chose
     gone = f"http://127.0.0.1:{free_port()}/v1"
     trtllm = f"http://127.0.0.1:{port}/v1"
     pool = UpstreamPool([trtllm, gone], make_policy("engine_aware"))

@@ -17,7 +17,7 @@ from deepserve.gateway.config import GatewayConfig
 from deepserve.gateway.ledger import UsageLedger, UsageRow
 from deepserve.gateway.streaming import CHAT_STREAM, RESPONSES_STREAM, StreamTap
 from deepserve.gateway.usage import TokenCounts, read_usage
-from deepserve.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, RESPONSES, Endpoint, parse_request
+from deepserve.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, RESPONSES, ApiRoute, parse_request
 
 # ---- the request fields of the installed vLLM ------------------------------------------------------------------
 
@@ -47,7 +47,7 @@ def _vllm_request_fields(relative: str, class_name: str) -> set[str]:
 
 
 @pytest.mark.parametrize(("endpoint", "relative", "class_name"), _VLLM_REQUESTS, ids=lambda value: str(value)[:30])
-def test_every_field_the_installed_vllm_takes_is_accepted(endpoint: Endpoint, relative: str, class_name: str) -> None:
+def test_every_field_the_installed_vllm_takes_is_accepted(endpoint: ApiRoute, relative: str, class_name: str) -> None:
     """A field vLLM takes and the gateway refuses would be a 400 for a request the engine serves: a new vLLM's
     fields must be added to validation's tables (with their checks)."""
     missing = _vllm_request_fields(relative, class_name) - set(endpoint.fields)

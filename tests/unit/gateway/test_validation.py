@@ -5,7 +5,7 @@ import json
 import pytest
 
 from deepserve.gateway.errors import InvalidRequest, ModelNotFound, NoHealthyUpstream
-from deepserve.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, parse_request, resolve_model
+from deepserve.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, ApiRoute, parse_request, resolve_model
 
 MODELS = {"m": 1000}
 
@@ -123,9 +123,9 @@ def deep(depth: int) -> bytes:
         (COMPLETIONS, b'{"model": "m", "prompt": {"text": "x"}}', "prompt"),
     ],
 )
-def test_null_or_mistyped_required_fields_are_400(endpoint: object, raw: bytes, param: str) -> None:
+def test_null_or_mistyped_required_fields_are_400(endpoint: ApiRoute, raw: bytes, param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
-        parse_request(endpoint, raw, MODELS, {})  # type: ignore[arg-type]
+        parse_request(endpoint, raw, MODELS, {})
     assert caught.value.status == 400 and caught.value.param == param
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepserve.gateway.errors import GatewayError
-from deepserve.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, Endpoint, parse_request
+from deepserve.gateway.validation import CHAT_COMPLETIONS, COMPLETIONS, ApiRoute, parse_request
 
 MODELS = {"m": 1000}
 ALIASES = {"alias": "m"}
@@ -50,7 +50,7 @@ def _encode(body: Any) -> bytes:
     return json.dumps(body, ensure_ascii=True).encode()
 
 
-def _check(endpoint: Endpoint, raw: bytes) -> None:
+def _check(endpoint: ApiRoute, raw: bytes) -> None:
     try:
         parsed = parse_request(endpoint, raw, MODELS, ALIASES)
     except GatewayError as exc:

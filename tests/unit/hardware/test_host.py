@@ -66,7 +66,7 @@ def test_engine_threads_follow_vllm_auto_binding(cores_of_cpus: list[int], node:
 
 
 def test_cpu_list_ranges_parse() -> None:
-    assert host._parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert host.parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
 
 
 def test_bf16_rate_measured_on_the_threads_asked_and_torch_left_as_found() -> None:

@@ -138,7 +138,7 @@ def test_v4_tokenizer_speaks_v4s_chat_format(v4_dir: Path) -> None:
         assert len(tokenizer(special, add_special_tokens=False)["input_ids"]) == 1, special
 
 
-def _vllm_v4_encoding():  # type: ignore[no-untyped-def]
+def _vllm_v4_encoding():
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("vLLM is not installed")

@@ -97,3 +97,19 @@ def test_bad_slos_are_config_errors(text):
 def test_default_slo_is_the_seeds_50_ms_itl():
     assert parse_slos(None) == [Slo("p99_itl_ms", 50.0)]
     assert math.isclose(parse_slos(["p99_itl_ms=200"])[0].max_ms, 200)
+
+
+def test_points_without_per_token_gaps_are_left_out_not_passed_nor_failed():
+    """The e2e suite on a busy machine: at concurrency 1 and 2 every response arrived in one write, so their ITL is
+    null (deepserve now) or 0 (older files, and other tools): neither counts as meeting an ITL SLO."""
+
+    def point(concurrency: int, p99_itl_ms: float | None) -> ResultPoint:
+        result = {"completed": 4, "duration": 1, "p99_itl_ms": p99_itl_ms, "output_throughput": 10.0 * concurrency}
+        return ResultPoint(f"c{concurrency}", PointParams(max_concurrency=concurrency), result)
+
+    line = ResultSet("busy", [point(1, 0.0), point(2, None), point(4, 20), point(8, 60)])
+    assert line.points[0].metric("p99_itl_ms") is None and line.points[0].metric("output_throughput") == 10.0
+    [answer] = slo_answers([line], [Slo("p99_itl_ms", 50)])
+    assert answer.concurrency == 4
+    [none] = slo_answers([ResultSet("all", [point(1, 0.0), point(2, None)])], [Slo("p99_itl_ms", 50)])
+    assert none.concurrency is None and "arrived in one write" in none.text

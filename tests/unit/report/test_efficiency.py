@@ -174,3 +174,19 @@ def test_without_a_price_there_is_no_cost_chart_or_column(tmp_path: Path):
     assert "pareto" in names and "cost_per_million_tokens" not in names and "decode_vs_hardware_limit" not in names
     html = report.html_path.read_text()
     assert "tok/s per user" in html and "USD per M output tok" not in html and "% of limit" not in html
+
+
+def test_a_point_without_per_token_gaps_has_no_speed_per_user_nor_limit_ratio():
+    """Median TPOT 0 (every response in one write; older files) or null: no per-user speed, no Pareto point, no
+    decode-limit ratio, where they once read as 'thousands of tokens/s per user' and '443% of the limit'."""
+    limit = cpu_limit(DENSE, 10.0, "measured")
+    deployment = SetDeployment(1, "--gpus", None, "", limit, "", is_cpu_host=True)
+    for tpot in (0.0, None):
+        result = {
+            "completed": 4, "duration": 1.0, "request_throughput": 4.0, "output_throughput": 400.0,
+            "total_input_tokens": 400, "total_output_tokens": 400, "mean_ttft_ms": 10.0, "mean_e2el_ms": 12.0,
+            "median_tpot_ms": tpot, "mean_tpot_ms": tpot,
+        }  # fmt: skip
+        derived = dv.derive(ResultPoint("c1", PointParams(max_concurrency=1), result), deployment)
+        assert dv.PER_USER not in derived and dv.LIMIT_FRACTION not in derived and dv.DECODE_TOK_S not in derived
+        assert derived[dv.PER_GPU] == 400.0

@@ -93,3 +93,22 @@ def test_cli_report_errors_are_one_line(tmp_path: Path, capsys):
     assert main(["report", str(FIXTURES / "h100_v3_rate"), "--out", str(tmp_path / "o"), "--gpus", "0"]) == 2
     assert "--gpus 0: give the number of GPUs" in capsys.readouterr().err
     assert main(["report", "--out", str(tmp_path / "o")]) == 2
+
+
+def test_repeated_runs_reasoning_and_speculative_decoding_show_in_the_points_table(tmp_path: Path):
+    from deepserve.report.html import _points_html
+    from deepserve.results.points import PointParams, ResultPoint, ResultSet
+
+    result = {
+        "completed": 10, "duration": 5.0, "median_ttft_ms": 120.0, "num_runs": 5, "mean_reasoning_tokens": 42.0,
+        "median_answer_ttft_ms": 900.0, "median_tool_call_end_ms": 1500.0,
+        "confidence_intervals": {"median_ttft_ms": {"ci95_half_width": 7.5}},
+        "server_metrics": {"spec_decode": {"acceptance_rate": 0.6, "mean_acceptance_length": 2.8}},
+    }  # fmt: skip
+    plain = ResultPoint("plain", PointParams(max_concurrency=1), {"completed": 1, "duration": 1.0})
+    table = _points_html([ResultSet("s", [ResultPoint("p", PointParams(max_concurrency=4), result), plain])])
+    assert "<td>120.00 ± 7.50</td>" in table
+    for heading in ("runs", "mean reasoning tokens", "median answer TTFT (ms)", "spec. mean acceptance length"):
+        assert f"<th>{heading}</th>" in table
+    assert "<td>2.80</td>" in table and "<td>0.60</td>" in table
+    assert "median reasoning TTFT" not in table  # no point has it: no column

@@ -9,6 +9,7 @@ import pytest
 
 from deepserve.results.points import ResultsError, params_from_result
 from deepserve.results.sweepdir import load_result_set, read_index
+from tests.helpers import present
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "results"
 
@@ -26,7 +27,7 @@ def test_sweep_directory_reads_points_with_the_index_params():
 def test_loose_vllm_result_files_read_without_an_index():
     result_set = load_result_set(FIXTURES / "b200_vllm_loose", label="B200")
     assert result_set.label == "B200"
-    by_concurrency = {point.params.max_concurrency: point for point in result_set.points}
+    by_concurrency = {present(point.params.max_concurrency): point for point in result_set.points}
     assert sorted(by_concurrency) == [1, 8, 16, 32, 64, 128, 256, 512, 1024]
     # vLLM writes no input length: the mean per request stands in for it.
     assert by_concurrency[64].params.input_len == 2048

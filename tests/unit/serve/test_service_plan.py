@@ -87,7 +87,7 @@ def test_engine_not_installed_says_how_to_install(no_gpu: None, monkeypatch: pyt
     plan = service.plan_service(EngineConfig(engine="sglang"))
     monkeypatch.setattr(service.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(EngineError, match='sglang is not installed.*pip install "sglang\\[all\\]"'):
-        service.preflight(plan)
+        service.check_can_run(plan)
 
 
 def test_gateway_takes_the_public_address_and_the_engine_moves_behind_it(no_gpu: None) -> None:
@@ -108,7 +108,7 @@ def test_no_gateway_serves_the_engine_on_the_public_address(no_gpu: None) -> Non
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="preflight checks that vLLM is installed before the ports"
+    importlib.util.find_spec("vllm") is None, reason="check_can_run checks that vLLM is installed before the ports"
 )
 def test_public_port_in_use_is_reported_with_the_gateway_in_front(no_gpu: None) -> None:
     with socket.socket() as holder:
@@ -117,7 +117,7 @@ def test_public_port_in_use_is_reported_with_the_gateway_in_front(no_gpu: None) 
         port = holder.getsockname()[1]
         plan = service.plan_service(EngineConfig(port=port), ServeConfig())
         with pytest.raises(ConfigError, match=f"port {port} .* already in use"):
-            service.preflight(plan)
+            service.check_can_run(plan)
 
 
 def test_a_model_too_big_for_this_machines_ram_is_refused_unless_forced(
@@ -128,12 +128,12 @@ def test_a_model_too_big_for_this_machines_ram_is_refused_unless_forced(
     with pytest.raises(
         ConfigError, match="memory plan says this cannot run.*673.2 GB of weights.*24.0 GB is available"
     ):
-        service.preflight(plan)
+        service.check_can_run(plan)
     assert "# memory plan: does not fit" in service.dry_run_text(plan)
     forced = service.plan_service(EngineConfig(model="deepseek-ai/DeepSeek-V3"), ServeConfig(gateway=False, force=True))
     monkeypatch.setattr(service.importlib.util, "find_spec", lambda name: None)  # past the fit check, to the next
     with pytest.raises(EngineError, match="not installed"):
-        service.preflight(forced)
+        service.check_can_run(forced)
 
 
 def test_gpu_fit_uses_the_gpus_found_and_names_the_layout_that_would_fit(eight_gpus: None) -> None:
@@ -141,7 +141,7 @@ def test_gpu_fit_uses_the_gpus_found_and_names_the_layout_that_would_fit(eight_g
     assert plan.fit is not None and plan.fit.fits is False
     assert "16 x h100-sxm (2 node(s))" in plan.fit.suggestion
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 2 --nnodes 2"):
-        service.preflight(plan)
+        service.check_can_run(plan)
 
 
 def test_layout_needing_more_gpus_than_the_node_has_is_refused(eight_gpus: None) -> None:
@@ -222,7 +222,7 @@ def test_trtllm_on_cpu_stops_at_the_command_line_and_says_how_to_get_it(
     assert f"# file written before the engine starts: {path}" in text and "#   enable_iter_perf_stats: true" in text
     monkeypatch.setattr(service.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(EngineError, match=r"trtllm is not installed .*nvcr.io/nvidia/tensorrt-llm/release"):
-        service.preflight(plan)
+        service.check_can_run(plan)
 
 
 # ---- speculative decoding ------------------------------------------------------------------------------------------
@@ -267,3 +267,15 @@ def test_cpu_mtp_on_the_tiny_model_counts_the_module(no_gpu: None, tmp_path: Pat
     assert plan.config.speculative_method == "mtp"
     assert plan.fit is not None and "with its MTP module" in plan.fit.summary
     assert '"num_speculative_tokens":2' in plan.launch.shell_line()
+
+
+@pytest.mark.parametrize(("gpu_type", "command"), [("h200", "vllm serve"), ("mi300x", "VLLM_ROCM_USE_AITER=1")])
+def test_dry_run_with_a_gpu_type_plans_for_those_gpus_on_a_machine_without_one(
+    no_gpu: None, gpu_type: str, command: str
+) -> None:
+    """`--gpu-type` names the nodes a dry run is for: it must not fall back to this machine's CPU build."""
+    config = EngineConfig(model="deepseek-ai/DeepSeek-R1", gpu_type=gpu_type, tensor_parallel_size=8)
+    plan = service.plan_service(config, ServeConfig(), on_this_machine=False)
+    text = service.dry_run_text(plan, ServeConfig())
+    assert "on cpu" not in text and "does not fit" not in text
+    assert any(line.startswith(command) for line in text.splitlines())

@@ -10,6 +10,7 @@ from deepserve.bench.config import BenchConfig
 from deepserve.errors import ConfigError
 from deepserve.sweep.grid import apply_overrides
 from deepserve.sweep.suites import SUITES, SpeedProbe, fit_prefill, get_suite, plan_suite
+from tests.helpers import present
 
 # Roughly the tiny model on 2 CPU cores: 116 output tok/s alone, about 870 at concurrency 64 (docs/DESIGN.md);
 # prefill 0.3 s at 1K tokens, 27 s at 10K, 68 s at 16K (measured: attention dominates).
@@ -58,6 +59,10 @@ def test_the_issue_s_suites_exist_at_the_seeds_sizes():
     prefix = {p.variant: p for p in get_suite("prefix-cache").points()}
     assert prefix["shared prefix"].params["shared_prefix_len"] == 2000 and prefix["no sharing"].input_len == 3200
     assert {p.concurrency for p in prefix.values()} == {128}
+    reasoning = get_suite("reasoning").points()
+    assert {p.variant for p in reasoning} == {"thinking on", "thinking off"}
+    assert {p.params["chat_template_kwargs"] for p in reasoning} == {'{"thinking": true}', '{"thinking": false}'}
+    assert {p.params["endpoint"] for p in reasoning} == {"/v1/chat/completions"}
     offline = get_suite("offline").points()
     assert [p.num_prompts for p in offline] == [32, 64, 128, 256, 512, 1024]
     assert all(p.concurrency is None and math.isinf(p.request_rate) for p in offline)
@@ -84,7 +89,7 @@ def test_every_suite_fits_15_minutes_on_the_tiny_cpu_model(name: str):
 
 def test_context_scaling_keeps_the_ratios():
     plan = plan_suite(get_suite("input-length"), 2048, None, None)
-    lengths = sorted({p.input_len for p in plan.points})
+    lengths = sorted({present(p.input_len) for p in plan.points})
     assert lengths[1] / lengths[0] == pytest.approx(4, rel=0.01)
     assert max(p.max_request_tokens() for p in plan.points) <= 0.9 * 2048
     assert "2048-token context" in plan.notes[0]
@@ -108,7 +113,7 @@ def test_a_fast_server_keeps_the_seed_lengths_and_runs_each_point_for_a_time():
 def test_a_slow_server_gets_shorter_requests():
     plan = plan_suite(get_suite("output-length"), 32768, 900, TINY_CPU)
     assert plan.length_factor < 0.5
-    outputs = [p.output_len for p in plan.points]
+    outputs = [present(p.output_len) for p in plan.points]
     assert outputs == sorted(outputs) and outputs[-1] / outputs[0] == pytest.approx(16, rel=0.1)
 
 

@@ -14,8 +14,9 @@ from deepserve.bench.config import BenchConfig
 from deepserve.errors import ConfigError, DeepserveError
 from deepserve.results.store import ResultsStore
 from deepserve.results.sweepdir import load_result_set, read_index
-from deepserve.sweep.grid import apply_overrides, grid_spec, parse_list, point_id
+from deepserve.sweep.grid import apply_overrides, grid_spec, parse_list, point_id, template_variants
 from deepserve.sweep.run import SweepOptions, run_sweep, saturation_reason
+from tests.helpers import present
 
 PEAK_OUTPUT_TOK_S = 400.0
 
@@ -69,6 +70,22 @@ def test_grid_is_every_combination_with_the_axis_varying_fastest():
     assert len({p.point_id for p in spec.points}) == 6
 
 
+def test_chat_template_options_given_several_times_run_every_point_once_with_each():
+    variants = template_variants(['{"thinking": true}', '{"thinking": false}'])
+    assert list(variants) == ["thinking=true", "thinking=false"]
+    spec = grid_spec({"max_concurrency": [1, 4]}, "g", {}, variants)
+    assert [(p.variant, p.overrides["max_concurrency"]) for p in spec.points] == [
+        ("thinking=true", 1), ("thinking=true", 4), ("thinking=false", 1), ("thinking=false", 4),
+    ]  # fmt: skip
+    chat = base().model_copy(update={"target": base().target.model_copy(update={"endpoint": "/v1/chat/completions"})})
+    config = apply_overrides(chat, spec.points[2].overrides)
+    assert config.target.template_kwargs() == {"thinking": False}
+    assert spec.signature != grid_spec({"max_concurrency": [1, 4]}, "g", {}).signature
+    for bad in ("[1]", "{not json"):
+        with pytest.raises(ConfigError, match="--chat-template-kwargs"):
+            template_variants([bad, "{}"])
+
+
 def test_point_ids_are_readable_and_change_with_any_parameter():
     one = point_id({"max_concurrency": 16, "random_input_len": 1024, "random_output_len": 256}, None)
     assert one.startswith("c16-i1024-o256-")
@@ -119,7 +136,7 @@ def test_a_failed_point_stops_the_sweep_and_the_rerun_resumes_there(tmp_path: Pa
     spec = grid_spec({"max_concurrency": [1, 2, 4]}, "model", {})
     first = run_sweep(tmp_path, spec, base(), server, options(stop_at_saturation=False), progress=lambda _: None)
     assert (first.ran, first.failed) == (1, 1)
-    index = read_index(tmp_path)
+    index = present(read_index(tmp_path), "the sweep index")
     assert [e.status for e in index.points] == ["done", "failed", "pending"]
     assert "cannot reach the server" in index.points[1].note
     server.fail_at_call = None
@@ -178,7 +195,7 @@ def test_the_time_budget_skips_points_that_would_start_late(tmp_path: Path):
     spec = grid_spec({"max_concurrency": [1, 2, 4]}, "model", {})
     outcome = run_sweep(tmp_path, spec, base(), ModelServer(), options(time_budget_s=0.0), progress=lambda _: None)
     assert outcome.skipped == 3
-    assert all("time budget" in e.note for e in read_index(tmp_path).points)
+    assert all("time budget" in e.note for e in present(read_index(tmp_path), "the sweep index").points)
 
 
 def test_points_are_recorded_in_the_store(tmp_path: Path, isolated_home: Path):

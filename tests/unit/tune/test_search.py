@@ -12,7 +12,9 @@ def server(limit: float, calls: list[float]):
 
     def measure(load: float) -> Probe:
         calls.append(load)
-        return Probe(load, load <= limit, goodput_tok_s=load * 10 if load <= limit else 0.0, output_tok_s=load * 10)
+        return Probe(
+            load, load <= limit, goodput_output_tok_s=load * 10 if load <= limit else 0.0, output_tok_s=load * 10
+        )
 
     return measure
 
@@ -80,3 +82,12 @@ def test_outcome_round_trips_through_json():
 def test_words_name_the_axis(axis):
     outcome = search_max_load(server(2, []), SearchOptions(axis, steps=4), start=8.0)
     assert ("requests/s" if axis == "request_rate" else "concurrent requests") in outcome.words()
+
+
+def test_a_search_stored_by_an_earlier_deepserve_reads_back():
+    """Its probes' goodput was stored as goodput_tok_s before the two goodputs got distinct names."""
+    stored = {"axis": "max_concurrency", "max_load": 4, "missed_above": 8, "probes": [
+        {"load": 4, "holds": True, "goodput_tok_s": 40.0, "output_tok_s": 40.0, "summary": {}},
+    ]}  # fmt: skip
+    outcome = outcome_from_json(stored)
+    assert outcome.probes[0].goodput_output_tok_s == 40.0 and outcome.best_probe is outcome.probes[0]

@@ -34,6 +34,9 @@ class DraftRequest:
     prompt_len: int  # tokens the server processes for PROMPT (BOS, chat template included)
     output_len: int | None = None
     arrival_s: float | None = None  # a trace's release time, seconds after the first request
+    extra_body: dict[str, Any] = field(default_factory=dict)  # the request's own body fields (tools, tool_choice, …)
+    session: int | None = None  # an agent trace's session and the request's place in it (from 1)
+    turn: int | None = None
 
 
 @dataclass
@@ -45,11 +48,12 @@ class DatasetResult:
 
 class Dataset(Protocol):
     """A named way to make requests. DEFAULT_NUM_PROMPTS applies when --num-prompts is not given. A dataset whose
-    requests carry their own release times (`DraftRequest.arrival_s`) also sets `replays_trace = True`: they are
+    requests carry their own release times (`DraftRequest.arrival_s`) sets `replays_trace = True`: they are
     then replayed at those times (unless --no-self-timed), with ignore_eos (unless --no-ignore-eos)."""
 
     name: str
     default_num_prompts: int
+    replays_trace: bool
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult: ...
 
@@ -96,7 +100,7 @@ class DatasetContext:
     def map_tokenizing(self, work: Callable[[int], T], n: int) -> list[T]:
         """[WORK(0), …, WORK(N-1)]: overlapped when each call is a round trip to the server's /tokenize, in turn
         with a local tokenizer. WORK must not depend on the order of the calls."""
-        if not getattr(self.counter, "concurrent", False) or n < 2:
+        if not self.counter.concurrent or n < 2:
             return [work(i) for i in range(n)]
         with ThreadPoolExecutor(max_workers=TOKENIZE_CONCURRENCY) as pool:
             return list(pool.map(work, range(n)))

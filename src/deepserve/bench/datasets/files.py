@@ -5,7 +5,7 @@ A file that does not parse is a DatasetError naming the file, the line and what 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 ALL_REQUESTS = 0  # default_num_prompts of file datasets: every usable request of the file, once
 CUSTOM_DEFAULT_OUTPUT_LEN = 256  # vLLM's --custom-output-len default
 CUSTOM_EXAMPLE = '{"prompt": "...", "output_tokens": 128} or {"messages": [{"role": "user", "content": "..."}]}'
+# A line's own body fields, sent with its request on the chat endpoint (tools: OpenAI's function-calling schema)
+REQUEST_FIELDS = ("tools", "tool_choice", "chat_template_kwargs")
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 SHAREGPT_EXAMPLE = '[{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}, ...]'
 HUMAN_ROLES = frozenset({"human", "user"})
 REPLY_ROLES = frozenset({"gpt", "assistant", "chatgpt", "bard", "model"})
@@ -33,6 +36,7 @@ class FileItem:
     prompt: str | ChatMessages
     output_len: int | None = None
     reference_output: str | None = None  # ShareGPT's first reply, whose length is the default output length
+    extra_body: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, chat_template_kwargs
 
 
 def require_path(config: WorkloadConfig, dataset: str) -> Path:
@@ -51,17 +55,58 @@ def read_text(path: Path) -> str:
         raise DatasetError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
 
 
-def _check_messages(value: Any, where: str) -> ChatMessages:
+def check_messages(value: Any, where: str) -> ChatMessages:
+    """OpenAI chat messages as a file gives them: a role and text content each; an assistant message may carry
+    tool calls (its content then null), a tool message answers one (tool_call_id)."""
     if not isinstance(value, list) or not value:
         raise DatasetError(f'{where}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}}')
-    for i, message in enumerate(value):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            raise DatasetError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return [_check_message(message, f"{where}: messages[{i}]") for i, message in enumerate(value)]
+
+
+def _check_message(message: Any, where: str) -> dict[str, Any]:
+    if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+        raise DatasetError(f"{where} must be an object with a 'role' ({', '.join(sorted(CHAT_ROLES))})")
+    content, calls = message.get("content"), message.get("tool_calls")
+    if calls is not None:
+        _check_tool_calls(calls, where)
+    if not isinstance(content, str) and not (content is None and calls) and not isinstance(content, list):
+        raise DatasetError(f"{where} must have a string 'content' (null only beside 'tool_calls')")
+    if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise DatasetError(f"{where}: a tool message needs the 'tool_call_id' of the call it answers")
+    return dict(message)
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    example = '[{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]'
+    if not isinstance(calls, list) or not all(
+        isinstance(call, dict)
+        and isinstance(call.get("id"), str)
+        and isinstance(call.get("function"), dict)
+        and isinstance(call["function"].get("name"), str)
+        and isinstance(call["function"].get("arguments"), str)
+        for call in calls
+    ):
+        raise DatasetError(f"{where}: 'tool_calls' must be a list like {example}")
+
+
+def request_fields(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A line's own body fields (REQUEST_FIELDS), checked: tools as OpenAI's list of functions, tool_choice as
+    "none", "auto", "required" or a function, chat template options as an object."""
+    fields = {key: item[key] for key in REQUEST_FIELDS if item.get(key) is not None}
+    tools = fields.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list)
+        and all(isinstance(tool, dict) and isinstance((tool.get("function") or {}).get("name"), str) for tool in tools)
+    ):
+        raise DatasetError(
+            f'{where}: \'tools\' must be a list like [{{"type": "function", "function": {{"name": ...}}}}]'
+        )
+    choice = fields.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto", "required") and not isinstance(choice, dict):
+        raise DatasetError(f'{where}: \'tool_choice\' must be none, auto, required or {{"type": "function", …}}')
+    if "chat_template_kwargs" in fields and not isinstance(fields["chat_template_kwargs"], dict):
+        raise DatasetError(f"{where}: 'chat_template_kwargs' must be an object, e.g. {{\"thinking\": false}}")
+    return fields
 
 
 def parse_custom_line(raw: str, path: Path, line: int) -> FileItem:
@@ -80,13 +125,13 @@ def parse_custom_line(raw: str, path: Path, line: int) -> FileItem:
             raise DatasetError(f"{where}: 'prompt' must be a non-empty string")
         prompt = item["prompt"]
     elif "messages" in item:
-        prompt = _check_messages(item["messages"], where)
+        prompt = check_messages(item["messages"], where)
     else:
         raise DatasetError(f"{where}: expected a 'prompt' or 'messages' key, as in {CUSTOM_EXAMPLE}")
     output = item.get("output_tokens")
     if output is not None and (isinstance(output, bool) or not isinstance(output, int) or output < 1):
         raise DatasetError(f"{where}: 'output_tokens' must be a positive integer, got {output!r}")
-    return FileItem(line, prompt, output)
+    return FileItem(line, prompt, output, extra_body=request_fields(item, where))
 
 
 def load_custom_jsonl(path: Path) -> list[FileItem]:
@@ -180,13 +225,19 @@ def _for_endpoint(prompt: str | ChatMessages, ctx: DatasetContext, where: str) -
         return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if isinstance(prompt, str):
         return prompt
-    render = getattr(ctx.counter, "render_chat", None)
-    if render is None:
+    rendered = ctx.counter.render_chat(prompt)
+    if rendered is None:
         raise DatasetError(
             f"{where}: 'messages' on the completions endpoint need a chat template to render them; "
             "use --endpoint /v1/chat/completions, or pass --tokenizer DIR"
         )
-    return str(render(prompt))
+    return rendered
+
+
+def requires_chat(extra_body: dict[str, Any], ctx: DatasetContext, where: str) -> None:
+    """Tools are a chat-completions field: refused on /v1/completions, where they would be sent and ignored."""
+    if extra_body.get("tools") is not None and not ctx.chat:
+        raise DatasetError(f"{where}: 'tools' need the chat endpoint; pass --endpoint /v1/chat/completions")
 
 
 class CustomDataset:
@@ -194,6 +245,7 @@ class CustomDataset:
 
     name = "custom"
     default_num_prompts = ALL_REQUESTS
+    replays_trace = False
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         path = require_path(config, self.name)
@@ -203,9 +255,11 @@ class CustomDataset:
         fixed = config.custom_output_len if config.custom_output_len not in (None, -1) else None
         requests = []
         for item in items:
-            prompt = _for_endpoint(item.prompt, ctx, f"{path}:{item.line}")
+            where = f"{path}:{item.line}"
+            prompt = _for_endpoint(item.prompt, ctx, where)
             output_len = fixed or item.output_len or CUSTOM_DEFAULT_OUTPUT_LEN
-            requests.append(DraftRequest(prompt, ctx.render_len(prompt), output_len))
+            requires_chat(item.extra_body, ctx, where)
+            requests.append(DraftRequest(prompt, ctx.render_len(prompt), output_len, extra_body=item.extra_body))
         details = {"dataset_path": str(path), "file_requests": len(items)}
         return DatasetResult(_oversampled(requests, num_prompts, config, ctx), details)
 
@@ -217,6 +271,7 @@ class ShareGPTDataset:
 
     name = "sharegpt"
     default_num_prompts = ALL_REQUESTS
+    replays_trace = False
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         path = require_path(config, self.name)

@@ -36,6 +36,7 @@ class MultiTurnDataset:
 
     name = "multi_turn"
     default_num_prompts = 100  # conversations
+    replays_trace = False
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         turns = config.multi_turn_num_turns

@@ -44,6 +44,7 @@ class RandomDataset:
 
     name = "random"
     default_num_prompts = 1000
+    replays_trace = False
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         input_ratio, _ = config.range_ratios()
@@ -83,6 +84,7 @@ class LongDataset:
 
     name = "long"
     default_num_prompts = 1
+    replays_trace = False
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         output_lens = _output_lens(config, ctx.rng("lengths"), num_prompts)
@@ -98,6 +100,7 @@ class SampledDataset:
 
     name = "sampled"
     default_num_prompts = 200
+    replays_trace = False
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         low, high = config.sampled_min_input_len, config.sampled_max_input_len
@@ -131,6 +134,7 @@ class SharedPrefixDataset:
 
     name = "shared_prefix"
     default_num_prompts = 1000
+    replays_trace = False
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         shared = config.resolved_shared_prefix_len()
@@ -157,6 +161,7 @@ class PrefixRepetitionDataset:
 
     name = "prefix_repetition"
     default_num_prompts = 1000
+    replays_trace = False
 
     def build(self, config: WorkloadConfig, ctx: DatasetContext, num_prompts: int) -> DatasetResult:
         num_prefixes = config.prefix_repetition_num_prefixes

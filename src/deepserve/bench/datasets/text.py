@@ -10,6 +10,7 @@ measures it and trimmed or padded, token by token, until the count is exact.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +20,11 @@ from deepserve.bench.types import ChatMessages
 from deepserve.errors import ConfigError
 
 MAX_ADJUST_ROUNDS = 24  # each round moves by the measured error; two or three are the norm
+MAX_FILLERS = 16  # without /detokenize, shortfalls up to this many tokens are made up with one-token fillers
+# Texts that add one token each in most vocabularies: a space-led letter (byte-level BPE, SentencePiece), a letter
+# alone or a full stop (byte-level vocabularies without merges, like the tiny model's)
+FILLER_CANDIDATES = (" a", " x", ".", "a", " .")
+_WORD_UNITS = re.compile(r"\s*\S+")
 CALIBRATION_PIECES = 1024
 OVERSHOOT = 0.03  # 3 % more text than the estimate (plus two tokens), then one exact cut
 PSEUDO_WORD_COUNT = 4096
@@ -69,6 +75,7 @@ class PromptBuilder:
     overshoot: float = 0.0  # extra fraction of random text when pieces merge: cutting is exact, padding is not
     _split: tuple[int, int] | None = None
     _heads: dict[str, HeadInfo] = field(default_factory=dict)
+    _filler: str | None = None  # without /detokenize: a text that adds exactly one token at the end of a prompt
 
     @classmethod
     def create(cls, counter: TokenCounter, chat: bool) -> PromptBuilder:
@@ -132,15 +139,47 @@ class PromptBuilder:
             if error == 0 and ids[: len(base.shared_ids)] == base.shared_ids:
                 return head + tail
             if error > 0:
-                tail = self._cut(ids, head, tail, error)
+                tail = self._cut(ids, head, tail, error) if self.can_decode else self._cut_words(tail, error)
             elif error < 0:
-                tail += self.random_text(rng, -error)
+                tail += self._pad(rng, -error)
             else:  # right count, but the tail merged into the head's last token: start the tail afresh
                 tail = self.random_text(rng, target - base.prompt_len)
         raise TokenizerError(
             f"could not build a prompt of exactly {target} tokens with {self.counter.source} "
             f"after {MAX_ADJUST_ROUNDS} adjustments (the tokenizer keeps merging the random text)"
         )
+
+    @property
+    def can_decode(self) -> bool:
+        """Whether the tokenizer turns ids back into text (a server without /detokenize cannot)."""
+        return self.counter.can_decode
+
+    def _pad(self, rng: np.random.Generator, n_tokens: int) -> str:
+        """About N_TOKENS more tokens of random pieces; without /detokenize, a short shortfall is made up exactly
+        with the one-token filler (cutting again would only find another near miss)."""
+        if not self.can_decode and n_tokens <= MAX_FILLERS and self.filler():
+            return self.filler() * n_tokens
+        return self.random_text(rng, n_tokens)
+
+    def _cut_words(self, tail: str, n_tokens: int) -> str:
+        """TAIL without enough of its last words to drop N_TOKENS tokens or a few more (by the pieces' measured
+        tokens per piece): the next measurement then finds a small shortfall, which fillers make up."""
+        units = _WORD_UNITS.findall(tail)
+        drop = min(len(units), math.ceil(n_tokens / max(self.tokens_per_piece, 1e-9)) + 1)
+        return "".join(units[: len(units) - drop])
+
+    def filler(self) -> str:
+        """A text that adds exactly one token wherever it is appended to a prompt (checked on a sample, once):
+        without /detokenize, what makes a prompt's last few tokens exact. "" when no candidate does."""
+        if self._filler is None:
+            self._filler = ""
+            base = self.random_text(np.random.default_rng(0), 32)
+            measured = self.measure(base)
+            for candidate in FILLER_CANDIDATES:
+                if all(self.measure(base + candidate * k) == measured + k for k in (1, 2, 3)):
+                    self._filler = candidate
+                    break
+        return self._filler
 
     def head_info(self, head: str) -> HeadInfo:
         """HEAD measured once and remembered: every prompt of a group builds on it."""

@@ -175,7 +175,7 @@ class BlockPrompts:
             block = self._blocks[key]
             room = text_len - len(expected)
             if len(block.ids) > room:  # the last block is partial: its first tokens, decoded on a token boundary
-                partial = self.ctx.counter.decode(block.ids[:room])
+                partial = self.ctx.counter.decode(block.ids[:room]) if self.ctx.builder.can_decode else ""
                 break
             whole.append(block.text)
             expected += block.ids
