@@ -68,16 +68,34 @@ class SteppedEngine:
         self._timer: Timer | None = None
         self._timer_s = math.inf
         self._kick_pending = False
+        self._held: set[str] = set()  # submitted, still in the per-request overhead before the scheduler sees them
 
     def now(self) -> float:
         return self.clock.now()
 
     def submit(self, request: SimRequest) -> None:
+        """REQUEST arrived now; the scheduler sees it after the engine profile's per-request overhead (the API
+        server's work before a request can be scheduled, which no step accounts for)."""
         request.arrival_s = self.clock.now()
+        delay_s = self.core.timer.request_overhead_s
+        if delay_s > 0:
+            self._held.add(request.request_id)
+            self.clock.call_at(request.arrival_s + delay_s, lambda: self._admit(request))
+        else:
+            self._admit(request)
+
+    def _admit(self, request: SimRequest) -> None:
+        if request.request_id in self._held:
+            self._held.discard(request.request_id)
+        elif self.core.timer.request_overhead_s > 0:
+            return  # aborted while the API server held it
         self.core.add(request)
-        self._unblock(request.arrival_s)
+        self._unblock(self.clock.now())
 
     def abort(self, request: SimRequest) -> None:
+        if request.request_id in self._held:
+            self._held.discard(request.request_id)  # not with the scheduler yet
+            return
         if self.core.abort(request, self.clock.now()):
             self._unblock(self.clock.now())  # its blocks are free: a waiting request may fit now
 
