@@ -146,7 +146,7 @@ class RankLoad:
 
 
 @dataclass(frozen=True)
-class Workload:
+class RequestLengths:
     input_len: int
     output_len: int
 
@@ -484,7 +484,7 @@ class PerformanceModel:
 
     # ---- continuous batching ----------------------------------------------------------------------------------
 
-    def predict(self, concurrency: int, workload: Workload, running_cap: int) -> Prediction:
+    def predict(self, concurrency: int, workload: RequestLengths, running_cap: int) -> Prediction:
         """Closed loop of CONCURRENCY clients, each sending the next request when the last one ends; the engine
         runs at most RUNNING_CAP of them (KV cache, max_num_seqs), the rest queue. See `closed_loop`."""
         return closed_loop(self, concurrency, workload, running_cap)
@@ -506,7 +506,7 @@ class _Cycle:
     stage_s: float  # the average step
 
 
-def closed_loop(model: PerformanceModel, concurrency: int, workload: Workload, running_cap: int) -> Prediction:
+def closed_loop(model: PerformanceModel, concurrency: int, workload: RequestLengths, running_cap: int) -> Prediction:
     """Pipeline parallelism keeps pp micro-batches in flight; a token of one micro-batch passes every stage, so the
     token interval is pp stage steps. Other requests' prompts are prefilled inside the decode steps (one per
     finished request), or in steps of their own where the engine does not mix them, which is where TPOT grows
@@ -532,7 +532,7 @@ def closed_loop(model: PerformanceModel, concurrency: int, workload: Workload, r
     )
 
 
-def _cycle(model: PerformanceModel, running: int, workload: Workload) -> _Cycle:
+def _cycle(model: PerformanceModel, running: int, workload: RequestLengths) -> _Cycle:
     pp, dp = model.layout.pp, model.layout.dp
     micro = running / pp if running >= pp else 1.0
     inp, out = workload.input_len, workload.output_len
@@ -565,7 +565,7 @@ def _prefill_wait_s(cycle: _Cycle, ranks: int) -> float:
     return busy / (2 * (1 - busy)) * cycle.prompt_extra_s + 0.5 * cycle.stage_s * (cycle.micro - 1) / cycle.micro
 
 
-def _solo_prefill_s(model: PerformanceModel, cycle: _Cycle, workload: Workload) -> float:
+def _solo_prefill_s(model: PerformanceModel, cycle: _Cycle, workload: RequestLengths) -> float:
     """The step that carries my prompt: with the others' decodes where the engine mixes them, alone otherwise."""
     inp = workload.input_len
     others = cycle.micro - 1

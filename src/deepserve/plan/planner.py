@@ -19,7 +19,7 @@ from deepserve.plan.formats import WeightFormat, checkpoint_format, get_format
 from deepserve.plan.kernels import KernelRates
 from deepserve.plan.layout import Layout, check_layout, default_layout
 from deepserve.plan.memory import plan_memory
-from deepserve.plan.perf import PerformanceModel, Prediction, Workload
+from deepserve.plan.perf import PerformanceModel, Prediction, RequestLengths
 from deepserve.plan.profiles import SelectedFactors
 from deepserve.plan.speculative import SpeculativeDecoding, speculative_decoding
 from deepserve.plan.types import Deployment, PlanConfig
@@ -52,7 +52,7 @@ def build_deployment(
     network: str = "infiniband-ndr",
     gpu_memory_utilization: float = 0.9,
     max_model_len: int | None = None,
-    workload: Workload | None = None,
+    workload: RequestLengths | None = None,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int = 8192,
     engine_version: str | None = None,
@@ -72,7 +72,7 @@ def build_deployment(
     check_layout(layout, spec, gpus)
     if nodes > 1 and gpus // nodes > accelerator.devices_per_node:
         raise ConfigError(f"{gpus // nodes} GPUs per node exceeds the {accelerator.devices_per_node} a node holds")
-    workload = workload or Workload(1024, 256)
+    workload = workload or RequestLengths(1024, 256)
     context = max_model_len or min(32768, spec.max_position_embeddings)
     kv = resolve_kv_dtype(kv_dtype, fmt, spec)
     memory = plan_memory(
@@ -247,7 +247,7 @@ def make_plan(config: PlanConfig, forecaster: BenchmarkForecaster | None = None)
 
     spec = load_spec(config.model)
     layout = _layout_from(config)
-    workload = Workload(config.input_len, config.output_len)
+    workload = RequestLengths(config.input_len, config.output_len)
     deployment = build_deployment(
         spec,
         config.gpu,
@@ -349,7 +349,7 @@ def smallest_fitting_gpus(config: PlanConfig) -> int | None:
                 network=config.network,
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 max_model_len=config.max_model_len,
-                workload=Workload(config.input_len, config.output_len),
+                workload=RequestLengths(config.input_len, config.output_len),
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 speculation=speculation,
             )
@@ -371,7 +371,9 @@ def nodes_holding(gpus: int, per_node: int) -> int:
     return max(-(-gpus // per_node), 1)
 
 
-def highest_concurrency_within(model: PerformanceModel, workload: Workload, cap: int, slo_itl_ms: float) -> int | None:
+def highest_concurrency_within(
+    model: PerformanceModel, workload: RequestLengths, cap: int, slo_itl_ms: float
+) -> int | None:
     """Largest concurrency (up to the running cap) whose predicted TPOT meets the SLO; TPOT grows with
     concurrency, so a bisection finds it. None when even one request misses it."""
     if model.predict(1, workload, cap).tpot_ms > slo_itl_ms:

@@ -30,7 +30,7 @@ from deepserve.plan.benchmark import BenchmarkRun
 from deepserve.plan.calibration import calibrated_class
 from deepserve.plan.formats import get_format
 from deepserve.plan.layout import Layout
-from deepserve.plan.perf import StepOptions, Workload
+from deepserve.plan.perf import RequestLengths, StepOptions
 from deepserve.plan.planner import build_deployment
 from deepserve.plan.speculative import SpeculativeDecoding, acceptance_from_length, speculative_decoding
 from deepserve.plan.types import Deployment
@@ -385,13 +385,13 @@ def _workload_reason(row: PublishedRow) -> str | None:
 # ---- the row as a deployment, a workload, a benchmark run ------------------------------------------------------
 
 
-def row_workload(row: PublishedRow) -> Workload:
+def row_workload(row: PublishedRow) -> RequestLengths:
     """The mean lengths the client sent (a client that draws lengths below the stated ones scales them); a phase
     row without an output length decodes at its stated KV length."""
     assert row.input_len is not None
     factor = row.setup.length_mean_factor
     output = row.output_len if row.output_len is not None else 2
-    return Workload(max(round(row.input_len * factor), 1), max(round(output * factor), 2))
+    return RequestLengths(max(round(row.input_len * factor), 1), max(round(output * factor), 2))
 
 
 LONG_RUN_ROUNDS = 6  # a closed loop of unstated length: this many requests per client after a first round
@@ -455,7 +455,7 @@ def row_deployment(row: PublishedRow, calibration: Path | None = None) -> Deploy
     return deployment
 
 
-def _longest_sequence(workload: Workload, spread: float) -> int:
+def _longest_sequence(workload: RequestLengths, spread: float) -> int:
     """The context a run's longest request needs (lengths spread within mean x (1 +- spread))."""
     return round((workload.input_len + workload.output_len) * (1 + spread)) + 1
 

@@ -28,7 +28,7 @@ from deepserve.models.spec import ModelSpec
 from deepserve.plan.cost import usd_per_million_output_tokens
 from deepserve.plan.formats import checkpoint_format
 from deepserve.plan.layout import Layout, check_layout
-from deepserve.plan.perf import PerformanceModel, Prediction, Workload
+from deepserve.plan.perf import PerformanceModel, Prediction, RequestLengths
 from deepserve.plan.phases import kv_transfer_s
 from deepserve.plan.planner import build_deployment, make_plan
 from deepserve.plan.speculative import SpeculativeDecoding, speculative_decoding
@@ -307,7 +307,7 @@ def evaluate(candidate: Candidate, config: SearchConfig, spec: ModelSpec) -> lis
         return _evaluate_pools(candidate, candidate.pools, config, spec)
     deployment = _deployment(candidate, candidate.layout, config, spec)
     model = deployment.performance_model()
-    workload = Workload(config.input_len, config.output_len)
+    workload = RequestLengths(config.input_len, config.output_len)
     cap = deployment.running_cap
     return [
         _point(candidate, model.predict(level, workload, cap), candidate.layout.gpus, config)
@@ -330,7 +330,7 @@ def _deployment(candidate: Candidate, layout: Layout, config: SearchConfig, spec
             network=config.network,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_model_len=config.max_model_len,
-            workload=Workload(config.input_len, config.output_len),
+            workload=RequestLengths(config.input_len, config.output_len),
             speculation=candidate.speculation,
         )
     except DeepserveError as exc:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-from deepserve.simulate.clock import Clock, Timer
+from deepserve.simulate.clock import SimClock, Timer
 from deepserve.simulate.core import EngineCore
 from deepserve.simulate.metrics import CounterReading, EngineMetrics, GaugeReading
 from deepserve.simulate.scheduler import SimRequest, Status, StepOutput, stop_reason
@@ -29,7 +29,7 @@ _EPS_S = 1e-9
 FIXED_BURST_TOKENS = 64  # with no inter-token delay, tokens sent per callback before other streams get a turn
 
 
-class Engine(Protocol):
+class SimEngine(Protocol):
     """What the server needs of an engine."""
 
     max_model_len: int
@@ -55,7 +55,7 @@ class Engine(Protocol):
 
 
 class SteppedEngine:
-    def __init__(self, core: EngineCore, clock: Clock) -> None:
+    def __init__(self, core: EngineCore, clock: SimClock) -> None:
         self.core = core
         self.clock = clock
         self.max_model_len = core.max_model_len
@@ -192,7 +192,7 @@ class FixedLatencyEngine:
     behind restarts a stream's timeline at the present."""
 
     def __init__(
-        self, clock: Clock, ttft_s: float, itl_s: float, max_model_len: int, burst_tokens: int = FIXED_BURST_TOKENS
+        self, clock: SimClock, ttft_s: float, itl_s: float, max_model_len: int, burst_tokens: int = FIXED_BURST_TOKENS
     ) -> None:
         if ttft_s < 0 or itl_s < 0:
             raise ValueError("fixed timings must not be negative")

@@ -8,7 +8,7 @@ from deepserve.models import load_spec
 from deepserve.plan.layout import Layout
 from deepserve.plan.perf import (
     RankLoad,
-    Workload,
+    RequestLengths,
     expected_distinct_experts,
     expected_max_poisson,
 )
@@ -130,7 +130,7 @@ def test_old_vllm_launches_awq_experts_one_by_one(awq) -> None:
 
 def test_tpot_grows_with_concurrency_and_throughput_saturates(v3) -> None:
     deployment, model = _model(v3)
-    workload = Workload(2048, 512)
+    workload = RequestLengths(2048, 512)
     cap = deployment.running_cap
     levels = [1, 8, 32, 128, cap, 2 * cap]
     predictions = [model.predict(c, workload, cap) for c in levels]
@@ -146,7 +146,7 @@ def test_tpot_grows_with_concurrency_and_throughput_saturates(v3) -> None:
 
 def test_closed_loop_throughput_matches_latencies(v3) -> None:
     deployment, model = _model(v3)
-    p = model.predict(16, Workload(1000, 200), deployment.running_cap)
+    p = model.predict(16, RequestLengths(1000, 200), deployment.running_cap)
     e2e_s = (p.ttft_ms + 199 * p.tpot_ms) / 1e3
     assert p.output_throughput_tok_s == pytest.approx(16 * 200 / e2e_s, rel=1e-6)
 
@@ -156,15 +156,15 @@ def test_ttft_at_concurrency_one_is_a_solo_prefill_after_the_request_overhead(v3
     accounts for) plus the prompt's own step."""
     parameters = EngineParameters(kernels_per_layer=20.0, prefill_efficiency=0.5, request_overhead_ms=100.0)
     deployment, model = _model(v3, parameters=parameters)
-    p = model.predict(1, Workload(4096, 100), deployment.running_cap)
+    p = model.predict(1, RequestLengths(4096, 100), deployment.running_cap)
     assert p.ttft_ms == pytest.approx(100.0 + model.step(0, 4096, 2048).total_s * 1e3)
     _, without = _model(v3)
-    assert without.predict(1, Workload(4096, 100), deployment.running_cap).tpot_ms == pytest.approx(p.tpot_ms)
+    assert without.predict(1, RequestLengths(4096, 100), deployment.running_cap).tpot_ms == pytest.approx(p.tpot_ms)
 
 
 def test_a100_is_slower_than_h100_where_the_hardware_decides(awq) -> None:
     """Same engine, format and layout: the A100 has 61% of the H100's bandwidth and 32% of its FP16 rate."""
-    workload = Workload(1024, 256)
+    workload = RequestLengths(1024, 256)
     h100_deployment, h100 = _model(awq, gpu="h100", weights=None)
     a100_deployment, a100 = _model(awq, gpu="a100-80gb", weights=None)
     h = h100.predict(1, workload, h100_deployment.running_cap)
@@ -206,7 +206,7 @@ def test_expert_parallelism_uses_all_to_all_instead_of_all_reduce(v3) -> None:
 
 def test_pipeline_parallel_token_interval_spans_all_stages(v3) -> None:
     deployment, model = _model(v3, gpu="h100", gpus=16, nodes=2)
-    p = model.predict(1, Workload(1000, 100), deployment.running_cap)
+    p = model.predict(1, RequestLengths(1000, 100), deployment.running_cap)
     # one request: every token crosses both stages (the other stage idles: a pipeline bubble)
     assert p.tpot_ms == pytest.approx(2 * model.step(1, 0, 1050).total_s * 1e3, rel=1e-6)
 
@@ -214,7 +214,7 @@ def test_pipeline_parallel_token_interval_spans_all_stages(v3) -> None:
 def test_ttft_grows_with_the_running_batch(v3) -> None:
     """A new prompt waits for the step in flight and for the prompts queued ahead of it."""
     deployment, model = _model(v3)
-    workload = Workload(2048, 512)
+    workload = RequestLengths(2048, 512)
     ttfts = [model.predict(c, workload, deployment.running_cap).ttft_ms for c in (1, 16, 64, 256)]
     assert ttfts == sorted(ttfts) and ttfts[-1] > 1.5 * ttfts[0]
 
@@ -234,7 +234,7 @@ def test_concurrent_requests_on_data_parallel_ranks_do_not_queue_behind_each_oth
     """Eight requests on eight DP ranks prefill side by side: TTFT at concurrency 8 stays near one request's, where
     a single TP group prefills them one after another."""
     deployment, dp = _model(v3, layout=Layout(tp=1, dp=8, ep=True))
-    workload = Workload(30_000, 200)
+    workload = RequestLengths(30_000, 200)
     one, eight = (dp.predict(c, workload, deployment.running_cap).ttft_ms for c in (1, 8))
     assert eight < 1.6 * one
     assert expected_max_poisson(0.5, 1) == pytest.approx(0.5)  # one rank: the mean
@@ -267,7 +267,7 @@ def test_speculative_decoding_verifies_k_plus_one_tokens_and_runs_the_draft(v3) 
     step, verified = plain.step(1, 0, 1000), with_spec.step(1, 0, 1000)
     assert any(w.kind.startswith("draft_") and w.time_s > 0 for w in verified.work)
     assert verified.total_s > step.total_s
-    workload = Workload(1024, 256)
+    workload = RequestLengths(1024, 256)
     assert with_spec.predict(1, workload, 64).tpot_ms < plain.predict(1, workload, 64).tpot_ms  # one user gains
     busy = (m.predict(64, workload, 64).output_throughput_tok_s for m in (plain, with_spec))
     gain_alone = plain.predict(1, workload, 64).tpot_ms / with_spec.predict(1, workload, 64).tpot_ms
@@ -280,5 +280,5 @@ def test_sglang_prefills_in_steps_of_their_own(v3) -> None:
     _, sglang = _model(v3, engine="sglang")
     _, vllm = _model(v3)
     assert not sglang.mixed_prefill and vllm.mixed_prefill
-    workload = Workload(4096, 256)
+    workload = RequestLengths(4096, 256)
     assert sglang.predict(32, workload, 256).tpot_ms > vllm.predict(32, workload, 256).tpot_ms

@@ -11,7 +11,7 @@ import pytest
 from deepserve.models import load_spec
 from deepserve.plan.benchmark import BenchmarkRun, Stats
 from deepserve.plan.layout import Layout
-from deepserve.plan.perf import Workload
+from deepserve.plan.perf import RequestLengths
 from deepserve.plan.planner import build_deployment
 from deepserve.simulate.forecast import (
     DataParallelScheduler,
@@ -29,7 +29,13 @@ def v3():
 
 def _deployment(spec, engine="vllm", layout=None, gpus=8, max_model_len=4096):
     return build_deployment(
-        spec, "h200", gpus, engine=engine, layout=layout, max_model_len=max_model_len, workload=Workload(1024, 256)
+        spec,
+        "h200",
+        gpus,
+        engine=engine,
+        layout=layout,
+        max_model_len=max_model_len,
+        workload=RequestLengths(1024, 256),
     )
 
 
@@ -58,7 +64,7 @@ def test_one_request_is_the_planners_single_user(v3) -> None:
     deployment = _deployment(v3)
     model = deployment.performance_model()
     forecast = SimulatorForecaster().forecast(deployment, model, BenchmarkRun(3, 1024, 64, concurrency=1))
-    steady = model.predict(1, Workload(1024, 64), deployment.running_cap)
+    steady = model.predict(1, RequestLengths(1024, 64), deployment.running_cap)
     assert forecast.ttft_ms.mean == pytest.approx(steady.ttft_ms, rel=0.01)
     assert forecast.tpot_ms.mean == pytest.approx(steady.tpot_ms, rel=0.01)
     assert model.request_overhead_s > 0 and forecast.ttft_ms.mean > model.request_overhead_s * 1e3
@@ -70,7 +76,7 @@ def test_everything_at_once_queues_where_a_closed_loop_would_not(v3) -> None:
     deployment = _deployment(v3)
     model = deployment.performance_model()
     burst = SimulatorForecaster().forecast(deployment, model, BenchmarkRun(64, 2048, 128))
-    steady = model.predict(64, Workload(2048, 128), deployment.running_cap)
+    steady = model.predict(64, RequestLengths(2048, 128), deployment.running_cap)
     assert burst.ttft_ms.mean > 2 * steady.ttft_ms
     assert burst.ttft_ms.p99 > burst.ttft_ms.median
 
@@ -80,7 +86,7 @@ def test_a_request_rate_spreads_arrivals(v3) -> None:
     model = deployment.performance_model()
     slow_rate = SimulatorForecaster().forecast(deployment, model, BenchmarkRun(20, 512, 64, request_rate=0.5))
     assert slow_rate.duration_s > 19 / 0.5 * 0.5  # 20 Poisson arrivals at 0.5 req/s take about 40 s
-    assert slow_rate.ttft_ms.mean < 2 * model.predict(1, Workload(512, 64), deployment.running_cap).ttft_ms
+    assert slow_rate.ttft_ms.mean < 2 * model.predict(1, RequestLengths(512, 64), deployment.running_cap).ttft_ms
 
 
 def test_warm_up_requests_are_not_counted(v3) -> None:
@@ -136,7 +142,7 @@ def test_weighted_statistics_by_hand() -> None:
 
 
 def test_pipeline_runs_take_the_step_by_step_engine(v3) -> None:
-    deployment = build_deployment(v3, "h100", 16, nodes=2, weights="fp8", workload=Workload(512, 32))
+    deployment = build_deployment(v3, "h100", 16, nodes=2, weights="fp8", workload=RequestLengths(512, 32))
     deployment = replace(deployment, max_num_seqs=64)
     model = deployment.performance_model()
     forecast = SimulatorForecaster().forecast(deployment, model, BenchmarkRun(8, 512, 32, concurrency=4))
