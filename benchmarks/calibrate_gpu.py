@@ -14,9 +14,17 @@ catalog:
 - moe_gemm: one MoE layer's 256 experts split 8 ways (gate+up 7168 -> 512, down 256 -> 7168), a batch of tokens
   routed top-8 uniformly at random, the touched experts run as one batched matmul (each touched expert's weights
   read once, as in a fused MoE kernel; each gets the mean number of tokens); BF16;
-- mla_decode: 16 heads per rank attend over [batch, context, 576] latent vectors (absorbed form);
+- moe_gemm under expert parallelism: one GPU's whole experts (256 / EP of them, gate+up 7168 -> 4096, down 2048 ->
+  7168) for the tokens routed to them when every rank decodes 32-512 tokens (each rank's tokens x top-8 copies
+  spread over the GPUs), as a grouped GEMM: FP8 (torch._scaled_grouped_mm, else one torch._scaled_mm per expert)
+  where the GPU has FP8 units, BF16 otherwise;
+- FP4 (NVFP4: E2M1 values, an FP8 scale per 16) where the GPU has FP4 units (Blackwell, compute capability 10+)
+  and torch has the dtype: the dense shapes and the EP experts, when torch._scaled_mm takes them (else noted);
+- mla_decode: 16 heads per rank attend over [batch, context, 576] latent vectors (absorbed form), at 1K-4K and at
+  long contexts (32K, 64K, 128K);
 - mla_prefill: causal attention in MLA's decompressed form (query/key 192, value 128 per head, 16 heads per rank)
-  through torch's scaled_dot_product_attention, at 2K-8K tokens.
+  through torch's scaled_dot_product_attention, at 2K-8K tokens, and an 8K-token chunk attending to 32K-128K cached
+  positions (chunked prefill of a long prompt).
 
 The JSON has every measurement and, under `planner.kinds`, the fields data/kernels.json has per kind and weight
 family (memory_efficiency, compute_efficiency, floor_us), which `deepserve plan --calibration FILE` uses in place of
@@ -272,6 +280,118 @@ class Calibration:
             return None
         return prepare
 
+    # ---- MoE experts under expert parallelism ---------------------------------------------------------------
+
+    def moe_gemm_ep(self, ep_sizes: tuple[int, ...], tokens_per_rank: tuple[int, ...]) -> None:
+        """One GPU's whole experts (256 / EP) for the tokens the all-to-all brings it: every rank's tokens x top-8
+        copies spread uniformly over the EP GPUs, the local experts touched as routing says."""
+        spec = self.spec
+        hidden, inter = self.dim(spec.hidden_size), self.dim(spec.moe_intermediate_size)
+        grouped = self.grouped_matmul()
+        for ep in ep_sizes:
+            local = max(spec.n_routed_experts // ep, 1)
+            for tokens in tokens_per_rank:
+                arrivals = tokens * spec.num_experts_per_tok  # copies per GPU on average
+                generator = torch.Generator().manual_seed(ep * 100_003 + tokens)
+                counts = torch.bincount(torch.randint(0, local, (arrivals,), generator=generator), minlength=local)
+                touched = int((counts > 0).sum())
+                rows = -(-arrivals // touched)
+                run, dtype, weight_bytes = grouped(touched, rows, hidden, inter)
+                seconds = self.timer.median_s(run, f"moe_gemm ep{ep} {tokens} tokens/rank")
+                weights = touched * 3 * hidden * inter * weight_bytes
+                flops = 2 * arrivals * 3 * hidden * inter
+                case = f"ep{ep} batch {arrivals} ({tokens} tokens/rank, {touched}/{local} experts)"
+                self.record("moe_gemm", case, dtype, seconds, weights, flops)
+
+    def grouped_matmul(self) -> Callable[[int, int, int, int], tuple[Callable[[], object], str, int]]:
+        """A builder of one expert-parallel MoE step on this device: (run, dtype, bytes per weight)."""
+        fp8 = self.fp8_matmul()
+
+        def build(experts: int, rows: int, hidden: int, inter: int) -> tuple[Callable[[], object], str, int]:
+            x = torch.randn(experts, rows, hidden, device=self.device, dtype=torch.bfloat16)
+            w13 = torch.randn(experts, hidden, 2 * inter, device=self.device, dtype=torch.bfloat16) * 0.02
+            w2 = torch.randn(experts, inter, hidden, device=self.device, dtype=torch.bfloat16) * 0.02
+            if fp8 is None:
+
+                def bf16() -> None:
+                    gate_up = torch.bmm(x, w13)
+                    torch.bmm(torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:], w2)
+
+                return bf16, "bf16", 2
+            ups = [fp8(x[e], w13[e]) for e in range(experts)]
+            act = torch.randn(rows, inter, device=self.device, dtype=torch.bfloat16)
+            downs = [fp8(act, w2[e]) for e in range(experts)]
+
+            def fp8_experts() -> None:
+                for up, down in zip(ups, downs, strict=True):
+                    up()
+                    down()
+
+            return fp8_experts, "fp8", 1
+
+        return build
+
+    # ---- FP4 ------------------------------------------------------------------------------------------------
+
+    def fp4_gemms(self, rows: tuple[int, ...]) -> None:
+        """NVFP4 GEMMs where the GPU has FP4 units and torch exposes the dtype; skipped (and said so) otherwise."""
+        fp4 = self.fp4_matmul()
+        if fp4 is None:
+            return
+        spec = self.spec
+        for name, (k, n) in {"expert gate_up 7168x4096": (spec.hidden_size, 2 * spec.moe_intermediate_size)}.items():
+            for m in rows:
+                run = fp4(m, k, n)
+                seconds = self.timer.median_s(run, f"{name} m={m} fp4")
+                nbytes = k * n / 2 + k * n / 16 + m * k + m * n * 2  # E2M1 weights, one FP8 scale per 16, FP8 in
+                self.record("dense_gemm", f"{name} m={m}", "fp4", seconds, nbytes, 2 * m * k * n)
+
+    def fp4_matmul(self) -> Callable[[int, int, int], Callable[[], object]] | None:
+        if self.device.type != "cuda" or not hasattr(torch, "float4_e2m1fn_x2"):
+            print("FP4 GEMMs skipped: no CUDA device or torch without float4_e2m1fn_x2", file=sys.stderr)
+            return None
+        if torch.cuda.get_device_capability(self.device) < (10, 0):
+            print("FP4 GEMMs skipped: the GPU has no FP4 units (compute capability < 10)", file=sys.stderr)
+            return None
+
+        def prepare(m: int, k: int, n: int) -> Callable[[], object]:
+            a = torch.randint(0, 255, (m, k // 2), device=self.device, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+            b = torch.randint(0, 255, (n, k // 2), device=self.device, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+            scale_a = torch.ones(m, k // 16, device=self.device, dtype=torch.float8_e4m3fn)
+            scale_b = torch.ones(n, k // 16, device=self.device, dtype=torch.float8_e4m3fn)
+            return lambda: torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+        try:
+            prepare(128, 256, 128)()
+        except (RuntimeError, TypeError) as exc:
+            print(f"FP4 GEMMs skipped: {exc}".splitlines()[0], file=sys.stderr)
+            return None
+        return prepare
+
+    # ---- long contexts --------------------------------------------------------------------------------------
+
+    def long_prefill_chunks(self, chunk: int, contexts: tuple[int, ...]) -> None:
+        """A prompt chunk of CHUNK tokens attending to CONTEXT cached positions (keys and values decompressed), as
+        chunked prefill runs a long prompt's later chunks."""
+        spec = self.spec
+        heads = self.dim(spec.num_attention_heads // TP)
+        qk = self.dim(spec.qk_nope_head_dim + spec.qk_rope_head_dim)
+        v = self.dim(spec.v_head_dim)
+        for context in contexts:
+            q = torch.randn(1, heads, chunk, qk, device=self.device, dtype=torch.bfloat16)
+            k = torch.randn(1, heads, context, qk, device=self.device, dtype=torch.bfloat16)
+            value = torch.randn(1, heads, context, v, device=self.device, dtype=torch.bfloat16)
+
+            def attend(q: torch.Tensor = q, k: torch.Tensor = k, value: torch.Tensor = value) -> None:
+                torch.nn.functional.scaled_dot_product_attention(q, k, value)
+
+            case = f"chunk {chunk} over {context} cached"
+            seconds = self.timer.median_s(attend, f"mla_prefill {case}")
+            flops = 2 * heads * (qk + v) * chunk * context
+            bytes_moved = (q.numel() + k.numel() + value.numel() + q.numel() // qk * v) * 2
+            self.record("mla_prefill", case, "bf16", seconds, bytes_moved, flops)
+            del q, k, value
+
     # ---- summary --------------------------------------------------------------------------------------------
 
     def planner_block(self) -> dict[str, Any]:
@@ -286,15 +406,19 @@ class Calibration:
             if dense:
                 streaming = [m for m in dense if _rows(m) == 1]
                 kinds.setdefault("dense_gemm", {})[family] = self._figures(streaming, dense, by_line=True)
-        moe = [m for m in self.results if m.family == "moe_gemm"]
-        if moe:
-            small = [m for m in moe if _rows(m) <= 32]
-            figures = self._figures(small, moe, by_line=True)
-            figures["floor_us"] = round(_intercept(small)[0], 2)
-            kinds["moe_gemm"] = {"16bit": figures}
+        for dtype, family in (("bf16", "16bit"), ("fp8", "fp8"), ("fp4", "fp4")):
+            moe = [m for m in self.results if m.family == "moe_gemm" and m.dtype == dtype]
+            if moe:
+                small = [m for m in moe if _rows(m) <= (256 if m.case.startswith("ep") else 32)]
+                figures = self._figures(small, moe, by_line=True)
+                figures["floor_us"] = round(_intercept(small)[0], 2)
+                kinds.setdefault("moe_gemm", {})[family] = figures
+        fp4 = [m for m in self.results if m.family == "dense_gemm" and m.dtype == "fp4"]
+        if fp4:
+            kinds.setdefault("dense_gemm", {})["fp4"] = self._figures([m for m in fp4 if _rows(m) == 1], fp4, True)
         decode = [m for m in self.results if m.family == "mla_decode"]
         if decode:
-            longest = [m for m in decode if m.case.endswith(f"context {max(self.contexts)}")]
+            longest = [m for m in decode if int(m.case.rsplit(" ", 1)[1]) >= max(self.contexts)]
             kinds["mla_decode"] = {"any": self._figures(longest, decode)}
         prefill = [m for m in self.results if m.family == "mla_prefill"]
         if prefill:
@@ -325,10 +449,11 @@ class Calibration:
 
 
 def _rows(m: Measurement) -> int:
-    """The batch (rows, tokens) of a dense or MoE case: `... m=128` or `batch 8 (...)`."""
+    """The batch (rows, tokens) of a dense or MoE case: `... m=128`, `batch 8 (...)` or `ep8 batch 256 (...)`."""
     if "m=" in m.case:
         return int(m.case.rsplit("=", 1)[1])
-    return int(m.case.split()[1])
+    words = m.case.split()
+    return int(words[words.index("batch") + 1])
 
 
 def _intercept(cases: list[Measurement]) -> tuple[float, float]:
@@ -359,6 +484,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--iterations", type=int, default=20, help="calls per CUDA graph (per timed sample); five samples a case"
     )
+    parser.add_argument(
+        "--long-context",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time attention at 32K-128K contexts (decode, and an 8K prompt chunk over them)",
+    )
     args = parser.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -378,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     calibration.mla_prefill((64, 128) if args.smoke else (2048, 4096, 8192))
     calibration.moe_gemm((1, 8, 64) if args.smoke else (1, 8, 16, 32, 128, 512, 4096, 16384))
     calibration.dense_gemms((1, 64) if args.smoke else (1, 16, 128, 1024, 4096, 8192))
+    calibration.moe_gemm_ep((8, 32) if args.smoke else (8, 16, 32, 64), (4, 16) if args.smoke else (32, 128, 512))
+    calibration.fp4_gemms((1, 64) if args.smoke else (1, 16, 128, 1024, 4096))
+    if args.long_context:
+        long = (256, 512) if args.smoke else (32768, 65536, 131072)
+        calibration.mla_decode((1, 8), long)
+        calibration.long_prefill_chunks(64 if args.smoke else 8192, long)
 
     result = {
         "format": CALIBRATION_FORMAT,

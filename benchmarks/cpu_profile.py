@@ -48,7 +48,7 @@ from deepserve.models import load_spec
 from deepserve.models.presets import TINY_MODEL_NAME
 from deepserve.net import free_port
 from deepserve.plan.fit import Target, fit_parameters
-from deepserve.plan.perf import PerformanceModel, Workload
+from deepserve.plan.perf import PerformanceModel, RequestLengths
 from deepserve.plan.planner import build_deployment
 from deepserve.plan.profiles import EngineParameters, write_parameters
 from deepserve.plan.types import Deployment
@@ -148,7 +148,7 @@ def deployment_for(point: Point, output_len: int) -> Deployment:
         load_spec(TINY_MODEL_NAME),
         "host",
         1,
-        workload=Workload(point.input_len, output_len),
+        workload=RequestLengths(point.input_len, output_len),
         max_model_len=MAX_MODEL_LEN,
         accelerator=point.accelerator(),
     )
@@ -157,7 +157,7 @@ def deployment_for(point: Point, output_len: int) -> Deployment:
 def predicted(point: Point, output_len: int, parameters: EngineParameters) -> dict[str, float]:
     deployment = deployment_for(point, output_len)
     model = _model(deployment, parameters)
-    p = model.predict(point.concurrency, Workload(point.input_len, output_len), deployment.running_cap)
+    p = model.predict(point.concurrency, RequestLengths(point.input_len, output_len), deployment.running_cap)
     return {"ttft_ms": p.ttft_ms, "tpot_ms": p.tpot_ms, "output_tok_s": p.output_throughput_tok_s}
 
 
@@ -196,7 +196,7 @@ def targets(points: list[Point], output_len: int) -> list[Target]:
     result = []
     for point in points:
         deployment = deployment_for(point, output_len)
-        workload = Workload(point.input_len, output_len)
+        workload = RequestLengths(point.input_len, output_len)
         cap = deployment.running_cap
 
         def model(parameters: EngineParameters, d: Deployment = deployment) -> PerformanceModel:
@@ -210,7 +210,7 @@ def targets(points: list[Point], output_len: int) -> list[Target]:
     return result
 
 
-def _metric(concurrency: int, workload: Workload, cap: int, which: str) -> Callable[[PerformanceModel], float]:
+def _metric(concurrency: int, workload: RequestLengths, cap: int, which: str) -> Callable[[PerformanceModel], float]:
     def value(model: PerformanceModel) -> float:
         prediction = model.predict(concurrency, workload, cap)
         return prediction.tpot_ms if which == "tpot" else prediction.output_throughput_tok_s

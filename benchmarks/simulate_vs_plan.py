@@ -34,7 +34,7 @@ import httpx
 
 from deepserve.engines.config import EngineConfig
 from deepserve.net import free_port
-from deepserve.plan.perf import Prediction, Workload
+from deepserve.plan.perf import Prediction, RequestLengths
 from deepserve.simulate.closed_loop import ClosedLoopResult, run_closed_loop
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.setup import SimulatedDeployment, build_core, resolve
@@ -57,7 +57,7 @@ class Row:
     bench: dict[str, float] | None = None
 
 
-def measure(deployment: SimulatedDeployment, sim: SimulateConfig, concurrency: int, workload: Workload, per: int):
+def measure(deployment: SimulatedDeployment, sim: SimulateConfig, concurrency: int, workload: RequestLengths, per: int):
     core = build_core(deployment, sim)
     equal = run_closed_loop(core, concurrency, workload.input_len, workload.output_len, max(per * concurrency, 8))
     staggered = run_closed_loop(
@@ -72,7 +72,7 @@ def measure(deployment: SimulatedDeployment, sim: SimulateConfig, concurrency: i
 
 
 def bench_through_server(
-    model: str, gpu: str, gpus: int, levels: list[int], workload: Workload, per: int, time_scale: float
+    model: str, gpu: str, gpus: int, levels: list[int], workload: RequestLengths, per: int, time_scale: float
 ) -> dict[int, dict[str, float]]:
     """`deepserve bench` at each level against one `deepserve simulate` process (prefix caching off: the planner
     does not model it, and random prompts of one seed would hit their own earlier copies)."""
@@ -152,7 +152,7 @@ def print_published() -> None:
     sim = SimulateConfig(gpu="b200", weights="fp8-dynamic")
     engine = EngineConfig(model="deepseek-ai/DeepSeek-V3-0324", max_model_len=32768, enable_prefix_caching=False)
     deployment = resolve(engine, sim)
-    workload = Workload(2048, 512)
+    workload = RequestLengths(2048, 512)
     print("\nseed 002: DeepSeek-V3-0324, --quantization fp8, 8 x B200, vLLM 0.16, 2048 in / 512 out")
     print("| c | published tok/s | plan | sim | published TTFT ms | plan | sim | published TPOT ms | plan | sim |")
     print("|" + "---:|" * 10)
@@ -179,7 +179,7 @@ def main() -> None:
     parser.add_argument("--bench", action="store_true", help="also run deepserve bench against deepserve simulate")
     parser.add_argument("--time-scale", type=float, default=0.25, help="--bench: wall seconds per simulated second")
     args = parser.parse_args()
-    workload = Workload(args.input_len, args.output_len)
+    workload = RequestLengths(args.input_len, args.output_len)
     levels = [int(level) for level in args.concurrency.split(",")]
     profiles = [(args.model, args.gpu)] if args.model else list(PROFILES)
     for model, gpu in profiles:

@@ -36,7 +36,7 @@ from deepserve.engines import vllm_metrics as names
 from deepserve.engines.config import EngineConfig
 from deepserve.hardware.host import measured_host
 from deepserve.net import free_port
-from deepserve.plan.perf import Workload
+from deepserve.plan.perf import RequestLengths
 from deepserve.plan.speculative import acceptance_per_position, parse_acceptance
 from deepserve.simulate.closed_loop import run_closed_loop
 from deepserve.simulate.config import SimulateConfig
@@ -114,7 +114,7 @@ def predictions(point: Point, model: str, input_len: int, output_len: int, seed:
     engine = EngineConfig(model=model, max_model_len=MAX_MODEL_LEN, num_speculative_tokens=point.tokens or None)
     sim = SimulateConfig(gpu="host", gpus=1, spec_acceptance=list(point.assumed_acceptance), spec_seed=seed)
     deployment = resolve(engine, sim)
-    planned = deployment.predict(point.concurrency, Workload(input_len, output_len))
+    planned = deployment.predict(point.concurrency, RequestLengths(input_len, output_len))
     core = build_core(deployment, sim)
     simulated = run_closed_loop(core, point.concurrency, input_len, output_len, point.prompts)
     spec = core.scheduler.spec_counters

@@ -9,16 +9,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from deepserve.cli import plan_search, plan_validate
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
-from deepserve.errors import ConfigError
-from deepserve.plan.commands import render_command
 from deepserve.plan.explain import fitting_layout_text
-from deepserve.plan.fit import fit_profiles, fit_to_json, row_cases, write_fits
 from deepserve.plan.memory import DRAFT_COMPONENT
 from deepserve.plan.planner import Plan, make_plan
 from deepserve.plan.types import PlanConfig
-from deepserve.plan.validate import MAX_RATIO, TARGET_MAPE_PCT, Score, Validation, validate
+from deepserve.simulate.forecast import SimulatorForecaster
 
 GB = 1e9
 
@@ -41,25 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_plan)
     actions = parser.add_subparsers(dest="plan_command", metavar="ACTION", required=False)
 
-    check = actions.add_parser(
-        "validate", help="predicted vs published figures: leave-one-source-out first, in-sample second"
-    )
-    check.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    check.add_argument("--in-sample", action="store_true", help="also print the in-sample table row by row")
-    check.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for docs)")
-    check.add_argument(
-        "--calibration",
-        type=Path,
-        default=None,
-        help="kernel figures measured by benchmarks/calibrate_gpu.py: used for the rows on that GPU class",
-    )
-    # Accepted for scripts written against the earlier validation; leave-one-source-out is now always shown.
-    check.add_argument("--cross-validate", action="store_true", help=argparse.SUPPRESS)
-    check.set_defaults(handler=_validate)
-
-    fit = actions.add_parser("fit", help="refit the engine profiles' overhead parameters to the published figures")
-    fit.add_argument("--write", action="store_true", help="store them in the package (data/engine_profiles.json)")
-    fit.set_defaults(handler=_fit)
+    plan_validate.register(actions)
+    plan_search.register(actions)
 
 
 def _levels(text: str) -> list[int]:
@@ -77,9 +58,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.concurrency is not None:
         overrides["concurrency"] = args.concurrency
     config = load_section(PlanConfig, "plan", args.config, overrides)
-    plan = make_plan(config)
+    plan = make_plan(config, SimulatorForecaster() if config.num_prompts else None)
     if args.json:
-        print(json.dumps({**plan.to_json(), "render_command": render_command(config)}, indent=2))
+        print(json.dumps(plan.to_json(), indent=2))
     else:
         print_plan(Console(soft_wrap=True), plan)
     return 0
@@ -113,6 +94,8 @@ def print_plan(console: Console, plan: Plan) -> None:
         _print_explanations(console, plan)
         return
     console.print(_predictions_table(plan))
+    if plan.forecasts:
+        console.print(_forecasts_table(plan))
     if plan.config.slo_itl_ms is not None:
         within = plan.max_concurrency_within_slo
         text = "none: even one request misses it" if within is None else f"{within}"
@@ -122,7 +105,7 @@ def print_plan(console: Console, plan: Plan) -> None:
     for engine, line in plan.commands.items():
         console.print(f"[bold]{engine}[/]: {line}", soft_wrap=True, highlight=False)
     _print_serve_lines(console, plan)
-    console.print(f"[bold]deploy[/]: {render_command(plan.config)}", soft_wrap=True, highlight=False)
+    console.print(f"[bold]deploy[/]: {plan.deploy_render}", soft_wrap=True, highlight=False)
 
 
 def _print_speculation(console: Console, plan: Plan) -> None:
@@ -144,6 +127,26 @@ def _print_speculation(console: Console, plan: Plan) -> None:
             "(--speculative-method mtp)",
             highlight=False,
         )
+
+
+def _forecasts_table(plan: Plan) -> Table:
+    """The finite benchmark (--num-prompts) as the simulator runs it, beside the steady closed loop."""
+    run = plan.forecasts[0].run
+    rate = "all at once" if run.request_rate is None else f"at {run.request_rate:g} req/s"
+    title = f"the benchmark forecast: {run.num_prompts} requests {rate}, per concurrency cap (steady in brackets)"
+    table = Table(title=title)
+    for column in ("concurrency", "output tok/s", "TPOT ms", "TTFT ms mean", "TTFT ms p99", "duration s"):
+        table.add_column(column, justify="right")
+    for forecast, steady in zip(plan.forecasts, plan.predictions, strict=True):
+        table.add_row(
+            str(forecast.run.concurrency),
+            f"{forecast.output_throughput_tok_s:,.0f} ({steady.output_throughput_tok_s:,.0f})",
+            f"{forecast.tpot_ms.mean:,.1f} ({steady.tpot_ms:,.1f})",
+            f"{forecast.ttft_ms.mean:,.0f} ({steady.ttft_ms:,.0f})",
+            f"{forecast.ttft_ms.p99:,.0f}",
+            f"{forecast.duration_s:,.1f}",
+        )
+    return table
 
 
 def _print_serve_lines(console: Console, plan: Plan) -> None:
@@ -229,99 +232,3 @@ def _shortfall(plan: Plan) -> str:
         f"the KV cache holds {memory.kv_cache_tokens:,} tokens, fewer than max_model_len {memory.max_model_len:,}; "
         "lower --max-model-len or add memory"
     )
-
-
-def _validate(args: argparse.Namespace) -> int:
-    result = validate(calibration=args.calibration)
-    if args.json:
-        print(json.dumps(result.to_json(), indent=2))
-        return 0
-    if args.markdown:
-        print(validation_markdown(result))
-        return 0
-    console = Console(soft_wrap=True)
-    print_validation(console, result, in_sample_rows=args.in_sample)
-    return 0
-
-
-def validation_markdown(result: Validation) -> str:
-    """Leave-one-source-out and in-sample side by side per row, then both summaries, as docs quote them."""
-    in_sample = {r.row.number: r for r in result.in_sample.results}
-    lines = [
-        "| row | setup | published | leave-one-source-out | ratio | in-sample | ratio |",
-        "|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in result.held_out.results:
-        own = in_sample[r.row.number]
-        lines.append(
-            f"| {r.row.number} | {r.row.label().split(' ', 1)[1]} | {r.row.value:,.4g} {r.row.unit} | "
-            f"{r.predicted:,.4g} | {r.ratio:.2f} | {own.predicted:,.4g} | {own.ratio:.2f} |"
-        )
-    lines += ["", _score_summary("leave-one-source-out", result.held_out),
-              "", _score_summary("in-sample (fitted on every row)", result.in_sample)]  # fmt: skip
-    return "\n".join(lines)
-
-
-def print_validation(console: Console, result: Validation, in_sample_rows: bool = False) -> None:
-    console.print(
-        _score_table("leave-one-source-out: each source predicted by a profile fitted on the others", result.held_out)
-    )
-    console.print(_score_summary("leave-one-source-out", result.held_out), highlight=False)
-    console.print(_score_summary("in-sample (fitted on every row)", result.in_sample), highlight=False)
-    if in_sample_rows:
-        console.print(_score_table("in-sample", result.in_sample))
-    for name, parameters in result.parameters.items():
-        values = ", ".join(f"{key} {value:g}" for key, value in parameters.to_json().items())
-        console.print(f"profile {name} fitted on every row: {values}", highlight=False)
-    if result.not_held_out:
-        console.print("[bold]rows predicted in-sample only[/]")
-        for skipped in result.not_held_out:
-            console.print(f"  {skipped.row.label()}: {skipped.reason}", highlight=False)
-    console.print("[bold]rows the model cannot predict[/]")
-    for skipped in result.skipped:
-        console.print(f"  {skipped.row.label()}: {skipped.reason}", highlight=False)
-        if (t := skipped.transferred) is not None:
-            console.print(
-                f"    for information, not scored: with the carried-over figures the model predicts "
-                f"{t.predicted:,.2f} {t.row.unit} (ratio {t.ratio:.2f})",
-                highlight=False,
-            )
-
-
-def _score_table(title: str, score: Score) -> Table:
-    table = Table(title=title)
-    for column in ("row", "setup", "predicted", "published", "ratio"):
-        table.add_column(column, justify="left" if column == "setup" else "right")
-    for r in score.results:
-        label = r.row.label().split(" ", 1)[1]
-        table.add_row(
-            str(r.row.number), label, f"{r.predicted:,.2f}", f"{r.row.value:,.2f} {r.row.unit}", f"{r.ratio:.2f}"
-        )
-    return table
-
-
-def _score_summary(name: str, score: Score) -> str:
-    if not score.results:
-        return f"{name}: no predictable rows"
-    parts = [
-        f"{group} {score.mape_pct(group):.1f}% (target <= {TARGET_MAPE_PCT[group]:g}%)" for group in score.groups()
-    ]
-    worst = score.worst
-    assert worst is not None
-    off = ", ".join(f"row {r.row.number}" for r in score.off_by_more_than_2x) or "none"
-    verdict = "meets the targets" if score.meets_targets() else "MISSES the targets"
-    return (
-        f"{name} over {len(score.results)} rows: MAPE {'; '.join(parts)}; worst ratio {worst.ratio:.2f} "
-        f"(row {worst.row.number}); off by more than {MAX_RATIO:g}x: {off}; {verdict}"
-    )
-
-
-def _fit(args: argparse.Namespace) -> int:
-    cases = row_cases()[0]
-    fits = fit_profiles(cases)
-    if not fits:
-        raise ConfigError("no engine profile has enough predictable published rows to fit")
-    if args.write:
-        print(f"wrote {write_fits(fits, cases)}")
-    print(json.dumps({fit.profile: fit_to_json(fit, cases) for fit in fits}, indent=1))
-    return 0

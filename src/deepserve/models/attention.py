@@ -26,7 +26,9 @@ index_topk, V4's HCA layers as the square over 128.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
 from deepserve.models.kv_cache import (
     INDEXER_FP4_BYTES_PER_VALUE,
@@ -99,10 +101,12 @@ class AttentionWork:
         return self.cache_bytes + self.indexer_bytes
 
 
+@lru_cache(maxsize=256)
 def attention_layers(
     spec: ModelSpec, kv_dtype: str = "auto", layers: range | None = None
 ) -> tuple[LayerAttention, ...]:
-    """How each of SPEC's LAYERS (default: all) attends, with the cache entry sizes of KV_DTYPE."""
+    """How each of SPEC's LAYERS (default: all) attends, with the cache entry sizes of KV_DTYPE (remembered: the
+    step model asks once per engine step)."""
     indices = layers if layers is not None else range(spec.num_layers)
     layout = kv_cache_layout(spec, kv_dtype, layers=range(0, 0))  # resolves the dtype only
     kind = spec.attention_kind
@@ -131,13 +135,13 @@ def decode_attention(
     fp4_indexer_cache: bool = False,
 ) -> AttentionWork:
     """One decode token of a sequence at CONTEXT_LEN tokens, on LAYERS (default: all)."""
-    layer_kinds = attention_layers(spec, kv_dtype, layers)
+    kinds = _layer_counts(spec, kv_dtype, layers)
     key = _indexer_key_bytes(spec, fp4_indexer_cache)
-    attended = sum(layer.attended(context_len) for layer in layer_kinds)
-    scored = sum(layer.scored(context_len) for layer in layer_kinds)
+    attended = sum(n * layer.attended(context_len) for layer, n in kinds)
+    scored = sum(n * layer.scored(context_len) for layer, n in kinds)
     return AttentionWork(
-        cache_bytes=sum(layer.attended(context_len) * layer.entry_bytes for layer in layer_kinds),
-        flops_per_head=sum(layer.attended(context_len) * layer.flops_per_entry_per_head for layer in layer_kinds),
+        cache_bytes=sum(n * layer.attended(context_len) * layer.entry_bytes for layer, n in kinds),
+        flops_per_head=sum(n * layer.attended(context_len) * layer.flops_per_entry_per_head for layer, n in kinds),
         heads=spec.num_attention_heads,
         indexer_bytes=scored * key,
         indexer_flops=scored * _indexer_flops_per_key(spec),
@@ -176,6 +180,12 @@ def prefill_attention(
         indexer_flops=scored * _indexer_flops_per_key(spec),
         attended_entries=sum(attended),
     )
+
+
+@lru_cache(maxsize=256)
+def _layer_counts(spec: ModelSpec, kv_dtype: str, layers: range | None) -> tuple[tuple[LayerAttention, int], ...]:
+    """LAYERS' attention kinds with how many layers attend each way (V4's 61 layers are three kinds)."""
+    return tuple(Counter(attention_layers(spec, kv_dtype, layers)).items())
 
 
 def _v4_layer(spec: ModelSpec, ratio: int, entry: float, per_head: float) -> LayerAttention:

@@ -158,6 +158,22 @@ class KVCacheLayout:
         start-up: windows widened by the tokens one step may have in flight."""
         return sum(group.blocks(context_len, in_flight_tokens) for group in self.groups) * self.block_bytes
 
+    def prompt_in_flight_bytes(self, prompt_len: int, in_flight_tokens: int = DEFAULT_IN_FLIGHT_TOKENS) -> int:
+        """What the windowed caches hold beyond their windows while prompt tokens are in flight: every prompt token
+        of an unsettled step writes its sliding-window entry and its compressors' state, and vLLM frees the pages
+        that fall out of the windows only when the step has settled (`SlidingWindowManager.remove_skipped_blocks`,
+        run from the request's next `allocate_slots`). IN_FLIGHT_TOKENS of prompts of PROMPT_LEN tokens are that
+        many requests, each holding its windows widened by its share (`admission_bytes_per_sequence`). V4's
+        compressor-state pages hold 4 or 8 tokens in a block of the pool's size, so an 8K prompt holds thousands of
+        blocks until its step settles: capacity the decoding requests cannot use (0 for MLA and V3.2)."""
+        if self.is_linear or prompt_len <= 0 or in_flight_tokens <= 0:
+            return 0
+        share = min(prompt_len, in_flight_tokens)
+        requests = _cdiv(in_flight_tokens, share)
+        windowed = [g for g in self.groups if g.window is not None]
+        extra = sum(g.blocks(prompt_len, share) - g.blocks(prompt_len) for g in windowed)
+        return requests * max(extra, 0) * self.block_bytes
+
     def sequences(self, kv_bytes: int, context_len: int) -> int:
         """Requests of CONTEXT_LEN tokens that KV_BYTES hold while they decode."""
         per = self.bytes_per_sequence(context_len)

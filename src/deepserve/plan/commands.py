@@ -98,6 +98,8 @@ RENDER_FLAGS = {
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
+    "speculative_method": "--speculative-method",
+    "num_speculative_tokens": "--num-speculative-tokens",
 }
 
 

@@ -169,14 +169,16 @@ def fitting_layout_text(gpus: int, per_node: int) -> str:
 def explain_kv_cache(config: PlanConfig, deployment: Deployment) -> str:
     memory, spec, layout = deployment.memory, deployment.spec, deployment.layout
     acc = deployment.accelerator
-    activations = memory.reserve_bytes_per_gpu - CUDA_GRAPH_RESERVE_BYTES - NON_TORCH_RESERVE_BYTES
+    fixed = CUDA_GRAPH_RESERVE_BYTES + NON_TORCH_RESERVE_BYTES
+    activations = memory.reserve_bytes_per_gpu - fixed - memory.workspace_bytes_per_gpu
+    workspace = memory.workspace_bytes_per_gpu
+    sparse = f", sparse attention's prefill workspace {workspace / GB:,.2f} GB" if workspace else ""
     text = (
         f"per GPU: budget {config.gpu_memory_utilization:g} x {acc.memory_gib:g} GiB = "
         f"{memory.budget_bytes_per_gpu / GB:,.1f} GB, minus weights {memory.weights_bytes_per_gpu / GB:,.1f} GB, "
         f"minus reserve {memory.reserve_bytes_per_gpu / GB:,.1f} GB (activations of a "
         f"{deployment.max_num_batched_tokens:,}-token chunk {activations / GB:,.1f} GB, CUDA graphs and non-torch "
-        f"memory {(CUDA_GRAPH_RESERVE_BYTES + NON_TORCH_RESERVE_BYTES) / GB:,.1f} GB) = "
-        f"{memory.kv_cache_bytes_per_gpu / GB:,.1f} GB of KV cache"
+        f"memory {fixed / GB:,.1f} GB{sparse}) = {memory.kv_cache_bytes_per_gpu / GB:,.1f} GB of KV cache"
     )
     layers = len(stage_layers(spec, layout.pp)[0])
     values = spec.kv_values_per_token_per_layer
@@ -193,6 +195,12 @@ def explain_kv_cache(config: PlanConfig, deployment: Deployment) -> str:
         text += f"; a token costs {memory.kv_bytes_per_token_per_gpu:,} B per GPU ({memory.kv_placement})"
     if memory.kv_cache_bytes_per_gpu <= 0:
         return text + "; nothing is left, so it does not fit"
+    if memory.kv_prompt_in_flight_bytes:
+        text += (
+            f"; {memory.kv_prompt_in_flight_bytes / GB:,.1f} GB of it stay with the prompts of the "
+            f"{memory.in_flight_tokens:,} tokens in flight (two engine steps) until their steps settle: each prompt "
+            "token writes its window entry and compressor state, pages of 4-8 tokens in the pool's blocks"
+        )
     text += f"; {memory.kv_cache_tokens:,} tokens" + (f" (x DP {layout.dp})" if layout.dp > 1 else "")
     text += (
         f" = {memory.max_concurrent_sequences:,} sequences of {memory.sequence_len:,} tokens "
@@ -205,7 +213,21 @@ def explain_kv_cache(config: PlanConfig, deployment: Deployment) -> str:
         text += f"; max_num_seqs {deployment.max_num_seqs} caps the running batch at {cap}"
     else:
         text += f"; the running batch is limited by the KV cache at {cap} sequences"
-    return text
+    return text + _max_num_seqs_words(deployment)
+
+
+def _max_num_seqs_words(deployment: Deployment) -> str:
+    """--max-num-seqs as the engines apply it: per data-parallel rank, over all pipeline micro-batches together
+    (vLLM V1, SGLang's --max-running-requests per rank) or per micro-batch (vLLM V0)."""
+    layout = deployment.layout
+    per_rank = deployment.max_num_seqs_per_rank
+    if per_rank is None:  # not one sequence fits: there is nothing to cap
+        return ""
+    scope = "each pipeline micro-batch" if deployment.micro_batches_capped() > 1 else "all its pipeline micro-batches"
+    words = f"; the commands pass --max-num-seqs {per_rank}: "
+    if layout.dp > 1:
+        return words + f"each of the {layout.dp} data-parallel ranks runs up to {per_rank} of them ({scope})"
+    return words + f"the engine runs up to {per_rank} over {scope}"
 
 
 def _nonlinear_kv_text(memory: MemoryPlan, tp: int) -> str:

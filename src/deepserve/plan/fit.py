@@ -18,9 +18,13 @@ from typing import Any
 
 import numpy as np
 
+from deepserve.errors import DeepserveError
+from deepserve.plan.benchmark import BenchmarkForecaster
+from deepserve.plan.kernels import KernelRates
 from deepserve.plan.perf import PerformanceModel
 from deepserve.plan.profiles import PROFILES_PATH, EngineParameters, SelectedFactors, write_parameters
-from deepserve.plan.published import PublishedRow, load_rows, predict_row, row_deployment, unpredictable_reason
+from deepserve.plan.published import PublishedRow, load_rows, row_deployment, unpredictable_reason
+from deepserve.plan.scoring import NeedsForecaster, fits_steady, predict_row
 from deepserve.plan.types import Deployment
 
 MIN_TARGETS_PER_PARAMETER = 2
@@ -28,6 +32,8 @@ MIN_TARGETS_PER_PARAMETER = 2
 STARTS: dict[str, tuple[float, ...]] = {
     "kernels_per_layer": (5.0, 30.0, 120.0),
     "prefill_efficiency": (0.05, 0.3, 1.0),
+    "request_overhead_ms": (10.0, 60.0, 200.0),
+    "cross_node_latency_us": (20.0, 60.0, 200.0),
     "step_overhead_ms": (0.5, 5.0, 30.0),
     "per_sequence_us": (10.0, 200.0, 2000.0),
 }
@@ -56,30 +62,86 @@ class ProfileFit:
 
 
 def fit_parameters(base: SelectedFactors, targets: Sequence[Target]) -> ProfileFit:
-    """The values of BASE's fitted parameters that minimise the squared log errors over TARGETS."""
+    """The values of BASE's fitted parameters that minimise the squared log errors over TARGETS, plus for each
+    parameter with a prior its squared log distance from the prior in units of the prior's spread (one pseudo-row
+    each: the prior holds a parameter where the rows say nothing about it, and yields where they do)."""
     names = base.engine.fitted
     if not names:  # a profile with nothing fitted (its values carried over): scored as it is, never searched
         squared = [math.log(t.predicted(base.parameters) / t.value) ** 2 for t in targets]
         rms = math.sqrt(sum(squared) / max(len(squared), 1))
         return ProfileFit(base.profile, base.parameters, (), tuple(t.label for t in targets), rms)
-    if len(targets) < MIN_TARGETS_PER_PARAMETER * len(names):
+    priors = {name: base.engine.priors[name] for name in names if name in base.engine.priors}
+    if not targets and len(priors) == len(names):  # nothing to fit on: the priors are the estimate
+        values = {name: priors[name][0] for name in names}
+        return ProfileFit(base.profile, base.parameters.with_values(values), names, (), 0.0)
+    if len(targets) < MIN_TARGETS_PER_PARAMETER * max(len(names), 1) and len(priors) < len(names):
         raise ValueError(f"{len(targets)} targets cannot determine {len(names)} parameters of {base.profile}")
 
     def parameters_at(x: np.ndarray) -> EngineParameters:
         return base.parameters.with_values({name: float(math.exp(v)) for name, v in zip(names, x, strict=True)})
 
-    def loss(x: np.ndarray) -> float:
+    def residuals(x: np.ndarray) -> np.ndarray:
         parameters = parameters_at(x)
-        return float(sum(math.log(t.predicted(parameters) / t.value) ** 2 for t in targets))
+        rows = [math.log(t.predicted(parameters) / t.value) for t in targets]
+        return np.array(rows + _prior_residuals(dict(zip(names, x, strict=True)), priors))
 
-    starts = [np.log(np.array(point)) for point in _start_grid(names)]
-    best = min(starts, key=loss)  # the grid's best point seeds the simplex; a second start guards against its basin
-    second = min((s for s in starts if s is not best), key=loss, default=best)
-    candidates = [_nelder_mead(loss, best), _nelder_mead(loss, second)]
-    winner = min(candidates, key=loss)
+    def loss(x: np.ndarray) -> float:
+        r = residuals(x)
+        return float(r @ r)
+
+    starts = _starts(base, names, priors, loss)
+    if len(priors) == len(names):  # a smooth least-squares problem: Levenberg-Marquardt needs few evaluations
+        winner = min((_levenberg_marquardt(residuals, start) for start in starts), key=loss)
+    else:
+        winner = min((_nelder_mead(loss, start) for start in starts), key=loss)
     parameters = parameters_at(winner)
-    rms = math.sqrt(loss(winner) / len(targets))
+    rms = math.sqrt(sum(math.log(t.predicted(parameters) / t.value) ** 2 for t in targets) / max(len(targets), 1))
     return ProfileFit(base.profile, parameters, names, tuple(t.label for t in targets), rms)
+
+
+def _prior_residuals(log_values: dict[str, float], priors: dict[str, tuple[float, float]]) -> list[float]:
+    """Each prior's pseudo-row: the parameter's log distance from the prior in units of its spread."""
+    return [(log_values[name] - math.log(value)) / math.log(factor) for name, (value, factor) in priors.items()]
+
+
+def _levenberg_marquardt(
+    residuals: Callable[[np.ndarray], np.ndarray], x0: np.ndarray, iterations: int = 40
+) -> np.ndarray:
+    """Least squares by Levenberg-Marquardt with a forward-difference Jacobian (steps capped at a factor e^2 per
+    parameter); stops when a step no longer lowers the sum of squares."""
+    x, r = x0.copy(), residuals(x0)
+    cost, damping = float(r @ r), 1e-2
+    for _ in range(iterations):
+        jacobian = np.column_stack([(residuals(x + 1e-4 * unit) - r) / 1e-4 for unit in np.eye(len(x))])
+        gradient, curvature = jacobian.T @ r, jacobian.T @ jacobian
+        while damping < 1e8:
+            scale = curvature + damping * np.diag(np.diag(curvature) + 1e-12)
+            step = np.clip(np.linalg.solve(scale, -gradient), -2.0, 2.0)
+            trial = residuals(x + step)
+            if float(trial @ trial) < cost:
+                x, r, cost, damping = x + step, trial, float(trial @ trial), max(damping / 3, 1e-9)
+                break
+            damping *= 4
+        else:
+            break
+        if float(np.abs(step).max()) < 1e-5:
+            break
+    return x
+
+
+def _starts(
+    base: SelectedFactors,
+    names: tuple[str, ...],
+    priors: dict[str, tuple[float, float]],
+    loss: Callable[[np.ndarray], float],
+) -> list[np.ndarray]:
+    """Where the simplex starts: the priors and the profile's stored values when every parameter has a prior;
+    otherwise the best two points of a start grid."""
+    if len(priors) == len(names):
+        stored = np.log(np.array([max(getattr(base.parameters, name), 1e-9) for name in names]))
+        return [np.log(np.array([priors[name][0] for name in names])), stored]
+    grid = sorted((np.log(np.array(point)) for point in _start_grid(names)), key=loss)
+    return grid[:2]
 
 
 def _start_grid(names: tuple[str, ...]) -> list[tuple[float, ...]]:
@@ -99,7 +161,7 @@ def _nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, iterations: i
             order = np.argsort(values)
             simplex = [simplex[i] for i in order]
             values = [values[i] for i in order]
-            if abs(values[-1] - values[0]) < 1e-10:
+            if abs(values[-1] - values[0]) < 1e-7 * max(abs(values[0]), 1e-9) + 1e-12:
                 break
             centroid = np.mean(simplex[:-1], axis=0)
             reflected = centroid + (centroid - simplex[-1])
@@ -130,12 +192,27 @@ class RowCase:
     row: PublishedRow
     deployment: Deployment
     engine: SelectedFactors
+    rates: KernelRates
+
+    def model(self, parameters: EngineParameters) -> PerformanceModel:
+        return self.deployment.performance_model(self.engine.with_parameters(parameters, "fit"), self.rates)
 
     def target(self) -> Target:
-        def model(parameters: EngineParameters) -> PerformanceModel:
-            return self.deployment.performance_model(self.engine.with_parameters(parameters, "fit"))
+        """The row's steady-formula prediction, what the fit minimises over."""
+        return Target(
+            self.row.label(),
+            self.row.value,
+            lambda m: predict_row(self.row, self.deployment, m, steady=True),
+            self.model,
+        )
 
-        return Target(self.row.label(), self.row.value, lambda m: predict_row(self.row, self.deployment, m), model)
+    def predict(self, parameters: EngineParameters, forecaster: BenchmarkForecaster | None = None) -> float:
+        """The row as the user measured it: the forecaster's finite run where the row's run is known."""
+        return predict_row(self.row, self.deployment, self.model(parameters), forecaster)
+
+    @property
+    def steady(self) -> bool:
+        return fits_steady(self.row)
 
 
 def row_cases(
@@ -156,7 +233,10 @@ def row_cases(
 
 
 def _row_case(row: PublishedRow, calibration: Path | None) -> tuple[str | None, RowCase | None]:
-    deployment = row_deployment(row, calibration)
+    try:
+        deployment = row_deployment(row, calibration)
+    except DeepserveError as exc:
+        return f"the row's setup is refused: {exc}", None
     engine = deployment.select_engine(across_engines=False)
     rates = deployment.kernel_rates()
     if engine is None:
@@ -172,7 +252,7 @@ def _row_case(row: PublishedRow, calibration: Path | None) -> tuple[str | None, 
         ), None
     if not deployment.memory.fits:
         return "the model says this setup does not fit in memory", None
-    return None, RowCase(row, deployment, engine)
+    return None, RowCase(row, deployment, engine, rates)
 
 
 def fit_profiles(cases: list[RowCase] | None = None) -> list[ProfileFit]:
@@ -180,9 +260,20 @@ def fit_profiles(cases: list[RowCase] | None = None) -> list[ProfileFit]:
     cases = row_cases()[0] if cases is None else cases
     fits = []
     for _name, members in sorted(_by_profile(cases).items()):
-        if len(members) >= MIN_TARGETS_PER_PARAMETER * len(members[0].engine.engine.fitted):
-            fits.append(fit_parameters(members[0].engine, [m.target() for m in members]))
+        fit = _fit_if_determined(members[0].engine, [m for m in members if m.steady])
+        if fit is not None:
+            fits.append(fit)
     return fits
+
+
+def _fit_if_determined(engine: SelectedFactors, train: list[RowCase]) -> ProfileFit | None:
+    """ENGINE's profile fitted on TRAIN's rows, where they (or, lacking rows, its priors) determine every fitted
+    parameter; None otherwise."""
+    fitted = engine.engine.fitted
+    priors_cover = all(name in engine.engine.priors for name in fitted)
+    if len(train) < MIN_TARGETS_PER_PARAMETER * len(fitted) and not priors_cover:
+        return None
+    return fit_parameters(engine, [c.target() for c in train])
 
 
 def _by_profile(cases: list[RowCase]) -> dict[str, list[RowCase]]:
@@ -205,24 +296,22 @@ class HeldOut:
         return self.predicted / self.row.value
 
 
-def leave_one_source_out(cases: list[RowCase] | None = None) -> list[HeldOut]:
-    """For each source: refit each engine profile on the other sources' rows, predict the source's rows. A source
-    whose profile has too few rows elsewhere is reported, not predicted."""
+def leave_one_source_out(
+    cases: list[RowCase] | None = None, forecaster: BenchmarkForecaster | None = None
+) -> list[HeldOut]:
+    """For each source: refit each engine profile on the other sources' steady rows, predict the source's rows (as
+    their runs were made, with FORECASTER where a row's run is finite). A source whose profile has too few rows
+    elsewhere is reported, not predicted."""
     cases = row_cases()[0] if cases is None else cases
     held = []
     for source in sorted({c.row.source for c in cases}):
-        others = [c for c in cases if c.row.source != source]
+        others = [c for c in cases if c.row.source != source and c.steady]
         fitted: dict[str, EngineParameters | None] = {}
         for case in (c for c in cases if c.row.source == source):
             name = case.engine.profile
             if name not in fitted:
-                train = [c for c in others if c.engine.profile == name]
-                needed = MIN_TARGETS_PER_PARAMETER * len(case.engine.engine.fitted)
-                fitted[name] = (
-                    fit_parameters(case.engine, [c.target() for c in train]).parameters
-                    if len(train) >= needed
-                    else None
-                )
+                fit = _fit_if_determined(case.engine, [c for c in others if c.engine.profile == name])
+                fitted[name] = fit.parameters if fit is not None else None
             parameters = fitted[name]
             if parameters is None:
                 held.append(
@@ -235,14 +324,21 @@ def leave_one_source_out(cases: list[RowCase] | None = None) -> list[HeldOut]:
                     )
                 )
                 continue
-            predicted = case.target().predicted(parameters)
-            held.append(HeldOut(case.row, predicted, parameters))
+            held.append(_held(case, parameters, forecaster))
     return sorted(held, key=lambda h: h.row.number)
+
+
+def _held(case: RowCase, parameters: EngineParameters, forecaster: BenchmarkForecaster | None) -> HeldOut:
+    try:
+        return HeldOut(case.row, case.predict(parameters, forecaster), parameters)
+    except NeedsForecaster:
+        return HeldOut(case.row, None, parameters, "a finite run: predicted only through the simulator's forecast")
 
 
 def fit_to_json(fit: ProfileFit, cases: list[RowCase]) -> dict[str, Any]:
     """What `plan fit --write` stores next to the parameters: the rows, the catalog figures, the error."""
-    used = [c for c in cases if c.row.label() in set(fit.labels)]
+    labels = set(fit.labels)
+    used = [c for c in cases if c.row.label() in labels]
     return {
         "generated_by": "deepserve plan fit --write",
         "generated_on": date.today().isoformat(),

@@ -9,6 +9,7 @@ recorded with its source next to the number; plan/perf.py turns them into second
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 
 from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import Accelerator, Link
+from deepserve.plan.formats import get_format
 
 KERNELS_PATH = Path(__file__).with_name("data") / "kernels.json"
 
@@ -48,6 +50,7 @@ class KernelRates:
     collectives: dict[str, float]  # link kind -> all-reduce bus bandwidth (GB/s)
     class_measured: bool
     provenance: str  # where the figures come from, for `plan` and `validate`
+    cross_node_all_reduce_us: float = 0.0  # a small all-reduce's latency over two nodes (grows with log2 of nodes)
 
     def rate(self, kind: str) -> KindRate:
         return self.kinds[kind]
@@ -64,16 +67,43 @@ class KernelRates:
             return min(self.collectives[link.kind], link.bandwidth_gb_s)
         return link.bandwidth_gb_s * self.network_efficiency
 
+    def all_reduce_latency_us(self, link: Link, nodes: int, two_node_us: float = 0.0) -> float:
+        """A small all-reduce's latency: the link's within a node; across NODES a two-node latency (TWO_NODE_US,
+        else the table's measured one), growing with the inter-node hops of NCCL's tree (2 log2(nodes), NCCL's
+        tuning model)."""
+        two_node_us = two_node_us or self.cross_node_all_reduce_us
+        if nodes <= 1 or not two_node_us:
+            return link.collective_latency_us
+        return two_node_us * math.log2(nodes)
+
     def with_overrides(self, overrides: dict[str, KindRate], provenance: str) -> KernelRates:
         return replace(self, kinds={**self.kinds, **overrides}, provenance=provenance)
 
 
 def weight_family(format_name: str) -> str:
+    """The kernel table's family for a weight format: fp8, fp4 (NVFP4, MXFP4), int4 (AWQ, GPTQ), 16bit."""
     if format_name.startswith("fp8"):
         return "fp8"
+    if "fp4" in format_name:
+        return "fp4"
     if "int4" in format_name:
         return "int4"
     return "16bit"
+
+
+@lru_cache(maxsize=16)
+def kind_families(format_name: str) -> dict[str, str]:
+    """The weight family each kind of work's figures are for. A format whose routed experts have a 4-bit format of
+    their own (DeepSeek-V4's MXFP4 experts, NVIDIA's NVFP4 exports) runs its experts on the fp4 figures and
+    everything else on its FP8 figures; other formats run every kind on their one family."""
+    family = weight_family(format_name)
+    try:
+        expert_format = get_format(format_name).expert_format
+    except ConfigError:
+        expert_format = None
+    if expert_format is None:
+        return {kind: family for kind in WORK_KINDS}
+    return {kind: "fp4" if kind == "moe_gemm" else "fp8" for kind in WORK_KINDS}
 
 
 @lru_cache(maxsize=4)
@@ -93,7 +123,8 @@ def kernel_rates(accelerator: Accelerator, format_name: str, path: Path = KERNEL
         )
     entry = classes[accelerator.hardware_class]
     family = weight_family(format_name)
-    kinds = {kind: _kind_rate(entry, kind, family, accelerator.hardware_class) for kind in WORK_KINDS}
+    families = kind_families(format_name)
+    kinds = {kind: _kind_rate(entry, kind, families[kind], accelerator.hardware_class) for kind in WORK_KINDS}
     for kind, efficiency in accelerator.measured_compute_efficiency:
         kinds[kind] = replace(
             kinds[kind], compute_efficiency=efficiency, measured=True, source=f"measured on {accelerator.name}"
@@ -115,6 +146,7 @@ def kernel_rates(accelerator: Accelerator, format_name: str, path: Path = KERNEL
         },
         class_measured=measured,
         provenance=provenance,
+        cross_node_all_reduce_us=float(collectives["cross_node_all_reduce"]["latency_us_two_nodes"]),
     )
 
 

@@ -1,10 +1,11 @@
 """Parallel layouts: how a model's weights and requests are spread over GPUs, and which links each layout uses.
 
 GPUs = tp x pp x dp. Tensor parallelism (tp) splits attention heads and every expert's matrices; pipeline
-parallelism (pp) splits the layers into stages; data-parallel attention (dp > 1, with ep) replicates attention and
-gives each replica its own requests, while expert parallelism (ep) spreads whole experts over the tp x dp GPUs of a
-stage (as SGLang's --enable-dp-attention and vLLM's --data-parallel-size with --enable-expert-parallel serve
-DeepSeek).
+parallelism (pp) splits the layers into stages; data-parallel attention (dp > 1) replicates attention and gives
+each replica its own requests. The routed experts are spread over all tp x dp GPUs of a stage: whole experts with
+expert parallelism (ep: vLLM's --enable-expert-parallel, SGLang's --ep-size / DeepEP), or a slice of every expert
+without it (vLLM's data parallelism shards a MoE's experts over the DP x TP group; SGLang's --enable-dp-attention
+feeds TP-split experts through an all-gather).
 """
 
 from __future__ import annotations
@@ -29,8 +30,16 @@ class Layout:
 
     @property
     def expert_shards(self) -> int:
-        """How many GPUs of one stage share the routed experts."""
-        return self.tp * self.dp if self.ep else self.tp
+        """How many GPUs of one stage share the routed experts (all of the stage's GPUs)."""
+        return self.tp * self.dp
+
+    @property
+    def kind(self) -> str:
+        """The layout's family, as validation reports it: tp, tp+pp, tp+ep, dp+ep, dp+tp-experts."""
+        if self.dp > 1:
+            return "dp-attention+ep" if self.ep else "dp-attention+tp-experts"
+        family = "tp+ep" if self.ep and self.tp > 1 else "tp"
+        return family + ("+pp" if self.pp > 1 else "")
 
     def describe(self) -> str:
         parts = [f"TP={self.tp}"]
@@ -40,6 +49,8 @@ class Layout:
             parts.append(f"DP-attention={self.dp}")
         if self.ep:
             parts.append(f"EP={self.expert_shards}")
+        elif self.dp > 1:
+            parts.append(f"experts split {self.expert_shards} ways")
         return " ".join(parts)
 
 
@@ -65,16 +76,16 @@ def check_layout(layout: Layout, spec: ModelSpec, gpus: int) -> None:
         )
     if layout.pp > spec.num_layers:
         raise ConfigError(f"pipeline-parallel size {layout.pp} exceeds the model's {spec.num_layers} layers")
-    if layout.dp > 1 and not layout.ep and spec.is_moe:
-        raise ConfigError("data-parallel attention (--dp > 1) on a MoE model needs expert parallelism: add --ep")
-    if layout.ep and (not spec.is_moe or spec.n_routed_experts % layout.expert_shards):
+    if layout.ep and (not spec.is_moe or spec.n_routed_experts < layout.expert_shards):
         raise ConfigError(
-            f"expert parallelism over {layout.expert_shards} GPUs needs a MoE model whose routed experts divide "
-            f"evenly ({spec.name} has {spec.n_routed_experts})"
+            f"expert parallelism over {layout.expert_shards} GPUs needs a MoE model with at least one routed expert "
+            f"per GPU ({spec.name} has {spec.n_routed_experts}); where they do not divide evenly the engines add "
+            "redundant experts (EPLB)"
         )
-    if spec.moe_intermediate_size and not layout.ep and spec.moe_intermediate_size % layout.tp:
+    if spec.moe_intermediate_size and not layout.ep and spec.moe_intermediate_size % layout.expert_shards:
         raise ConfigError(
-            f"tensor-parallel size {layout.tp} does not divide the expert width {spec.moe_intermediate_size}"
+            f"splitting every expert {layout.expert_shards} ways does not divide the expert width "
+            f"{spec.moe_intermediate_size}; add --ep (whole experts per GPU) or use fewer GPUs per stage"
         )
 
 
@@ -93,19 +104,29 @@ def stage_layers(spec: ModelSpec, pp: int) -> list[range]:
 class Links:
     """The link each kind of communication crosses in a layout."""
 
-    tensor: Link  # all-reduce among the TP (and EP) group
+    tensor: Link  # all-reduce among the TP group
     pipeline: Link  # activations between consecutive stages
+    experts_link: Link | None = None  # the routed experts' exchange among a stage's TP x DP GPUs (None: as tensor)
+    tensor_nodes: int = 1  # nodes the TP group spans (a collective's latency grows with the hops between them)
+    node_link: Link | None = None  # the fabric inside a node, for a group spread over nodes (None: as tensor)
+    expert_nodes: int = 1  # nodes the experts of a stage are spread over
+
+    @property
+    def experts(self) -> Link:
+        return self.experts_link or self.tensor
 
 
 def layout_links(layout: Layout, accelerator: Accelerator, nodes: int, network: Network) -> Links:
-    """A group that fits in one node talks over the node's fabric; a group spread over nodes is limited by the
-    network, whose per-node bandwidth is shared by the node's GPUs."""
+    """A group that fits in one node (or one NVLink domain) talks over its fabric; a group spread over nodes is
+    limited by the network, whose per-node bandwidth is shared by the node's GPUs."""
     gpus_per_node = max(layout.gpus // nodes, 1)
     per_gpu_network = Link(network.name, network.bandwidth_gb_s_per_node / gpus_per_node, network.collective_latency_us)
-    group = layout.tp * layout.dp if layout.ep else layout.tp
-    tensor = accelerator.intra_node if group <= gpus_per_node else per_gpu_network
+    tensor = accelerator.intra_node if layout.tp <= gpus_per_node else per_gpu_network
+    experts = accelerator.intra_node if layout.expert_shards <= gpus_per_node else per_gpu_network
     pipeline = accelerator.intra_node if nodes == 1 else per_gpu_network
-    return Links(tensor=tensor, pipeline=pipeline)
+    tensor_nodes = max(-(-layout.tp // gpus_per_node), 1)
+    expert_nodes = max(-(-layout.expert_shards // gpus_per_node), 1)
+    return Links(tensor, pipeline, experts, tensor_nodes, accelerator.intra_node, expert_nodes)
 
 
 def _divisors(n: int) -> list[int]:

@@ -30,6 +30,18 @@ CUDA_GRAPH_RESERVE_BYTES = 1 * GIB
 LIVE_HIDDEN_VECTORS_PER_TOKEN = 6
 # Of those, the residual stream and its update: V4's hyper-connections widen both to hc_mult streams.
 RESIDUAL_VECTORS_PER_TOKEN = 2
+# Sparse attention's prefill workspace (vLLM 0.32, reserved at start-up through its workspace manager): the context a
+# prompt chunk attends to is gathered in 16-bit into `factor x max_model_len` rows of 576 values for V3.2
+# (vllm/v1/attention/backends/mla/flashmla_sparse.py: get_prefill_workspace_size), with factor 5 up to 256K tokens and
+# 2 beyond (vllm/config/vllm.py: sparse_mla_prefill_workspace_factor); the indexer's prefill key buffer is sized to
+# fit the same memory (vllm/v1/attention/backends/mla/indexer.py: get_max_prefill_buffer_size). V4 gathers, for
+# PREFILL_CHUNK_SIZE prompts at once, each one's compressed context, window and chunk in 16-bit, beside the chunk's
+# top-k index buffers (vllm/models/deepseek_v4/nvidia/flashmla.py: the dummy run's reservation).
+SPARSE_WORKSPACE_FACTOR = (5, 2)  # up to / beyond 256K tokens of max_model_len
+SPARSE_WORKSPACE_LONG_CONTEXT = 256 * 1024
+V32_GATHER_BYTES_PER_ROW = 576 * 2
+V4_PREFILL_CHUNK_SIZE = 4
+INDEXER_BUFFER_ROWS_PER_FACTOR = 576 * 2 // 132  # indexer keys (132 B) that fit in the gather's 16-bit rows
 DRAFT_COMPONENT = "draft_modules"
 
 
@@ -61,10 +73,17 @@ class MemoryPlan:
     draft_modules: str | None = None  # "mtp" / "dspark" when speculative decoding loads them
     draft_bytes_per_gpu: int = 0  # their weights on the fullest GPU (included in weights_bytes_per_gpu)
     in_flight_tokens: int = 16384  # tokens steps in flight may write (in_flight_tokens()): V4's admission reserve
+    data_parallel: int = 1  # ranks with a cache of their own (kv_cache_tokens counts all of them)
+    workspace_bytes_per_gpu: int = 0  # sparse attention's prefill workspace (in reserve_bytes_per_gpu)
+    # V4: what the windowed caches hold beyond their windows while a step's prompt tokens are unsettled
+    kv_prompt_in_flight_bytes: int = 0
 
     @property
     def fits(self) -> bool:
-        """The weights fit and the cache holds at least one sequence of max_model_len (engines refuse otherwise)."""
+        """The weights fit and the cache holds at least one sequence of max_model_len (engines refuse otherwise).
+        vLLM checks each data-parallel rank's cache on its own; the planner checks all ranks' together, because its
+        reserve (activations, CUDA graphs) is an upper estimate that would refuse published DP layouts of V4 whose
+        ranks keep well under a GB for their caches (docs/PLANNING.md, section 2)."""
         return self.kv_cache_bytes_per_gpu > 0 and self.kv_cache_tokens >= self.max_model_len
 
     @property
@@ -128,25 +147,29 @@ def plan_memory(
     max_num_batched_tokens: int,
     draft_modules: bool = False,
     fp4_indexer_cache: bool = False,
+    prompt_len: int | None = None,
 ) -> MemoryPlan:
     """DRAFT_MODULES: speculative decoding is on, so the engine loads the checkpoint's MTP or DSpark modules and
-    caches their KV. FP4_INDEXER_CACHE: V4's lightning-indexer keys in MXFP4 (Blackwell's recipe)."""
+    caches their KV. FP4_INDEXER_CACHE: V4's lightning-indexer keys in MXFP4 (Blackwell's recipe). PROMPT_LEN: the
+    planned prompts (default: the whole SEQUENCE_LEN), whose steps in flight V4's windowed caches hold pages for."""
     draft_layers = spec.num_mtp_layers if draft_modules and spec.draft_method else 0
     components = weights_per_gpu(spec, fmt, layout, draft_layers)
     weights = sum(c.bytes_per_gpu for c in components)
-    reserve = activation_reserve_bytes(spec, fmt, layout, max_num_batched_tokens)
+    workspace = sparse_workspace_bytes(spec, max_model_len, max_num_batched_tokens)
+    reserve = activation_reserve_bytes(spec, fmt, layout, max_num_batched_tokens) + workspace
     budget = int(gpu_memory_utilization * accelerator.memory_bytes)
     kv_bytes = budget - weights - reserve
     cache = gpu_kv_cache(spec, layout, kv_dtype, draft_layers, fp4_indexer_cache)
     whole = kv_cache_layout(spec, kv_dtype, draft_layers=draft_layers, fp4_indexer_cache=fp4_indexer_cache)
     per_token_gpu, placement = kv_bytes_per_token_per_gpu(spec, layout, kv_dtype, cache)
     in_flight = in_flight_tokens(max_num_batched_tokens, layout.pp)
+    prompts_held = _prompts_in_flight_bytes(cache, kv_bytes, prompt_len or sequence_len, sequence_len, in_flight)
     if cache.is_linear:
         tokens = max(kv_bytes, 0) // per_token_gpu * layout.dp
         sequences = None
     else:
         tokens = cache.engine_reported_tokens(kv_bytes, max_model_len, in_flight) * layout.dp
-        sequences = cache.sequences(kv_bytes, sequence_len) * layout.dp
+        sequences = cache.sequences(kv_bytes - prompts_held, sequence_len) * layout.dp
     draft = next((c.bytes_per_gpu for c in components if c.component == DRAFT_COMPONENT), 0)
     return MemoryPlan(
         components=components,
@@ -166,7 +189,38 @@ def plan_memory(
         draft_modules=spec.draft_method if draft_layers else None,
         draft_bytes_per_gpu=draft,
         in_flight_tokens=in_flight,
+        data_parallel=layout.dp,
+        workspace_bytes_per_gpu=workspace,
+        kv_prompt_in_flight_bytes=prompts_held,
     )
+
+
+def _prompts_in_flight_bytes(
+    cache: KVCacheLayout, kv_bytes: int, prompt_len: int, sequence_len: int, in_flight: int
+) -> int:
+    """The pages prompts in flight hold (KVCacheLayout.prompt_in_flight_bytes); where the cache cannot spare that
+    beside one decoding request, the engine admits one prompt at a time (it waits until a prompt's pages are free)."""
+    held = cache.prompt_in_flight_bytes(prompt_len, in_flight)
+    if kv_bytes - held >= cache.bytes_per_sequence(sequence_len):
+        return held
+    return cache.prompt_in_flight_bytes(prompt_len, min(prompt_len, in_flight))
+
+
+def sparse_workspace_bytes(spec: ModelSpec, max_model_len: int, max_num_batched_tokens: int) -> int:
+    """Sparse attention's prefill workspace on each GPU (see SPARSE_WORKSPACE_FACTOR): about 0.9 GB for V3.2 at
+    its 163,840-token context, 0.05 GB for V4 at 9K and 1.1 GB at 1M tokens; 0 for MLA and GQA."""
+    factor = SPARSE_WORKSPACE_FACTOR[0 if max_model_len <= SPARSE_WORKSPACE_LONG_CONTEXT else 1]
+    indexer_keys = max_model_len * INDEXER_BUFFER_ROWS_PER_FACTOR * factor * 132
+    if spec.attention_kind == "mla_sparse":
+        return max(factor * max_model_len * V32_GATHER_BYTES_PER_ROW, indexer_keys)
+    if spec.attention_kind != "compressed_sparse":
+        return 0
+    window = spec.sliding_window or 128
+    ratio = min((r for r in spec.compress_ratios if r > 1), default=4)
+    rows = -(-max_model_len // ratio) + window + max_num_batched_tokens
+    gather = V4_PREFILL_CHUNK_SIZE * rows * spec.head_dim * 2
+    topk = max_num_batched_tokens * (-(-(spec.index_topk + window) // 128) * 128 + 1) * 4
+    return max(gather + topk, indexer_keys // ratio)
 
 
 def in_flight_tokens(max_num_batched_tokens: int, pp: int) -> int:

@@ -11,14 +11,15 @@ from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, get_network
 from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
-from deepserve.plan.commands import engine_commands, serve_commands
+from deepserve.plan.benchmark import BenchmarkForecast, BenchmarkForecaster, BenchmarkRun
+from deepserve.plan.commands import engine_commands, render_command, serve_commands
 from deepserve.plan.cost import usd_per_million_output_tokens
 from deepserve.plan.explain import Explanation, explain
 from deepserve.plan.formats import WeightFormat, checkpoint_format, get_format
 from deepserve.plan.kernels import KernelRates
 from deepserve.plan.layout import Layout, check_layout, default_layout
 from deepserve.plan.memory import plan_memory
-from deepserve.plan.perf import PerformanceModel, Prediction, Workload
+from deepserve.plan.perf import PerformanceModel, Prediction, RequestLengths
 from deepserve.plan.profiles import SelectedFactors
 from deepserve.plan.speculative import SpeculativeDecoding, speculative_decoding
 from deepserve.plan.types import Deployment, PlanConfig
@@ -51,7 +52,7 @@ def build_deployment(
     network: str = "infiniband-ndr",
     gpu_memory_utilization: float = 0.9,
     max_model_len: int | None = None,
-    workload: Workload | None = None,
+    workload: RequestLengths | None = None,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int = 8192,
     engine_version: str | None = None,
@@ -71,7 +72,7 @@ def build_deployment(
     check_layout(layout, spec, gpus)
     if nodes > 1 and gpus // nodes > accelerator.devices_per_node:
         raise ConfigError(f"{gpus // nodes} GPUs per node exceeds the {accelerator.devices_per_node} a node holds")
-    workload = workload or Workload(1024, 256)
+    workload = workload or RequestLengths(1024, 256)
     context = max_model_len or min(32768, spec.max_position_embeddings)
     kv = resolve_kv_dtype(kv_dtype, fmt, spec)
     memory = plan_memory(
@@ -86,6 +87,7 @@ def build_deployment(
         max_num_batched_tokens,
         draft_modules=draft_modules or (speculation is not None and speculation.draft_layers > 0),
         fp4_indexer_cache=fp4_indexer_cache,
+        prompt_len=workload.input_len,
     )
     return Deployment(
         spec,
@@ -138,6 +140,8 @@ class Plan:
     serve_commands: tuple[str, ...] = ()  # `deepserve serve` on each node, node 0 first
     rates: KernelRates | None = None  # the kernel figures the predictions used
     explanations: tuple[Explanation, ...] = ()  # why this format, layout and KV-cache size
+    forecasts: tuple[BenchmarkForecast, ...] = ()  # the finite benchmark per concurrency level (--num-prompts)
+    deploy_render: str = ""  # `deepserve deploy render` for this plan
 
     @property
     def fits(self) -> bool:
@@ -196,6 +200,9 @@ class Plan:
             "speculative_decoding": _speculation_json(d.speculation),
             "commands": self.commands,
             "serve_commands": list(self.serve_commands),
+            "deploy_render_command": self.deploy_render,
+            "max_num_seqs_per_dp_rank": d.max_num_seqs_per_rank if self.fits else None,
+            "benchmark_forecasts": [f.to_json() for f in self.forecasts],
         }
 
     def _model_json(self) -> dict[str, Any]:
@@ -235,11 +242,12 @@ def _speculation_json(speculation: SpeculativeDecoding | None) -> dict[str, Any]
     }
 
 
-def make_plan(config: PlanConfig) -> Plan:
+def make_plan(config: PlanConfig, forecaster: BenchmarkForecaster | None = None) -> Plan:
+    """The plan for CONFIG; with FORECASTER and --num-prompts, the benchmark run as it would run, per level."""
 
     spec = load_spec(config.model)
     layout = _layout_from(config)
-    workload = Workload(config.input_len, config.output_len)
+    workload = RequestLengths(config.input_len, config.output_len)
     deployment = build_deployment(
         spec,
         config.gpu,
@@ -263,6 +271,7 @@ def make_plan(config: PlanConfig) -> Plan:
     assert selected is not None  # across_engines=True always finds the device's profile
     rates = deployment.kernel_rates()
     predictions: tuple[Prediction, ...] = ()
+    forecasts: tuple[BenchmarkForecast, ...] = ()
     within_slo = None
     if deployment.memory.fits and deployment.running_cap > 0:
         model = deployment.performance_model(selected, rates)
@@ -270,13 +279,44 @@ def make_plan(config: PlanConfig) -> Plan:
         predictions = tuple(model.predict(c, workload, cap) for c in config.concurrency)
         if config.slo_itl_ms is not None:
             within_slo = highest_concurrency_within(model, workload, cap, config.slo_itl_ms)
+        if forecaster is not None and config.num_prompts:
+            forecasts = tuple(forecaster.forecast(deployment, model, run) for run in benchmark_runs(config))
     commands = engine_commands(deployment, config)
     serve_lines = serve_commands(deployment, config)
     smallest = None if deployment.memory.fits else smallest_fitting_gpus(config)
     explanations = explain(config, deployment, selected, rates, smallest)
+    render = render_command(config)
     return Plan(
-        config, deployment, selected, predictions, within_slo, commands, smallest, serve_lines, rates, explanations
+        config,
+        deployment,
+        selected,
+        predictions,
+        within_slo,
+        commands,
+        smallest,
+        serve_lines,
+        rates,
+        explanations,
+        forecasts,
+        render,
     )
+
+
+def benchmark_runs(config: PlanConfig) -> list[BenchmarkRun]:
+    """The benchmark --num-prompts asks for, at each concurrency level."""
+    assert config.num_prompts is not None
+    return [
+        BenchmarkRun(
+            num_prompts=config.num_prompts,
+            input_len=config.input_len,
+            output_len=config.output_len,
+            concurrency=level,
+            request_rate=config.request_rate,
+            input_spread=config.length_spread,
+            output_spread=config.length_spread,
+        )
+        for level in config.concurrency
+    ]
 
 
 MAX_NODES_SEARCHED = 8
@@ -309,7 +349,7 @@ def smallest_fitting_gpus(config: PlanConfig) -> int | None:
                 network=config.network,
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 max_model_len=config.max_model_len,
-                workload=Workload(config.input_len, config.output_len),
+                workload=RequestLengths(config.input_len, config.output_len),
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 speculation=speculation,
             )
@@ -331,7 +371,9 @@ def nodes_holding(gpus: int, per_node: int) -> int:
     return max(-(-gpus // per_node), 1)
 
 
-def highest_concurrency_within(model: PerformanceModel, workload: Workload, cap: int, slo_itl_ms: float) -> int | None:
+def highest_concurrency_within(
+    model: PerformanceModel, workload: RequestLengths, cap: int, slo_itl_ms: float
+) -> int | None:
     """Largest concurrency (up to the running cap) whose predicted TPOT meets the SLO; TPOT grows with
     concurrency, so a bisection finds it. None when even one request misses it."""
     if model.predict(1, workload, cap).tpot_ms > slo_itl_ms:
@@ -349,6 +391,9 @@ def highest_concurrency_within(model: PerformanceModel, workload: Workload, cap:
 
 
 def _layout_from(config: PlanConfig) -> Layout | None:
+    """The layout the flags ask for; what they leave out fills the GPUs: PP from TP x DP when TP is given (so TP1 x
+    DP16 with EP on 16 GPUs is wide EP over two nodes, PP 1), else PP across the nodes for TP alone and PP 1 with
+    data-parallel attention."""
     if config.tp is None and config.pp is None and config.dp == 1 and not config.ep:
         return None
     dp = config.dp

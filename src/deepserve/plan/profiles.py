@@ -1,29 +1,45 @@
 """Engine profiles: the engine's own overheads on top of the kernel table (data/engine_profiles.json).
 
-A profile has four overhead parameters (kernels per layer, prefill efficiency, step overhead, per-sequence
-overhead), at most two of them fitted to published figures (`deepserve plan fit`) or to measured runs (the CPU
-profile), and facts per engine version read from the engine's source (how kernels are launched, whether the MoE
-kernel launches per expert). `select_profile` picks the profile for a deployment and says where it comes from.
+A profile has five overhead parameters (kernels per layer, prefill efficiency, per-request overhead, step
+overhead, per-sequence overhead), at most three of them fitted to published figures (`deepserve plan fit`) or to
+measured runs (the CPU profile), and facts per engine version read from the engine's source (how kernels are
+launched, whether the MoE kernel launches per expert, whether prompts share a step with decodes, what max_num_seqs
+caps). `select_profile` picks the profile for a deployment and says where it comes from.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from deepserve.errors import ConfigError
 
 PROFILES_PATH = Path(__file__).with_name("data") / "engine_profiles.json"
-PARAMETER_NAMES = ("kernels_per_layer", "prefill_efficiency", "step_overhead_ms", "per_sequence_us")
-MAX_FITTED = 2
+PARAMETER_NAMES = (
+    "kernels_per_layer",
+    "prefill_efficiency",
+    "request_overhead_ms",
+    "cross_node_latency_us",
+    "step_overhead_ms",
+    "per_sequence_us",
+)
+# Five observables pin five parameters: a single user's TPOT (the step's small kernels), a single user's TTFT at a
+# short prompt (the per-request overhead), how TTFT and saturated throughput grow with the prompt (the prefill
+# path's efficiency), TPOT of a tensor-parallel group spread over nodes (its all-reduces' latency) and how TPOT grows
+# with the running batch beyond its kernels (CPU time per sequence). Each fitted parameter also has a prior (value,
+# factor, source) that holds it where a fold's rows say nothing about it.
+MAX_FITTED = 5
 
 
 @dataclass(frozen=True)
 class EngineParameters:
     kernels_per_layer: float  # small kernels per layer per step, one launch each
-    prefill_efficiency: float  # fraction of the kernel table's compute rate that prompt tokens' FLOPs reach
+    prefill_efficiency: float  # fraction of the kernel table's GEMM rate that prompt tokens' FLOPs reach
+    request_overhead_ms: float = 0.0  # per request, before its first token, outside the GPU's steps
+    cross_node_latency_us: float = 0.0  # one all-reduce across nodes as the engine issues it (0: the kernel table's)
     step_overhead_ms: float = 0.0  # per step, besides kernels
     per_sequence_us: float = 0.0  # per running sequence per step
 
@@ -50,6 +66,10 @@ class VersionFacts:
     launch: str
     moe_per_expert: dict[str, PerExpertMoE]
     source: str
+    mixed_prefill: bool = True  # prompts (chunks) share a step with decodes; False: prefill steps of their own
+    prefill_launch: str | None = None  # launch mode of steps that carry prompt tokens (None: as `launch`)
+    max_num_seqs_per_micro_batch: bool = False  # max_num_seqs caps each PP micro-batch (vLLM V0), else all of them
+    step_overhead_ms: float = 0.0  # a version's own extra time per step (slower kernels than the profile's today)
 
     def step_launch(self, family: str) -> str:
         per_expert = self.moe_per_expert.get(family)
@@ -67,6 +87,7 @@ class EngineProfile:
     versions: tuple[VersionFacts, ...]
     default_version: str
     fit: dict[str, Any] = field(default_factory=dict)
+    priors: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (value, factor of spread)
 
     def facts_for(self, version: str | None) -> VersionFacts:
         wanted = version or self.default_version
@@ -109,6 +130,7 @@ def version_key(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+@lru_cache(maxsize=256)
 def version_in_range(version: str, spec: str) -> bool:
     """`<0.8`, `>=0.8`, `>=0`: one bound per range, compared numerically component by component."""
     for op in ("<=", ">=", "<", ">", "=="):
@@ -126,24 +148,24 @@ def version_in_range(version: str, spec: str) -> bool:
 
 
 def load_profiles(path: Path = PROFILES_PATH) -> dict[str, EngineProfile]:
+    """The profiles in PATH, read once per version of the file (`plan fit --write` rewrites it)."""
+    return dict(_load_profiles(path, path.stat().st_mtime_ns))
+
+
+@lru_cache(maxsize=4)
+def _load_profiles(path: Path, _version: int) -> dict[str, EngineProfile]:
     data = json.loads(path.read_text())
     return {name: _profile(name, raw) for name, raw in data["profiles"].items()}
 
 
 def _profile(name: str, raw: dict[str, Any]) -> EngineProfile:
-    parameters = EngineParameters(**{key: float(raw["parameters"][key]["value"]) for key in PARAMETER_NAMES})
+    parameters = EngineParameters(
+        **{key: float(raw["parameters"][key]["value"]) for key in PARAMETER_NAMES if key in raw["parameters"]}
+    )
     fitted = tuple(raw["fitted"])
     if len(fitted) > MAX_FITTED or not set(fitted) <= set(PARAMETER_NAMES):
         raise ConfigError(f"engine profile {name}: at most {MAX_FITTED} fitted parameters of {PARAMETER_NAMES}")
-    versions = tuple(
-        VersionFacts(
-            range=entry["range"],
-            launch=entry["launch"],
-            moe_per_expert={family: PerExpertMoE(**facts) for family, facts in entry["moe_per_expert"].items()},
-            source=entry["source"],
-        )
-        for entry in raw["versions"]
-    )
+    versions = tuple(_version_facts(entry) for entry in raw["versions"])
     return EngineProfile(
         name=name,
         engine=raw["engine"],
@@ -154,11 +176,35 @@ def _profile(name: str, raw: dict[str, Any]) -> EngineProfile:
         versions=versions,
         default_version=raw["default_version"],
         fit=raw.get("fit", {}),
+        priors={
+            key: (float(entry["prior"]["value"]), float(entry["prior"]["factor"]))
+            for key, entry in raw["parameters"].items()
+            if "prior" in entry
+        },
     )
 
 
+def _version_facts(entry: dict[str, Any]) -> VersionFacts:
+    return VersionFacts(
+        range=entry["range"],
+        launch=entry["launch"],
+        moe_per_expert={family: PerExpertMoE(**facts) for family, facts in entry["moe_per_expert"].items()},
+        source=entry["source"],
+        mixed_prefill=bool(entry.get("mixed_prefill", True)),
+        prefill_launch=entry.get("prefill_launch"),
+        max_num_seqs_per_micro_batch=bool(entry.get("max_num_seqs_per_micro_batch", False)),
+        step_overhead_ms=float(entry.get("step_overhead_ms", 0.0)),
+    )
+
+
+ROCM_CLASSES = frozenset({"cdna3", "cdna4"})
+
+
 def device_of(hardware_class: str) -> str:
-    return "cpu" if hardware_class == "cpu" else "gpu"
+    """The kind of device an engine profile is for: cpu, rocm (AMD Instinct), gpu (NVIDIA, CUDA)."""
+    if hardware_class == "cpu":
+        return "cpu"
+    return "rocm" if hardware_class in ROCM_CLASSES else "gpu"
 
 
 def select_profile(

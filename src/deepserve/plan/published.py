@@ -1,45 +1,51 @@
 """The published serving figures (calibration set) and how each row becomes a prediction of the model.
 
-Rows come from ../shared/published/serving_figures.csv, copied to data/serving_figures.json, and from the research
-notes' collection (data/serving_figures_research.json: the rows on AMD Instinct GPUs and with TensorRT-LLM, with
-its extra columns: data-parallel attention, expert parallelism, speculative decoding). A row is predictable when its
-workload (input and output lengths) is known, its engine has a profile and its hardware has measured kernel figures.
-Setup facts the CSV leaves out but the sources state (the engine's max_num_seqs, the network between nodes, the
-concurrency sweep) are listed in SOURCE_SETUPS.
+Two files: the seeds' rows (../shared/published/serving_figures.csv, copied to data/serving_figures.json, rows
+1-31) and the rows collected from 23 public sources (data/published_rows.csv, rows 101-432: row 100 + n is line n
+of the research CSV; every row keeps its source, and its `scored_as` and `curation` columns say how the planner
+reads it and what was filled in or why it is left out). A row is expressible when its workload, layout, model,
+GPU, weight format and engine are known to the planner; `unpredictable_reason` says why not otherwise.
+
+How a row is scored (`scored_as`):
+- closed_loop: clients at a concurrency, each sending its next request when the last ended (the steady formula;
+  the forecaster's finite run where the number of requests is known);
+- sweep_peak: the best of a concurrency sweep or a request-rate sweep (the seeds);
+- finite: a run whose shape matters (a request rate, everything at once, few requests): the forecaster's run;
+- prefill_phase / decode_phase: one pool of a prefill/decode disaggregated deployment measured alone;
+- excluded: not a measurement the planner can express (the curation column says why).
 """
 
 from __future__ import annotations
 
+import csv
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from deepserve.errors import ConfigError
+from deepserve.errors import DeepserveError
+from deepserve.hardware.catalog import get_accelerator
 from deepserve.models.presets import preset_spec
 from deepserve.models.spec import ModelSpec
+from deepserve.plan.benchmark import BenchmarkRun
 from deepserve.plan.calibration import calibrated_class
 from deepserve.plan.formats import get_format
 from deepserve.plan.layout import Layout
-from deepserve.plan.perf import PerformanceModel, Prediction, Workload
+from deepserve.plan.perf import RequestLengths, StepOptions
 from deepserve.plan.planner import build_deployment
-from deepserve.plan.profiles import EngineParameters, version_key
+from deepserve.plan.speculative import SpeculativeDecoding, acceptance_from_length, speculative_decoding
 from deepserve.plan.types import Deployment
 
 FIGURES_PATH = Path(__file__).with_name("data") / "serving_figures.json"
-RESEARCH_FIGURES_PATH = Path(__file__).with_name("data") / "serving_figures_research.json"
-TRTLLM_BLOG = (
-    "github:NVIDIA/TensorRT-LLM docs/source/blogs/Best_perf_practice_on_DeepSeek-R1_in_TensorRT-LLM.md @01c4ece"
-)
-SGLANG_AMD_MTP_BLOG = (
-    "https://lmsys.org/blog/2025-09-02-sglang-amd-deepseek-v3-mtp/ "
-    "(github:lm-sys/lm-sys.github.io blog/2025-09-02-sglang-amd-deepseek-v3-mtp.md)"
-)
+ROWS_PATH = Path(__file__).with_name("data") / "published_rows.csv"
+RESEARCH_ROW_OFFSET = 100
+SCORED_KINDS = ("closed_loop", "sweep_peak", "finite", "prefill_phase", "decode_phase")
+GPUS_PER_NODE = 8
 
 
 @dataclass(frozen=True)
 class SourceSetup:
-    """What a seed document says about its setup beyond the CSV's columns."""
+    """What a source says about its setup beyond the CSV's columns (each field with the source's words in
+    SOURCE_SETUPS)."""
 
     max_num_seqs: int | None = None
     max_model_len: int | None = None
@@ -48,6 +54,14 @@ class SourceSetup:
     concurrency_sweep: tuple[int, ...] = ()  # a "best over the sweep" row is the best of these levels
     rate_sweep: bool = False  # rows without a concurrency are peaks over a request-rate sweep
     throughput_tokens_stated: bool = True  # False: "tokens/s" without saying output or all tokens
+    prompts_per_concurrency: int = 0  # the client sends this many requests per unit of concurrency
+    length_mean_factor: float = 1.0  # mean length / stated length (clients that draw lengths below the stated one)
+    length_spread: float = 0.0  # lengths uniform within mean x (1 +- spread)
+    overlap_comm: bool = False  # two-batch overlap of the experts' exchange with computation
+    prefill_tokens_per_gpu: int = 0  # prefill-phase rows: prompt tokens per GPU per step
+    decode_batch_per_gpu: float = 0.0  # decode-phase rows: sequences per GPU (0: as many as the KV cache holds)
+    accept_lengths: tuple[tuple[int, float], ...] = ()  # speculative rows: (draft tokens, mean acceptance length)
+    max_num_batched_tokens: int = 8192
 
 
 SOURCE_SETUPS = {
@@ -65,19 +79,80 @@ SOURCE_SETUPS = {
     # MI300X and H200 figures would need a TPOT near 28-31 ms at 128 requests of 4,000 tokens on TP8, below what
     # reading the weights and the replicated latent cache takes at full bandwidth (docs/PLANNING.md, section 6).
     "004_857d13a67e4d6d20.txt": SourceSetup(concurrency_sweep=(4, 8, 16, 32, 64, 128), throughput_tokens_stated=False),
-    # TensorRT-LLM's DeepSeek-R1 guide: the H200 max-throughput run caps each of the 8 attention-DP ranks at 128
-    # requests (max_batch_size 128 per rank) with 1K/2K requests; trtllm-bench keeps 1,024 in flight.
-    TRTLLM_BLOG: SourceSetup(max_num_seqs=1024, max_model_len=3072),
-    # LMSYS/AMD, DeepSeek-V3 on 8 x MI300X with SGLang: --mem-fraction-static 0.85; the client sent 300 prompts at
-    # 1 request/s under each max concurrency, so from 32 up fewer than the cap were in flight (1/s x E2E: about 31
-    # at 32, 44 at 64).
-    SGLANG_AMD_MTP_BLOG: SourceSetup(gpu_memory_utilization=0.85, max_model_len=2048),
+    # LMSYS large-scale EP: prefill nodes at 16,384 prompt tokens per GPU (the 4K case), decode nodes at 256
+    # sequences per GPU, both with two-batch overlap (--enable-two-batch-overlap) and DeepEP.
+    "lmsys-large-ep-h100": SourceSetup(
+        overlap_comm=True, prefill_tokens_per_gpu=16384, decode_batch_per_gpu=256, max_num_batched_tokens=16384
+    ),
+    # LMSYS MTP blog: 2 requests per rank on the decode nodes; MTP accept lengths 2.18 (3 drafts) and 2.44 (4).
+    "lmsys-mtp-h200": SourceSetup(decode_batch_per_gpu=2, accept_lengths=((3, 2.18), (4, 2.44))),
+    # AMD MTP blog: sglang.bench_serving --random-input 1024 --random-output 1024 without --random-range-ratio
+    # (default 0.0: lengths uniform in [1, L], mean L/2); --mem-fraction-static 0.85; MTP accept length not tabled.
+    "lmsys-amd-mtp-mi300x": SourceSetup(gpu_memory_utilization=0.85, length_mean_factor=0.5, length_spread=1.0),
+    # InferenceX (benchmarks/dsr1_fp8_h200.sh): --num-prompts CONC*10, --max-running-requests 512 (1K/1K) or 256,
+    # --mem-fraction-static 0.82, --chunked-prefill-size 32768; lengths drawn within [0.8 L, L] (the e2e latency
+    # over TPOT gives 0.9 L tokens on average).
+    "inferencex-870-h200": SourceSetup(
+        max_num_seqs=512,
+        gpu_memory_utilization=0.82,
+        prompts_per_concurrency=10,
+        length_mean_factor=0.9,
+        length_spread=0.111,
+        max_num_batched_tokens=32768,
+    ),
+    # TensorRT-LLM's DeepSeek-R1 guide (trtllm-bench throughput, an in-process client): the H200 max-throughput run
+    # caps each of the 8 attention-DP ranks at max_batch_size 128 requests and max_num_tokens 1151 tokens a step,
+    # 1K/2K requests (max_seq_len 3072 in its options).
+    "trtllm-best-perf": SourceSetup(max_num_seqs=128, max_model_len=3072, max_num_batched_tokens=1151),
+    # PR 3602: bench_serving's default range ratio (lengths uniform in [1, L]).
+    "sglang-3602-h200": SourceSetup(length_mean_factor=0.5, length_spread=1.0),
 }
 
 
 @dataclass(frozen=True)
+class RowMetric:
+    """A published metric read as the quantity the planner predicts, its statistic and its normalisation."""
+
+    quantity: str  # output_throughput, total_throughput, input_throughput, request_throughput, tpot, ttft, itl,
+    # e2el, duration, per_user
+    statistic: str = "mean"  # mean, median, p99
+    per: str = ""  # "", gpu, node
+    seconds: bool = False  # the value is in seconds, not ms
+
+    @property
+    def group(self) -> str:
+        """How validation groups it: throughput, tpot, ttft, e2el; tails (p99) apart."""
+        if self.statistic == "p99":
+            return "p99"
+        if self.quantity in ("tpot", "itl", "per_user"):
+            return "tpot"
+        if self.quantity in ("ttft", "e2el"):
+            return self.quantity
+        return "throughput"
+
+
+_THROUGHPUTS = ("output_throughput", "total_throughput", "input_throughput", "request_throughput")
+
+
+def parse_metric(name: str, unit: str) -> RowMetric | None:
+    """NAME (e.g. ttft_p99, total_throughput_per_gpu, e2el) as a RowMetric; None for metrics the planner does not
+    predict (a per-second peak, an unnamed token type)."""
+    if name == "benchmark_duration":
+        return RowMetric("duration", seconds=True)
+    if name == "output_throughput_per_user":
+        return RowMetric("per_user")
+    for quantity in _THROUGHPUTS:
+        if name == quantity or name.startswith(quantity + "_per_"):
+            return RowMetric(quantity, per=name[len(quantity) + 5 :] if name != quantity else "")
+    base, _, statistic = name.partition("_")
+    if base in ("ttft", "tpot", "itl", "e2el") and statistic in ("", "mean", "median", "p99"):
+        return RowMetric(base, statistic or "mean", seconds=unit == "s")
+    return None
+
+
+@dataclass(frozen=True)
 class PublishedRow:
-    number: int  # 1-based data row of the CSV
+    number: int  # 1-31: the seeds' CSV; 101-432: 100 + the line of the research CSV
     source: str
     hardware: str
     gpus: int
@@ -86,8 +161,8 @@ class PublishedRow:
     model: str
     weights: str
     kv_dtype: str
-    tp: int
-    pp: int
+    tp: int | None
+    pp: int | None
     input_len: int | None
     output_len: int | None
     concurrency: int | None
@@ -95,150 +170,320 @@ class PublishedRow:
     value: float
     unit: str
     note: str
-    dp: int = 1  # data-parallel attention ranks (the research rows' column); tp is then TP inside one rank
-    ep: bool = False  # routed experts spread over the stage's GPUs
-    spec: str = "none"  # speculative decoding: none, or mtp:K
+    dp: int = 1
+    ep: int | None = None  # GPUs the routed experts are spread over as whole experts (None: split by TP)
+    nodes: int | None = None
+    spec: str = ""
+    num_prompts: int | None = None
+    request_rate: float | None = None
+    source_id: str = ""
+    scored_as: str = "closed_loop"
+    curation: str = ""
 
     def label(self) -> str:
-        setup = f"{self.hardware} x{self.gpus} {self.engine} {self.weights} TP{self.tp}" + (
-            f" PP{self.pp}" if self.pp > 1 else ""
-        )
-        setup += (f" DP{self.dp}" if self.dp > 1 else "") + (" EP" if self.ep else "")
+        layout = self.layout_words()
         lengths = f"{self.input_len}/{self.output_len}" if self.input_len else "?/?"
-        level = f"c={self.concurrency}" if self.concurrency else "peak"
+        level = f"rate {self.request_rate:g}" if self.request_rate else "peak"
+        level = f"c={self.concurrency}" if self.concurrency else level
+        setup = f"{self.hardware} x{self.gpus} {self.engine} {self.weights} {layout}"
         return f"#{self.number} {setup} {lengths} {level} {self.metric}"
+
+    def layout_words(self) -> str:
+        parts = [f"TP{self.tp}" if self.tp else "TP?"]
+        if self.pp and self.pp > 1:
+            parts.append(f"PP{self.pp}")
+        if self.dp > 1:
+            parts.append(f"DP{self.dp}")
+        if self.ep and self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        return " ".join(parts)
 
     @property
     def setup(self) -> SourceSetup:
-        return SOURCE_SETUPS.get(self.source, SourceSetup())
+        return SOURCE_SETUPS.get(self.source_id or self.source, SOURCE_SETUPS.get(self.source, SourceSetup()))
+
+    @property
+    def parsed_metric(self) -> RowMetric | None:
+        return parse_metric(self.metric, self.unit)
+
+    @property
+    def speculative_tokens(self) -> int:
+        """Draft tokens per step from the `spec` column: mtp:N, or SGLang's NEXTN "stepsN"; 0 without."""
+        if not self.spec.startswith("mtp:"):
+            return 0
+        words = self.spec[4:].split()
+        steps = [w[5:] for w in words if w.startswith("steps") and w[5:].isdigit()]
+        digits = steps[0] if steps else "".join(ch for ch in (words[0] if words else "") if ch.isdigit())
+        return int(digits) if digits else 0
+
+    def layout(self) -> Layout:
+        assert self.tp is not None
+        return Layout(tp=self.tp, pp=self.pp or 1, dp=self.dp, ep=bool(self.ep and self.ep > 1))
+
+    @property
+    def layout_kind(self) -> str:
+        return self.layout().kind if self.tp else "unknown"
+
+    @property
+    def stage_count(self) -> int:
+        return self.nodes or max(self.gpus // GPUS_PER_NODE, 1)
 
 
-def load_rows(paths: tuple[Path, ...] = (FIGURES_PATH, RESEARCH_FIGURES_PATH)) -> list[PublishedRow]:
-    """Every row of PATHS, numbered on from one file to the next."""
-    raws = [raw for path in paths for raw in json.loads(path.read_text())["rows"]]
-    rows = []
-    for number, raw in enumerate(raws, start=1):
-        rows.append(
-            PublishedRow(
-                number=number,
-                source=raw["source"],
-                hardware=raw["hardware"],
-                gpus=int(raw["gpus"]),
-                engine=raw["engine"],
-                engine_version=raw["engine_version"],
-                model=raw["model"],
-                weights=raw["weights"],
-                kv_dtype=raw["kv_dtype"],
-                tp=int(raw["tp"]),
-                pp=int(raw["pp"]),
-                input_len=_int_or_none(raw["input_len"]),
-                output_len=_int_or_none(raw["output_len"]),
-                concurrency=_int_or_none(raw["concurrency"]),
-                metric=raw["metric"],
-                value=float(raw["value"]),
-                unit=raw["unit"],
-                note=raw["note"],
-                dp=int(raw.get("dp") or 1),
-                ep=bool((raw.get("ep") or "").strip()),
-                spec=(raw.get("spec") or "none").strip() or "none",
-            )
-        )
+def load_rows(seeds_path: Path = FIGURES_PATH, research_path: Path | None = ROWS_PATH) -> list[PublishedRow]:
+    rows = [_seed_row(number, raw) for number, raw in enumerate(json.loads(seeds_path.read_text())["rows"], 1)]
+    if research_path is not None and research_path.is_file():
+        with research_path.open() as handle:
+            rows += [_research_row(raw) for raw in csv.DictReader(handle)]
     return rows
 
 
-# Metrics the model predicts, as functions of the prediction at the row's concurrency and the workload.
-METRICS: dict[str, Callable[[Prediction, Workload], float]] = {
-    "output_throughput": lambda p, w: p.output_throughput_tok_s,
-    "total_throughput": lambda p, w: p.output_throughput_tok_s * (w.input_len + w.output_len) / w.output_len,
-    "request_throughput": lambda p, w: p.output_throughput_tok_s / w.output_len,
-    "tpot_mean": lambda p, w: p.tpot_ms,
-    "ttft_mean": lambda p, w: p.ttft_ms,
-    "e2el_mean": lambda p, w: p.e2el_ms,
-    "e2el": lambda p, w: p.e2el_ms,  # "end-to-end latency" with no statistic named: read as the mean
-}
-THROUGHPUT_METRICS = ("output_throughput", "total_throughput", "request_throughput")
+def _seed_row(number: int, raw: dict[str, str]) -> PublishedRow:
+    concurrency = _int_or_none(raw["concurrency"])
+    row = PublishedRow(
+        number=number,
+        source=raw["source"],
+        hardware=raw["hardware"],
+        gpus=int(raw["gpus"]),
+        engine=raw["engine"],
+        engine_version=raw["engine_version"],
+        model=raw["model"],
+        weights=raw["weights"],
+        kv_dtype=raw["kv_dtype"],
+        tp=int(raw["tp"]),
+        pp=int(raw["pp"]),
+        input_len=_int_or_none(raw["input_len"]),
+        output_len=_int_or_none(raw["output_len"]),
+        concurrency=concurrency,
+        metric=raw["metric"],
+        value=float(raw["value"]),
+        unit=raw["unit"],
+        note=raw["note"],
+        source_id=f"seed-{raw['source'][:3]}",
+        nodes=max(int(raw["gpus"]) // GPUS_PER_NODE, 1),
+    )
+    return replace(row, scored_as="closed_loop" if concurrency is not None else "sweep_peak")
+
+
+def _research_row(raw: dict[str, str]) -> PublishedRow:
+    tp, pp, dp = _int_or_none(raw["tp"]), _int_or_none(raw["pp"]) or 1, _int_or_none(raw["dp"]) or 1
+    gpus = int(raw["gpus"]) if raw["gpus"] else 0
+    if tp is not None and dp > 1 and tp * pp * dp != gpus and tp * pp == gpus:
+        tp = tp // dp  # SGLang's --tp is the whole group; the DP replica's attention TP is --tp / --dp-size
+    return PublishedRow(
+        number=int(raw["row"]),
+        source=raw["source"],
+        hardware=raw["hardware"],
+        gpus=gpus,
+        engine=raw["engine"],
+        engine_version=raw["engine_version"],
+        model=raw["model"],
+        weights=raw["weights"],
+        kv_dtype=raw["kv_dtype"],
+        tp=tp,
+        pp=pp,
+        input_len=_int_or_none(raw["input_len"]),
+        output_len=_int_or_none(raw["output_len"]),
+        concurrency=_int_or_none(raw["concurrency"]),
+        metric=raw["metric"],
+        value=float(raw["value"]),
+        unit=raw["unit"],
+        note=raw["note"],
+        dp=dp,
+        ep=_int_or_none(raw["ep"]),
+        nodes=_int_or_none(raw["nodes"]),
+        spec=raw["spec"].strip(),
+        num_prompts=_int_or_none(raw["num_prompts"]),
+        request_rate=_float_or_none(raw["request_rate"]),
+        source_id=raw["source_id"],
+        scored_as=raw["scored_as"],
+        curation=raw["curation"],
+    )
+
+
+# ---- expressibility -----------------------------------------------------------------------------------------
+
+MODEL_PRESETS = (  # the row's model, by the first name its text contains
+    ("W4AFP8", ""),
+    ("V4-Flash", "deepseek-ai/DeepSeek-V4-Flash"),
+    ("V4-Pro", "deepseek-ai/DeepSeek-V4-Pro"),
+    ("V3.2", "deepseek-ai/DeepSeek-V3.2"),
+    ("V3.1", "deepseek-ai/DeepSeek-V3.1"),
+    ("DeepSeek", "deepseek-ai/DeepSeek-V3"),  # V3, V3-0324, R1, R1-0528: one architecture
+)
+AWQ_PRESET = "cognitivecomputations/DeepSeek-V3-AWQ"
 
 
 def row_spec(row: PublishedRow) -> ModelSpec:
     """V3, V3-0324 and R1 share one architecture; the AWQ rows load cognitivecomputations' export (no MTP)."""
     if row.weights.startswith("awq"):
-        return preset_spec("cognitivecomputations/DeepSeek-V3-AWQ")
-    return preset_spec("deepseek-ai/DeepSeek-V3")
+        return preset_spec(AWQ_PRESET)
+    preset = next(name for needle, name in MODEL_PRESETS if needle in row.model)
+    return preset_spec(preset)
 
 
 def unpredictable_reason(row: PublishedRow) -> str | None:
-    """Why the model cannot predict ROW from its columns alone, or None."""
-    if row.metric not in METRICS:
-        return f"metric {row.metric}: not one the model predicts (an offline batch run, or a per-GPU/per-user form)"
-    if row.spec != "none":
-        return f"speculative decoding ({row.spec}): not modelled yet"
-    if row.metric in THROUGHPUT_METRICS and not row.setup.throughput_tokens_stated:
+    """Why the model cannot predict ROW, or None."""
+    if row.scored_as == "excluded":
+        return row.curation or "excluded"
+    if row.parsed_metric is None:
+        return f"metric {row.metric}: not a quantity the planner predicts (an offline run, an undefined token count)"
+    if row.parsed_metric.group == "throughput" and not row.setup.throughput_tokens_stated:
         return "the source's tokens/s does not say whether it counts output or all tokens"
-    if not _known_weights(row.weights):
-        return f"weights {row.weights}: a format the planner does not model"
-    if row.input_len is None or row.output_len is None:
-        return "input/output lengths and concurrency not given (a figure quoted from a third-party report)"
-    if row.concurrency is None and not row.setup.concurrency_sweep and not row.setup.rate_sweep:
-        return "no concurrency and no sweep to take the peak of"
+    phase = row.scored_as in ("prefill_phase", "decode_phase")
+    if row.input_len is None or (row.output_len is None and not phase):
+        return "input/output lengths not given (a figure quoted without its workload)"
+    if row.tp is None:
+        return "parallel layout not stated"
+    return _setup_reason(row) or _workload_reason(row)
+
+
+def _setup_reason(row: PublishedRow) -> str | None:
+    for check, what in ((_model_known, "model"), (_gpu_known, "GPU"), (_format_known, "weight format")):
+        problem = check(row)
+        if problem:
+            return f"{what} {problem}: not in this branch (expressible once the catalog, formats or presets have it)"
     return None
+
+
+def _model_known(row: PublishedRow) -> str | None:
+    try:
+        row_spec(row)
+    except (DeepserveError, StopIteration):
+        return f"{row.model!r}"
+    return None
+
+
+def _gpu_known(row: PublishedRow) -> str | None:
+    try:
+        get_accelerator(row.hardware)
+    except DeepserveError:
+        return f"{row.hardware!r}"
+    return None
+
+
+def _format_known(row: PublishedRow) -> str | None:
+    try:
+        get_format(row.weights)
+    except DeepserveError:
+        return f"{row.weights!r}"
+    return None
+
+
+def _workload_reason(row: PublishedRow) -> str | None:
+    setup = row.setup
+    if row.scored_as == "sweep_peak" and not (setup.concurrency_sweep or setup.rate_sweep):
+        return "no concurrency and no sweep to take the peak of"
+    if row.scored_as == "closed_loop" and row.concurrency is None:
+        return "no concurrency stated"
+    if row.scored_as == "finite" and benchmark_run(row) is None:
+        return "the run's number of requests is not stated"
+    if row.speculative_tokens and row.speculative_tokens not in dict(setup.accept_lengths):
+        return "speculative decoding whose acceptance the source does not state"
+    return None
+
+
+# ---- the row as a deployment, a workload, a benchmark run ------------------------------------------------------
+
+
+def row_workload(row: PublishedRow) -> RequestLengths:
+    """The mean lengths the client sent (a client that draws lengths below the stated ones scales them); a phase
+    row without an output length decodes at its stated KV length."""
+    assert row.input_len is not None
+    factor = row.setup.length_mean_factor
+    output = row.output_len if row.output_len is not None else 2
+    return RequestLengths(max(round(row.input_len * factor), 1), max(round(output * factor), 2))
+
+
+LONG_RUN_ROUNDS = 6  # a closed loop of unstated length: this many requests per client after a first round
+LONG_RUN_MAX_CLIENTS = 128  # beyond, a long closed loop is the steady formula's (the queue, not waves, decides)
+
+
+def benchmark_run(row: PublishedRow) -> BenchmarkRun | None:
+    """The finite run the source's client made, when the number of requests is known; a closed loop of unstated
+    length (a long run) as LONG_RUN_ROUNDS requests per client after a first round left out (its first wave)."""
+    setup = row.setup
+    prompts = row.num_prompts or (setup.prompts_per_concurrency * (row.concurrency or 0)) or None
+    warmup = 0
+    if (
+        prompts is None
+        and row.scored_as == "closed_loop"
+        and row.concurrency
+        and row.concurrency <= LONG_RUN_MAX_CLIENTS
+    ):
+        prompts, warmup = (LONG_RUN_ROUNDS + 1) * row.concurrency, row.concurrency
+    if prompts is None:
+        return None
+    workload = row_workload(row)
+    return BenchmarkRun(
+        num_prompts=prompts,
+        input_len=workload.input_len,
+        output_len=workload.output_len,
+        concurrency=row.concurrency,
+        request_rate=row.request_rate,
+        input_spread=setup.length_spread,
+        output_spread=setup.length_spread,
+        warmup_requests=warmup,
+    )
 
 
 def row_deployment(row: PublishedRow, calibration: Path | None = None) -> Deployment:
     """ROW's setup as a deployment; with CALIBRATION's measured kernel figures where the row's GPU is of the class
     the file was measured on."""
-    assert row.input_len is not None and row.output_len is not None
     setup = row.setup
-    nodes = max(row.gpus // 8, 1)
+    workload = row_workload(row)
     deployment = build_deployment(
         row_spec(row),
         row.hardware,
         row.gpus,
-        nodes=nodes,
+        nodes=row.stage_count,
         weights=row.weights,
-        layout=Layout(tp=row.tp, pp=row.pp, dp=row.dp, ep=row.ep),
+        layout=row.layout(),
         engine=row.engine,
-        kv_dtype="auto" if row.kv_dtype == "auto" else row.kv_dtype,
+        kv_dtype="auto" if row.kv_dtype in ("auto", "") else row.kv_dtype,
         network=setup.network,
         gpu_memory_utilization=setup.gpu_memory_utilization,
-        max_model_len=setup.max_model_len or row.input_len + row.output_len,
-        workload=Workload(row.input_len, row.output_len),
+        max_model_len=setup.max_model_len or _longest_sequence(workload, setup.length_spread),
+        workload=workload,
         max_num_seqs=setup.max_num_seqs,
-        engine_version=row.engine_version if version_key(row.engine_version) else None,  # "PyTorch backend (…)"
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        engine_version=_version(row.engine_version),
+        speculation=row_speculation(row),
     )
+    deployment = replace(deployment, options=StepOptions(overlap_comm=setup.overlap_comm))
     if calibration is not None and calibrated_class(calibration) == deployment.accelerator.hardware_class:
         return replace(deployment, calibration=calibration)
     return deployment
 
 
-def predict_row(row: PublishedRow, deployment: Deployment, model: PerformanceModel) -> float:
-    """The model's value for ROW's metric: at its concurrency, at saturation for a peak over a request-rate sweep,
-    or the best over the seed's concurrency sweep."""
-    assert row.input_len is not None and row.output_len is not None
-    workload = Workload(row.input_len, row.output_len)
-    cap = deployment.running_cap
-    metric = METRICS[row.metric]
-    if row.concurrency is not None:
-        return metric(model.predict(row.concurrency, workload, cap), workload)
-    if row.setup.concurrency_sweep:
-        return max(metric(model.predict(c, workload, cap), workload) for c in row.setup.concurrency_sweep)
-    return metric(model.predict(cap, workload, cap), workload)  # a request-rate sweep peaks when the batch is full
+def _longest_sequence(workload: RequestLengths, spread: float) -> int:
+    """The context a run's longest request needs (lengths spread within mean x (1 +- spread))."""
+    return round((workload.input_len + workload.output_len) * (1 + spread)) + 1
 
 
-def with_parameters(deployment: Deployment, parameters: EngineParameters) -> PerformanceModel:
-    """DEPLOYMENT's step model with its own engine profile's overhead parameters set to PARAMETERS."""
-    selected = deployment.select_engine(across_engines=False)
-    if selected is None:
-        raise ValueError(f"no engine profile for {deployment.engine} on {deployment.accelerator.name}")
-    return deployment.performance_model(selected.with_parameters(parameters, "fit"))
+def row_speculation(row: PublishedRow) -> SpeculativeDecoding | None:
+    """The row's MTP with the mean acceptance length its source states (each draft accepted with one rate given
+    the ones before it); None without speculative decoding."""
+    k = row.speculative_tokens
+    if not k:
+        return None
+    rates = acceptance_from_length(k, dict(row.setup.accept_lengths)[k])
+    return replace(speculative_decoding("mtp", k, rates, row_spec(row)), acceptance_source=f"{row.source_id}")
 
 
-def _known_weights(weights: str) -> bool:
-    try:
-        get_format(weights)
-    except ConfigError:
-        return False
-    return True
+def _version(text: str) -> str | None:
+    """The release number a version column starts with (e.g. '0.4.10.post1 (ROCm ...)' -> '0.4.10'); None for a
+    branch or a date (the profile's current version's facts)."""
+    head = text.strip().lstrip("~v").split(" ")[0]
+    parts = [p for p in head.split(".") if p]
+    digits = [p for p in parts[:3] if p.isdigit()]
+    return ".".join(digits) if len(digits) >= 2 else None
 
 
 def _int_or_none(text: str) -> int | None:
-    return int(text) if text.strip() else None
+    text = text.strip()
+    return int(float(text)) if text else None
+
+
+def _float_or_none(text: str) -> float | None:
+    text = text.strip()
+    return float(text) if text else None

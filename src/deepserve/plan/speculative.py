@@ -29,7 +29,7 @@ from itertools import pairwise
 
 from deepserve.errors import ConfigError
 from deepserve.models.spec import ModelSpec
-from deepserve.plan.perf import PerformanceModel, StepCost, WorkCost
+from deepserve.plan.perf import PerformanceModel, RankLoad, StepCost, WorkCost
 
 EH_PROJ_BYTES_PER_PARAM = 2  # vLLM's eh_proj is an unquantized nn.Linear (vllm/model_executor/models/deepseek_mtp.py)
 
@@ -119,6 +119,18 @@ def acceptance_per_position(values: Sequence[float], num_tokens: int) -> tuple[f
     return rates
 
 
+def acceptance_from_length(num_tokens: int, accept_length: float) -> tuple[float, ...]:
+    """Per-position rates of NUM_TOKENS drafts whose mean acceptance length (tokens per step, what engines log and
+    published runs report) is ACCEPT_LENGTH, each draft accepted with one probability p given the ones before it
+    (r_i = p^i, as `acceptance_per_position` reads one rate): p solves p + p^2 + ... + p^K = ACCEPT_LENGTH - 1."""
+    target = min(max(accept_length - 1.0, 0.0), float(num_tokens))
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        p = (low + high) / 2
+        low, high = (p, high) if sum(p**i for i in range(1, num_tokens + 1)) < target else (low, p)
+    return acceptance_per_position(((low + high) / 2,), num_tokens)
+
+
 def published_acceptance(method: str, num_tokens: int) -> tuple[tuple[float, ...], str] | None:
     """The default per-position acceptance for METHOD from published runs, or None where there is none."""
     if method == "mtp":
@@ -173,6 +185,7 @@ class SpeculativeModel(PerformanceModel):
             target.rates,
             target.engine,
             target.kv_dtype,
+            target.options,
         )
         self.speculation = speculation
         self.drafter = _draft_model(target, speculation.draft_layers) if speculation.draft_layers else None
@@ -188,31 +201,35 @@ class SpeculativeModel(PerformanceModel):
         context_len: float,
         prefill_context: float = 0.0,
         prefill_mean_position: float | None = None,
+        rank: RankLoad | None = None,
         queries_per_sequence: float | None = None,
     ) -> StepCost:
         """A step whose DECODE_TOKENS sequences each verify QUERIES_PER_SEQUENCE tokens (default K+1: the last
-        token and K drafts; the simulator gives what its batch holds), then drafts for every sequence that sampled."""
+        token and K drafts; the simulator gives what its batch holds), then drafts for every sequence that sampled.
+        RANK: the busiest data-parallel rank's share, as for the plain step."""
         queries = 1.0 + self.speculation.num_tokens if queries_per_sequence is None else queries_per_sequence
+        rank = rank or self.balanced(decode_tokens, prefill_tokens, prefill_context, prefill_mean_position)
         verify = super().step(
-            decode_tokens, prefill_tokens, context_len, prefill_context, prefill_mean_position, queries
+            decode_tokens, prefill_tokens, context_len, prefill_context, prefill_mean_position, rank, queries
         )
         if self.drafter is None or not decode_tokens + prefill_tokens:
             return verify
-        passes = self._draft_passes(decode_tokens, prefill_tokens, context_len, prefill_context, queries)
+        passes = self._draft_passes(decode_tokens, prefill_tokens, context_len, rank, queries)
         work, comm = _combine(passes, "draft_")
-        return StepCost(verify.overhead_s, verify.work + work, verify.comm + comm)
+        return StepCost(verify.overhead_s, verify.work + work, verify.comm + comm, verify.overlap_comm)
 
     def _draft_passes(
-        self, decode_tokens: float, prefill_tokens: float, context_len: float, prefill_context: float, queries: float
+        self, decode_tokens: float, prefill_tokens: float, context_len: float, rank: RankLoad, queries: float
     ) -> list[StepCost]:
         """K passes of the draft module: the first over every token of the step, the rest over one token per
         sampled sequence (each decode, and the prompt that completed)."""
         assert self.drafter is not None
+        first = self.drafter.step(decode_tokens, prefill_tokens, context_len, rank=rank, queries_per_sequence=queries)
+        passes = [_with_eh_proj(first, self.drafter, rank.decode_tokens * queries + rank.prefill_tokens)]
         sampled = decode_tokens + (1 if prefill_tokens else 0)
-        first = self.drafter.step(decode_tokens, prefill_tokens, context_len, prefill_context, None, queries)
-        passes = [_with_eh_proj(first, self.drafter, decode_tokens * queries + prefill_tokens)]
-        later = self.drafter.step(sampled, 0, context_len + 1)
-        passes += [_with_eh_proj(later, self.drafter, sampled)] * (self.speculation.num_tokens - 1)
+        sampled_here = RankLoad(rank.decode_tokens + (1 if rank.prefill_tokens else 0), 0)
+        later = self.drafter.step(sampled, 0, context_len + 1, rank=sampled_here)
+        passes += [_with_eh_proj(later, self.drafter, sampled_here.decode_tokens)] * (self.speculation.num_tokens - 1)
         return passes
 
 
@@ -239,6 +256,7 @@ def _draft_model(target: PerformanceModel, layers: int) -> PerformanceModel:
         target.rates,
         target.engine,
         target.kv_dtype,
+        target.options,
     )
 
 
@@ -254,7 +272,7 @@ def _with_eh_proj(cost: StepCost, drafter: PerformanceModel, tokens: float) -> S
         drafter._compute_s(2 * params * tokens, 0.0, rate, "bf16"),
         drafter._launch_s() if tokens else 0.0,
     )
-    return StepCost(cost.overhead_s, (*cost.work, projection), cost.comm)
+    return StepCost(cost.overhead_s, (*cost.work, projection), cost.comm, cost.overlap_comm)
 
 
 def _combine(passes: list[StepCost], prefix: str) -> tuple[tuple[WorkCost, ...], tuple[tuple[str, float], ...]]:

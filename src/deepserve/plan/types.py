@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -18,12 +18,11 @@ from deepserve.plan.formats import WeightFormat
 from deepserve.plan.kernels import KernelRates, kernel_rates
 from deepserve.plan.layout import Layout, layout_links
 from deepserve.plan.memory import MemoryPlan
-from deepserve.plan.perf import PerformanceModel
-from deepserve.plan.profiles import SelectedFactors, select_profile, version_key
+from deepserve.plan.perf import PerformanceModel, StepOptions
+from deepserve.plan.profiles import SelectedFactors, select_profile
 from deepserve.plan.speculative import SpeculativeDecoding, parse_acceptance, speculative_model
 
 DEFAULT_CONCURRENCY = (1, 8, 16, 32, 64, 128, 256)
-V1_ENGINE_VERSION = (0, 8)  # vLLM 0.8.0 made the V1 engine the default
 
 
 class PlanConfig(Section):
@@ -61,6 +60,15 @@ class PlanConfig(Section):
     max_num_batched_tokens: int = Field(8192, ge=1, description="tokens per step (sizes the activation reserve)")
     calibration: Path | None = Field(
         None, description="JSON from benchmarks/calibrate_gpu.py: measured kernel efficiencies replace the table's"
+    )
+    num_prompts: int | None = Field(
+        None, ge=1, description="forecast a benchmark of this many requests per concurrency level (the simulator)"
+    )
+    request_rate: float | None = Field(
+        None, gt=0, description="with --num-prompts: requests arrive at this Poisson rate (None: all at once)"
+    )
+    length_spread: float = Field(
+        0.0, ge=0, lt=1, description="with --num-prompts: lengths drawn within mean x (1 +- spread)"
     )
     speculative_method: SpeculativeMethod | None = Field(
         None, description="speculative decoding: mtp, dspark, ngram, auto (the vendor's), none (default: off)"
@@ -116,6 +124,7 @@ class Deployment:
     max_num_batched_tokens: int = 8192
     calibration: Path | None = None  # kernel figures measured on this GPU class (benchmarks/calibrate_gpu.py)
     speculation: SpeculativeDecoding | None = None  # speculative decoding (its MTP layers are in the memory plan)
+    options: StepOptions = field(default_factory=StepOptions)  # two-batch overlap of communication
 
     @property
     def running_cap(self) -> int:
@@ -128,12 +137,17 @@ class Deployment:
 
     @property
     def seqs_schedulers(self) -> int:
-        """How many schedulers each apply max_num_seqs: vLLM's V1 engine (0.8 on) has one per data-parallel rank,
-        which caps all pipeline micro-batches together; the V0 engine before it had one per pipeline stage
-        ("virtual engine", vllm/engine/llm_engine.py of 0.7), each with max_num_seqs."""
-        if self.engine == "vllm" and self.engine_version and version_key(self.engine_version) < V1_ENGINE_VERSION:
-            return self.layout.pp
-        return self.layout.dp
+        """How many schedulers each apply max_num_seqs to their own requests: one per data-parallel rank (vLLM V1
+        and SGLang: each rank runs its own scheduler, which caps all pipeline micro-batches together), times the
+        pipeline micro-batches where the engine's version caps each separately (vLLM V0's one scheduler per
+        "virtual engine"; the profile's fact max_num_seqs_per_micro_batch in data/engine_profiles.json)."""
+        return self.layout.dp * self.micro_batches_capped()
+
+    def micro_batches_capped(self) -> int:
+        """How many pipeline micro-batches one max_num_seqs covers separately (vLLM V0: each; else one cap)."""
+        selected = self.select_engine()
+        per_micro_batch = selected is not None and selected.facts.max_num_seqs_per_micro_batch
+        return self.layout.pp if per_micro_batch else 1
 
     @property
     def max_num_seqs_per_rank(self) -> int | None:
@@ -172,5 +186,6 @@ class Deployment:
             rates or self.kernel_rates(),
             engine,
             self.kv_dtype,
+            self.options,
         )
         return speculative_model(model, self.speculation)

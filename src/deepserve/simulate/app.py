@@ -23,9 +23,9 @@ from typing import Any, cast
 import orjson
 
 from deepserve import __version__
-from deepserve.simulate.clock import Clock
+from deepserve.simulate.clock import SimClock
 from deepserve.simulate.config import SimulateConfig
-from deepserve.simulate.engine import Engine
+from deepserve.simulate.engine import SimEngine
 from deepserve.simulate.faults import Controls
 from deepserve.simulate.http import JSON_CONTENT, Connection, HttpRequest
 from deepserve.simulate.metrics import render
@@ -82,7 +82,9 @@ class ServerStats:
 class SimulatorApp:
     """Routes requests to the engine and the simulator's state; one per server."""
 
-    def __init__(self, deployment: SimulatedDeployment, config: SimulateConfig, engine: Engine, clock: Clock) -> None:
+    def __init__(
+        self, deployment: SimulatedDeployment, config: SimulateConfig, engine: SimEngine, clock: SimClock
+    ) -> None:
         self.deployment = deployment
         self.config = config
         self.engine = engine

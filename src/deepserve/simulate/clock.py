@@ -17,7 +17,7 @@ class Timer(Protocol):
     def cancel(self) -> None: ...
 
 
-class Clock(Protocol):
+class SimClock(Protocol):
     def now(self) -> float:
         """Simulated seconds since the clock started."""
         ...

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-from deepserve.simulate.clock import Clock, Timer
+from deepserve.simulate.clock import SimClock, Timer
 from deepserve.simulate.core import EngineCore
 from deepserve.simulate.metrics import CounterReading, EngineMetrics, GaugeReading
 from deepserve.simulate.scheduler import SimRequest, Status, StepOutput, stop_reason
@@ -29,7 +29,7 @@ _EPS_S = 1e-9
 FIXED_BURST_TOKENS = 64  # with no inter-token delay, tokens sent per callback before other streams get a turn
 
 
-class Engine(Protocol):
+class SimEngine(Protocol):
     """What the server needs of an engine."""
 
     max_model_len: int
@@ -55,7 +55,7 @@ class Engine(Protocol):
 
 
 class SteppedEngine:
-    def __init__(self, core: EngineCore, clock: Clock) -> None:
+    def __init__(self, core: EngineCore, clock: SimClock) -> None:
         self.core = core
         self.clock = clock
         self.max_model_len = core.max_model_len
@@ -68,16 +68,34 @@ class SteppedEngine:
         self._timer: Timer | None = None
         self._timer_s = math.inf
         self._kick_pending = False
+        self._held: set[str] = set()  # submitted, still in the per-request overhead before the scheduler sees them
 
     def now(self) -> float:
         return self.clock.now()
 
     def submit(self, request: SimRequest) -> None:
+        """REQUEST arrived now; the scheduler sees it after the engine profile's per-request overhead (the API
+        server's work before a request can be scheduled, which no step accounts for)."""
         request.arrival_s = self.clock.now()
+        delay_s = self.core.timer.request_overhead_s
+        if delay_s > 0:
+            self._held.add(request.request_id)
+            self.clock.call_at(request.arrival_s + delay_s, lambda: self._admit(request))
+        else:
+            self._admit(request)
+
+    def _admit(self, request: SimRequest) -> None:
+        if request.request_id in self._held:
+            self._held.discard(request.request_id)
+        elif self.core.timer.request_overhead_s > 0:
+            return  # aborted while the API server held it
         self.core.add(request)
-        self._unblock(request.arrival_s)
+        self._unblock(self.clock.now())
 
     def abort(self, request: SimRequest) -> None:
+        if request.request_id in self._held:
+            self._held.discard(request.request_id)  # not with the scheduler yet
+            return
         if self.core.abort(request, self.clock.now()):
             self._unblock(self.clock.now())  # its blocks are free: a waiting request may fit now
 
@@ -174,7 +192,7 @@ class FixedLatencyEngine:
     behind restarts a stream's timeline at the present."""
 
     def __init__(
-        self, clock: Clock, ttft_s: float, itl_s: float, max_model_len: int, burst_tokens: int = FIXED_BURST_TOKENS
+        self, clock: SimClock, ttft_s: float, itl_s: float, max_model_len: int, burst_tokens: int = FIXED_BURST_TOKENS
     ) -> None:
         if ttft_s < 0 or itl_s < 0:
             raise ValueError("fixed timings must not be negative")

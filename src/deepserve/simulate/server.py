@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from deepserve.simulate.app import SimulatorApp
-from deepserve.simulate.clock import Clock, LoopClock
+from deepserve.simulate.clock import LoopClock, SimClock
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.http import Connection
 from deepserve.simulate.send_log import KernelStampedServer
@@ -30,7 +30,7 @@ class SimulatorServer:
         self.host = "127.0.0.1"
         self.port = 0
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0, clock: Clock | None = None) -> SimulatorApp:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, clock: SimClock | None = None) -> SimulatorApp:
         """Listen on HOST:PORT (0: any free port), the engine timed by CLOCK (default: the loop's, scaled by
         time_scale; a ManualClock lets a test move time by hand)."""
         clock = clock or LoopClock(self.config.time_scale)
@@ -87,7 +87,7 @@ async def running_simulator(
     config: SimulateConfig,
     host: str = "127.0.0.1",
     port: int = 0,
-    clock: Clock | None = None,
+    clock: SimClock | None = None,
 ) -> AsyncIterator[SimulatorServer]:
     """The simulator serving in this event loop until the block ends (CLOCK: as SimulatorServer.start)."""
     server = SimulatorServer(deployment, config)

@@ -25,17 +25,17 @@ from deepserve.hardware.catalog import Accelerator, get_accelerator
 from deepserve.models.presets import canonical_preset_name
 from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
-from deepserve.simulate.clock import Clock
+from deepserve.simulate.clock import SimClock
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.core import EngineCore
-from deepserve.simulate.engine import Engine, FixedLatencyEngine, SteppedEngine
+from deepserve.simulate.engine import FixedLatencyEngine, SimEngine, SteppedEngine
 from deepserve.simulate.kv_cache import KVCacheManager
 from deepserve.simulate.scheduler import Scheduler, SchedulerLimits
 from deepserve.simulate.speculation import AcceptanceSampler, Drafting
 from deepserve.simulate.timing import FixedStepTimer, PlannerStepTimer, StepTimer
 
 if TYPE_CHECKING:
-    from deepserve.plan.perf import PerformanceModel, Prediction, Workload
+    from deepserve.plan.perf import PerformanceModel, Prediction, RequestLengths
     from deepserve.plan.planner import Plan
     from deepserve.plan.speculative import SpeculativeDecoding
     from deepserve.plan.types import PlanConfig
@@ -98,7 +98,7 @@ class SimulatedDeployment:
             f"{d.kv_dtype}); {self.timing}"
         )
 
-    def predict(self, concurrency: int, workload: Workload) -> Prediction:
+    def predict(self, concurrency: int, workload: RequestLengths) -> Prediction:
         """The planner's closed-loop prediction for this deployment (its running cap: what the KV cache holds at
         the workload's lengths, and max_num_seqs per pipeline stage)."""
         if self.model_of_steps is None:
@@ -342,7 +342,7 @@ def _kv_blocks(plan: Plan, engine: EngineConfig, block_size: int, accelerator: A
     return max(tokens // block_size, 0)
 
 
-def build_engine(deployment: SimulatedDeployment, sim: SimulateConfig, clock: Clock) -> Engine:
+def build_engine(deployment: SimulatedDeployment, sim: SimulateConfig, clock: SimClock) -> SimEngine:
     """The engine the server runs: stepped (the scheduler over the step model, or over fixed steps), or fixed
     latency per stream."""
     if sim.fixed_latency:

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 
 class StepTimer(Protocol):
+    request_overhead_s: float  # from a request's arrival to its being schedulable (the API server's own work)
+
     def step_s(self, batch: ScheduledBatch) -> float:
         """Seconds one pipeline stage spends on BATCH."""
         ...
@@ -25,6 +27,7 @@ class PlannerStepTimer:
 
     def __init__(self, model: PerformanceModel) -> None:
         self.model = model
+        self.request_overhead_s = model.request_overhead_s  # the engine profile's per-request overhead
 
     def step_s(self, batch: ScheduledBatch) -> float:
         # each prompt attends to its own positions: the mean over the step's prompt tokens, not half their sum
@@ -46,6 +49,7 @@ class FixedStepTimer:
         if step_s <= 0:
             raise ValueError("a fixed step time must be positive")
         self.fixed_s = step_s
+        self.request_overhead_s = 0.0
 
     def step_s(self, batch: ScheduledBatch) -> float:
         return self.fixed_s

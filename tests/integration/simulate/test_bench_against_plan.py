@@ -22,7 +22,7 @@ import pytest
 
 from deepserve.cli.main import main
 from deepserve.engines.config import EngineConfig
-from deepserve.plan.perf import Workload
+from deepserve.plan.perf import RequestLengths
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.setup import resolve
 from tests.helpers import start_simulator
@@ -59,7 +59,7 @@ def test_bench_reproduces_the_planners_prediction(simulated: str, tmp_path: Path
     measured = json.loads((tmp_path / "r.json").read_text())
     assert measured["completed"] == prompts and measured["total_input_tokens"] == prompts * INPUT_LEN
     sim = SimulateConfig(gpu=GPU)
-    predicted = resolve(EngineConfig(model=MODEL), sim).predict(concurrency, Workload(INPUT_LEN, OUTPUT_LEN))
+    predicted = resolve(EngineConfig(model=MODEL), sim).predict(concurrency, RequestLengths(INPUT_LEN, OUTPUT_LEN))
     tpot_ms = measured["mean_tpot_ms"] / TIME_SCALE
     throughput = measured["output_throughput"] * TIME_SCALE
     engine = httpx.get(simulated.removesuffix("/v1") + "/simulate/stats").json()["engine"]

@@ -27,6 +27,11 @@ def test_smoke_run_on_cpu_writes_every_kind_and_is_refused_by_the_planner(
     assert {m["family"] for m in data["measurements"]} == set(WORK_KINDS)
     for m in data["measurements"]:
         assert m["seconds"] > 0 and m["roofline_s"] > 0 and m["bytes_moved"] > 0
+    cases = {(m["family"], m["case"]) for m in data["measurements"]}
+    assert any(family == "moe_gemm" and case.startswith("ep32 ") for family, case in cases)  # expert parallelism
+    assert any(case.endswith("context 512") for _, case in cases)  # long contexts (shrunk for the smoke run)
+    assert any(case.startswith("chunk ") for _, case in cases)  # a prompt chunk over a long cached context
+    assert not any(m["dtype"] == "fp4" for m in data["measurements"])  # no FP4 units on a CPU: skipped, said so
     kinds = data["planner"]["kinds"]
     assert kinds and set(kinds) <= set(WORK_KINDS)  # a kind no case could measure is left to the table
     for by_family in kinds.values():
@@ -114,3 +119,14 @@ def test_validation_uses_a_calibration_for_the_rows_of_its_gpu_class_only(tmp_pa
         by_class.setdefault(deployment.accelerator.hardware_class, []).append(deployment.calibration == path)
     assert all(by_class["hopper"]) and by_class.keys() - {"hopper"}
     assert not any(flag for cls, flags in by_class.items() if cls != "hopper" for flag in flags)
+
+
+def test_fp4_weights_have_kernel_figures_on_every_gpu_class() -> None:
+    """FP4 formats (the models colleague's NVFP4/MXFP4) get Blackwell's FP4 path and, on GPUs without FP4 units,
+    the dequantizing 4-bit path; every figure is marked as carried over until calibrate_gpu.py measures it."""
+    from deepserve.plan.kernels import weight_family
+
+    assert weight_family("nvfp4") == "fp4" and weight_family("mxfp4-moe") == "fp4"
+    for gpu in ("b200", "h200", "a100", "mi300x"):
+        rates = kernel_rates(get_accelerator(gpu), "nvfp4")
+        assert rates.family == "fp4" and not rates.rate("moe_gemm").measured

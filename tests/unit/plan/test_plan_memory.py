@@ -139,9 +139,9 @@ def test_max_model_len_larger_than_the_cache_does_not_fit(v3_awq) -> None:
     [
         (Layout(tp=3), 3, "does not divide"),
         (Layout(tp=8, pp=2), 8, "16 GPUs but --gpus is 8"),
-        (Layout(tp=1, dp=8), 8, "needs expert parallelism"),
+        (Layout(tp=1, dp=3), 3, "does not divide the expert width"),
         (Layout(tp=8, pp=100), 800, "exceeds the model's 61 layers"),
-        (Layout(tp=1, dp=3, ep=True), 3, "divide evenly"),
+        (Layout(tp=1, dp=512, ep=True), 512, "at least one routed expert per GPU"),
     ],
 )
 def test_impossible_layouts_are_clear_errors(v3, layout: Layout, gpus: int, message: str) -> None:

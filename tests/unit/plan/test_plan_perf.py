@@ -1,12 +1,20 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from deepserve.models import load_spec
 from deepserve.plan.layout import Layout
-from deepserve.plan.perf import Workload, expected_distinct_experts
+from deepserve.plan.perf import (
+    RankLoad,
+    RequestLengths,
+    expected_distinct_experts,
+    expected_max_poisson,
+)
 from deepserve.plan.planner import build_deployment
 from deepserve.plan.profiles import EngineParameters
+from deepserve.plan.speculative import acceptance_from_length, speculative_decoding
 
 AWQ = "cognitivecomputations/DeepSeek-V3-AWQ"
 # Round numbers so the hand computations below are easy to follow; the fitted values live in engine_profiles.json.
@@ -81,13 +89,17 @@ def test_decode_step_by_hand(v3) -> None:
     assert sum(step.breakdown_s().values()) == pytest.approx(step.total_s)
 
 
-def test_prompt_flops_run_at_the_profile_prefill_efficiency(v3) -> None:
+def test_prompt_gemms_run_at_the_profile_prefill_efficiency_and_attention_at_its_own(v3) -> None:
+    """The engine's prefill efficiency slows the prompt's GEMMs only: attention runs at the kernel table's attention
+    rate (issue 20: charging attention the GEMM path's factor made long prompts too slow)."""
     _, fast = _model(v3, parameters=EngineParameters(kernels_per_layer=20.0, prefill_efficiency=1.0))
     _, slow = _model(v3, parameters=EngineParameters(kernels_per_layer=20.0, prefill_efficiency=0.25))
-    for kind in ("dense_gemm", "moe_gemm", "mla_prefill"):
+    for kind in ("dense_gemm", "moe_gemm"):
         assert slow.step(0, 8192, 0).kind(kind).compute_s == pytest.approx(
             4 * fast.step(0, 8192, 0).kind(kind).compute_s
         )
+    attention = slow.step(0, 8192, 0).kind("mla_prefill")
+    assert attention.compute_s == pytest.approx(fast.step(0, 8192, 0).kind("mla_prefill").compute_s)
     assert slow.step(64, 0, 2000).compute_s == pytest.approx(fast.step(64, 0, 2000).compute_s)  # decode untouched
 
 
@@ -118,7 +130,7 @@ def test_old_vllm_launches_awq_experts_one_by_one(awq) -> None:
 
 def test_tpot_grows_with_concurrency_and_throughput_saturates(v3) -> None:
     deployment, model = _model(v3)
-    workload = Workload(2048, 512)
+    workload = RequestLengths(2048, 512)
     cap = deployment.running_cap
     levels = [1, 8, 32, 128, cap, 2 * cap]
     predictions = [model.predict(c, workload, cap) for c in levels]
@@ -134,20 +146,25 @@ def test_tpot_grows_with_concurrency_and_throughput_saturates(v3) -> None:
 
 def test_closed_loop_throughput_matches_latencies(v3) -> None:
     deployment, model = _model(v3)
-    p = model.predict(16, Workload(1000, 200), deployment.running_cap)
+    p = model.predict(16, RequestLengths(1000, 200), deployment.running_cap)
     e2e_s = (p.ttft_ms + 199 * p.tpot_ms) / 1e3
     assert p.output_throughput_tok_s == pytest.approx(16 * 200 / e2e_s, rel=1e-6)
 
 
-def test_ttft_at_concurrency_one_is_a_solo_prefill(v3) -> None:
-    deployment, model = _model(v3)
-    p = model.predict(1, Workload(4096, 100), deployment.running_cap)
-    assert p.ttft_ms == pytest.approx(model.step(0, 4096, 2048).total_s * 1e3)
+def test_ttft_at_concurrency_one_is_a_solo_prefill_after_the_request_overhead(v3) -> None:
+    """One user's TTFT: the engine's per-request overhead (issue 20: a floor of about 120-150 ms that no step
+    accounts for) plus the prompt's own step."""
+    parameters = EngineParameters(kernels_per_layer=20.0, prefill_efficiency=0.5, request_overhead_ms=100.0)
+    deployment, model = _model(v3, parameters=parameters)
+    p = model.predict(1, RequestLengths(4096, 100), deployment.running_cap)
+    assert p.ttft_ms == pytest.approx(100.0 + model.step(0, 4096, 2048).total_s * 1e3)
+    _, without = _model(v3)
+    assert without.predict(1, RequestLengths(4096, 100), deployment.running_cap).tpot_ms == pytest.approx(p.tpot_ms)
 
 
 def test_a100_is_slower_than_h100_where_the_hardware_decides(awq) -> None:
     """Same engine, format and layout: the A100 has 61% of the H100's bandwidth and 32% of its FP16 rate."""
-    workload = Workload(1024, 256)
+    workload = RequestLengths(1024, 256)
     h100_deployment, h100 = _model(awq, gpu="h100", weights=None)
     a100_deployment, a100 = _model(awq, gpu="a100-80gb", weights=None)
     h = h100.predict(1, workload, h100_deployment.running_cap)
@@ -189,7 +206,7 @@ def test_expert_parallelism_uses_all_to_all_instead_of_all_reduce(v3) -> None:
 
 def test_pipeline_parallel_token_interval_spans_all_stages(v3) -> None:
     deployment, model = _model(v3, gpu="h100", gpus=16, nodes=2)
-    p = model.predict(1, Workload(1000, 100), deployment.running_cap)
+    p = model.predict(1, RequestLengths(1000, 100), deployment.running_cap)
     # one request: every token crosses both stages (the other stage idles: a pipeline bubble)
     assert p.tpot_ms == pytest.approx(2 * model.step(1, 0, 1050).total_s * 1e3, rel=1e-6)
 
@@ -197,6 +214,71 @@ def test_pipeline_parallel_token_interval_spans_all_stages(v3) -> None:
 def test_ttft_grows_with_the_running_batch(v3) -> None:
     """A new prompt waits for the step in flight and for the prompts queued ahead of it."""
     deployment, model = _model(v3)
-    workload = Workload(2048, 512)
+    workload = RequestLengths(2048, 512)
     ttfts = [model.predict(c, workload, deployment.running_cap).ttft_ms for c in (1, 16, 64, 256)]
     assert ttfts == sorted(ttfts) and ttfts[-1] > 1.5 * ttfts[0]
+
+
+def test_a_prompt_on_data_parallel_ranks_runs_on_one_rank(v3) -> None:
+    """With DP attention a prompt's attention and dense layers run on the rank that holds it, not spread over all
+    ranks (issue 20: spread, a 10K prompt came out eight times too fast)."""
+    _, dp = _model(v3, layout=Layout(tp=1, dp=8, ep=True))
+    one_rank = dp.step(0, 8192, 0, rank=RankLoad(0, 8192))
+    spread = dp.step(0, 8192, 0)  # the step's default: balanced over the ranks
+    assert one_rank.kind("mla_prefill").compute_s == pytest.approx(64 * spread.kind("mla_prefill").compute_s)
+    assert one_rank.kind("dense_gemm").compute_s > 7 * spread.kind("dense_gemm").compute_s
+    assert one_rank.kind("moe_gemm").compute_s == pytest.approx(spread.kind("moe_gemm").compute_s)  # all ranks' experts
+
+
+def test_concurrent_requests_on_data_parallel_ranks_do_not_queue_behind_each_other(v3) -> None:
+    """Eight requests on eight DP ranks prefill side by side: TTFT at concurrency 8 stays near one request's, where
+    a single TP group prefills them one after another."""
+    deployment, dp = _model(v3, layout=Layout(tp=1, dp=8, ep=True))
+    workload = RequestLengths(30_000, 200)
+    one, eight = (dp.predict(c, workload, deployment.running_cap).ttft_ms for c in (1, 8))
+    assert eight < 1.6 * one
+    assert expected_max_poisson(0.5, 1) == pytest.approx(0.5)  # one rank: the mean
+    assert 1.0 < expected_max_poisson(0.5, 8) < 2.0  # four prompts over eight ranks: the busiest has one or two
+
+
+def test_tp_across_nodes_pays_each_all_reduce_s_latency_not_the_nic_bandwidth(v3) -> None:
+    """TP16 over two nodes: a decode step's all-reduces cost the cross-node latency (NCCL's tree over the
+    network), and a long prompt's all-reduces run at the node's NVLink bus bandwidth (hierarchical: each GPU sends
+    only its share over its own NIC)."""
+    params = EngineParameters(kernels_per_layer=20.0, prefill_efficiency=0.5, cross_node_latency_us=100.0)
+    _, across = _model(v3, gpu="h100", gpus=16, nodes=2, layout=Layout(tp=16), parameters=params)
+    decode = dict(across.step(1, 0, 1000).comm)["all_reduce"]
+    assert decode == pytest.approx(2 * 61 * 100e-6, rel=0.05)
+    prefill = dict(across.step(0, 8192, 0).comm)["all_reduce"]
+    message = 8192 * v3.hidden_size * 2
+    nvlink_bus = 370e9
+    assert prefill == pytest.approx(2 * 61 * (100e-6 + 2 * 15 / 16 * message / nvlink_bus), rel=0.05)
+
+
+def test_speculative_decoding_verifies_k_plus_one_tokens_and_runs_the_draft(v3) -> None:
+    spec = speculative_decoding("mtp", 3, acceptance_from_length(3, 2.2), v3)
+    assert spec.tokens_per_step == pytest.approx(2.2)
+    assert list(spec.acceptance) == sorted(spec.acceptance, reverse=True)
+    deployment = build_deployment(v3, "h200", 8, weights="fp8")
+    plain = deployment.performance_model(deployment.select_engine().with_parameters(PARAMETERS))
+    with_spec = replace(deployment, speculation=spec).performance_model(
+        deployment.select_engine().with_parameters(PARAMETERS)
+    )
+    step, verified = plain.step(1, 0, 1000), with_spec.step(1, 0, 1000)
+    assert any(w.kind.startswith("draft_") and w.time_s > 0 for w in verified.work)
+    assert verified.total_s > step.total_s
+    workload = RequestLengths(1024, 256)
+    assert with_spec.predict(1, workload, 64).tpot_ms < plain.predict(1, workload, 64).tpot_ms  # one user gains
+    busy = (m.predict(64, workload, 64).output_throughput_tok_s for m in (plain, with_spec))
+    gain_alone = plain.predict(1, workload, 64).tpot_ms / with_spec.predict(1, workload, 64).tpot_ms
+    assert next(busy) / next(busy) > 1 / gain_alone  # the gain shrinks as batches grow
+
+
+def test_sglang_prefills_in_steps_of_their_own(v3) -> None:
+    """SGLang runs a new prompt as its own forward pass (no mixed steps): the decoders wait for the whole prefill
+    step; vLLM's V1 adds the prompt to a decode step."""
+    _, sglang = _model(v3, engine="sglang")
+    _, vllm = _model(v3)
+    assert not sglang.mixed_prefill and vllm.mixed_prefill
+    workload = RequestLengths(4096, 256)
+    assert sglang.predict(32, workload, 256).tpot_ms > vllm.predict(32, workload, 256).tpot_ms

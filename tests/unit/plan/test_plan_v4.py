@@ -109,10 +109,39 @@ def test_v4_kv_capacity_is_growth_plus_a_fixed_state_per_request() -> None:
     assert cache is not None and not cache.is_linear
     assert memory.kv_fixed_bytes_per_sequence == cache.fixed_bytes_per_sequence > 20e6
     per_request = memory.kv_bytes_per_sequence(memory.sequence_len)
-    assert memory.max_concurrent_sequences == memory.kv_cache_bytes_per_gpu // per_request
+    # the prompts of the steps in flight hold their windows' pages until their steps settle: the decoding
+    # requests share what is left
+    held = memory.kv_prompt_in_flight_bytes
+    assert held == cache.prompt_in_flight_bytes(1024, memory.in_flight_tokens) > 0
+    assert memory.max_concurrent_sequences == (memory.kv_cache_bytes_per_gpu - held) // per_request
     # the engine's start-up figure reserves each window for a step in flight (2 x 8,192 tokens with async
     # scheduling): far fewer tokens than the decoding requests' bytes would suggest
     assert memory.kv_cache_tokens < memory.kv_cache_bytes_per_gpu / cache.bytes_per_token
+
+
+def test_prompts_in_flight_hold_window_pages_by_the_token() -> None:
+    """vLLM 0.32 frees a windowed cache's pages only once a step has settled: an 8K prompt writes 2,048 pages of
+    the 4-token compressor state (and 1,024 of the 8-token one) before any is freed, each a block of the pool's
+    size; two steps are in flight with async scheduling (vllm/v1/kv_cache_interface.py, SlidingWindowSpec)."""
+    cache = build_deployment(preset_spec(PRO), "h200", 8, max_model_len=9216).memory.kv_layout
+    assert cache is not None
+    one = cache.prompt_in_flight_bytes(8192, 8192)
+    assert cache.prompt_in_flight_bytes(8192, 16384) == 2 * one
+    windowed = [g for g in cache.groups if g.window is not None]
+    pages = sum(g.blocks(8192, 8192) - g.blocks(8192) for g in windowed)
+    assert one == pages * cache.block_bytes and pages > 2048 + 1024
+    assert build_deployment(preset_spec("deepseek-ai/DeepSeek-V3"), "h200", 8).memory.kv_prompt_in_flight_bytes == 0
+
+
+def test_sparse_attention_reserves_its_prefill_workspace() -> None:
+    """V3.2's FlashMLA-sparse gathers factor x max_model_len rows of 576 16-bit values (factor 5 up to 256K tokens);
+    V4 gathers four prompts' compressed contexts; MLA reserves none."""
+    v32 = build_deployment(preset_spec("deepseek-ai/DeepSeek-V3.2"), "h200", 8, max_model_len=163_840).memory
+    assert v32.workspace_bytes_per_gpu == 5 * 163_840 * 576 * 2
+    v4 = build_deployment(preset_spec(FLASH), "b200", 4, max_model_len=1_048_576).memory
+    short = build_deployment(preset_spec(FLASH), "b200", 4, max_model_len=9216).memory
+    assert v4.workspace_bytes_per_gpu > 10 * short.workspace_bytes_per_gpu > 0
+    assert build_deployment(preset_spec("deepseek-ai/DeepSeek-V3"), "h200", 8).memory.workspace_bytes_per_gpu == 0
 
 
 def test_fp4_indexer_cache_leaves_more_room() -> None:

@@ -14,7 +14,7 @@ from deepserve.hardware import host
 from deepserve.hardware.catalog import host_accelerator
 from deepserve.models import load_spec
 from deepserve.plan.memory import DRAFT_COMPONENT
-from deepserve.plan.perf import Workload, expected_distinct_experts
+from deepserve.plan.perf import RequestLengths, expected_distinct_experts
 from deepserve.plan.planner import build_deployment, make_plan
 from deepserve.plan.profiles import EngineParameters
 from deepserve.plan.speculative import (
@@ -120,7 +120,7 @@ def test_a_speculative_step_is_verification_plus_k_draft_passes(v3) -> None:
 def test_tpot_is_the_step_over_the_tokens_it_yields(v3) -> None:
     speculation = SpeculativeDecoding("mtp", 2, (0.8, 0.5), 1)
     _, spec_model = _models(v3, speculation)
-    workload = Workload(1024, 256)
+    workload = RequestLengths(1024, 256)
     prediction = spec_model.predict(1, workload, running_cap=64)
     step_s = spec_model.step(1, 0, 1024 + 128).total_s
     assert prediction.tpot_ms == pytest.approx(step_s / 2.3 * 1e3)  # 1 + 0.8 + 0.5 tokens a step
@@ -132,7 +132,7 @@ def test_the_gain_falls_as_the_batch_grows(v3) -> None:
     (Between, a MoE's verification touches several times the experts of a decode step: the gain dips at ~8.)"""
     speculation = speculative_decoding("mtp", 3, (), v3)
     plain, spec_model = _models(v3, speculation)
-    workload = Workload(1024, 1024)
+    workload = RequestLengths(1024, 1024)
 
     def gain(concurrency: int) -> float:
         faster = spec_model.predict(concurrency, workload, 1024).output_throughput_tok_s
@@ -151,7 +151,7 @@ def test_speculation_is_slower_on_this_cpu_even_at_full_acceptance(monkeypatch: 
     measured = host.HostMeasurement("box", "Test CPU", 2, 26.0, 140.0, 15.2, "2026-11-23T00:00:00Z")
     monkeypatch.setattr(host, "measured_host", lambda refresh=False: measured)
     tiny = replace(load_spec("deepserve/tiny-deepseek-v3"), num_mtp_layers=1)
-    workload = Workload(128, 128)
+    workload = RequestLengths(128, 128)
     accelerator = host_accelerator(measured)
 
     def throughput(speculation: SpeculativeDecoding | None, concurrency: int) -> float:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from deepserve.engines.config import EngineConfig
-from deepserve.plan.perf import Workload
+from deepserve.plan.perf import RequestLengths
 from deepserve.simulate.clock import ManualClock, Timer
 from deepserve.simulate.closed_loop import run_closed_loop, simulate_closed_loop
 from deepserve.simulate.config import SimulateConfig
@@ -158,7 +158,7 @@ def awq_h100() -> tuple[object, SimulateConfig]:
 def test_one_client_reproduces_the_planner_exactly(awq_h100) -> None:
     deployment, sim = awq_h100
     result = run_closed_loop(build_core(deployment, sim), 1, 1024, 64, num_requests=3)
-    predicted = deployment.predict(1, Workload(1024, 64))
+    predicted = deployment.predict(1, RequestLengths(1024, 64))
     assert result.mean_tpot_ms == pytest.approx(predicted.tpot_ms, rel=0.005)
     assert result.mean_ttft_ms == pytest.approx(predicted.ttft_ms, rel=0.005)
     assert result.output_throughput_tok_s == pytest.approx(predicted.output_throughput_tok_s, rel=0.01)
@@ -170,7 +170,7 @@ def test_32_clients_agree_with_the_planner(awq_h100) -> None:
     analytic model spreads over the decode steps: TPOT falls below the plan (the prompts' cost moves into TTFT; with
     the kernel-table model, where a 1K prompt costs several decode steps, by about a sixth), throughput within 15%."""
     deployment, sim = awq_h100
-    workload = Workload(1024, 256)
+    workload = RequestLengths(1024, 256)
     predicted = deployment.predict(32, workload)
     waves = run_closed_loop(build_core(deployment, sim), 32, 1024, 256, num_requests=96)
     staggered = run_closed_loop(build_core(deployment, sim), 32, 1024, 256, num_requests=640, output_spread=0.5)

@@ -9,7 +9,7 @@ import pytest
 
 from deepserve.engines.config import EngineConfig
 from deepserve.errors import ConfigError
-from deepserve.plan.perf import Workload
+from deepserve.plan.perf import RequestLengths
 from deepserve.simulate.closed_loop import simulate_closed_loop
 from deepserve.simulate.config import SimulateConfig
 from deepserve.simulate.kv_cache import KVCacheManager
@@ -106,7 +106,7 @@ def test_the_simulation_agrees_with_the_plan_in_virtual_time() -> None:
     assert deployment.speculation is not None and deployment.speculation.tokens_per_step == pytest.approx(2.3)
     assert "speculative decoding: mtp, 2 draft token(s)" in deployment.describe()
     measured = simulate_closed_loop(engine, sim, 1, 1024, 256, num_requests=8, output_spread=0.5)
-    predicted = deployment.predict(1, Workload(1024, 256))
+    predicted = deployment.predict(1, RequestLengths(1024, 256))
     assert measured.mean_tpot_ms == pytest.approx(predicted.tpot_ms, rel=0.05)
     plain = simulate_closed_loop(
         engine.model_copy(update={"num_speculative_tokens": None}),

@@ -1,0 +1,41 @@
+"""`plan validate` as the CLI runs it: every finite run (a request rate, everything at once, a counted closed loop)
+forecast through the simulator's scheduler in virtual time, each source held out."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from deepserve.plan.validate import TARGET_MAPE_PCT, validate
+from deepserve.simulate.forecast import SimulatorForecaster
+
+
+@pytest.fixture(scope="module")
+def forecast_validation():
+    started = time.monotonic()
+    result = validate(forecaster=SimulatorForecaster())
+    return result, time.monotonic() - started
+
+
+def test_finite_runs_are_scored_as_they_ran(forecast_validation) -> None:
+    result, _seconds = forecast_validation
+    assert not result.not_held_out  # with the simulator every expressible row is predicted held-out
+    finite = [r for r in result.held_out.results if r.row.scored_as == "finite"]
+    assert {r.row.source_id for r in finite} >= {"sglang-5571-h200", "sglang-3602-h200", "lmsys-amd-mtp-mi300x"}
+    data_parallel = [r for r in finite if r.row.source_id == "sglang-5571-h200" and r.row.metric == "ttft_mean"]
+    assert data_parallel and data_parallel[0].predicted > 2_000  # 50 prompts of 10K at 10/s queue on 8 ranks
+
+
+def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation) -> None:
+    """A guard against regressions: the closed-loop NVIDIA rows as docs/PLANNING.md section 6 records them (the
+    issue's targets, TARGET_MAPE_PCT, are the goal)."""
+    result, seconds = forecast_validation
+    headline = result.held_out.headline
+    assert len(headline.results) >= 90
+    assert headline.mape_pct("throughput") <= 28 and headline.mape_pct("tpot") <= 20
+    assert headline.mape_pct("ttft") <= TARGET_MAPE_PCT["ttft"]
+    # the merge made DeepSeek-V3.2 on H20 expressible (12 rows of vLLM's recipe), before its step model was checked;
+    # its sparse-attention prefill workspace (0.9 GB a GPU, reserved by vLLM) took row 186 from 0.50 to 0.47
+    assert len(result.held_out.off_by_more_than_2x) <= 27
+    assert seconds < 300
