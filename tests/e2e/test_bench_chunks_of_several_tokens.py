@@ -20,8 +20,9 @@ import pytest
 
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.metrics import arrived_in_one_write, e2el_ms, itl_ms, tpot_ms, ttft_ms
-from deepserve.bench.output import console_block
+from deepserve.bench.output import BenchResult, console_block
 from deepserve.bench.runner import run_benchmark
+from deepserve.bench.types import RequestRecord
 from deepserve.models.tiny import write_tiny_model
 from tests.e2e.conftest import ServedTiny
 
@@ -52,7 +53,7 @@ def config(
 RANDOM = {"dataset_name": "random", "random_input_len": 32, "random_output_len": OUTPUT_LEN, "num_prompts": 3}
 
 
-def chunk_timeline(result) -> str:
+def chunk_timeline(result: BenchResult) -> str:
     """Each request's chunks as tokens@milliseconds after its first chunk: what a failing ITL check looked at."""
     lines = []
     for record in result.records:
@@ -68,7 +69,7 @@ def chunk_timeline(result) -> str:
 BURST_ATTEMPTS = 6
 
 
-def streamed_promptly(record) -> bool:
+def streamed_promptly(record: RequestRecord) -> bool:
     """Whether vLLM sent RECORD's chunks as it made them. Starved of CPU, its CPU build holds a stream back and sends
     much of it in one write: measured on this machine beside two busy processes, a plain blocking-socket client saw
     34 of 35 events arrive in one read about a second after the headers, on /v1/completions and /v1/chat/completions
@@ -77,7 +78,7 @@ def streamed_promptly(record) -> bool:
     return sum(gap < 1e-4 for gap in gaps) <= len(gaps) / 4
 
 
-def promptly_streamed_records(bench: BenchConfig, first, wanted: int = 3) -> list:
+def promptly_streamed_records(bench: BenchConfig, first: BenchResult, wanted: int = 3) -> list[RequestRecord]:
     """The requests of FIRST (a result of BENCH) that vLLM streamed promptly, topped up with further runs of BENCH
     (BURST_ATTEMPTS in all, a few seconds each) until there are WANTED of them."""
     records = [record for record in first.records if streamed_promptly(record)]
@@ -88,7 +89,13 @@ def promptly_streamed_records(bench: BenchConfig, first, wanted: int = 3) -> lis
     return records
 
 
-def assert_samples_add_up_to_the_decode_time(result) -> None:
+def defined(ms: float | None) -> float:
+    """A figure every completed request streamed over several writes has (TTFT, E2EL, TPOT)."""
+    assert ms is not None, "a completed, promptly streamed request left a latency undefined"
+    return ms
+
+
+def assert_samples_add_up_to_the_decode_time(result: BenchResult) -> None:
     for record in result.records:
         assert sum(record.chunk_tokens) == OUTPUT_LEN == record.output_len
         samples = itl_ms(record)
@@ -96,7 +103,7 @@ def assert_samples_add_up_to_the_decode_time(result) -> None:
             assert samples == [] and tpot_ms(record) is None
             continue
         assert len(samples) == OUTPUT_LEN - 1  # one per token after the first
-        decode_ms = e2el_ms(record) - ttft_ms(record)  # ends with the response, just after the last token chunk
+        decode_ms = defined(e2el_ms(record)) - defined(ttft_ms(record))  # ends with the response, after the last chunk
         assert sum(samples) == pytest.approx(decode_ms, rel=0.02, abs=2.0)
 
 
@@ -122,7 +129,7 @@ def test_token_ids_make_itl_exact(served_tiny_stream_interval_4, tokenizer, endp
             "the cores): the ITL spread is not measurable; the last run:\n" + chunk_timeline(result)
         )
     median_itl = statistics.median(sample for record in streamed for sample in itl_ms(record))
-    assert median_itl == pytest.approx(statistics.mean(tpot_ms(record) for record in streamed), rel=0.25)
+    assert median_itl == pytest.approx(statistics.mean(defined(tpot_ms(record)) for record in streamed), rel=0.25)
 
 
 def test_without_token_ids_itl_is_estimated_and_says_so(served_tiny_stream_interval_4, tokenizer):

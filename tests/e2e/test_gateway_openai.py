@@ -18,10 +18,11 @@ from deepserve.gateway.config import GatewayConfig, gateway_argv
 from deepserve.gateway.keys import KeyStore
 from deepserve.gateway.ledger import UsageSummary, default_ledger_path, summarise
 from deepserve.net import free_port
+from tests.e2e.conftest import ServedTiny
 
 
 @pytest.fixture
-def gateway_url(served_tiny) -> Iterator[str]:  # type: ignore[no-untyped-def]
+def gateway_url(served_tiny: ServedTiny) -> Iterator[str]:
     config = GatewayConfig.model_validate(
         {
             # straight in front of vLLM (served_tiny's public URL is itself a gateway, wired by `deepserve serve`)
@@ -60,7 +61,7 @@ def gateway_url(served_tiny) -> Iterator[str]:  # type: ignore[no-untyped-def]
         assert process.wait(timeout=20) == 0
 
 
-def test_openai_client_through_the_gateway(served_tiny, gateway_url: str) -> None:  # type: ignore[no-untyped-def]
+def test_openai_client_through_the_gateway(served_tiny: ServedTiny, gateway_url: str) -> None:
     _, secret = KeyStore().create("e2e")
     client = openai.OpenAI(base_url=gateway_url, api_key=secret, max_retries=0, timeout=120)
 
@@ -80,10 +81,10 @@ def test_openai_client_through_the_gateway(served_tiny, gateway_url: str) -> Non
     assert chunks and all(chunk.usage is None for chunk in chunks)  # the usage chunk the gateway asked for is hidden
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
 
-    stream = client.completions.create(
+    completion_stream = client.completions.create(
         model=served_tiny.model, prompt="abc", max_tokens=5, stream=True, stream_options={"include_usage": True}
     )
-    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    usage = [chunk.usage for chunk in completion_stream if chunk.usage is not None]
     assert usage and usage[-1].completion_tokens <= 5
 
     with pytest.raises(openai.NotFoundError):
@@ -105,7 +106,7 @@ def test_openai_client_through_the_gateway(served_tiny, gateway_url: str) -> Non
         assert public.completions.create(model=served_tiny.model, prompt="a", max_tokens=2).usage is not None
 
 
-def test_ledger_counts_tokens_but_keeps_no_text(served_tiny, gateway_url: str) -> None:  # type: ignore[no-untyped-def]
+def test_ledger_counts_tokens_but_keeps_no_text(served_tiny: ServedTiny, gateway_url: str) -> None:
     _, secret = KeyStore().create("ledger")
     client = openai.OpenAI(base_url=gateway_url, api_key=secret, max_retries=0, timeout=120)
     answer = client.completions.create(model=served_tiny.model, prompt="secret words", max_tokens=3)

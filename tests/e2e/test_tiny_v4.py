@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 from openai import OpenAI
+from openai.types.chat import ChatCompletionToolParam
+from openai.types.chat.chat_completion_chunk import ChoiceDeltaToolCall
 
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.runner import run_benchmark, save_result
@@ -38,7 +40,7 @@ WEATHER_CALL = (
 REASONING_BUDGET, BENCH_OUTPUT_LEN = 6, 16
 # Lower-case letters (one token each) and </think>, which the thinking budget forces
 WHOLE_CHARACTERS = [BYTE_TOKEN_OFFSET + byte for byte in b"abcdefghijklmnopqrstuvwxyz"] + [special_token_id("</think>")]
-WEATHER_TOOL = {
+WEATHER_TOOL: ChatCompletionToolParam = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -74,13 +76,13 @@ def test_streamed_chat_thinking_by_default_puts_reasoning_in_its_field(served_v4
     """V4's encoder thinks unless told not to; random weights never close </think>, so everything is reasoning."""
     deltas = _stream_deltas(client, served_v4.model, {"max_tokens": 12, "extra_body": IGNORE_EOS})
     reasoning = "".join(_reasoning(delta) for delta in deltas)
-    content = "".join(delta.get("content") or "" for delta in deltas)
+    content = "".join(_content(delta) for delta in deltas)
     assert reasoning and not content
 
 
 def test_streamed_chat_thinking_off_answers_in_content(served_v4: ServedTiny, client: OpenAI) -> None:
     deltas = _stream_deltas(client, served_v4.model, {"max_tokens": 12, "extra_body": {**IGNORE_EOS, **THINKING_OFF}})
-    assert "".join(delta.get("content") or "" for delta in deltas)
+    assert "".join(_content(delta) for delta in deltas)
     assert not "".join(_reasoning(delta) for delta in deltas)
 
 
@@ -99,13 +101,14 @@ def test_tool_call_parsed_from_the_stream(served_v4: ServedTiny, client: OpenAI)
     stream = client.chat.completions.create(
         model=served_v4.model,
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tools=[WEATHER_TOOL],
         max_tokens=200,
         temperature=0,
         stream=True,
         extra_body={**THINKING_OFF, "structured_outputs": {"regex": re.escape(WEATHER_CALL)}},
     )
-    calls, finish_reasons = [], []
+    calls: list[ChoiceDeltaToolCall] = []
+    finish_reasons: list[str | None] = []
     for chunk in stream:
         for choice in chunk.choices:
             calls += choice.delta.tool_calls or []
@@ -162,6 +165,7 @@ def test_bench_measures_reasoning_and_answer_with_thinking_on_and_off(served_v4:
         if on:
             assert record.reasoning_tokens == REASONING_BUDGET, record  # the server's count (usage)
             assert record.answer_tokens == BENCH_OUTPUT_LEN - REASONING_BUDGET  # </think> and the answer
+            assert record.first_answer_s is not None, record
             assert record.first_reasoning_s == record.first_token_s < record.first_answer_s
             assert record.prompt_len > 400  # the server's count: V4's encoder adds its reasoning instruction
         else:  # no reasoning: left out of the reasoning figures (its answer's first token is its TTFT)
@@ -191,6 +195,10 @@ def _stream_deltas(client: OpenAI, model: str, options: dict[str, object]) -> li
         **options,  # type: ignore[call-overload]
     )
     return [choice.delta.model_dump() for chunk in stream for choice in chunk.choices]
+
+
+def _content(delta: dict[str, object]) -> str:
+    return str(delta.get("content") or "")
 
 
 def _reasoning(delta: dict[str, object]) -> str:

@@ -4,6 +4,7 @@ them, and vLLM's spec-decode counters, differenced over the requests sent."""
 from __future__ import annotations
 
 import json
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
@@ -17,7 +18,7 @@ from deepserve.simulate.server import SimulatorServer, running_simulator
 pytestmark = pytest.mark.timeout(120)
 
 
-def speculating(tokens: int, acceptance: str, **options: Any):  # type: ignore[no-untyped-def]
+def speculating(tokens: int, acceptance: str, **options: Any) -> AbstractAsyncContextManager[SimulatorServer]:
     """Engine steps of 2 ms (time_scale 0.5: 1 ms of wall time) with TOKENS drafts a step."""
     deployment, config = fixed_timing(
         step_ms=2, engine={"num_speculative_tokens": tokens}, spec_acceptance=acceptance, time_scale=0.5, **options

@@ -13,8 +13,9 @@ from deepserve.plan.perf import (
     expected_max_poisson,
 )
 from deepserve.plan.planner import build_deployment
-from deepserve.plan.profiles import EngineParameters
+from deepserve.plan.profiles import EngineParameters, SelectedFactors
 from deepserve.plan.speculative import acceptance_from_length, speculative_decoding
+from deepserve.plan.types import Deployment
 
 AWQ = "cognitivecomputations/DeepSeek-V3-AWQ"
 # Round numbers so the hand computations below are easy to follow; the fitted values live in engine_profiles.json.
@@ -31,10 +32,16 @@ def awq():
     return load_spec(AWQ)
 
 
+def _engine_with(deployment: Deployment, parameters: EngineParameters) -> SelectedFactors:
+    """DEPLOYMENT's own engine profile with PARAMETERS in place of its fitted ones."""
+    selected = deployment.select_engine()
+    assert selected is not None  # across_engines=True always finds the device's profile
+    return selected.with_parameters(parameters)
+
+
 def _model(spec, gpu="h200", gpus=8, weights="fp8", parameters=PARAMETERS, **kwargs):
     deployment = build_deployment(spec, gpu, gpus, weights=weights, **kwargs)
-    engine = deployment.select_engine()
-    return deployment, deployment.performance_model(engine.with_parameters(parameters))
+    return deployment, deployment.performance_model(_engine_with(deployment, parameters))
 
 
 def test_expected_distinct_experts_hand_values() -> None:
@@ -260,10 +267,8 @@ def test_speculative_decoding_verifies_k_plus_one_tokens_and_runs_the_draft(v3) 
     assert spec.tokens_per_step == pytest.approx(2.2)
     assert list(spec.acceptance) == sorted(spec.acceptance, reverse=True)
     deployment = build_deployment(v3, "h200", 8, weights="fp8")
-    plain = deployment.performance_model(deployment.select_engine().with_parameters(PARAMETERS))
-    with_spec = replace(deployment, speculation=spec).performance_model(
-        deployment.select_engine().with_parameters(PARAMETERS)
-    )
+    plain = deployment.performance_model(_engine_with(deployment, PARAMETERS))
+    with_spec = replace(deployment, speculation=spec).performance_model(_engine_with(deployment, PARAMETERS))
     step, verified = plain.step(1, 0, 1000), with_spec.step(1, 0, 1000)
     assert any(w.kind.startswith("draft_") and w.time_s > 0 for w in verified.work)
     assert verified.total_s > step.total_s

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from deepserve.plan.benchmark import BenchmarkRun
 from deepserve.plan.fit import fit_profiles, leave_one_source_out, row_cases
 from deepserve.plan.kernels import KERNELS_PATH, WORK_KINDS
 from deepserve.plan.profiles import MAX_FITTED, PROFILES_PATH, load_profiles, select_profile, version_in_range
@@ -14,6 +15,8 @@ from deepserve.plan.published import (
     FIGURES_PATH,
     ROWS_PATH,
     SCORED_KINDS,
+    PublishedRow,
+    RowMetric,
     benchmark_run,
     load_rows,
     parse_metric,
@@ -60,16 +63,28 @@ def test_research_rows_keep_their_source_and_say_how_they_are_read() -> None:
     assert tenstorrent.tp == 16 and "filled TP16" in tenstorrent.curation
 
 
+def _read_metric(name: str, unit: str) -> RowMetric:
+    metric = parse_metric(name, unit)
+    assert metric is not None, f"{name} ({unit}) was not read as a metric"
+    return metric
+
+
+def _run_of(row: PublishedRow) -> BenchmarkRun:
+    run = benchmark_run(row)
+    assert run is not None, f"row {row.number} gave no benchmark run"
+    return run
+
+
 def test_metrics_are_read_as_what_they_are() -> None:
-    assert parse_metric("total_throughput_per_gpu", "tok/s/gpu").per == "gpu"
-    assert parse_metric("input_throughput_per_node", "tok/s/node").quantity == "input_throughput"
-    assert parse_metric("ttft_p99", "ms").statistic == "p99" and parse_metric("ttft_p99", "ms").group == "p99"
-    assert parse_metric("e2el_mean", "s").seconds and parse_metric("e2el", "ms").statistic == "mean"
-    assert parse_metric("itl_median", "ms").group == "tpot"
+    assert _read_metric("total_throughput_per_gpu", "tok/s/gpu").per == "gpu"
+    assert _read_metric("input_throughput_per_node", "tok/s/node").quantity == "input_throughput"
+    assert _read_metric("ttft_p99", "ms").statistic == "p99" and _read_metric("ttft_p99", "ms").group == "p99"
+    assert _read_metric("e2el_mean", "s").seconds and _read_metric("e2el", "ms").statistic == "mean"
+    assert _read_metric("itl_median", "ms").group == "tpot"
     assert parse_metric("peak_output_throughput", "tok/s") is None
     rows = {r.number: r for r in load_rows()}
-    assert benchmark_run(rows[421]).request_rate == 10 and benchmark_run(rows[421]).num_prompts == 50
-    assert benchmark_run(rows[220]).num_prompts == 40  # InferenceX: ten requests per client
+    assert _run_of(rows[421]).request_rate == 10 and _run_of(rows[421]).num_prompts == 50
+    assert _run_of(rows[220]).num_prompts == 40  # InferenceX: ten requests per client
 
 
 def test_trtllm_rows_not_scored_are_listed_with_the_reason(validation) -> None:
@@ -206,13 +221,16 @@ def test_profile_selection_and_versions() -> None:
     vllm = select_profile("vllm", "hopper", "0.7.3", profiles)
     assert vllm is not None and vllm.profile == "vllm" and vllm.provenance.startswith("fitted")
     assert vllm.facts.range == "<0.8" and vllm.facts.max_num_seqs_per_micro_batch and not vllm.facts.mixed_prefill
-    assert select_profile("vllm", "hopper", None, profiles).facts.range == ">=0.8"
-    assert select_profile("vllm", "cpu", None, profiles).profile == "vllm-cpu"
+    current = select_profile("vllm", "hopper", None, profiles)
+    assert current is not None and current.facts.range == ">=0.8"
+    on_cpu = select_profile("vllm", "cpu", None, profiles)
+    assert on_cpu is not None and on_cpu.profile == "vllm-cpu"
     sglang = select_profile("sglang", "hopper", None, profiles)
     assert sglang is not None and sglang.profile == "sglang" and not sglang.facts.mixed_prefill
     old = select_profile("sglang", "hopper", "0.4.3", profiles)
     assert old is not None and old.facts.step_overhead_ms > 0 and "2643" in old.facts.source
-    assert select_profile("sglang", "cdna3", None, profiles).profile == "sglang-rocm"
+    rocm = select_profile("sglang", "cdna3", None, profiles)
+    assert rocm is not None and rocm.profile == "sglang-rocm"
     cpu = select_profile("sglang", "cpu", None, profiles)  # SGLang has no CPU profile: vLLM's CPU one stands in
     assert cpu is not None and cpu.profile == "vllm-cpu" and cpu.provenance.startswith("transferred")
     assert select_profile("sglang", "cpu", None, profiles, across_engines=False) is None

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 
 from tests.helpers import load_benchmark_script
 
 
 @pytest.fixture
-def script(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return load_benchmark_script("spec_decode_published", monkeypatch)
 
 
-def test_draft_counts_and_acceptance_are_read_from_the_rows(script) -> None:  # type: ignore[no-untyped-def]
+def test_draft_counts_and_acceptance_are_read_from_the_rows(script: ModuleType) -> None:
     assert script.draft_tokens("mtp:3") == 3
     assert script.draft_tokens("mtp: NEXTN steps2 topk1 draft3") == 2  # SGLang's steps are the drafts
     assert script.draft_tokens("mtp:4 (topk1)") == 4
@@ -23,7 +25,7 @@ def test_draft_counts_and_acceptance_are_read_from_the_rows(script) -> None:  # 
     assert script.acceptance_from_note("random dataset", "mtp:3", 3) == []
 
 
-def test_every_shipped_mtp_row_is_compared_or_says_why_not(script) -> None:  # type: ignore[no-untyped-def]
+def test_every_shipped_mtp_row_is_compared_or_says_why_not(script: ModuleType) -> None:
     comparisons = script.compare(script.load_rows())
     assert len(comparisons) == 115  # the research notes' MTP rows; their rows without MTP pair with them
     expressed = [c for c in comparisons if c.with_mtp is not None]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -29,7 +30,7 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",pos
 
 
 @pytest.fixture
-def script(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     from deepserve.hardware import host
 
     measured = host.HostMeasurement("box", "Test CPU", 2, 26.0, 140.0, 15.2, "2026-11-23T00:00:00Z")
@@ -39,7 +40,7 @@ def script(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     return module
 
 
-def test_counters_are_read_and_differenced(script) -> None:  # type: ignore[no-untyped-def]
+def test_counters_are_read_and_differenced(script: ModuleType) -> None:
     earlier = script.SpecCounters(40, 80, 50, (30.0, 20.0))
     counted = script.spec_counters(METRICS).minus(earlier)
     assert (counted.drafts, counted.draft_tokens, counted.accepted) == (60, 120, 100)
@@ -49,7 +50,7 @@ def test_counters_are_read_and_differenced(script) -> None:  # type: ignore[no-u
     assert script.spec_counters(METRICS).minus(script.SpecCounters()).per_position == (90.0, 60.0)
 
 
-def test_the_acceptance_given_to_the_predictions(script) -> None:  # type: ignore[no-untyped-def]
+def test_the_acceptance_given_to_the_predictions(script: ModuleType) -> None:
     noisy = script.SpecCounters(100, 300, 150, (60.0, 62.0, 28.0))
     assert script.assumed_acceptance(3, noisy, ()) == (0.6, 0.6, 0.28)  # a rate cannot rise with the position
     assert script.assumed_acceptance(2, noisy, (0.9,)) == pytest.approx((0.9, 0.81))  # the model's known rate
@@ -58,7 +59,7 @@ def test_the_acceptance_given_to_the_predictions(script) -> None:  # type: ignor
         script.assumed_acceptance(2, script.SpecCounters(), ())
 
 
-def test_predictions_table_and_a_saved_run(script, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_predictions_table_and_a_saved_run(script: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "config.json").write_text(json.dumps(tiny_config() | {"num_nextn_predict_layers": 1}))
     model = str(tmp_path)
     off = script.Point(0, 1, 150.0, 6.0, script.SpecCounters(), 8)

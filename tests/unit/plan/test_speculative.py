@@ -41,7 +41,9 @@ def v3():
 def _models(spec, speculation, gpu="h200", parameters=PARAMETERS, **kwargs):
     """The same deployment without and with SPECULATION, under PARAMETERS."""
     plain = build_deployment(spec, gpu, kwargs.pop("gpus", 8), weights="fp8", **kwargs)
-    engine = plain.select_engine().with_parameters(parameters)
+    selected = plain.select_engine()
+    assert selected is not None  # across_engines=True always finds the device's profile
+    engine = selected.with_parameters(parameters)
     with_spec = replace(plain, speculation=speculation)
     return plain.performance_model(engine), with_spec.performance_model(engine)
 

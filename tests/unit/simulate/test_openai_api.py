@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import pytest
 
-from deepserve.simulate.openai_api import ApiError, ReplyFormat, called_tool, parse_generation
+from deepserve.simulate.openai_api import ApiError, Generation, ReplyFormat, called_tool, parse_generation
 from deepserve.simulate.tokenizer import EOS_ID, ByteTokenizer, generated_text, generated_token
 
 TOKENIZER = ByteTokenizer()
 MODELS = ("m", "lora-a")
 
 
-def parse(body: dict, chat: bool = False, max_model_len: int = 100):  # type: ignore[no-untyped-def]
+def parse(body: dict[str, Any], chat: bool = False, max_model_len: int = 100) -> Generation:
     return parse_generation(body, chat, TOKENIZER, max_model_len, MODELS)
 
 
