@@ -4,8 +4,7 @@ enforce one limit.
 
 Every decision is one Lua script, which Redis runs atomically: the check and the charge cannot be split by another
 gateway's request (no check-then-set race). An admitted request costs two script calls: the admission script (key
-limits and, when free, a global slot) or a reservation (below), and the release script (sent in the background once
-the request ended). Calls
+limits and, when free, a global slot) and the release script (sent in the background once the request ended). Calls
 go out in pipelines (`ScriptBatcher`): alone when no call waits for an answer, and otherwise together with every
 call made in the same turn of the event loop, without waiting for the answers in flight, so that under load one
 write serves many requests and no admission waits behind another's round trip. The scripts
@@ -17,25 +16,6 @@ lease/3 seconds; a gateway that dies stops renewing, and its slots expire after 
 to a whole second: whole-number scores are what Redis stores and compares cheaply), so they never leak. A script
 drops a set's expired members before it decides on it when they could change the decision (the set looks full);
 until then they only take room, and counting first saves a command on every call.
-
-Reservations: a burst's requests are read in one turn of the event loop, and each runs its own work up to admission
-before the loop reads any answer from Redis, so with one admission script per request the first request of a burst
-reached the engine only after the whole burst's pre-admission work plus a round trip (1-2 ms at 32 requests;
-docs/PERFORMANCE.md, "Engine scale"). So each gateway reserves a little ahead of time, per key (`Reserve`): up to
-RESERVE_SLOTS spare leases (never more than an eighth of a concurrency limit), already members of the key's and the
-global lease sets, and a slice of the key's rpm and tpm buckets (RESERVE_SHARE of the per-minute limit, at least one
-request's worth), already taken from them. A request the reserve covers is admitted at once, in its own turn of the
-loop, without a call; the reserve is topped up by one background call when any part of it is half used, renewed with
-the in-flight leases, and given back (`return_idle`) when its key is idle here (none of its requests in flight, none
-arrived for RESERVE_IDLE_S), at shutdown, and when its limits change. Release-time refunds and charges go to Redis's
-buckets, as without a reserve. The limits stay exact across gateways: reserved slots are lease members and reserved
-tokens are gone from the buckets, so every script counts them. The last quarter of each limit is never reserved:
-near a limit each request runs the admission script, so that one gateway can still use the whole limit and another
-gateway's spares can make it refuse only while they are few. The trade-off: capacity reserved by a gateway whose
-requests stopped is unavailable to the others for up to about RESERVE_IDLE_S (a second) before it goes back (and a
-few spares stay with a gateway as long as it serves the key), and a gateway that dies holding a reserve loses it for
-a lease's length (slots) or until the buckets refill (tokens, at most RESERVE_SHARE of a minute's worth). When Redis
-fails, reserves are dropped unused (their leases are no longer renewed).
 
 Time comes from Redis (`TIME`) so that gateways whose clocks differ agree, unless a clock is injected (tests). This
 gateway's own waits (a queued request's timeout, the pause after Redis failed, the fallback limits) are timed by
@@ -90,11 +70,6 @@ TIMEOUTS_TO_DOWN = 3
 SLOT_POLL_S = 0.1
 # The subscriber wakes at least this often (to notice that the gateway stops).
 LISTEN_POLL_S = 0.25
-# Reservations: at most this many spare slots per key (and never more than an eighth of a concurrency limit), a
-# slice of this share of a per-minute limit, given back after this long without an arrival.
-RESERVE_SLOTS = 8
-RESERVE_SHARE = 0.05
-RESERVE_IDLE_S = 1.0
 
 _PRELUDE = """
 -- Redis's clock, read once and only by the scripts that need it (an injected clock's time comes as ARGV[1])
@@ -211,63 +186,6 @@ _RENEW = (
 local until_s = expiry(tonumber(ARGV[2]))
 for i, key in ipairs(KEYS) do redis.call('ZADD', key, 'XX', until_s, ARGV[i + 2]) end
 return #KEYS
-"""
-)
-
-# Reservations (see the module docstring). KEYS: rpm bucket, tpm bucket, key leases, global leases.
-# ARGV: now, lease_s, rpm, tpm, key max concurrency, global max concurrency, spares already held, rpm wanted, tpm
-# wanted, then the lease ids to add. Returns {leases added (the first ones of ARGV), rpm taken, tpm taken}.
-# A quarter of each limit is never reserved: near a limit every request goes through _ADMIT, so the limit is never
-# exceeded, a single gateway can still use all of it, and no gateway waits long for capacity another one holds.
-_RESERVE = (
-    _PRELUDE
-    + """
-local lease_s, rpm, tpm = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local key_max, global_max, spares = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local n = #ARGV - 9
-if key_max > 0 then n = math.min(n, math.floor(key_max * 3 / 4) - held(KEYS[3], key_max)) end
-n = math.max(0, math.min(n, math.floor(global_max * 3 / 4) - held(KEYS[4], global_max)))
-if n + spares == 0 then return {0, '0', '0'} end  -- tokens without a slot could not be used
-local function take(key, capacity, wanted)
-  if capacity <= 0 or wanted <= 0 then return 0 end
-  local tokens = refill(key, capacity)
-  local amount = math.floor(math.min(wanted, tokens - capacity / 4))
-  if amount < 1 then return 0 end
-  store(key, capacity, tokens - amount)
-  return amount
-end
-local rpm_taken = take(KEYS[1], rpm, tonumber(ARGV[8]))
-local tpm_taken = take(KEYS[2], tpm, tonumber(ARGV[9]))
-if n > 0 then
-  local until_s, ttl_ms = expiry(lease_s), math.ceil(lease_s * 2000)
-  for i = 10, 9 + n do
-    if key_max > 0 then redis.call('ZADD', KEYS[3], until_s, ARGV[i]) end
-    redis.call('ZADD', KEYS[4], until_s, ARGV[i])
-  end
-  if key_max > 0 then redis.call('PEXPIRE', KEYS[3], ttl_ms) end
-  redis.call('PEXPIRE', KEYS[4], ttl_ms)
-end
-return {n, tostring(rpm_taken), tostring(tpm_taken)}
-"""
-)
-
-# Gives a reservation back. KEYS: rpm bucket, tpm bucket, key leases, global leases.
-# ARGV: now, rpm, tpm, rpm back, tpm back, global max concurrency, channel, then the spare leases.
-_UNRESERVE = (
-    _PRELUDE
-    + """
-local function give(key, capacity, amount)
-  if capacity > 0 and amount > 0 then store(key, capacity, math.min(capacity, refill(key, capacity) + amount)) end
-end
-give(KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[4]))
-give(KEYS[2], tonumber(ARGV[3]), tonumber(ARGV[5]))
-if #ARGV > 7 then
-  local leases = {unpack(ARGV, 8)}
-  redis.call('ZREM', KEYS[3], unpack(leases))
-  local full = redis.call('ZCARD', KEYS[4]) >= tonumber(ARGV[6])
-  if redis.call('ZREM', KEYS[4], unpack(leases)) > 0 and full then redis.call('PUBLISH', ARGV[7], '1') end
-end
-return 1
 """
 )
 
@@ -395,47 +313,6 @@ def _outcome(reply: asyncio.Future[Any]) -> Any:
     return reply.exception() or reply.result()
 
 
-class Reserve:
-    """What this gateway reserved in Redis ahead of time for one key's requests (or the anonymous ones): spare
-    leases, each already a member of the key's lease set (when it has a concurrency limit) and of the global one, and
-    allowances already taken from its rpm and tpm buckets. A request it covers is admitted without a round trip."""
-
-    __slots__ = (
-        "leases", "limits", "refilling", "retry_at", "rpm", "rpm_slice", "slots", "tpm", "tpm_slice", "used_at",
-    )  # fmt: skip
-
-    def __init__(self, limits: KeyLimits, slots: int, charged_tokens: int, now_s: float) -> None:
-        self.limits = limits
-        self.slots = slots  # how many spare leases to hold
-        self.rpm_slice = max(1, int(limits.rpm * RESERVE_SHARE)) if limits.rpm else 0
-        self.tpm_slice = max(charged_tokens, int(limits.tpm * RESERVE_SHARE)) if limits.tpm else 0
-        self.leases: list[str] = []
-        self.rpm = 0.0  # requests and tokens reserved and not yet handed out
-        self.tpm = 0.0
-        self.refilling = False  # a reservation call is on its way
-        self.used_at = now_s  # the last arrival (the local clock's): idle reserves go back
-        self.retry_at = 0.0  # after a reservation that got nothing (a limit nearly used up): not again before
-
-    def take(self, charged_tokens: int) -> str | None:
-        """A spare lease for one request that may use CHARGED_TOKENS, with its rpm and tpm taken from the
-        allowances; None (taking nothing) when the reserve does not cover it."""
-        if not self.leases or (self.limits.rpm and self.rpm < 1) or (self.limits.tpm and self.tpm < charged_tokens):
-            return None
-        if self.limits.rpm:
-            self.rpm -= 1
-        if self.limits.tpm:
-            self.tpm -= charged_tokens
-        return self.leases.pop()
-
-    def low(self) -> bool:
-        """Under half of any part: time to top it up (before it runs out, so a burst rarely finds it empty)."""
-        return (
-            len(self.leases) * 2 < self.slots
-            or (self.rpm_slice > 0 and self.rpm * 2 < self.rpm_slice)
-            or (self.tpm_slice > 0 and self.tpm * 2 < self.tpm_slice)
-        )
-
-
 class RedisNames:
     """The Redis keys and channels of one deployment, all under PREFIX (gateways sharing limits share the prefix)."""
 
@@ -497,7 +374,6 @@ class RedisLimiter:
         self.up = True
         self.fallbacks = 0  # requests admitted by the local limits because Redis was unreachable
         self.errors = 0  # failed calls to Redis
-        self.reserved_admissions = 0  # requests admitted from a reserve, without a call to Redis
         self.on_fallback: Callable[[], None] = lambda: None  # the app counts these in its metrics
         self.on_error: Callable[[], None] = lambda: None
         self._clock = clock
@@ -509,8 +385,6 @@ class RedisLimiter:
         self._lease_ids = itertools.count()
         self._lease_prefix = secrets.token_hex(4) + ":"
         self._held: dict[str, Admission] = {}  # lease → admission, for renewal
-        self._reserves: dict[str, Reserve] = {}  # bucket id → what is reserved for it
-        self.reserve_slots = RESERVE_SLOTS  # 0: no reservations (every request runs the admission script)
         self._waiters: collections.deque[asyncio.Event] = collections.deque()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._releases: set[asyncio.Future[Any]] = set()  # releases not yet answered by Redis
@@ -529,12 +403,8 @@ class RedisLimiter:
         )
         self._connection = RespConnection(self.url, self.timeout_s)
         self._scripts = ScriptBatcher(
-            self._connection,
-            {
-                "admit": _ADMIT, "slot": _TAKE_SLOT, "release": _RELEASE, "renew": _RENEW, "reserve": _RESERVE,
-                "unreserve": _UNRESERVE,
-            },
-        )  # fmt: skip
+            self._connection, {"admit": _ADMIT, "slot": _TAKE_SLOT, "release": _RELEASE, "renew": _RENEW}
+        )
         try:
             await self._scripts.load()
             await self.load_revocations()
@@ -542,12 +412,9 @@ class RedisLimiter:
             self.mark_down(exc)
         self._spawn(self._listen(), "redis-listen")
         self._spawn(self._renew_loop(), "redis-lease-renewal")
-        self._spawn(self._reserve_loop(), "redis-idle-reserves")
 
     async def close(self) -> None:
         self._closing = True  # the listener checks it: redis-py's get_message can swallow a cancellation
-        for bucket_id in list(self._reserves):  # what other gateways may use once this one is gone
-            self._give_back(bucket_id)
         await self.settle(self.timeout_s)  # requests that ended during the drain: their slots and tokens go back
         for task in list(self._tasks):
             task.cancel()
@@ -560,8 +427,7 @@ class RedisLimiter:
             await self._client.aclose()
 
     async def settle(self, timeout_s: float | None = None) -> None:
-        """Wait until Redis has answered (or failed) every release and reservation sent so far, for at most
-        TIMEOUT_S."""
+        """Wait until Redis has answered (or failed) every release sent so far, for at most TIMEOUT_S."""
         if self._releases:
             await asyncio.wait(set(self._releases), timeout=timeout_s)
 
@@ -592,14 +458,11 @@ class RedisLimiter:
     async def admit(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> Admission:
         if not self.reachable():
             return self._fallback(key_id, limits, charged_tokens)
-        bucket_id = key_id or "-"
-        reserved = self._admit_reserved(bucket_id, key_id, limits, charged_tokens)
-        if reserved is not None:
-            return reserved
         admission = Admission(key_id, limits, charged_tokens)
         admission.local = False
-        admission.lease = lease = self._new_lease()
+        admission.lease = lease = self._lease_prefix + str(next(self._lease_ids))
         limits = limits or KeyLimits()
+        bucket_id = key_id or "-"
         keys = [
             self.names.bucket("rpm", bucket_id),
             self.names.bucket("tpm", bucket_id),
@@ -626,8 +489,6 @@ class RedisLimiter:
             raise _refusal(code, float(detail), limits, charged_tokens)
         admission.has_slot = code == 0
         self._held[lease] = admission
-        if admission.has_slot:  # there is room: reserve for the next requests
-            self._refill(bucket_id, limits, charged_tokens)
         return admission
 
     async def acquire_slot(self, admission: Admission) -> None:
@@ -654,131 +515,6 @@ class RedisLimiter:
         delta = admission.charged_tokens - used_tokens if tpm and used_tokens is not None else 0
         self._release_in_background(admission, admission.has_slot, delta)
         admission.has_slot = False
-
-    # ---- reservations -------------------------------------------------------------------------------------------
-
-    def _admit_reserved(
-        self, bucket_id: str, key_id: str | None, limits: KeyLimits | None, charged_tokens: int
-    ) -> Admission | None:
-        """Admit from this gateway's reserve, without a round trip; None when it does not cover the request (or
-        requests wait for a global slot here: they go first)."""
-        reserve = self._reserves.get(bucket_id)
-        if reserve is None or not self.up or self._waiters:
-            return None
-        if reserve.limits != (limits or KeyLimits()):  # the key's limits changed: the reserve fits the old ones
-            self._give_back(bucket_id)
-            return None
-        reserve.used_at = self._local_clock()
-        lease = reserve.take(charged_tokens)
-        if lease is None or reserve.low():
-            self._refill(bucket_id, reserve.limits, charged_tokens)
-        if lease is None:
-            return None
-        admission = Admission(key_id, limits, charged_tokens)
-        admission.local = False
-        admission.lease = lease
-        admission.has_slot = True  # the lease is in the global set (and the key's) already
-        self._held[lease] = admission
-        self.reserved_admissions += 1
-        return admission
-
-    def _reserve_slots(self, limits: KeyLimits) -> int:
-        """How many spare slots to hold for a key: a few, and none when a concurrency limit is small."""
-        slots = min(self.reserve_slots, self.max_concurrency // 8)
-        if limits.max_concurrency:
-            slots = min(slots, limits.max_concurrency // 8)
-        return slots
-
-    def _refill(self, bucket_id: str, limits: KeyLimits, charged_tokens: int) -> None:
-        """Top up a key's reserve in the background (one call at a time per key)."""
-        reserve = self._reserves.get(bucket_id)
-        if reserve is None:
-            slots = self._reserve_slots(limits)
-            if not slots or self._closing:
-                return
-            reserve = self._reserves[bucket_id] = Reserve(limits, slots, charged_tokens, self._local_clock())
-        if reserve.refilling or self._local_clock() < reserve.retry_at:
-            return  # near a limit each request would pay a reservation call for nothing: wait a while
-        if limits.tpm:  # a slice that covers at least the largest request seen
-            reserve.tpm_slice = max(reserve.tpm_slice, min(charged_tokens, limits.tpm))
-        reserve.refilling = True
-        leases = [self._new_lease() for _ in range(reserve.slots - len(reserve.leases))]
-        keys = self._reserve_keys(bucket_id)
-        args = [
-            self._now(), self.lease_s, limits.rpm or 0, limits.tpm or 0, limits.max_concurrency or 0,
-            self.max_concurrency, len(reserve.leases), max(0, reserve.rpm_slice - reserve.rpm),
-            max(0, reserve.tpm_slice - reserve.tpm), *leases,
-        ]  # fmt: skip
-        reserved = self._call("reserve", keys, args)
-        self._releases.add(reserved)  # settle() waits for it too
-        reserved.add_done_callback(functools.partial(self._reserved, bucket_id, reserve, leases))
-
-    def _reserved(self, bucket_id: str, reserve: Reserve, leases: list[str], reserved: asyncio.Future[Any]) -> None:
-        self._releases.discard(reserved)
-        reserve.refilling = False
-        if reserved.cancelled():  # the gateway stops
-            return
-        exc = reserved.exception()
-        if exc is not None:  # leases it may have added expire by themselves
-            if isinstance(exc, self._failures):
-                self.mark_down(exc)
-            else:
-                log.error("reserving capacity in Redis failed: %r", exc)
-            return
-        added, rpm, tpm = reserved.result()
-        if not int(added) and not reserve.leases:
-            reserve.retry_at = self._local_clock() + RESERVE_IDLE_S / 4
-        reserve.leases.extend(leases[: int(added)])
-        reserve.rpm += float(rpm)
-        reserve.tpm += float(tpm)
-        if self._reserves.get(bucket_id) is not reserve:  # given back (or dropped) meanwhile: this goes back too
-            self._unreserve(bucket_id, reserve)
-
-    def spare_slots(self, key_id: str | None) -> int:
-        """Slots reserved for KEY_ID's requests (None: the anonymous ones) and not handed out."""
-        reserve = self._reserves.get(key_id or "-")
-        return len(reserve.leases) if reserve else 0
-
-    def return_idle(self) -> None:
-        """Give back the reserves of keys idle here (no request in flight, none arrived for RESERVE_IDLE_S), so
-        that other gateways can use them. A key whose requests still run is not idle: lockstep streams end together
-        and the next wave arrives right after, which a reserve given back a moment earlier would miss."""
-        now_s = self._local_clock()
-        busy = {admission.key_id or "-" for admission in self._held.values()}
-        for bucket_id, reserve in list(self._reserves.items()):
-            if not reserve.refilling and bucket_id not in busy and now_s - reserve.used_at >= RESERVE_IDLE_S:
-                self._give_back(bucket_id)
-
-    def _give_back(self, bucket_id: str) -> None:
-        reserve = self._reserves.pop(bucket_id)
-        if not reserve.refilling:  # otherwise _reserved gives back what it got, with the rest
-            self._unreserve(bucket_id, reserve)
-
-    def _unreserve(self, bucket_id: str, reserve: Reserve) -> None:
-        if not (reserve.leases or reserve.rpm or reserve.tpm) or not self.up:
-            return  # nothing to give back, or Redis is out (the leases expire; the tokens refill by themselves)
-        limits = reserve.limits
-        args = [
-            self._now(), limits.rpm or 0, limits.tpm or 0, reserve.rpm, reserve.tpm, self.max_concurrency,
-            self.names.slots, *reserve.leases,
-        ]  # fmt: skip
-        reserve.leases, reserve.rpm, reserve.tpm = [], 0.0, 0.0
-        returned = self._call("unreserve", self._reserve_keys(bucket_id), args)
-        self._releases.add(returned)  # settle() and close() wait for it as for a release
-        returned.add_done_callback(functools.partial(self._released, True))
-
-    def _reserve_keys(self, bucket_id: str) -> list[str]:
-        return [
-            self.names.bucket("rpm", bucket_id),
-            self.names.bucket("tpm", bucket_id),
-            self.names.key_leases(bucket_id),
-            self.names.global_leases,
-        ]
-
-    async def _reserve_loop(self) -> None:
-        while True:
-            await asyncio.sleep(RESERVE_IDLE_S / 4)
-            self.return_idle()
 
     # ---- waiting for a global slot ------------------------------------------------------------------------------
 
@@ -854,9 +590,6 @@ class RedisLimiter:
         assert self._scripts is not None, "RedisLimiter.start() was not awaited"
         return self._scripts.submit(name, keys, args)
 
-    def _new_lease(self) -> str:
-        return self._lease_prefix + str(next(self._lease_ids))
-
     def _now(self) -> str:
         return repr(self._clock()) if self._clock is not None else ""
 
@@ -895,13 +628,6 @@ class RedisLimiter:
                 keys.append(self.names.key_leases(admission.key_id))
                 members.append(lease)
             if admission.has_slot:
-                keys.append(self.names.global_leases)
-                members.append(lease)
-        for bucket_id, reserve in self._reserves.items():
-            for lease in reserve.leases:
-                if reserve.limits.max_concurrency:
-                    keys.append(self.names.key_leases(bucket_id))
-                    members.append(lease)
                 keys.append(self.names.global_leases)
                 members.append(lease)
         if not keys:
@@ -971,8 +697,6 @@ class RedisLimiter:
                 log.warning("the shared limits' Redis at %s answered too late (%s)", self.where, self._last_error)
                 return
         self._down_until = self._local_clock() + RETRY_S
-        # what was reserved is not renewed while Redis is out, so it may expire there: never hand it out again
-        self._reserves.clear()
         if self.up:
             self.up = False
             then = "this gateway's own limits apply meanwhile" if self.fail_open else "requests get 503 meanwhile"
