@@ -3,7 +3,7 @@ nearest layout that can, draft modules cost their weights, and the step model's 
 context. Layouts from the vLLM recipes (vllm-project/recipes @ 8959cf6, models/deepseek-ai/*.yaml), the vLLM V4
 blog (4 x B200 / 8 x B200 data-parallel + EP), NVIDIA Dynamo (V4-Pro NVFP4 on 8 x B200) and SGLang's V4 cookbook
 (docs_new/src/snippets/configs/deepseek-ai/deepseek-v4.jsx: V4-Flash TP4 on H200, V4-Pro FP8 on 16 x H200 over
-two nodes, V4-Pro FP4 TP8 on 8 x H200); see /work/notes/models.md sections 4-6."""
+two nodes, V4-Pro FP4 TP8 on 8 x H200)."""
 
 from __future__ import annotations
 

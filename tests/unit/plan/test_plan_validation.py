@@ -24,7 +24,7 @@ from deepserve.plan.published import (
 )
 from deepserve.plan.validate import MAX_RATIO, Score, validate
 
-# ../shared/published next to the checkout (/work/main), or two levels up from a helper's worktree (/work/wt/NAME).
+# ../shared/published next to the checkout, or two levels up from a git worktree kept one folder deeper.
 SHARED_CSV = next(
     (
         candidate
