@@ -211,8 +211,9 @@ class Driver:
     async def _wait_for_slot(self) -> None:
         while self.in_flight >= self._concurrency_limit():
             self.slot_freed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.slot_freed.wait(), 0.05)
+            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a Ctrl-C's cancellation
+                async with _compat.timeout(0.05):
+                    await self.slot_freed.wait()
 
     async def _one(self, index: int, request: PreparedRequest, scheduled_s: float) -> None:
         try:

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from deepserve._compat import timeout
 from deepserve.bench.config import BenchConfig
 from deepserve.engines import vllm_metrics as vllm
 from deepserve.engines.metrics import (
@@ -253,6 +254,7 @@ class ServerMetricsScraper:
         self._fallback_note = ""
         self._client_peak = 0
         self._new_peak = asyncio.Event()
+        self._stopping = False
         self._peak_scrapes = 0
 
     async def start(self) -> None:
@@ -282,10 +284,15 @@ class ServerMetricsScraper:
 
     async def _loop(self) -> None:
         started = time.monotonic()
-        while True:
+        while not self._stopping:
             wait_s = self.interval_s or auto_interval_s(time.monotonic() - started)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._new_peak.wait(), wait_s)
+            # not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives as the event is set, and
+            # stop() then waited for this loop forever (a hung benchmark, seen in CI)
+            with contextlib.suppress(TimeoutError):
+                async with timeout(wait_s):
+                    await self._new_peak.wait()
+            if self._stopping:
+                return
             if self._new_peak.is_set():  # sample once the server has read and scheduled the new requests
                 self._new_peak.clear()
                 self._peak_scrapes += 1
@@ -319,6 +326,8 @@ class ServerMetricsScraper:
 
     async def stop(self) -> ServerMetricsSummary:
         if self._task is not None:
+            self._stopping = True  # the loop ends at its next turn even where a cancellation is lost
+            self._new_peak.set()
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
