@@ -56,7 +56,10 @@ def test_the_sweep_form_compares_point_by_point(tmp_path: Path, capsys):
     capsys.readouterr()
     assert main(["runs", "compare", str(baseline), str(slower), *GATE]) == 1
     out = capsys.readouterr().out
-    assert (
-        "c=1 rate=inf" in out and "c=3 rate=inf" in out and "FAIL: 4 of 4 checks regressed" in out
-    )  # TPOT doubled, throughput halved
+    # TPOT doubled at both points: beyond the threshold and the intervals. Throughput halved too, but two runs a
+    # point give 95% intervals 12.7 standard errors wide (Student's t, one degree of freedom): on a busy machine they
+    # may overlap, and then the gate rightly does not call it a regression
+    assert "c=1 rate=inf" in out and "c=3 rate=inf" in out
+    assert out.count("REGRESSION: median_tpot_ms") == 2, out
+    assert "FAIL: " in out and "checks regressed" in out
     assert main(["runs", "compare", str(baseline), str(baseline), *GATE]) == 0
