@@ -19,14 +19,15 @@ chunk rate (streams x 1000 / --itl-ms events per second) and how much of one cor
 is the curve of what one gateway worker sustains before it adds latency.
 `--baseline-src DIR` adds the gateway of another checkout's `src/` (e.g. `git archive main src | tar -x -C /tmp/b`)
 as a path of its own, so that a change is measured against the code before it in the same run.
-`--redis` adds two paths: the gateway with its limits in Redis (`--redis-url`, a redis-server this benchmark starts on
-loopback) and `--workers 2` with Redis. Every deepserve path sends a key with (generous) rpm, tpm and concurrency
-limits, so that the whole admission path runs; `--latency-requests N` times N sequential non-streamed requests per
-path, which shows what the Redis round trips add to each request. With `--baseline-src` too, the other checkout's
-gateway gets the two Redis paths as well (`base+redis`, `base+w=2`, on a redis-server of their own, since the two
-versions' scripts may keep their state differently), and after the tables Redis's own account of each Redis path
-(`INFO commandstats`, reset before each batch: script calls per stream, µs per call, and the commands the scripts
-ran). `--paths` measures only the paths named (and `direct`, which every difference needs).
+`--workers` adds `--workers 2` with the limits in memory both workers map (`workers=2`, what one host runs without
+Redis). `--redis` adds two paths: the gateway with its limits in Redis (`--redis-url`, a redis-server this benchmark
+starts on loopback) and `--workers 2` with Redis (`w=2+redis`). Every deepserve path sends a key with (generous) rpm,
+tpm and concurrency limits, so that the whole admission path runs; `--latency-requests N` times N sequential
+non-streamed requests per path, which shows what the Redis round trips add to each request. With `--baseline-src`
+too, the other checkout's gateway gets the two Redis paths as well (`base+redis`, `base+w=2`, on a redis-server of
+their own, since the two versions' scripts may keep their state differently), and after the tables Redis's own
+account of each Redis path (`INFO commandstats`, reset before each batch: script calls per stream, µs per call, and
+the commands the scripts ran). `--paths` measures only the paths named (and `direct`, which every difference needs).
 """
 
 from __future__ import annotations
@@ -473,7 +474,10 @@ def main() -> int:
         "--baseline-src", type=Path, default=None, help="another checkout's src/: its gateway as a path of its own"
     )
     parser.add_argument("--ttft-ms", type=float, default=0.0, help="the upstream's time to first token")
-    parser.add_argument("--redis", action="store_true", help="add the gateway with Redis limits and --workers 2")
+    parser.add_argument("--workers", action="store_true", help="add --workers 2 with its limits in shared memory")
+    parser.add_argument(
+        "--redis", action="store_true", help="add the gateway with Redis limits and --workers 2 with Redis limits"
+    )
     parser.add_argument("--latency-requests", type=int, default=0, help="sequential requests per path, timed")
     parser.add_argument("--no-rate", action="store_true", help="skip the requests/s measurement")
     parser.add_argument(
@@ -511,6 +515,10 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
         gateway = start_gateway(upstream.url, key)
         servers.append(gateway)
         targets["gateway"] = gateway
+        if args.workers:
+            in_memory = start_gateway(upstream.url, key, workers=2)
+            servers.append(in_memory)
+            targets["workers=2"] = in_memory
         if args.baseline_src is not None:
             baseline = start_gateway(upstream.url, key, src=args.baseline_src)
             servers.append(baseline)
@@ -523,7 +531,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
             targets["gw+redis"] = shared
             workers = start_gateway(upstream.url, key, redis_url=redis.url, workers=2)
             servers.append(workers)
-            targets["workers=2"] = workers
+            targets["w=2+redis"] = workers
             for server in (shared, workers):
                 server.redis_url = redis.url
         if args.redis and args.baseline_src is not None:
@@ -669,7 +677,7 @@ def _spread_row(concurrency: int, name: str, summary: StreamSummary, direct: Str
             f"{' / '.join(f'{v:+.2f}' for v in p99s)} | {min(p99s):+.2f} … {max(p99s):+.2f} |")  # fmt: skip
 
 
-PATHS = ("direct", "gateway", "baseline", "gw+redis", "workers=2", "base+redis", "base+w=2", "litellm")
+PATHS = ("direct", "gateway", "workers=2", "baseline", "gw+redis", "w=2+redis", "base+redis", "base+w=2", "litellm")
 
 
 def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:

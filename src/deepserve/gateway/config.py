@@ -123,7 +123,18 @@ class GatewayConfig(Section):
     redis_timeout_s: float = Field(
         1.0, gt=0, description="longest wait for one answer from Redis (3 late answers in a row: unreachable)"
     )
-    workers: int = Field(1, ge=1, description="gateway processes sharing the port (more than 1 needs --redis-url)")
+    workers: int = Field(
+        1,
+        ge=1,
+        description="gateway processes sharing the port and one set of limits (in memory they all map; in Redis "
+        "with --redis-url)",
+    )
+    limit_zone_keys: int = Field(
+        65536,
+        ge=16,
+        description="keys whose limits the workers' shared table holds (--workers above 1 without --redis-url); "
+        "keys that hold nothing are dropped when it fills",
+    )
     score_weight: list[str] = Field(
         default_factory=list,
         description="NAME=WEIGHT for the engine_aware policy's scorers ("
@@ -211,12 +222,6 @@ class GatewayConfig(Section):
         for flag, path in (("--keys-file", self.keys_file), ("--upstream-api-key-file", self.upstream_api_key_file)):
             if path is not None and not path.is_file():
                 raise ConfigError(f"{flag} {path} is not a readable file; give the file's path (a mounted Secret's)")
-        if self.workers > 1 and not self.redis_url:
-            raise ConfigError(
-                f"--workers {self.workers} needs --redis-url: each worker process would otherwise enforce the rate "
-                f"and concurrency limits on its own, letting up to {self.workers}x through; run a Redis "
-                "(e.g. `redis-server --port 6379`) and pass --redis-url redis://127.0.0.1:6379/0, or use one worker"
-            )
 
 
 def _template_options(pair: str) -> tuple[str, dict[str, Any]]:

@@ -1,7 +1,8 @@
 """Admission control: per-key token buckets and concurrency, and the global slot queue.
 
-`LocalLimiter` keeps them in this process's memory (exact, reset on restart); `shared_limits.RedisLimiter` keeps them
-in Redis so that several gateways enforce one limit. Both are a `Limiter`: the app asks it to admit a key's request
+`LocalLimiter` keeps them in this process's memory (exact, reset on restart); `host_limits.HostLimiter` in memory
+that the worker processes of one host share (`--workers N`); `shared_limits.RedisLimiter` in Redis so that gateways
+on several hosts enforce one limit. Each is a `Limiter`: the app asks it to admit a key's request
 (`admit`, never waits), to get one of the global slots (`acquire_slot`, may wait in the queue), and to give everything
 back with the real usage (`release`, never raises, never waits). The protocol declares everything the app, its
 metrics and its tests use; `make_limiter` is the one factory (the product's and the tests').
@@ -58,8 +59,13 @@ class TokenBucket:
 
     def _refill(self) -> None:
         now = self._clock()
-        self._tokens = min(self.capacity, self._tokens + (now - self._updated) * self.refill_per_s)
+        self._tokens = refilled(self._tokens, self._updated, now, self.capacity, self.refill_per_s)
         self._updated = now
+
+
+def refilled(tokens: float, updated_s: float, now_s: float, capacity: float, refill_per_s: float) -> float:
+    """What a bucket that held TOKENS at UPDATED_S holds at NOW_S."""
+    return min(capacity, tokens + max(0.0, now_s - updated_s) * refill_per_s)
 
 
 @dataclass(frozen=True)
@@ -94,30 +100,17 @@ class KeyLimiter:
     def admit(self, charged_tokens: int) -> None:
         """Count one request that may use CHARGED_TOKENS, or raise RateLimited (charging nothing)."""
         if self.limits.max_concurrency is not None and self.in_flight >= self.limits.max_concurrency:
-            raise RateLimited(
-                f"this key already has {self.in_flight} requests in flight (its limit); wait for one to finish",
-                retry_after_s=1.0,
-                reason="key_concurrency",
-            )
+            raise concurrency_refusal(self.in_flight)
         if self._requests is not None:
             wait_s = self._requests.try_take(1)
             if wait_s:
-                raise RateLimited(
-                    f"this key's limit of {self.limits.rpm} requests per minute is reached",
-                    retry_after_s=wait_s,
-                    reason="key_rpm",
-                )
+                raise rpm_refusal(self.limits, wait_s)
         if self._tokens is not None:
             wait_s = self._tokens.try_take(charged_tokens)
             if wait_s:
                 if self._requests is not None:
                     self._requests.adjust(1)  # not admitted: the request does not count
-                raise RateLimited(
-                    f"this key's limit of {self.limits.tpm} tokens per minute is reached "
-                    f"(this request may use {charged_tokens})",
-                    retry_after_s=wait_s,
-                    reason="key_tpm",
-                )
+                raise tpm_refusal(self.limits, charged_tokens, wait_s)
         self.in_flight += 1
 
     def release(self, charged_tokens: int, used_tokens: int | None) -> None:
@@ -125,6 +118,29 @@ class KeyLimiter:
         self.in_flight -= 1
         if self._tokens is not None and used_tokens is not None:
             self._tokens.adjust(charged_tokens - used_tokens)
+
+
+def concurrency_refusal(in_flight: int, where: str = "") -> RateLimited:
+    """A key's request refused because IN_FLIGHT of its requests are running (WHERE: across what they count)."""
+    return RateLimited(
+        f"this key already has {in_flight} requests in flight (its limit{where}); wait for one to finish",
+        retry_after_s=1.0,
+        reason="key_concurrency",
+    )
+
+
+def rpm_refusal(limits: KeyLimits, wait_s: float) -> RateLimited:
+    return RateLimited(
+        f"this key's limit of {limits.rpm} requests per minute is reached", retry_after_s=wait_s, reason="key_rpm"
+    )
+
+
+def tpm_refusal(limits: KeyLimits, charged_tokens: int, wait_s: float) -> RateLimited:
+    return RateLimited(
+        f"this key's limit of {limits.tpm} tokens per minute is reached (this request may use {charged_tokens})",
+        retry_after_s=wait_s,
+        reason="key_tpm",
+    )
 
 
 class _QueueTimeout(Exception):
@@ -282,9 +298,22 @@ class Limiter(Protocol):
 
 
 def make_limiter(config: GatewayConfig, clock: Clock = time.monotonic, shared_clock: Clock | None = None) -> Limiter:
-    """Limits in this process's memory, or shared through Redis with --redis-url. CLOCK times this process's own
-    waits (the slot queue, the local limits); shared buckets run on Redis's clock, or on SHARED_CLOCK when given (a
-    test's)."""
+    """Limits in this process's memory; shared by the workers of one host (`--workers N`, in memory they all map:
+    host_limits.py); or shared by gateways anywhere through Redis with --redis-url. CLOCK times this process's own
+    waits (the slot queue, the local and host limits); shared buckets run on Redis's clock, or on SHARED_CLOCK when
+    given (a test's)."""
+    if not config.redis_url and config.workers > 1:
+        from deepserve.gateway.host_limits import HostLimiter, worker_zone_from_environment
+
+        zone, worker = worker_zone_from_environment()
+        return HostLimiter(
+            zone,
+            worker,
+            max_concurrency=config.max_concurrency,
+            max_queue=config.max_queue,
+            queue_timeout_s=config.queue_timeout_s,
+            clock=clock,
+        )
     if not config.redis_url:
         return LocalLimiter(config.max_concurrency, config.max_queue, config.queue_timeout_s, clock)
     from deepserve.gateway.shared_limits import RedisLimiter  # the redis client: only when limits are shared

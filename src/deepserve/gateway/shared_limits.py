@@ -56,7 +56,14 @@ from urllib.parse import urlsplit
 from deepserve._compat import timeout
 from deepserve.gateway.clock import Clock
 from deepserve.gateway.errors import LimiterUnavailable, Overloaded, RateLimited
-from deepserve.gateway.limits import Admission, KeyLimits, LocalLimiter
+from deepserve.gateway.limits import (
+    Admission,
+    KeyLimits,
+    LocalLimiter,
+    concurrency_refusal,
+    rpm_refusal,
+    tpm_refusal,
+)
 from deepserve.gateway.resp import ReplyError, RespConnection
 
 log = logging.getLogger(__name__)
@@ -736,21 +743,10 @@ def _is_timeout(exc: BaseException) -> bool:
 
 def _refusal(code: int, wait_s: float, limits: KeyLimits, charged_tokens: int) -> RateLimited:
     if code == 2:
-        return RateLimited(
-            f"this key already has {int(wait_s)} requests in flight (its limit, across all gateways); wait for one "
-            "to finish",
-            retry_after_s=1.0,
-            reason="key_concurrency",
-        )
+        return concurrency_refusal(int(wait_s), where=", across all gateways")
     if code == 3:
-        return RateLimited(
-            f"this key's limit of {limits.rpm} requests per minute is reached", retry_after_s=wait_s, reason="key_rpm"
-        )
-    return RateLimited(
-        f"this key's limit of {limits.tpm} tokens per minute is reached (this request may use {charged_tokens})",
-        retry_after_s=wait_s,
-        reason="key_tpm",
-    )
+        return rpm_refusal(limits, wait_s)
+    return tpm_refusal(limits, charged_tokens, wait_s)
 
 
 def publish_revocation_now(url: str, prefix: str, key_id: str, revoked_at: float, timeout_s: float = 2.0) -> None:

@@ -11,11 +11,12 @@ with an error event), and the supervisor exits 3 (server.EXIT_LEDGER_ROWS_LOST) 
 Each worker applies the client connection limits and deadlines itself (connections.py): `--max-connections` is per
 worker, the header and body deadlines are the same in every one.
 
-What the workers share: the limits, through Redis (`--workers` above 1 requires `--redis-url`, GatewayConfig
-.check_startable); the key database and the usage ledger, SQLite files in WAL mode that each worker opens itself (a
-writer that finds the file locked waits up to a second, then keeps its rows for its next pass: ledger.py); Prometheus
-metrics, through prometheus_client's multiprocess mode (metrics.py), in a directory the supervisor creates and
-removes."""
+What the workers share: the limits, in a table every worker maps (host_limits.py: a file the supervisor creates in
+its temporary directory and removes, whose column for a worker it zeroes before restarting that worker), or through
+Redis with `--redis-url` (shared with gateways on other hosts too); the key database and the usage ledger, SQLite
+files in WAL mode that each worker opens itself (a writer that finds the file locked waits up to a second, then
+keeps its rows for its next pass: ledger.py); Prometheus metrics, through prometheus_client's multiprocess mode
+(metrics.py), in a directory the supervisor creates and removes."""
 
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from deepserve.errors import ConfigError
 from deepserve.gateway.config import GatewayConfig, base_url
+from deepserve.gateway.host_limits import WORKER_INDEX_ENV, ZONE_PATH_ENV, LimitZone
 from deepserve.gateway.keys import KeyStore
 from deepserve.gateway.ledger import UsageLedger
 from deepserve.gateway.metrics import MULTIPROCESS_DIR_ENV
@@ -78,6 +81,7 @@ def _worker_main(config_json: str, port: int, index: int, ready: Any, supervisor
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s gateway[{index}] %(levelname)s %(message)s")
     config = GatewayConfig.model_validate_json(config_json)
+    os.environ[WORKER_INDEX_ENV] = str(index)  # its column in the limit zone (make_limiter reads it)
     sock = reuseport_socket(config.host, port)
     _stop_when_orphaned(supervisor_pid)
     sys.exit(serve_process(config, lambda url: ready.put(index), sockets=[sock]))
@@ -104,13 +108,15 @@ def _stop_when_orphaned(supervisor_pid: int) -> None:
 
 
 class _Supervisor:
-    def __init__(self, config: GatewayConfig, port: int) -> None:
+    def __init__(self, config: GatewayConfig, port: int, zone: LimitZone | None) -> None:
         self.config = config
         self.port = port
+        self.zone = zone  # the workers' shared limits (None: they are in Redis)
         self.context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited loop or threads
         self.ready = self.context.SimpleQueue()
         self.workers: dict[int, BaseProcess] = {}
         self.started_at: dict[int, float] = {}
+        self.listening: set[int] = set()  # workers that said they listen (a replacement starts outside it)
         self.stopping = False
         self.rows_lost = False  # a worker exited saying it lost usage rows
 
@@ -121,6 +127,7 @@ class _Supervisor:
             name=f"deepserve-gateway-worker-{index}",
             daemon=False,
         )
+        self.listening.discard(index)
         worker.start()
         self.workers[index] = worker
         self.started_at[index] = time.monotonic()
@@ -134,8 +141,8 @@ class _Supervisor:
                 raise ConfigError(f"gateway worker {dead[0]} exited while starting (see its log above)")
             if time.monotonic() > deadline:
                 raise ConfigError(f"gateway workers {sorted(waiting)} did not listen within {START_TIMEOUT_S:g} s")
-            while not self.ready.empty():
-                waiting.discard(self.ready.get())
+            self.note_ready()
+            waiting -= self.listening
             time.sleep(0.05)
 
     def watch(self) -> None:
@@ -151,9 +158,14 @@ class _Supervisor:
                 log.warning("gateway worker %d (pid %s) exited with %s; starting another", index, worker.pid,
                             worker.exitcode)  # fmt: skip
                 time.sleep(max(0.0, self.started_at[index] + RESTART_MIN_INTERVAL_S - time.monotonic()))
+                if self.zone is not None:
+                    self.zone.forget_worker(index)  # the dead worker's requests give their capacity back
                 self.start(index)
-            while not self.ready.empty():
-                self.ready.get()
+            self.note_ready()
+
+    def note_ready(self) -> None:
+        while not self.ready.empty():
+            self.listening.add(self.ready.get())
 
     def stop(self) -> int:
         """SIGTERM every worker (each drains gracefully), then wait; 0 when all stopped cleanly, EXIT_LEDGER_ROWS_LOST
@@ -165,14 +177,22 @@ class _Supervisor:
                     os.kill(worker.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.config.shutdown_grace_s + STOP_TIMEOUT_S
         code = 0
-        for worker in self.workers.values():
+        for index, worker in self.workers.items():
             worker.join(max(0.1, deadline - time.monotonic()))
             if worker.is_alive():
                 worker.kill()
                 worker.join()
+            self.note_ready()
             self.rows_lost = self.rows_lost or worker.exitcode == EXIT_LEDGER_ROWS_LOST
-            code = code or (worker.exitcode or 0)
+            code = code or self._exit_code(index, worker)
         return EXIT_LEDGER_ROWS_LOST if self.rows_lost else code
+
+    def _exit_code(self, index: int, worker: BaseProcess) -> int:
+        """WORKER's exit code, where a replacement that SIGTERM stopped before it listened (its interpreter had not
+        yet set its handler) counts as a clean stop: it held no request."""
+        if worker.exitcode == -signal.SIGTERM and index not in self.listening:
+            return 0
+        return worker.exitcode or 0
 
 
 def _forget_metrics_of(pid: int | None) -> None:
@@ -189,7 +209,11 @@ def run_workers(config: GatewayConfig, announce: Callable[[str], None]) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="deepserve-gateway-metrics-")
     os.environ[MULTIPROCESS_DIR_ENV] = metrics_dir  # inherited by the workers (read when they import prometheus)
     _create_databases(config)
-    supervisor = _Supervisor(config, port)
+    zone = None
+    if not config.redis_url:
+        zone = LimitZone.create(Path(metrics_dir) / "limits.zone", config.workers, config.limit_zone_keys)
+        os.environ[ZONE_PATH_ENV] = str(zone.path)
+    supervisor = _Supervisor(config, port, zone)
 
     def stop_on_signal(signum: int, frame: Any) -> None:
         supervisor.stopping = True
@@ -209,5 +233,8 @@ def run_workers(config: GatewayConfig, announce: Callable[[str], None]) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         reserved.close()
+        if zone is not None:
+            zone.close()
+            os.environ.pop(ZONE_PATH_ENV, None)
         shutil.rmtree(metrics_dir, ignore_errors=True)
         print(f"deepserve gateway: {config.workers} workers stopped", file=sys.stderr, flush=True)

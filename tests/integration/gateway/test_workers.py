@@ -1,5 +1,6 @@
-"""`deepserve gateway --workers N`: worker processes sharing one port, one limit (Redis), one ledger, one /metrics,
-each with the connection limits; a worker that dies is replaced, and workers stop when their supervisor dies.
+"""`deepserve gateway --workers N`: worker processes sharing one port, one limit (in memory, or in Redis), one
+ledger, one /metrics, each with the connection limits; a worker that dies is replaced, and workers stop when their
+supervisor dies.
 
 Waits here are for real processes (spawned interpreters, signals): their bounds are generous, for a machine at load
 10-20, and no assertion depends on how long anything took."""
@@ -122,6 +123,66 @@ async def test_workers_share_the_port_the_limits_the_metrics_and_the_ledger(
     assert gateway.stop() == 0
     assert not any(worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE for worker in workers)
     assert sum(row.requests for row in summarise(default_ledger_path())) == 212  # both workers' rows, none lost
+
+
+async def test_workers_without_redis_share_one_limit_and_a_dead_workers_requests_give_theirs_back(
+    children: list[Child],
+) -> None:
+    fake = start_upstream("--fixed-itl-ms", "20")
+    children.append(fake)
+    gateway = start_gateway(gateway_config(fake.url, workers=2))  # the limits in memory both workers map
+    children.append(gateway)
+    _, rpm_secret = KeyStore().create("rpm", KeyLimits(rpm=5))
+    _, single_secret = KeyStore().create("single", KeyLimits(max_concurrency=1))
+    with fresh_connections() as client:
+        started = time.monotonic()
+        statuses = [
+            client.post(gateway.url + "/completions", json=BODY, headers=bearer(rpm_secret)).status_code
+            for _ in range(12)
+        ]
+        assert set(statuses) == {200, 429}
+        assert 5 <= statuses.count(200) <= 5 + int((time.monotonic() - started) / 12)  # one limit for both workers
+
+    long_stream = {"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 3000, "stream": True}  # a minute of tokens
+    async with (
+        httpx.AsyncClient(base_url=gateway.url, timeout=60) as streamer,
+        streamer.stream("POST", "/completions", json=long_stream, headers=bearer(single_secret)) as response,
+    ):
+        assert response.status_code == 200
+        holder = serving_worker(gateway, response.extensions["network_stream"].get_extra_info("client_addr")[1])
+        with fresh_connections() as client:  # whichever worker gets them, the key's one request is in flight
+            for _ in range(6):
+                refused = client.post(gateway.url + "/completions", json=BODY, headers=bearer(single_secret))
+                assert refused.status_code == 429 and "in flight" in refused.text
+        holder.send_signal(signal.SIGKILL)  # the request dies with it; the supervisor zeroes its counts
+    await until(
+        lambda: len(worker_processes(gateway)) == 2 and holder.pid not in [w.pid for w in worker_processes(gateway)],
+        PROCESS_BOUND_S,
+        0.1,
+    )
+    with fresh_connections() as client:
+        await until(lambda: client.get(gateway.url.removesuffix("/v1") + "/ready").status_code == 200, PROCESS_BOUND_S)
+        answers = [
+            client.post(gateway.url + "/completions", json=BODY, headers=bearer(single_secret)) for _ in range(6)
+        ]
+        assert [answer.status_code for answer in answers] == [200] * 6
+    assert gateway.stop() == 0
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def serving_worker(gateway: Child, client_port: int) -> psutil.Process:
+    """The worker that holds the connection from CLIENT_PORT open to the gateway's port."""
+    port = urlsplit(gateway.url).port
+    holders = [
+        worker
+        for worker in worker_processes(gateway)
+        if any(c.laddr.port == port and c.raddr and c.raddr.port == client_port for c in worker.net_connections("tcp"))
+    ]
+    assert len(holders) == 1, holders
+    return holders[0]
 
 
 async def test_a_worker_that_dies_is_replaced_and_the_port_keeps_answering(

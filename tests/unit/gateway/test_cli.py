@@ -48,10 +48,11 @@ def test_keys_create_refuses_a_limit_below_one(value: str, capsys: pytest.Captur
     assert KeyStore().all_keys() == []  # nothing half-created
 
 
-def test_gateway_refuses_several_workers_without_redis(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["gateway", "--upstream", "http://127.0.0.1:1/v1", "--workers", "2"]) == 2
+def test_gateway_refuses_a_limit_table_too_small_to_use(capsys: pytest.CaptureFixture[str]) -> None:
+    upstream = ["--upstream", "http://127.0.0.1:1/v1"]
+    assert main(["gateway", *upstream, "--workers", "2", "--limit-zone-keys", "3"]) == 2
     error = capsys.readouterr().err
-    assert "--workers 2 needs --redis-url" in error and "2x" in error
+    assert "gateway.limit_zone_keys" in error and "greater than or equal to 16" in error
 
 
 def test_gateway_refuses_an_unknown_scorer_and_a_bad_redis_url(capsys: pytest.CaptureFixture[str]) -> None:
