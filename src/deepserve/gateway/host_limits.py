@@ -308,7 +308,7 @@ class HostLimiter:
         pass
 
     async def close(self) -> None:
-        self.zone.close()
+        pass  # the mapping stays until the process ends: a request cut at shutdown may still release after this
 
     def watch(self, on_fallback: Callable[[], None], on_error: Callable[[], None]) -> None:
         pass  # the zone is this host's memory: nothing falls back, nothing fails
