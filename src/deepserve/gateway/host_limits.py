@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from deepserve._compat import timeout
 from deepserve.errors import ConfigError
 from deepserve.gateway.clock import Clock
 from deepserve.gateway.errors import Overloaded
@@ -42,9 +41,11 @@ from deepserve.gateway.limits import (
     Admission,
     KeyLimits,
     concurrency_refusal,
+    queue_timed_out,
     refilled,
     rpm_refusal,
     tpm_refusal,
+    wait_for_wake,
 )
 
 # Set by the supervisor for its workers: the zone's file, and which column is the worker's.
@@ -412,15 +413,10 @@ class HostLimiter:
                     return
                 remaining_s = deadline - self._clock()
                 if remaining_s <= 0:
-                    raise Overloaded(
-                        f"no capacity freed within {self.queue_timeout_s:g} s of queueing; retry later",
-                        reason="queue_timeout",
-                    )
+                    raise queue_timed_out(self.queue_timeout_s)
                 woken.clear()
                 wait_s = min(SLOT_POLL_S, remaining_s) if self._waiters[0][1] is woken else remaining_s
-                with contextlib.suppress(TimeoutError):
-                    async with timeout(wait_s):
-                        await woken.wait()
+                await wait_for_wake(woken, wait_s)
         finally:
             self._unqueue(ticket, woken)
 

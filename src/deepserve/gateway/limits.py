@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from deepserve._compat import timeout
 from deepserve.errors import ConfigError
 from deepserve.gateway.clock import Clock
 from deepserve.gateway.errors import Overloaded, RateLimited
@@ -143,6 +145,17 @@ def tpm_refusal(limits: KeyLimits, charged_tokens: int, wait_s: float) -> RateLi
     )
 
 
+def queue_timed_out(timeout_s: float) -> Overloaded:
+    return Overloaded(f"no capacity freed within {timeout_s:g} s of queueing; retry later", reason="queue_timeout")
+
+
+async def wait_for_wake(woken: asyncio.Event, wait_s: float) -> None:
+    """Until WOKEN is set or WAIT_S have passed, whichever comes first (a waiter looks again either way)."""
+    with contextlib.suppress(TimeoutError):
+        async with timeout(wait_s):
+            await woken.wait()
+
+
 class _QueueTimeout(Exception):
     pass
 
@@ -182,9 +195,7 @@ class AdmissionQueue:
         try:
             await slot
         except _QueueTimeout:
-            raise Overloaded(
-                f"no capacity freed within {self.timeout_s:g} s of queueing; retry later", reason="queue_timeout"
-            ) from None
+            raise queue_timed_out(self.timeout_s) from None
         except asyncio.CancelledError:
             if slot.done() and not slot.cancelled() and slot.exception() is None:
                 self.release()  # the slot was handed over just as the client went away: pass it on

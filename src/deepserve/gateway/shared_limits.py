@@ -53,7 +53,6 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from deepserve._compat import timeout
 from deepserve.gateway.clock import Clock
 from deepserve.gateway.errors import LimiterUnavailable, Overloaded, RateLimited
 from deepserve.gateway.limits import (
@@ -61,8 +60,10 @@ from deepserve.gateway.limits import (
     KeyLimits,
     LocalLimiter,
     concurrency_refusal,
+    queue_timed_out,
     rpm_refusal,
     tpm_refusal,
+    wait_for_wake,
 )
 from deepserve.gateway.resp import ReplyError, RespConnection
 
@@ -537,15 +538,10 @@ class RedisLimiter:
                     return
                 remaining_s = deadline - self._local_clock()
                 if remaining_s <= 0:
-                    raise Overloaded(
-                        f"no capacity freed within {self.queue_timeout_s:g} s of queueing; retry later",
-                        reason="queue_timeout",
-                    )
+                    raise queue_timed_out(self.queue_timeout_s)
                 woken.clear()
                 wait_s = min(SLOT_POLL_S, remaining_s) if self._waiters[0] is woken else remaining_s
-                with contextlib.suppress(TimeoutError):
-                    async with timeout(wait_s):
-                        await woken.wait()
+                await wait_for_wake(woken, wait_s)
         finally:
             head = self._waiters[0] is woken
             self._waiters.remove(woken)
