@@ -55,7 +55,7 @@ WORKER_INDEX_ENV = "DEEPSERVE_GATEWAY_WORKER_INDEX"
 _MAGIC = 0x64736C696D7A6E31  # "dslimzn1": a file that is not a zone (or of another layout) is refused
 _HEADER_INTS = 5  # magic, workers, capacity, keys stored, the next queue ticket
 _ENTRY_FLOATS = 4  # rpm tokens, rpm refilled at, tpm tokens, tpm refilled at
-_ENTRY_FIXED_INTS = 4  # key hash (0: empty), rpm, tpm, max concurrency; then one in-flight count per worker
+_ENTRY_FIXED_INTS = 3  # key hash (0: empty), rpm, tpm; then one in-flight count per worker
 # How often the oldest request queued in a worker looks for a slot freed by another worker (a slot freed by its own
 # worker wakes it at once). Short, because only requests already queued behind a full gateway wait for it.
 SLOT_POLL_S = 0.005
@@ -113,7 +113,11 @@ class LimitZone:
             fd = os.open(path, os.O_RDWR)
         except OSError as exc:
             raise ConfigError(f"cannot open the workers' limit zone {path} ({exc})") from exc
-        return cls(path, fd, mmap.mmap(fd, os.fstat(fd).st_size))
+        size = os.fstat(fd).st_size
+        if size < 8 * _HEADER_INTS:
+            os.close(fd)
+            raise ConfigError(f"{path} is not a gateway limit zone ({size} bytes); remove it")
+        return cls(path, fd, mmap.mmap(fd, size))
 
     def close(self) -> None:
         self._ints.release()
@@ -188,7 +192,6 @@ class LimitZone:
                 floats = entry * _ENTRY_FLOATS + 2 * (offset - 1)
                 tokens = self._floats[floats] if before else float(limit)
                 self._floats[floats], self._floats[floats + 1] = min(tokens, float(limit)), now_s
-        self._ints[at + 3] = limits.max_concurrency or 0
         return entry
 
     def in_flight(self, entry: int) -> int:

@@ -175,6 +175,9 @@ def test_a_file_that_is_not_a_zone_and_a_worker_without_a_supervisor_are_refused
     stray.write_bytes(bytes(4096))
     with pytest.raises(ConfigError, match="not a gateway limit zone"):
         LimitZone.attach(stray)
+    stray.write_bytes(b"short")
+    with pytest.raises(ConfigError, match="not a gateway limit zone"):
+        LimitZone.attach(stray)
     config = GatewayConfig(upstream=["http://127.0.0.1:1/v1"], workers=2)
     with pytest.raises(ConfigError, match="deepserve gateway --workers N"):
         make_limiter(config)
