@@ -55,6 +55,7 @@ class SourceSetup:
     rate_sweep: bool = False  # rows without a concurrency are peaks over a request-rate sweep
     throughput_tokens_stated: bool = True  # False: "tokens/s" without saying output or all tokens
     prompts_per_concurrency: int = 0  # the client sends this many requests per unit of concurrency
+    client_default_prompts: int = 0  # the client's own default request count, where the source states none
     length_mean_factor: float = 1.0  # mean length / stated length (clients that draw lengths below the stated one)
     length_spread: float = 0.0  # lengths uniform within mean x (1 +- spread)
     overlap_comm: bool = False  # two-batch overlap of the experts' exchange with computation
@@ -71,8 +72,11 @@ SOURCE_SETUPS = {
         max_num_seqs=128, max_model_len=8000, network="ethernet-100g", rate_sweep=True
     ),
     # 002: vLLM 0.16 on B200, --max-model-len 32768 --gpu-memory-utilization 0.90; vLLM's default max_num_seqs
-    # for large GPUs (1024).
-    "002_9b8c54d8c5a2373d.txt": SourceSetup(max_num_seqs=1024, max_model_len=32768),
+    # for large GPUs (1024). Its client is `vllm bench serve` (the table's TPOT, ITL p99 and "peak burst
+    # throughput", bench serve's "Peak output token throughput") with no request count given: bench serve's
+    # default, --num-prompts 1000 (vllm/benchmarks/serve.py), so at 512 and 1024 clients the run is one or two
+    # waves of 1000 requests, not a steady loop.
+    "002_9b8c54d8c5a2373d.txt": SourceSetup(max_num_seqs=1024, max_model_len=32768, client_default_prompts=1000),
     # 004: online sweep at concurrency 4, 8, ..., 128 with 3200 input and 800 output tokens. Its throughputs are
     # "tokens/s" with no word on which tokens: its client (SGLang's bench_serving) prints both output and total
     # (input + output) throughput, and the H200 row's own note reads "all tokens/s as reported". As output rates the
@@ -403,6 +407,8 @@ def benchmark_run(row: PublishedRow) -> BenchmarkRun | None:
     length (a long run) as LONG_RUN_ROUNDS requests per client after a first round left out (its first wave)."""
     setup = row.setup
     prompts = row.num_prompts or (setup.prompts_per_concurrency * (row.concurrency or 0)) or None
+    if prompts is None and row.scored_as == "closed_loop" and row.concurrency:
+        prompts = setup.client_default_prompts or None
     warmup = 0
     if (
         prompts is None

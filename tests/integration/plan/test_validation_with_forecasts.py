@@ -33,9 +33,11 @@ def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation
     result, seconds = forecast_validation
     headline = result.held_out.headline
     assert len(headline.results) >= 90
-    assert headline.mape_pct("throughput") <= 28 and headline.mape_pct("tpot") <= 20
+    assert headline.mape_pct("throughput") <= 23 and headline.mape_pct("tpot") <= 17
     assert headline.mape_pct("ttft") <= TARGET_MAPE_PCT["ttft"]
-    # the merge made DeepSeek-V3.2 on H20 expressible (12 rows of vLLM's recipe), before its step model was checked;
-    # its sparse-attention prefill workspace (0.9 GB a GPU, reserved by vLLM) took row 186 from 0.50 to 0.47
-    assert len(result.held_out.off_by_more_than_2x) <= 27
+    off = result.held_out.off_by_more_than_2x
+    assert len(off) <= 15
+    # vLLM's V3.2 recipe read as the 141 GB H20 it ran on, with V3.2's FP8 cache: every row within 2x (on the 96 GB
+    # part its cache held ten of the 100 requests and the rows were 0.01-6x)
+    assert not [r.row.number for r in off if r.row.source_id == "vllm-recipe-v32-h20"]
     assert seconds < 300

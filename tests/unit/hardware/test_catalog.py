@@ -139,6 +139,8 @@ def test_every_datasheet_figure_cites_a_url() -> None:
     ("reported", "name"),
     [
         ("NVIDIA H800", "h800"),
+        ("NVIDIA H20-3e", "h20-141gb"),  # the 141 GB H20: its own entry, not the 96 GB part's
+        ("NVIDIA H20", "h20"),
         ("NVIDIA B300 SXM6 AC", "b300"),
         ("NVIDIA GB200", "gb200"),
         ("NVIDIA GB300", "gb300"),

@@ -87,6 +87,17 @@ def test_metrics_are_read_as_what_they_are() -> None:
     assert _run_of(rows[220]).num_prompts == 40  # InferenceX: ten requests per client
 
 
+def test_a_client_default_request_count_makes_an_unstated_run_finite() -> None:
+    """Seed 002's client is `vllm bench serve` with no --num-prompts: its default 1000 requests, all clients
+    starting together, at every concurrency (at 1024 clients that is fewer requests than clients, not a steady
+    loop); a source without such a default keeps the long-run shape."""
+    rows = {r.number: r for r in load_rows()}
+    assert rows[18].concurrency == 1024 and _run_of(rows[18]).num_prompts == 1000
+    assert _run_of(rows[18]).warmup_requests == 0 and _run_of(rows[4]).num_prompts == 1000
+    seed_001 = _run_of(rows[21])  # its own client, count unstated: seven rounds with the first left out
+    assert seed_001.num_prompts == 7 * 15 and seed_001.warmup_requests == 15
+
+
 def test_trtllm_rows_not_scored_are_listed_with_the_reason(validation) -> None:
     """TensorRT-LLM is an engine deepserve launches (engines/trtllm.py): its rows are scored where the planner can
     express them, the others say why not."""
