@@ -112,8 +112,12 @@ def _table(path: Path = KERNELS_PATH) -> dict[str, Any]:
     return data
 
 
-def kernel_rates(accelerator: Accelerator, format_name: str, path: Path = KERNELS_PATH) -> KernelRates:
-    """The table's figures for ACCELERATOR's class and FORMAT_NAME's weight family."""
+def kernel_rates(
+    accelerator: Accelerator, format_name: str, path: Path = KERNELS_PATH, mla_decode_backend: str | None = None
+) -> KernelRates:
+    """The table's figures for ACCELERATOR's class and FORMAT_NAME's weight family; with MLA_DECODE_BACKEND, the
+    decode attention's figures for that kernel (an entry of the class's mla_decode table, e.g. "triton") in place
+    of the class's best one."""
     table = _table(path)
     classes = table["classes"]
     if accelerator.hardware_class not in classes:
@@ -125,6 +129,8 @@ def kernel_rates(accelerator: Accelerator, format_name: str, path: Path = KERNEL
     family = weight_family(format_name)
     families = kind_families(format_name)
     kinds = {kind: _kind_rate(entry, kind, families[kind], accelerator.hardware_class) for kind in WORK_KINDS}
+    if mla_decode_backend is not None:
+        kinds["mla_decode"] = _backend_rate(entry, "mla_decode", mla_decode_backend, accelerator.hardware_class)
     for kind, efficiency in accelerator.measured_compute_efficiency:
         kinds[kind] = replace(
             kinds[kind], compute_efficiency=efficiency, measured=True, source=f"measured on {accelerator.name}"
@@ -155,6 +161,22 @@ def _kind_rate(entry: dict[str, Any], kind: str, family: str, hardware_class: st
     record = by_family.get(family) or by_family.get("any")
     if record is None:
         raise ConfigError(f"kernels.json: {hardware_class}/{kind} has no entry for weight family {family}")
+    return _record_rate(record, entry)
+
+
+def _backend_rate(entry: dict[str, Any], kind: str, backend: str, hardware_class: str) -> KindRate:
+    """A named kernel's figures for KIND (an engine that runs a slower kernel than the class's best)."""
+    record = entry[kind].get(backend)
+    if record is None or backend == "any":
+        known = sorted(name for name in entry[kind] if name != "any")
+        raise ConfigError(
+            f"kernels.json: {hardware_class}/{kind} has no figures for the {backend!r} kernel; "
+            f"known: {', '.join(known) or 'none'}"
+        )
+    return _record_rate(record, entry)
+
+
+def _record_rate(record: dict[str, Any], entry: dict[str, Any]) -> KindRate:
     return KindRate(
         memory_efficiency=float(record["memory_efficiency"]),
         compute_efficiency=float(record["compute_efficiency"]),

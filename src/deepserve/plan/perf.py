@@ -190,6 +190,10 @@ class StepOptions:
 
     overlap_comm: bool = False
     launch_mode: str | None = None  # a kernels.json launch_us mode for every step (None: the engine version's)
+    # the MLA decode kernel where the engine is made to run a slower one than the class's best (kernels.json's
+    # mla_decode entries; None: the best). vLLM with --block-size 1 on Blackwell runs Triton's, the only MLA
+    # backend that accepts that block size.
+    mla_decode_backend: str | None = None
 
 
 class PerformanceModel:

@@ -63,6 +63,7 @@ class SourceSetup:
     decode_batch_per_gpu: float = 0.0  # decode-phase rows: sequences per GPU (0: as many as the KV cache holds)
     accept_lengths: tuple[tuple[int, float], ...] = ()  # speculative rows: (draft tokens, mean acceptance length)
     max_num_batched_tokens: int = 8192
+    mla_decode_backend: str | None = None  # the MLA decode kernel the launch command forces (kernels.json)
 
 
 SOURCE_SETUPS = {
@@ -76,7 +77,12 @@ SOURCE_SETUPS = {
     # throughput", bench serve's "Peak output token throughput") with no request count given: bench serve's
     # default, --num-prompts 1000 (vllm/benchmarks/serve.py), so at 512 and 1024 clients the run is one or two
     # waves of 1000 requests, not a steady loop.
-    "002_9b8c54d8c5a2373d.txt": SourceSetup(max_num_seqs=1024, max_model_len=32768, client_default_prompts=1000),
+    # Its command sets --block-size 1, which on Blackwell only vLLM's Triton MLA backend accepts (FlashMLA takes
+    # 64, FlashInfer's MLA 32 or 64, CUTLASS MLA 128: each backend's get_supported_kernel_block_sizes, selected in
+    # vllm/platforms/cuda.py), so its decode attention ran Triton's kernel.
+    "002_9b8c54d8c5a2373d.txt": SourceSetup(
+        max_num_seqs=1024, max_model_len=32768, client_default_prompts=1000, mla_decode_backend="triton"
+    ),
     # 004: online sweep at concurrency 4, 8, ..., 128 with 3200 input and 800 output tokens. Its throughputs are
     # "tokens/s" with no word on which tokens: its client (SGLang's bench_serving) prints both output and total
     # (input + output) throughput, and the H200 row's own note reads "all tokens/s as reported". As output rates the
@@ -455,7 +461,8 @@ def row_deployment(row: PublishedRow, calibration: Path | None = None) -> Deploy
         engine_version=_version(row.engine_version),
         speculation=row_speculation(row),
     )
-    deployment = replace(deployment, options=StepOptions(overlap_comm=setup.overlap_comm))
+    options = StepOptions(overlap_comm=setup.overlap_comm, mla_decode_backend=setup.mla_decode_backend)
+    deployment = replace(deployment, options=options)
     if calibration is not None and calibrated_class(calibration) == deployment.accelerator.hardware_class:
         return replace(deployment, calibration=calibration)
     return deployment

@@ -33,11 +33,15 @@ def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation
     result, seconds = forecast_validation
     headline = result.held_out.headline
     assert len(headline.results) >= 90
-    assert headline.mape_pct("throughput") <= 23 and headline.mape_pct("tpot") <= 17
+    assert headline.mape_pct("throughput") <= 20 and headline.mape_pct("tpot") <= 15
     assert headline.mape_pct("ttft") <= TARGET_MAPE_PCT["ttft"]
     off = result.held_out.off_by_more_than_2x
     assert len(off) <= 15
     # vLLM's V3.2 recipe read as the 141 GB H20 it ran on, with V3.2's FP8 cache: every row within 2x (on the 96 GB
     # part its cache held ten of the 100 requests and the rows were 0.01-6x)
     assert not [r.row.number for r in off if r.row.source_id == "vllm-recipe-v32-h20"]
+    # seed 002's saturated runs, once 1.37-1.39x its throughput with the latent cache read at FlashMLA's rate, are
+    # within 10% with Triton's, the kernel its --block-size 1 leaves vLLM on Blackwell
+    saturated = [r for r in result.held_out.results if r.row.source_id == "seed-002" and r.row.concurrency >= 512]
+    assert len(saturated) == 4 and all(0.9 <= r.ratio <= 1.1 for r in saturated)
     assert seconds < 300

@@ -4,11 +4,13 @@ from dataclasses import replace
 
 import pytest
 
+from deepserve.errors import ConfigError
 from deepserve.models import load_spec
 from deepserve.plan.layout import Layout
 from deepserve.plan.perf import (
     RankLoad,
     RequestLengths,
+    StepOptions,
     expected_distinct_experts,
     expected_max_poisson,
 )
@@ -287,3 +289,23 @@ def test_sglang_prefills_in_steps_of_their_own(v3) -> None:
     assert not sglang.mixed_prefill and vllm.mixed_prefill
     workload = RequestLengths(4096, 256)
     assert sglang.predict(32, workload, 256).tpot_ms > vllm.predict(32, workload, 256).tpot_ms
+
+
+def test_a_slower_mla_decode_kernel_costs_what_its_bandwidth_fraction_says(v3) -> None:
+    """vLLM with --block-size 1 on Blackwell runs Triton's MLA decode (kernels.json's "triton" entry, 27% of the
+    bandwidth against FlashMLA's 90%): the latent-cache read of a large batch takes 0.9/0.27 times as long, and
+    nothing else in the step changes."""
+    best = build_deployment(v3, "b200", 8, weights="fp8")
+    triton = replace(best, options=StepOptions(mla_decode_backend="triton"))
+    fast = best.performance_model(_engine_with(best, PARAMETERS)).step(450, 0, 2300)
+    slow = triton.performance_model(_engine_with(triton, PARAMETERS)).step(450, 0, 2300)
+    ratio = slow.kind("mla_decode").memory_s / fast.kind("mla_decode").memory_s
+    assert ratio == pytest.approx(0.90 / 0.27)
+    assert slow.kind("mla_decode").memory_s > 25e-3  # 450 sequences x 2300 tokens x 70 KB at 27% of 8 TB/s
+    assert slow.kind("moe_gemm") == fast.kind("moe_gemm") and slow.comm == fast.comm
+
+
+def test_an_mla_decode_kernel_the_table_lacks_is_refused_with_the_known_ones(v3) -> None:
+    deployment = replace(build_deployment(v3, "b200", 8, weights="fp8"), options=StepOptions(mla_decode_backend="x"))
+    with pytest.raises(ConfigError, match="known: triton"):
+        deployment.kernel_rates()

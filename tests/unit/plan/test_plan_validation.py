@@ -98,6 +98,15 @@ def test_a_client_default_request_count_makes_an_unstated_run_finite() -> None:
     assert seed_001.num_prompts == 7 * 15 and seed_001.warmup_requests == 15
 
 
+def test_seed_002_decodes_on_the_mla_kernel_its_block_size_forces() -> None:
+    """Seed 002 launches vLLM with --block-size 1, which on Blackwell only the Triton MLA backend accepts: its rows
+    read the latent cache at Triton's measured fraction, a source without such a flag at FlashMLA's."""
+    cases = {c.row.number: c for c in row_cases()[0]}
+    assert cases[17].deployment.options.mla_decode_backend == "triton"
+    assert cases[17].rates.rate("mla_decode").memory_efficiency == pytest.approx(0.27)
+    assert cases[21].rates.rate("mla_decode").memory_efficiency == pytest.approx(0.90)  # seed 001, H100
+
+
 def test_trtllm_rows_not_scored_are_listed_with_the_reason(validation) -> None:
     """TensorRT-LLM is an engine deepserve launches (engines/trtllm.py): its rows are scored where the planner can
     express them, the others say why not."""
