@@ -16,11 +16,12 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import operator
 import os
 import sqlite3
 import threading
 import time
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from deepserve.gateway.config import gateway_home
@@ -56,6 +57,9 @@ _COLUMNS = (
     "upstream", "error", "request_body", "response_body", "reasoning_tokens", "reasoning_source", "prefill_upstream",
 )  # fmt: skip
 _INSERT = f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+# A row's values in _COLUMNS' order, by name: 0.3 µs against dataclasses.astuple's 20 (it copies every field), and
+# the writer thread holds the interpreter lock for that time while the event loop relays streams.
+_row_values = operator.attrgetter(*_COLUMNS)
 BATCH_INTERVAL_S = 0.25
 MAX_BATCH = 2048
 # Rows waiting while the database cannot be written (about 1 KB each without bodies): beyond this the oldest go.
@@ -240,7 +244,7 @@ class UsageLedger:
         """Write BATCH; return the rows that could not be written for reasons of the database, not of the row."""
         try:
             with self._db:
-                self._db.executemany(_INSERT, [astuple(row) for row in batch])
+                self._db.executemany(_INSERT, [_row_values(row) for row in batch])
         except Exception as exc:
             self.stats.write_failures += 1
             log.warning("writing %d usage rows failed (%s: %s); writing them one by one", len(batch), _name(exc), exc)
@@ -258,7 +262,7 @@ class UsageLedger:
         for attempt, candidate in enumerate((row, _storable(row), _without_text(row))):
             try:
                 with self._db:
-                    self._db.execute(_INSERT, astuple(candidate))
+                    self._db.execute(_INSERT, _row_values(candidate))
             except sqlite3.OperationalError as exc:  # locked, read-only, disk full: not this row's fault
                 self.stats.write_failures += 1
                 log.error("the usage ledger %s cannot be written (%s); %d rows wait", self.path, exc, self.pending + 1)
