@@ -379,7 +379,7 @@ class HostLimiter:
 
     def _release_key(self, hashed: int, limits: KeyLimits, charged_tokens: int, used_tokens: int | None) -> None:
         entry = self.zone.find(hashed)
-        if entry is None:  # the supervisor reset this worker's column (it was restarted): nothing is held
+        if entry is None:  # not expected (an entry with a request in flight is never dropped): nothing to give back
             return
         self.zone.add_in_flight(entry, self.worker, -1)
         if limits.tpm and used_tokens is not None:
