@@ -1,7 +1,7 @@
 """The published serving figures (calibration set) and how each row becomes a prediction of the model.
 
 Two files: the seeds' rows (../shared/published/serving_figures.csv, copied to data/serving_figures.json, rows
-1-31) and the rows collected from 23 public sources (data/published_rows.csv, rows 101-432: row 100 + n is line n
+1-31) and the rows collected from 24 public sources (data/published_rows.csv, rows 101-452: row 100 + n is line n
 of the research CSV; every row keeps its source, and its `scored_as` and `curation` columns say how the planner
 reads it and what was filled in or why it is left out). A row is expressible when its workload, layout, model,
 GPU, weight format and engine are known to the planner; `unpredictable_reason` says why not otherwise.
@@ -109,6 +109,15 @@ SOURCE_SETUPS = {
         length_mean_factor=0.9,
         length_spread=0.111,
         max_num_batched_tokens=32768,
+    ),
+    # InferenceX on MI325X (PR 3318's baseline, benchmarks/dsr1_fp8_mi325x.sh): --num-prompts CONC*10,
+    # --mem-fraction-static 0.8, --chunked-prefill-size 131072, the same client as the H200 run above.
+    "inferencex-3318-mi325x": SourceSetup(
+        gpu_memory_utilization=0.8,
+        prompts_per_concurrency=10,
+        length_mean_factor=0.9,
+        length_spread=0.111,
+        max_num_batched_tokens=131072,
     ),
     # TensorRT-LLM's DeepSeek-R1 guide (trtllm-bench throughput, an in-process client): the H200 max-throughput run
     # caps each of the 8 attention-DP ranks at max_batch_size 128 requests and max_num_tokens 1151 tokens a step,
