@@ -64,6 +64,7 @@ class SourceSetup:
     accept_lengths: tuple[tuple[int, float], ...] = ()  # speculative rows: (draft tokens, mean acceptance length)
     max_num_batched_tokens: int = 8192
     mla_decode_backend: str | None = None  # the MLA decode kernel the launch command forces (kernels.json)
+    dense_gemm_backend: str | None = None  # the dense GEMM kernel the launch forces (kernels.json, per family)
 
 
 SOURCE_SETUPS = {
@@ -125,6 +126,9 @@ SOURCE_SETUPS = {
     "trtllm-best-perf": SourceSetup(max_num_seqs=128, max_model_len=3072, max_num_batched_tokens=1151),
     # PR 3602: bench_serving's default range ratio (lengths uniform in [1, L]).
     "sglang-3602-h200": SourceSetup(length_mean_factor=0.5, length_spread=1.0),
+    # PR 5571's run set SGL_ENABLE_JIT_DEEPGEMM=0 and not SGLANG_SUPPORT_CUTLASS_BLOCK_FP8, so SGLang's FP8
+    # block-scaled linear layers ran its Triton GEMM (w8a8_block_fp8_matmul), not DeepGEMM.
+    "sglang-5571-h200": SourceSetup(dense_gemm_backend="triton"),
 }
 
 
@@ -470,7 +474,11 @@ def row_deployment(row: PublishedRow, calibration: Path | None = None) -> Deploy
         engine_version=_version(row.engine_version),
         speculation=row_speculation(row),
     )
-    options = StepOptions(overlap_comm=setup.overlap_comm, mla_decode_backend=setup.mla_decode_backend)
+    options = StepOptions(
+        overlap_comm=setup.overlap_comm,
+        mla_decode_backend=setup.mla_decode_backend,
+        dense_gemm_backend=setup.dense_gemm_backend,
+    )
     deployment = replace(deployment, options=options)
     if calibration is not None and calibrated_class(calibration) == deployment.accelerator.hardware_class:
         return replace(deployment, calibration=calibration)

@@ -98,6 +98,15 @@ def test_a_client_default_request_count_makes_an_unstated_run_finite() -> None:
     assert seed_001.num_prompts == 7 * 15 and seed_001.warmup_requests == 15
 
 
+def test_pr_5571_runs_sglangs_triton_fp8_gemm_as_its_deepgemm_off_launch_forces() -> None:
+    """SGLang PR 5571's run set SGL_ENABLE_JIT_DEEPGEMM=0: its dense GEMMs run at Triton's fractions; InferenceX's
+    H200 run, with DeepGEMM on, at DeepGEMM's."""
+    cases = {c.row.number: c for c in row_cases()[0]}
+    assert cases[421].deployment.options.dense_gemm_backend == "triton"
+    assert cases[421].rates.rate("dense_gemm").compute_efficiency == pytest.approx(0.30)
+    assert cases[196].rates.rate("dense_gemm").compute_efficiency == pytest.approx(0.53)
+
+
 def test_seed_002_decodes_on_the_mla_kernel_its_block_size_forces() -> None:
     """Seed 002 launches vLLM with --block-size 1, which on Blackwell only the Triton MLA backend accepts: its rows
     read the latent cache at Triton's measured fraction, a source without such a flag at FlashMLA's."""
