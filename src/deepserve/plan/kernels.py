@@ -113,11 +113,16 @@ def _table(path: Path = KERNELS_PATH) -> dict[str, Any]:
 
 
 def kernel_rates(
-    accelerator: Accelerator, format_name: str, path: Path = KERNELS_PATH, mla_decode_backend: str | None = None
+    accelerator: Accelerator,
+    format_name: str,
+    path: Path = KERNELS_PATH,
+    mla_decode_backend: str | None = None,
+    dense_gemm_backend: str | None = None,
 ) -> KernelRates:
     """The table's figures for ACCELERATOR's class and FORMAT_NAME's weight family; with MLA_DECODE_BACKEND, the
     decode attention's figures for that kernel (an entry of the class's mla_decode table, e.g. "triton") in place
-    of the class's best one."""
+    of the class's best one; with DENSE_GEMM_BACKEND, the dense GEMMs' figures for that kernel on the weight family
+    (the dense_gemm entry "<family>_<backend>", e.g. "fp8_triton")."""
     table = _table(path)
     classes = table["classes"]
     if accelerator.hardware_class not in classes:
@@ -131,6 +136,9 @@ def kernel_rates(
     kinds = {kind: _kind_rate(entry, kind, families[kind], accelerator.hardware_class) for kind in WORK_KINDS}
     if mla_decode_backend is not None:
         kinds["mla_decode"] = _backend_rate(entry, "mla_decode", mla_decode_backend, accelerator.hardware_class)
+    if dense_gemm_backend is not None:
+        backend = f"{families['dense_gemm']}_{dense_gemm_backend}"
+        kinds["dense_gemm"] = _backend_rate(entry, "dense_gemm", backend, accelerator.hardware_class)
     for kind, efficiency in accelerator.measured_compute_efficiency:
         kinds[kind] = replace(
             kinds[kind], compute_efficiency=efficiency, measured=True, source=f"measured on {accelerator.name}"

@@ -194,6 +194,9 @@ class StepOptions:
     # mla_decode entries; None: the best). vLLM with --block-size 1 on Blackwell runs Triton's, the only MLA
     # backend that accepts that block size.
     mla_decode_backend: str | None = None
+    # the dense GEMM kernel where the engine is made to run a slower one (kernels.json's "<family>_<backend>" dense
+    # entries; None: the best). SGLang with SGL_ENABLE_JIT_DEEPGEMM=0 runs its Triton FP8 block-scaled GEMM.
+    dense_gemm_backend: str | None = None
 
 
 class PerformanceModel:

@@ -1,7 +1,7 @@
 """The published serving figures (calibration set) and how each row becomes a prediction of the model.
 
 Two files: the seeds' rows (../shared/published/serving_figures.csv, copied to data/serving_figures.json, rows
-1-31) and the rows collected from 23 public sources (data/published_rows.csv, rows 101-432: row 100 + n is line n
+1-31) and the rows collected from 24 public sources (data/published_rows.csv, rows 101-452: row 100 + n is line n
 of the research CSV; every row keeps its source, and its `scored_as` and `curation` columns say how the planner
 reads it and what was filled in or why it is left out). A row is expressible when its workload, layout, model,
 GPU, weight format and engine are known to the planner; `unpredictable_reason` says why not otherwise.
@@ -64,6 +64,7 @@ class SourceSetup:
     accept_lengths: tuple[tuple[int, float], ...] = ()  # speculative rows: (draft tokens, mean acceptance length)
     max_num_batched_tokens: int = 8192
     mla_decode_backend: str | None = None  # the MLA decode kernel the launch command forces (kernels.json)
+    dense_gemm_backend: str | None = None  # the dense GEMM kernel the launch forces (kernels.json, per family)
 
 
 SOURCE_SETUPS = {
@@ -110,12 +111,24 @@ SOURCE_SETUPS = {
         length_spread=0.111,
         max_num_batched_tokens=32768,
     ),
+    # InferenceX on MI325X (PR 3318's baseline, benchmarks/dsr1_fp8_mi325x.sh): --num-prompts CONC*10,
+    # --mem-fraction-static 0.8, --chunked-prefill-size 131072, the same client as the H200 run above.
+    "inferencex-3318-mi325x": SourceSetup(
+        gpu_memory_utilization=0.8,
+        prompts_per_concurrency=10,
+        length_mean_factor=0.9,
+        length_spread=0.111,
+        max_num_batched_tokens=131072,
+    ),
     # TensorRT-LLM's DeepSeek-R1 guide (trtllm-bench throughput, an in-process client): the H200 max-throughput run
     # caps each of the 8 attention-DP ranks at max_batch_size 128 requests and max_num_tokens 1151 tokens a step,
     # 1K/2K requests (max_seq_len 3072 in its options).
     "trtllm-best-perf": SourceSetup(max_num_seqs=128, max_model_len=3072, max_num_batched_tokens=1151),
     # PR 3602: bench_serving's default range ratio (lengths uniform in [1, L]).
     "sglang-3602-h200": SourceSetup(length_mean_factor=0.5, length_spread=1.0),
+    # PR 5571's run set SGL_ENABLE_JIT_DEEPGEMM=0 and not SGLANG_SUPPORT_CUTLASS_BLOCK_FP8, so SGLang's FP8
+    # block-scaled linear layers ran its Triton GEMM (w8a8_block_fp8_matmul), not DeepGEMM.
+    "sglang-5571-h200": SourceSetup(dense_gemm_backend="triton"),
 }
 
 
@@ -461,7 +474,11 @@ def row_deployment(row: PublishedRow, calibration: Path | None = None) -> Deploy
         engine_version=_version(row.engine_version),
         speculation=row_speculation(row),
     )
-    options = StepOptions(overlap_comm=setup.overlap_comm, mla_decode_backend=setup.mla_decode_backend)
+    options = StepOptions(
+        overlap_comm=setup.overlap_comm,
+        mla_decode_backend=setup.mla_decode_backend,
+        dense_gemm_backend=setup.dense_gemm_backend,
+    )
     deployment = replace(deployment, options=options)
     if calibration is not None and calibrated_class(calibration) == deployment.accelerator.hardware_class:
         return replace(deployment, calibration=calibration)

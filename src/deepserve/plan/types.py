@@ -166,7 +166,12 @@ class Deployment:
     def kernel_rates(self) -> KernelRates:
         """The kernel table's figures for this GPU and weight format, with the calibration's measured ones in place
         where the deployment has one."""
-        rates = kernel_rates(self.accelerator, self.fmt.name, mla_decode_backend=self.options.mla_decode_backend)
+        rates = kernel_rates(
+            self.accelerator,
+            self.fmt.name,
+            mla_decode_backend=self.options.mla_decode_backend,
+            dense_gemm_backend=self.options.dense_gemm_backend,
+        )
         return rates if self.calibration is None else apply_calibration(rates, self.calibration)
 
     def performance_model(

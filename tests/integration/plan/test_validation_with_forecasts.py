@@ -36,7 +36,17 @@ def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation
     assert headline.mape_pct("throughput") <= 20 and headline.mape_pct("tpot") <= 15
     assert headline.mape_pct("ttft") <= TARGET_MAPE_PCT["ttft"]
     off = result.held_out.off_by_more_than_2x
-    assert len(off) <= 15
+    # the 15 rows beyond 2x before InferenceX's MI325X sweep joined; that source's rows are guarded on their own:
+    # its throughputs and TPOTs within 2x held out, only its 4-client mean first token (row 435: 1,025 ms
+    # published, about 440 predicted) beyond
+    assert len([r for r in off if r.row.source_id != "inferencex-3318-mi325x"]) <= 15
+    assert [r.row.number for r in off if r.row.source_id == "inferencex-3318-mi325x"] == [435]
+    # the AMD MTP blog, predicted with sglang-rocm fitted on the MI325X sweep, no longer below 0.3 of its latencies
+    amd_mtp = [r for r in result.held_out.results if r.row.source_id == "lmsys-amd-mtp-mi300x"]
+    assert len(amd_mtp) == 7 and min(r.ratio for r in amd_mtp) >= 0.22
+    # SGLang PR 5571's run without DeepGEMM (its dense FP8 GEMMs at Triton's fractions): throughput 1.8x -> 1.6x
+    pr_5571 = [r for r in result.held_out.results if r.row.source_id == "sglang-5571-h200"]
+    assert pr_5571 and max(r.ratio for r in pr_5571) <= 1.65
     # vLLM's V3.2 recipe read as the 141 GB H20 it ran on, with V3.2's FP8 cache: every row within 2x (on the 96 GB
     # part its cache held ten of the 100 requests and the rows were 0.01-6x)
     assert not [r.row.number for r in off if r.row.source_id == "vllm-recipe-v32-h20"]

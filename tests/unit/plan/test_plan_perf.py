@@ -305,6 +305,25 @@ def test_a_slower_mla_decode_kernel_costs_what_its_bandwidth_fraction_says(v3) -
     assert slow.kind("moe_gemm") == fast.kind("moe_gemm") and slow.comm == fast.comm
 
 
+def test_sglang_without_deepgemm_runs_its_dense_fp8_gemms_at_tritons_fractions(v3) -> None:
+    """SGLang with SGL_ENABLE_JIT_DEEPGEMM=0 runs its Triton FP8 block-scaled GEMM (kernels.json's "fp8_triton" dense
+    entry, from SGLang PRs #5207/#5820's side-by-side): a 10K-token prompt's dense GEMMs take DeepGEMM's 0.53 of peak
+    over Triton's 0.30 times as long, and the MoE and attention kinds do not change."""
+    best = build_deployment(v3, "h200", 8, weights="fp8")
+    triton = replace(best, options=StepOptions(dense_gemm_backend="triton"))
+    fast = best.performance_model(_engine_with(best, PARAMETERS)).step(0, 10_000, 0)
+    slow = triton.performance_model(_engine_with(triton, PARAMETERS)).step(0, 10_000, 0)
+    ratio = slow.kind("dense_gemm").compute_s / fast.kind("dense_gemm").compute_s
+    assert ratio == pytest.approx(0.53 / 0.30)
+    assert slow.kind("moe_gemm") == fast.kind("moe_gemm") and slow.kind("mla_prefill") == fast.kind("mla_prefill")
+
+
+def test_a_dense_gemm_kernel_the_table_lacks_is_refused_with_the_known_ones(v3) -> None:
+    deployment = replace(build_deployment(v3, "h200", 8, weights="fp8"), options=StepOptions(dense_gemm_backend="x"))
+    with pytest.raises(ConfigError, match="fp8_triton"):
+        deployment.kernel_rates()
+
+
 def test_an_mla_decode_kernel_the_table_lacks_is_refused_with_the_known_ones(v3) -> None:
     deployment = replace(build_deployment(v3, "b200", 8, weights="fp8"), options=StepOptions(mla_decode_backend="x"))
     with pytest.raises(ConfigError, match="known: triton"):

@@ -53,7 +53,7 @@ def test_research_rows_keep_their_source_and_say_how_they_are_read() -> None:
     filled-in field and every exclusion says why."""
     with ROWS_PATH.open() as handle:
         raw = list(csv.DictReader(handle))
-    assert len(raw) == 332 and [int(r["row"]) for r in raw] == list(range(101, 433))
+    assert len(raw) == 352 and [int(r["row"]) for r in raw] == list(range(101, 453))
     for entry in raw:
         assert entry["source"] and entry["source_id"], entry["row"]
         assert entry["scored_as"] in (*SCORED_KINDS, "excluded"), entry["row"]
@@ -96,6 +96,15 @@ def test_a_client_default_request_count_makes_an_unstated_run_finite() -> None:
     assert _run_of(rows[18]).warmup_requests == 0 and _run_of(rows[4]).num_prompts == 1000
     seed_001 = _run_of(rows[21])  # its own client, count unstated: seven rounds with the first left out
     assert seed_001.num_prompts == 7 * 15 and seed_001.warmup_requests == 15
+
+
+def test_pr_5571_runs_sglangs_triton_fp8_gemm_as_its_deepgemm_off_launch_forces() -> None:
+    """SGLang PR 5571's run set SGL_ENABLE_JIT_DEEPGEMM=0: its dense GEMMs run at Triton's fractions; InferenceX's
+    H200 run, with DeepGEMM on, at DeepGEMM's."""
+    cases = {c.row.number: c for c in row_cases()[0]}
+    assert cases[421].deployment.options.dense_gemm_backend == "triton"
+    assert cases[421].rates.rate("dense_gemm").compute_efficiency == pytest.approx(0.30)
+    assert cases[196].rates.rate("dense_gemm").compute_efficiency == pytest.approx(0.53)
 
 
 def test_seed_002_decodes_on_the_mla_kernel_its_block_size_forces() -> None:
