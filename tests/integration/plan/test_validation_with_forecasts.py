@@ -41,7 +41,8 @@ def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation
     # published, about 440 predicted) beyond
     assert len([r for r in off if r.row.source_id != "inferencex-3318-mi325x"]) <= 15
     assert [r.row.number for r in off if r.row.source_id == "inferencex-3318-mi325x"] == [435]
-    # the AMD MTP blog, predicted with sglang-rocm fitted on the MI325X sweep, no longer below 0.3 of its latencies
+    # the AMD MTP blog, predicted with sglang-rocm fitted on the MI325X sweep: 0.23-0.45 of its latencies (0.19-0.38
+    # before); still beyond 2x, guarded against getting worse
     amd_mtp = [r for r in result.held_out.results if r.row.source_id == "lmsys-amd-mtp-mi300x"]
     assert len(amd_mtp) == 7 and min(r.ratio for r in amd_mtp) >= 0.22
     # SGLang PR 5571's run without DeepGEMM (its dense FP8 GEMMs at Triton's fractions): throughput 1.8x -> 1.6x
