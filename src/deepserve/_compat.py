@@ -4,6 +4,9 @@ Ubuntu 22.04, common on GPU servers, ships Python 3.10. On 3.11 and later these 
 
 - `timeout(delay_s)`: `asyncio.timeout`; on 3.10 the async-timeout backport (asyncio.timeout's origin), raising
   the builtin TimeoutError on expiry as 3.11 does (3.10's asyncio.TimeoutError is a different class).
+- `wait_for_event(event, timeout_s)`: until an asyncio.Event is set or the time is up, on `timeout`; not
+  `asyncio.wait_for`, which on 3.11 can swallow a cancellation that arrives just as the event is set (a waiter that
+  was cancelled then runs on: a benchmark that never ended in CI).
 - `run(coroutine, loop_factory=...)`: `asyncio.Runner(loop_factory=...).run(...)`, including its Ctrl-C handling:
   the first Ctrl-C cancels the main task (which may catch the cancellation and return partial results), a second
   one raises KeyboardInterrupt.
@@ -39,6 +42,13 @@ else:  # pragma: no cover - exercised by the Python 3.10 test run
                 yield
         except asyncio.TimeoutError as exc:
             raise TimeoutError from exc
+
+
+async def wait_for_event(event: asyncio.Event, timeout_s: float) -> None:
+    """Until EVENT is set or TIMEOUT_S have passed, whichever comes first (the caller looks at the event after)."""
+    with contextlib.suppress(TimeoutError):
+        async with timeout(timeout_s):
+            await event.wait()
 
 
 def run(coroutine: Coroutine[Any, Any, T], loop_factory: LoopFactory | None = None) -> T:

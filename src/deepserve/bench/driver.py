@@ -211,9 +211,7 @@ class Driver:
     async def _wait_for_slot(self) -> None:
         while self.in_flight >= self._concurrency_limit():
             self.slot_freed.clear()
-            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a Ctrl-C's cancellation
-                async with _compat.timeout(0.05):
-                    await self.slot_freed.wait()
+            await _compat.wait_for_event(self.slot_freed, 0.05)
 
     async def _one(self, index: int, request: PreparedRequest, scheduled_s: float) -> None:
         try:

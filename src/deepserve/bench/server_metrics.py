@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from deepserve._compat import timeout
+from deepserve._compat import wait_for_event
 from deepserve.bench.config import BenchConfig
 from deepserve.engines import vllm_metrics as vllm
 from deepserve.engines.metrics import (
@@ -286,11 +286,7 @@ class ServerMetricsScraper:
         started = time.monotonic()
         while not self._stopping:
             wait_s = self.interval_s or auto_interval_s(time.monotonic() - started)
-            # not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives as the event is set, and
-            # stop() then waited for this loop forever (a hung benchmark, seen in CI)
-            with contextlib.suppress(TimeoutError):
-                async with timeout(wait_s):
-                    await self._new_peak.wait()
+            await wait_for_event(self._new_peak, wait_s)
             if self._stopping:
                 return
             if self._new_peak.is_set():  # sample once the server has read and scheduled the new requests

@@ -31,21 +31,22 @@ import hashlib
 import mmap
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
+from deepserve._compat import wait_for_event
 from deepserve.errors import ConfigError
 from deepserve.gateway.clock import Clock
 from deepserve.gateway.errors import Overloaded
 from deepserve.gateway.limits import (
     Admission,
+    HostOnlyLifecycle,
     KeyLimits,
     concurrency_refusal,
     queue_timed_out,
     refilled,
     rpm_refusal,
     tpm_refusal,
-    wait_for_wake,
 )
 
 # Set by the supervisor for its workers: the zone's file, and which column is the worker's.
@@ -266,7 +267,7 @@ class LimitZone:
         )
 
 
-class HostLimiter:
+class HostLimiter(HostOnlyLifecycle):
     """The `Limiter` of one worker among several on a host, on their shared `LimitZone`. The global slots are one
     limit for all workers, with one FIFO queue across them (up to max_queue requests in each worker)."""
 
@@ -299,29 +300,6 @@ class HostLimiter:
     @property
     def waiting(self) -> int:
         return len(self._waiters)
-
-    @property
-    def shared(self) -> bool:
-        return False  # nothing outside this host: no Redis to be up or down, no revocation to announce
-
-    @property
-    def up(self) -> bool:
-        return True
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass  # the mapping stays until the process ends: a request cut at shutdown may still release after this
-
-    def watch(self, on_fallback: Callable[[], None], on_error: Callable[[], None]) -> None:
-        pass  # the zone is this host's memory: nothing falls back, nothing fails
-
-    async def settle(self, timeout_s: float | None = None) -> None:
-        pass  # releases take effect at once
-
-    async def publish_revocation(self, key_id: str, revoked_at: float) -> None:
-        pass  # every worker reloads the same key database
 
     async def admit(self, key_id: str | None, limits: KeyLimits | None, charged_tokens: int) -> Admission:
         admission = Admission(key_id, limits, charged_tokens)
@@ -419,7 +397,7 @@ class HostLimiter:
                     raise queue_timed_out(self.queue_timeout_s)
                 woken.clear()
                 wait_s = min(SLOT_POLL_S, remaining_s) if self._waiters[0][1] is woken else remaining_s
-                await wait_for_wake(woken, wait_s)
+                await wait_for_event(woken, wait_s)
         finally:
             self._unqueue(ticket, woken)
 

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from deepserve._compat import timeout
 from deepserve.errors import ConfigError
 from deepserve.gateway.clock import Clock
 from deepserve.gateway.errors import Overloaded, RateLimited
@@ -147,13 +145,6 @@ def tpm_refusal(limits: KeyLimits, charged_tokens: int, wait_s: float) -> RateLi
 
 def queue_timed_out(timeout_s: float) -> Overloaded:
     return Overloaded(f"no capacity freed within {timeout_s:g} s of queueing; retry later", reason="queue_timeout")
-
-
-async def wait_for_wake(woken: asyncio.Event, wait_s: float) -> None:
-    """Until WOKEN is set or WAIT_S have passed, whichever comes first (a waiter looks again either way)."""
-    with contextlib.suppress(TimeoutError):
-        async with timeout(wait_s):
-            await woken.wait()
 
 
 class _QueueTimeout(Exception):
@@ -343,7 +334,36 @@ def make_limiter(config: GatewayConfig, clock: Clock = time.monotonic, shared_cl
     )
 
 
-class LocalLimiter:
+class HostOnlyLifecycle:
+    """The part of a `Limiter` that limits no other host shares have in common (this process's own, or this host's
+    workers' in shared memory): no Redis that could be down, nothing to start or stop, no revocation to announce
+    (gateways on one host read one key database), releases that take effect at once."""
+
+    @property
+    def shared(self) -> bool:
+        return False
+
+    @property
+    def up(self) -> bool:
+        return True
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass  # the host-shared zone stays mapped until the process ends: a request cut at shutdown may release later
+
+    def watch(self, on_fallback: Callable[[], None], on_error: Callable[[], None]) -> None:
+        pass  # nothing falls back, nothing fails
+
+    async def settle(self, timeout_s: float | None = None) -> None:
+        pass
+
+    async def publish_revocation(self, key_id: str, revoked_at: float) -> None:
+        pass
+
+
+class LocalLimiter(HostOnlyLifecycle):
     """This process's own limits: a KeyLimiter per key and one AdmissionQueue. Nothing here suspends except a wait
     for a slot in the queue, so the request path pays no more than it did before the Limiter interface."""
 
@@ -360,29 +380,6 @@ class LocalLimiter:
     @property
     def waiting(self) -> int:
         return self.queue.waiting
-
-    @property
-    def shared(self) -> bool:
-        return False
-
-    @property
-    def up(self) -> bool:
-        return True
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def watch(self, on_fallback: Callable[[], None], on_error: Callable[[], None]) -> None:
-        pass  # no shared state: nothing falls back, nothing fails
-
-    async def settle(self, timeout_s: float | None = None) -> None:
-        pass  # releases take effect at once
-
-    async def publish_revocation(self, key_id: str, revoked_at: float) -> None:
-        pass  # no other gateway shares these limits
 
     def expire_overdue(self) -> None:
         """Time out every wait for a slot that is past its deadline by the clock (what the waiters' timers do)."""

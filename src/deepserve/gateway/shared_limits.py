@@ -53,6 +53,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from deepserve._compat import wait_for_event
 from deepserve.gateway.clock import Clock
 from deepserve.gateway.errors import LimiterUnavailable, Overloaded, RateLimited
 from deepserve.gateway.limits import (
@@ -63,7 +64,6 @@ from deepserve.gateway.limits import (
     queue_timed_out,
     rpm_refusal,
     tpm_refusal,
-    wait_for_wake,
 )
 from deepserve.gateway.resp import ReplyError, RespConnection
 
@@ -541,7 +541,7 @@ class RedisLimiter:
                     raise queue_timed_out(self.queue_timeout_s)
                 woken.clear()
                 wait_s = min(SLOT_POLL_S, remaining_s) if self._waiters[0] is woken else remaining_s
-                await wait_for_wake(woken, wait_s)
+                await wait_for_event(woken, wait_s)
         finally:
             head = self._waiters[0] is woken
             self._waiters.remove(woken)

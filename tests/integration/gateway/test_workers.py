@@ -155,18 +155,24 @@ async def test_workers_without_redis_share_one_limit_and_a_dead_workers_requests
                 refused = client.post(gateway.url + "/completions", json=BODY, headers=bearer(single_secret))
                 assert refused.status_code == 429 and "in flight" in refused.text
         holder.send_signal(signal.SIGKILL)  # the request dies with it; the supervisor zeroes its counts
-    await until(
-        lambda: len(worker_processes(gateway)) == 2 and holder.pid not in [w.pid for w in worker_processes(gateway)],
-        PROCESS_BOUND_S,
-        0.1,
-    )
+    await replaced_and_ready(gateway, holder)
     with fresh_connections() as client:
-        await until(lambda: client.get(gateway.url.removesuffix("/v1") + "/ready").status_code == 200, PROCESS_BOUND_S)
         answers = [
             client.post(gateway.url + "/completions", json=BODY, headers=bearer(single_secret)) for _ in range(6)
         ]
         assert [answer.status_code for answer in answers] == [200] * 6
     assert gateway.stop() == 0
+
+
+async def replaced_and_ready(gateway: Child, dead: psutil.Process) -> None:
+    """Until the supervisor has replaced the DEAD worker (two live workers, neither of them DEAD) and /ready answers."""
+    await until(
+        lambda: len(worker_processes(gateway)) == 2 and dead.pid not in [w.pid for w in worker_processes(gateway)],
+        PROCESS_BOUND_S,
+        0.1,
+    )
+    with fresh_connections() as client:
+        await until(lambda: client.get(gateway.url.removesuffix("/v1") + "/ready").status_code == 200, PROCESS_BOUND_S)
 
 
 def bearer(secret: str) -> dict[str, str]:
@@ -194,13 +200,8 @@ async def test_a_worker_that_dies_is_replaced_and_the_port_keeps_answering(
     children.append(gateway)
     victim = worker_processes(gateway)[0]
     victim.send_signal(signal.SIGKILL)
-    await until(
-        lambda: len(worker_processes(gateway)) == 2 and victim.pid not in [w.pid for w in worker_processes(gateway)],
-        PROCESS_BOUND_S,
-        0.1,
-    )
+    await replaced_and_ready(gateway, victim)
     with fresh_connections() as client:
-        await until(lambda: client.get(gateway.url.removesuffix("/v1") + "/ready").status_code == 200, PROCESS_BOUND_S)
         assert all(client.post(gateway.url + "/completions", json=BODY).status_code == 200 for _ in range(20))
     assert "starting another" in "\n".join(gateway.output)
     workers = worker_processes(gateway)
