@@ -67,6 +67,9 @@ class SourceSetup:
     dense_gemm_backend: str | None = None  # the dense GEMM kernel the launch forces (kernels.json, per family)
 
 
+# InferenceX's client (its benchmark scripts): ten requests per client, lengths drawn within [0.8 L, L].
+_INFERENCEX_CLIENT = SourceSetup(prompts_per_concurrency=10, length_mean_factor=0.9, length_spread=0.111)
+
 SOURCE_SETUPS = {
     # 001: vLLM 0.7.3, MAX_NUM_SEQS=128 and MAX_MODEL_LEN=8000; two nodes over 100 Gb/s Ethernet, no InfiniBand;
     # its figures without a concurrency come from request-rate sweeps (QPS 1-20).
@@ -103,23 +106,12 @@ SOURCE_SETUPS = {
     # InferenceX (benchmarks/dsr1_fp8_h200.sh): --num-prompts CONC*10, --max-running-requests 512 (1K/1K) or 256,
     # --mem-fraction-static 0.82, --chunked-prefill-size 32768; lengths drawn within [0.8 L, L] (the e2e latency
     # over TPOT gives 0.9 L tokens on average).
-    "inferencex-870-h200": SourceSetup(
-        max_num_seqs=512,
-        gpu_memory_utilization=0.82,
-        prompts_per_concurrency=10,
-        length_mean_factor=0.9,
-        length_spread=0.111,
-        max_num_batched_tokens=32768,
+    "inferencex-870-h200": replace(
+        _INFERENCEX_CLIENT, max_num_seqs=512, gpu_memory_utilization=0.82, max_num_batched_tokens=32768
     ),
     # InferenceX on MI325X (PR 3318's baseline, benchmarks/dsr1_fp8_mi325x.sh): --num-prompts CONC*10,
     # --mem-fraction-static 0.8, --chunked-prefill-size 131072, the same client as the H200 run above.
-    "inferencex-3318-mi325x": SourceSetup(
-        gpu_memory_utilization=0.8,
-        prompts_per_concurrency=10,
-        length_mean_factor=0.9,
-        length_spread=0.111,
-        max_num_batched_tokens=131072,
-    ),
+    "inferencex-3318-mi325x": replace(_INFERENCEX_CLIENT, gpu_memory_utilization=0.8, max_num_batched_tokens=131072),
     # TensorRT-LLM's DeepSeek-R1 guide (trtllm-bench throughput, an in-process client): the H200 max-throughput run
     # caps each of the 8 attention-DP ranks at max_batch_size 128 requests and max_num_tokens 1151 tokens a step,
     # 1K/2K requests (max_seq_len 3072 in its options).

@@ -10,6 +10,7 @@ from deepserve.plan.layout import Layout
 from deepserve.plan.perf import (
     RankLoad,
     RequestLengths,
+    StepCost,
     StepOptions,
     expected_distinct_experts,
     expected_max_poisson,
@@ -291,14 +292,22 @@ def test_sglang_prefills_in_steps_of_their_own(v3) -> None:
     assert sglang.predict(32, workload, 256).tpot_ms > vllm.predict(32, workload, 256).tpot_ms
 
 
+def _best_and_forced(
+    best: Deployment, forced: StepOptions, decode_tokens: int, prefill_tokens: int, context: int
+) -> tuple[StepCost, StepCost]:
+    """One step of BEST (the class's best kernels) and the same step with the kernels FORCED picks."""
+    slower = replace(best, options=forced)
+    fast = best.performance_model(_engine_with(best, PARAMETERS)).step(decode_tokens, prefill_tokens, context)
+    slow = slower.performance_model(_engine_with(slower, PARAMETERS)).step(decode_tokens, prefill_tokens, context)
+    return fast, slow
+
+
 def test_a_slower_mla_decode_kernel_costs_what_its_bandwidth_fraction_says(v3) -> None:
     """vLLM with --block-size 1 on Blackwell runs Triton's MLA decode (kernels.json's "triton" entry, 27% of the
     bandwidth against FlashMLA's 90%): the latent-cache read of a large batch takes 0.9/0.27 times as long, and
     nothing else in the step changes."""
-    best = build_deployment(v3, "b200", 8, weights="fp8")
-    triton = replace(best, options=StepOptions(mla_decode_backend="triton"))
-    fast = best.performance_model(_engine_with(best, PARAMETERS)).step(450, 0, 2300)
-    slow = triton.performance_model(_engine_with(triton, PARAMETERS)).step(450, 0, 2300)
+    b200 = build_deployment(v3, "b200", 8, weights="fp8")
+    fast, slow = _best_and_forced(b200, StepOptions(mla_decode_backend="triton"), 450, 0, 2300)
     ratio = slow.kind("mla_decode").memory_s / fast.kind("mla_decode").memory_s
     assert ratio == pytest.approx(0.90 / 0.27)
     assert slow.kind("mla_decode").memory_s > 25e-3  # 450 sequences x 2300 tokens x 70 KB at 27% of 8 TB/s
@@ -309,10 +318,8 @@ def test_sglang_without_deepgemm_runs_its_dense_fp8_gemms_at_tritons_fractions(v
     """SGLang with SGL_ENABLE_JIT_DEEPGEMM=0 runs its Triton FP8 block-scaled GEMM (kernels.json's "fp8_triton" dense
     entry, from SGLang PRs #5207/#5820's side-by-side): a 10K-token prompt's dense GEMMs take DeepGEMM's 0.53 of peak
     over Triton's 0.30 times as long, and the MoE and attention kinds do not change."""
-    best = build_deployment(v3, "h200", 8, weights="fp8")
-    triton = replace(best, options=StepOptions(dense_gemm_backend="triton"))
-    fast = best.performance_model(_engine_with(best, PARAMETERS)).step(0, 10_000, 0)
-    slow = triton.performance_model(_engine_with(triton, PARAMETERS)).step(0, 10_000, 0)
+    h200 = build_deployment(v3, "h200", 8, weights="fp8")
+    fast, slow = _best_and_forced(h200, StepOptions(dense_gemm_backend="triton"), 0, 10_000, 0)
     ratio = slow.kind("dense_gemm").compute_s / fast.kind("dense_gemm").compute_s
     assert ratio == pytest.approx(0.53 / 0.30)
     assert slow.kind("moe_gemm") == fast.kind("moe_gemm") and slow.kind("mla_prefill") == fast.kind("mla_prefill")
