@@ -75,14 +75,21 @@ def test_concurrency_suite_runs_resumes_records_and_reports(served_tiny, tmp_pat
     runs = ResultsStore().list_runs(suite="concurrency")
     assert {run.point_id for run in runs} == {p["point_id"] for p in done}
 
+    # The same command again: every finished point kept, no probe. Points the budget cut off (a busy machine) run
+    # now under a fresh budget, as the docs promise; without such points nothing runs at all.
+    cut_off = [p for p in index["points"] if p["status"] == "skipped" and "time budget" in p["note"]]
     capsys.readouterr()
     started = time.monotonic()
-    assert main(command) == 0  # the same command again: everything kept, no probe, nothing re-run
-    assert time.monotonic() - started < 30
+    assert main(command) == 0
     printed = capsys.readouterr().err
     assert "Resuming the planned suite" in printed
-    assert f"0 ran, {len(done)} kept from before" in printed
-    assert len(ResultsStore().list_runs(suite="concurrency")) == len(done)
+    counts = re.search(r"(\d+) ran, (\d+) kept from before", printed)
+    assert counts, printed
+    ran, kept = int(counts[1]), int(counts[2])
+    assert kept == len(done) and ran <= len(cut_off)
+    if not cut_off:
+        assert ran == 0 and time.monotonic() - started < 30
+    assert len(ResultsStore().list_runs(suite="concurrency")) == len(done) + ran
 
 
 def test_prefix_suite_compares_sharing_on_and_off(served_tiny, tmp_path: Path):

@@ -198,6 +198,16 @@ def test_the_time_budget_skips_points_that_would_start_late(tmp_path: Path):
     assert all("time budget" in e.note for e in present(read_index(tmp_path), "the sweep index").points)
 
 
+def test_points_the_budget_cut_off_run_when_the_sweep_is_run_again(tmp_path: Path):
+    spec = grid_spec({"max_concurrency": [1, 2, 4]}, "model", {})
+    server = ModelServer()
+    run_sweep(tmp_path, spec, base(), server, options(time_budget_s=0.0), progress=lambda _: None)
+    again = run_sweep(tmp_path, spec, base(), server, options(time_budget_s=60.0), progress=lambda _: None)
+    assert (again.ran, again.kept, again.skipped) == (3, 0, 0) and len(server.calls) == 3
+    third = run_sweep(tmp_path, spec, base(), server, options(time_budget_s=60.0), progress=lambda _: None)
+    assert (third.ran, third.kept) == (0, 3) and len(server.calls) == 3
+
+
 def test_points_are_recorded_in_the_store(tmp_path: Path, isolated_home: Path):
     spec = grid_spec({"max_concurrency": [1, 2]}, "recorded", {})
     run_sweep(tmp_path / "s", spec, base(), ModelServer(), options(record=True), progress=lambda _: None)
