@@ -17,7 +17,7 @@ from deepserve.bench import metrics as m
 from deepserve.bench.arrivals import describe_arrivals
 from deepserve.bench.attribution import ESTIMATED, EXACT, ONE_PER_CHUNK
 from deepserve.bench.config import BenchConfig
-from deepserve.bench.repeats import combine_runs
+from deepserve.bench.repeats import combine_runs, interval_words
 from deepserve.bench.server_metrics import ServerMetricsSummary, SpecDecodeSummary
 from deepserve.bench.token_ids import TokenIdsDecision
 from deepserve.bench.types import RequestRecord
@@ -254,8 +254,7 @@ def _runs_rows(data: dict[str, Any]) -> list[str]:
         interval = intervals.get(key)
         if interval is None:
             continue
-        half = interval["ci95_half_width"]
-        spread = f" ± {half:,.2f}" if half is not None else ""
+        spread = interval_words(interval)
         values = [run[key] for run in data["runs"] if key in run]
         rows.append(f"{label:<32} {interval['mean']:,.2f}{spread}  (runs {min(values):,.2f} to {max(values):,.2f})")
     rows.append("(every value above is the mean over the runs; the JSON has each run's and every interval)")

@@ -26,10 +26,16 @@ class Interval:
     std: float  # the runs' sample standard deviation (ddof 1); 0 for one run
     n: int
     half_width: float | None  # t · s / √n
+    # 0 when every run measured ≥ 0 (a latency, a rate): t's symmetric interval around a skewed tail's mean (one slow
+    # run in five) can reach below 0, a value the metric cannot take, so the interval stops there.
+    floor: float | None = None
 
     @property
     def low(self) -> float | None:
-        return None if self.half_width is None else self.mean - self.half_width
+        if self.half_width is None:
+            return None
+        low = self.mean - self.half_width
+        return low if self.floor is None else max(low, self.floor)
 
     @property
     def high(self) -> float | None:
@@ -46,6 +52,18 @@ class Interval:
         }
 
 
+def interval_words(interval: dict[str, Any]) -> str:
+    """How a recorded interval (Interval.to_json) follows its mean in a table: " ± h", or the bounds when the
+    interval stops at 0 (no longer symmetric); "" for one run."""
+    half, low = interval.get("ci95_half_width"), interval.get("ci95_low")
+    if not isinstance(half, int | float):
+        return ""
+    mean = float(interval.get("mean") or 0.0)
+    if isinstance(low, int | float) and low > mean - half:
+        return f" (95% CI {low:,.2f} to {mean + half:,.2f})"
+    return f" ± {half:,.2f}"
+
+
 def confidence_interval(values: list[float], confidence: float = CONFIDENCE) -> Interval:
     """The mean of VALUES and its two-sided CONFIDENCE interval by Student's t with n − 1 degrees of freedom."""
     n = len(values)
@@ -53,7 +71,8 @@ def confidence_interval(values: list[float], confidence: float = CONFIDENCE) -> 
     if n < 2:
         return Interval(mean, 0.0, n, None)
     std = math.sqrt(sum((value - mean) ** 2 for value in values) / (n - 1))
-    return Interval(mean, std, n, student_t_quantile(0.5 + confidence / 2, n - 1) * std / math.sqrt(n))
+    half_width = student_t_quantile(0.5 + confidence / 2, n - 1) * std / math.sqrt(n)
+    return Interval(mean, std, n, half_width, floor=0.0 if min(values) >= 0 else None)
 
 
 def student_t_quantile(p: float, df: int) -> float:

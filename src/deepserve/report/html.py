@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from deepserve.bench.repeats import interval_words
 from deepserve.report import derived as dv
 from deepserve.report.answers import EfficiencyAnswer, SaturationAnswer, SloAnswer
 from deepserve.report.charts import Chart
@@ -151,10 +152,10 @@ def _measured_td(point: ResultPoint, key: str) -> str:
     """A measured value; with --num-runs, the mean ± the half-width of its 95% confidence interval."""
     value = point.metric(key)
     interval = (point.result.get("confidence_intervals") or {}).get(key) or {}
-    half = interval.get("ci95_half_width")
-    if value is None or not isinstance(half, int | float):
+    spread = interval_words(interval | {"mean": value})
+    if value is None or not spread:
         return _td(value)
-    return f"<td>{value:,.2f} ± {half:,.2f}</td>"
+    return f"<td>{value:,.2f}{html.escape(spread)}</td>"
 
 
 def _spec_decode(key: str) -> Callable[[ResultPoint], float | None]:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from deepserve.bench.output import BenchResult, console_block
-from deepserve.bench.repeats import combine_runs, confidence_interval, student_t_quantile
+from deepserve.bench.repeats import combine_runs, confidence_interval, interval_words, student_t_quantile
 from tests.unit.bench.test_output import make_result
 
 
@@ -30,6 +30,18 @@ def test_confidence_interval_by_hand():
     assert (interval.low, interval.high) == (pytest.approx(9.0368, abs=1e-4), pytest.approx(12.9632, abs=1e-4))
     single = confidence_interval([7.0])
     assert (single.mean, single.half_width, single.low) == (7.0, None, None)
+
+
+def test_a_skewed_latency_interval_stops_at_zero():
+    # one slow run in five: mean 52, s = 77.6, half-width 96.4, so t's interval would start at -44.4 ms
+    skewed = confidence_interval([10.0, 12.0, 11.0, 9.0, 218.0])
+    assert skewed.mean - (skewed.half_width or 0) < 0
+    assert skewed.low == 0.0 and skewed.high == pytest.approx(skewed.mean + (skewed.half_width or 0))
+    assert interval_words(skewed.to_json()) == f" (95% CI 0.00 to {skewed.high:,.2f})"
+    assert interval_words(confidence_interval([10, 12, 11, 13, 9]).to_json()) == " ± 1.96"
+    # a metric that can be negative (a difference) keeps t's symmetric interval
+    signed = confidence_interval([-1.0, 1.0, 0.5])
+    assert signed.low == pytest.approx(signed.mean - (signed.half_width or 0))
 
 
 def test_runs_combine_measurements_only():
