@@ -189,7 +189,7 @@ def test_validate_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert held["headline_mape_pct_by_metric"]["tpot"] <= 30
     assert {"by_source", "by_layout_kind", "by_run"} <= held.keys()
     counted = len(data["in_sample"]["rows"]) + len(data["unpredictable"]) + len(data["not_held_out"])
-    assert counted == 31 + 352
+    assert counted == 31 + 382
     code, out, _ = run(capsys, "validate", "--steady", "--markdown")
     assert "| source |" in out and "| layout kind |" in out
     code, _out, _ = run(capsys, "validate", "--steady", "--cross-validate")  # the earlier flag still parses

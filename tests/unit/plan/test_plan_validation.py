@@ -22,6 +22,7 @@ from deepserve.plan.published import (
     parse_metric,
     unpredictable_reason,
 )
+from deepserve.plan.scoring import fits_steady
 from deepserve.plan.validate import MAX_RATIO, Score, validate
 
 # ../shared/published next to the checkout, or two levels up from a git worktree kept one folder deeper.
@@ -53,7 +54,7 @@ def test_research_rows_keep_their_source_and_say_how_they_are_read() -> None:
     filled-in field and every exclusion says why."""
     with ROWS_PATH.open() as handle:
         raw = list(csv.DictReader(handle))
-    assert len(raw) == 352 and [int(r["row"]) for r in raw] == list(range(101, 453))
+    assert len(raw) == 382 and [int(r["row"]) for r in raw] == list(range(101, 483))
     for entry in raw:
         assert entry["source"] and entry["source_id"], entry["row"]
         assert entry["scored_as"] in (*SCORED_KINDS, "excluded"), entry["row"]
@@ -107,6 +108,20 @@ def test_pr_5571_runs_sglangs_triton_fp8_gemm_as_its_deepgemm_off_launch_forces(
     assert cases[196].rates.rate("dense_gemm").compute_efficiency == pytest.approx(0.53)
 
 
+def test_trtllm_memory_fraction_is_of_the_memory_the_weights_leave() -> None:
+    """TensorRT-LLM's free_gpu_memory_fraction gives the KV cache that share of what the weights and the engine's
+    reserve leave: InferenceX's B200 TP4 runs (157.5 GiB of FP8 weights per 180 GiB GPU) keep 0.8 of the rest for
+    the cache, where vLLM's meaning (0.9 of the whole GPU) would leave under 1 GiB and queue 16 clients."""
+    cases = {c.row.number: c for c in row_cases()[0]}
+    for number in (465, 158):  # B200 TP4 at 16 clients; the H200 guide's DP8 + EP8
+        memory = cases[number].deployment.memory
+        device = cases[number].deployment.accelerator.memory_bytes
+        left = device - memory.weights_bytes_per_gpu - memory.reserve_bytes_per_gpu
+        assert memory.kv_cache_bytes_per_gpu == pytest.approx(0.8 * left, rel=1e-6)
+    assert cases[465].deployment.memory.kv_cache_bytes_per_gpu > 10 * 1024**3
+    assert cases[465].deployment.running_cap >= 16
+
+
 def test_seed_002_decodes_on_the_mla_kernel_its_block_size_forces() -> None:
     """Seed 002 launches vLLM with --block-size 1, which on Blackwell only the Triton MLA backend accepts: its rows
     read the latent cache at Triton's measured fraction, a source without such a flag at FlashMLA's."""
@@ -142,7 +157,7 @@ def test_held_out_predictions_do_not_use_their_own_source() -> None:
     by_source = {}
     for held in leave_one_source_out(cases):
         case = next(c for c in cases if c.row.number == held.row.number)
-        if not case.engine.engine.fitted:  # a profile with nothing fitted (TensorRT-LLM's) has no split to make
+        if not case.engine.engine.fitted:  # a profile with nothing fitted has no split to make
             continue
         if held.parameters is not None and any(c.steady for c in cases if c.row.source == held.row.source):
             by_source[held.row.source] = (held.parameters, everything[case.engine.profile])
@@ -235,14 +250,22 @@ def test_rows_on_hardware_without_measured_kernel_figures_are_explained_not_scor
     assert "no measured kernel figures for ada" in skipped.reason
 
 
-def test_trtllm_rows_are_scored_out_of_sample_by_a_profile_with_nothing_fitted(validation) -> None:
-    """TensorRT-LLM's profile carries vLLM's overheads over: its own rows (the H200 attention-DP8 + EP8 run of
-    NVIDIA's DeepSeek-R1 guide) were fitted on by nothing, so every prediction of them is out of sample."""
-    trtllm = [r for r in validation.held_out.results if r.row.engine == "trtllm"]
-    assert {r.row.metric for r in trtllm} >= {"output_throughput", "e2el_mean"}
-    for result in trtllm:
-        assert result.profile == "trtllm" and 0.7 <= result.ratio <= 1.4, result.row.label()
-    assert validation.parameters["trtllm"] == load_profiles()["trtllm"].parameters
+def test_each_trtllm_source_is_predicted_by_a_profile_fitted_on_the_other() -> None:
+    """TensorRT-LLM's profile is fitted on its two sources (NVIDIA's DeepSeek-R1 guide on H200, InferenceX's B200
+    sweep): leaving either out, the other alone fits it, so the held-out source's rows are predicted by
+    parameters that differ from the full fit; the rows the steady formula describes (throughputs, TPOT) within a
+    factor 1.5 of what each source measured."""
+    cases = row_cases()[0]
+    trtllm = [c for c in cases if c.engine.profile == "trtllm"]
+    assert {c.row.source_id for c in trtllm} == {"trtllm-best-perf", "inferencex-3317-b200-trt"}
+    full = next(f for f in fit_profiles(cases) if f.profile == "trtllm")
+    assert full.fitted == ("kernels_per_layer", "prefill_efficiency")
+    held = [h for h in leave_one_source_out(cases) if h.row.engine == "trtllm" and h.parameters is not None]
+    assert {h.row.source_id for h in held} == {"trtllm-best-perf", "inferencex-3317-b200-trt"}
+    for result in held:
+        assert result.parameters != full.parameters, result.row.label()
+        if fits_steady(result.row):
+            assert 1 / 1.5 <= result.ratio <= 1.5, result.row.label()
 
 
 def test_profile_selection_and_versions() -> None:
@@ -264,7 +287,7 @@ def test_profile_selection_and_versions() -> None:
     assert cpu is not None and cpu.profile == "vllm-cpu" and cpu.provenance.startswith("transferred")
     assert select_profile("sglang", "cpu", None, profiles, across_engines=False) is None
     trtllm = select_profile("trtllm", "hopper", None, profiles, across_engines=False)
-    assert trtllm is not None and trtllm.provenance.startswith("nothing fitted") and trtllm.facts.launch == "cuda_graph"
+    assert trtllm is not None and trtllm.provenance.startswith("fitted") and trtllm.facts.launch == "cuda_graph"
     assert version_in_range("0.16.0", ">=0.8") and version_in_range("0.7.3", "<0.8")
     assert not version_in_range("0.10.1", "<0.8")  # numeric, not string, comparison
 
