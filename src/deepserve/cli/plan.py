@@ -12,7 +12,7 @@ from rich.table import Table
 from deepserve.cli import plan_search, plan_validate
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
-from deepserve.plan.explain import fitting_layout_text
+from deepserve.plan.explain import budget_words, fitting_layout_text
 from deepserve.plan.memory import DRAFT_COMPONENT
 from deepserve.plan.planner import Plan, make_plan
 from deepserve.plan.types import PlanConfig
@@ -195,8 +195,7 @@ def _memory_table(plan: Plan) -> Table:
     table.add_row("[bold]weights[/]", plan.deployment.fmt.name, f"[bold]{memory.weights_bytes_per_gpu / GB:,.2f}[/]")
     table.add_row("activations + CUDA graphs", "reserve", f"{memory.reserve_bytes_per_gpu / GB:,.2f}")
     table.add_row("KV cache", memory.kv_placement, f"{memory.kv_cache_bytes_per_gpu / GB:,.2f}")
-    utilization = plan.config.gpu_memory_utilization
-    share = f"{utilization:g} x {plan.deployment.accelerator.memory_gib:g} GiB"
+    share = budget_words(plan.config.gpu_memory_utilization, plan.deployment)
     table.add_row("engine budget", share, f"{memory.budget_bytes_per_gpu / GB:,.2f}")
     return table
 

@@ -61,6 +61,9 @@ class Engine(Protocol):
     image: str  # the engine's official container image, for rendered deployments (`deepserve deploy render`)
     rocm_image: str | None  # its image for AMD GPUs (ROCm); None when the engine has no ROCm build
     metric_names: MetricNames  # its metric names (engines/metrics.py): load, prefix cache, speculative decoding
+    # What the engine's memory fraction (EngineConfig.gpu_memory_utilization, passed as its own flag) is a share of:
+    # "device", the whole GPU (vLLM, SGLang), or "free", what is left once the weights are loaded (TensorRT-LLM).
+    memory_fraction_of: str
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         """The command that runs CONFIG on this node (CONFIG.node_rank of CONFIG.nnodes) under PYTHON; with PYTHON

@@ -18,6 +18,13 @@ def get_engine(name: str) -> Engine:
         raise ConfigError(unknown_name("engine", name, list(ENGINES))) from None
 
 
+def memory_fraction_of(name: str) -> str:
+    """What NAME's memory fraction is a share of ("device" or "free", Engine.memory_fraction_of); "device" for an
+    engine deepserve does not launch (rows of published runs only), as vLLM's and SGLang's."""
+    engine = ENGINES.get(name)
+    return engine.memory_fraction_of if engine is not None else "device"
+
+
 def check_engine_name(name: str, also: tuple[str, ...] = ()) -> str:
     """NAME when it is a registered engine (or one of ALSO), else a ConfigError listing the valid names."""
     if name not in ENGINES and name not in also:

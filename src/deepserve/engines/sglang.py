@@ -38,6 +38,7 @@ class SglangEngine:
     name = "sglang"
     package = "sglang"
     metric_names = SGLANG_METRICS
+    memory_fraction_of = "device"  # --mem-fraction-static
     install_hint = (
         'install SGLang into deepserve\'s environment on a GPU machine: `pip install "sglang[all]"` '
         "(it has no build for a CPU-only machine like this one; `--dry-run` still prints its command line)"

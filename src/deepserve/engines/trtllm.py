@@ -57,6 +57,7 @@ class TrtllmEngine:
     name = "trtllm"
     package = "tensorrt_llm"
     metric_names = TRTLLM_METRICS
+    memory_fraction_of = "free"  # --kv_cache_free_gpu_memory_fraction: of the memory the weights leave
     install_hint = (
         "TensorRT-LLM runs on NVIDIA GPUs only and is easiest to get as NVIDIA's container: "
         f"`docker run --gpus all --ipc=host -p 8000:8000 {NGC_IMAGE}` (NGC; trtllm-serve is on its PATH), or "
@@ -155,8 +156,8 @@ def _flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, object
         ("--max_batch_size", config.max_num_seqs),
         ("--max_num_tokens", config.max_num_batched_tokens),
         ("--max_seq_len", config.max_model_len),
-        # vLLM's fraction is of the whole GPU's memory, TensorRT-LLM's of what is free once the weights are loaded:
-        # the same number leaves TensorRT-LLM a somewhat smaller cache (docs/ENGINES.md).
+        # vLLM's fraction is of the whole GPU's memory, TensorRT-LLM's of what is free once the weights are loaded;
+        # the planner reads it TensorRT-LLM's way for this engine (memory_fraction_of, docs/ENGINES.md).
         ("--kv_cache_free_gpu_memory_fraction", config.gpu_memory_utilization),
         ("--trust_remote_code", config.trust_remote_code or None),
         *parser_flags(*_parser_fields(config)),

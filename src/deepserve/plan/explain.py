@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepserve.engines.registry import memory_fraction_of
 from deepserve.errors import ConfigError
 from deepserve.models.spec import dtype_bytes
 from deepserve.plan.formats import FORMATS, WeightFormat, checkpoint_format, format_support
@@ -68,7 +69,7 @@ def explain_format(config: PlanConfig, deployment: Deployment) -> str:
         text += f"; {per_gpu} leave {memory.kv_cache_bytes_per_gpu / GB:,.1f} GB for the KV cache"
     else:
         text += f"; {per_gpu} plus the reserve exceed the {memory.budget_bytes_per_gpu / GB:,.1f} GB budget"
-        fitting = _formats_that_fit(deployment)
+        fitting = _formats_that_fit(deployment, config.gpu_memory_utilization)
         if fitting:
             text += f" (on these GPUs {', '.join(fitting)} would fit)"
     if fmt.compute_dtype not in acc.dense_tflops:
@@ -87,31 +88,31 @@ def explain_format(config: PlanConfig, deployment: Deployment) -> str:
     return text
 
 
-def _formats_that_fit(deployment: Deployment) -> list[str]:
+def _formats_that_fit(deployment: Deployment, gpu_memory_utilization: float) -> list[str]:
     """Other formats whose weights and KV cache would fit on this deployment's GPUs and layout."""
     names = []
     for fmt in FORMATS.values():
         if fmt.name == deployment.fmt.name:
             continue
-        memory = _memory_with(deployment, fmt)
+        memory = _memory_with(deployment, fmt, gpu_memory_utilization)
         if memory.fits:
             names.append(f"{fmt.name} ({memory.weights_bytes_per_gpu / GB:,.1f} GB/GPU)")
     return names
 
 
-def _memory_with(deployment: Deployment, fmt: WeightFormat) -> MemoryPlan:
+def _memory_with(deployment: Deployment, fmt: WeightFormat, gpu_memory_utilization: float) -> MemoryPlan:
     memory = deployment.memory
-    utilization = memory.budget_bytes_per_gpu / deployment.accelerator.memory_bytes
     return plan_memory(
         deployment.spec,
         fmt,
         deployment.layout,
         deployment.accelerator,
         deployment.kv_dtype,
-        utilization,
+        gpu_memory_utilization,
         memory.max_model_len,
         memory.sequence_len,
         deployment.max_num_batched_tokens,
+        fraction_of=memory_fraction_of(deployment.engine),
     )
 
 
@@ -166,15 +167,24 @@ def fitting_layout_text(gpus: int, per_node: int) -> str:
     return f"{-(-gpus // per_node)} node(s), TP in a node, PP across"
 
 
+def budget_words(fraction: float, deployment: Deployment) -> str:
+    """How the engine's memory FRACTION makes its budget, in its own meaning (Engine.memory_fraction_of)."""
+    memory, acc = deployment.memory, deployment.accelerator
+    if memory_fraction_of(deployment.engine) == "free":
+        taken = memory.weights_bytes_per_gpu + memory.reserve_bytes_per_gpu
+        left_gb = (acc.memory_bytes - taken) / GB
+        return f"weights + reserve + {fraction:g} x the {left_gb:,.1f} GB they leave ({deployment.engine}'s meaning)"
+    return f"{fraction:g} x {acc.memory_gib:g} GiB"
+
+
 def explain_kv_cache(config: PlanConfig, deployment: Deployment) -> str:
     memory, spec, layout = deployment.memory, deployment.spec, deployment.layout
-    acc = deployment.accelerator
     fixed = CUDA_GRAPH_RESERVE_BYTES + NON_TORCH_RESERVE_BYTES
     activations = memory.reserve_bytes_per_gpu - fixed - memory.workspace_bytes_per_gpu
     workspace = memory.workspace_bytes_per_gpu
     sparse = f", sparse attention's prefill workspace {workspace / GB:,.2f} GB" if workspace else ""
     text = (
-        f"per GPU: budget {config.gpu_memory_utilization:g} x {acc.memory_gib:g} GiB = "
+        f"per GPU: budget {budget_words(config.gpu_memory_utilization, deployment)} = "
         f"{memory.budget_bytes_per_gpu / GB:,.1f} GB, minus weights {memory.weights_bytes_per_gpu / GB:,.1f} GB, "
         f"minus reserve {memory.reserve_bytes_per_gpu / GB:,.1f} GB (activations of a "
         f"{deployment.max_num_batched_tokens:,}-token chunk {activations / GB:,.1f} GB, CUDA graphs and non-torch "

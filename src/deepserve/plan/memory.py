@@ -2,7 +2,9 @@
 and what is left for the KV cache.
 
 The budget is what the engine may use: gpu_memory_utilization x device memory (vLLM's and SGLang's meaning). From
-it the engine takes the weights, its activation peak and CUDA graphs, and gives the rest to the KV cache.
+it the engine takes the weights, its activation peak and CUDA graphs, and gives the rest to the KV cache. TensorRT-LLM
+reads its fraction as a share of what the weights and that reserve leave (`fraction_of="free"`), so the same number
+gives it a larger budget.
 
 The KV cache is models/kv_cache.py's layout of the GPU's layers: for MLA and V3.2 a fixed number of bytes per
 token; for V4 bytes that grow with the compressed context plus a fixed amount per request (sliding window,
@@ -148,16 +150,18 @@ def plan_memory(
     draft_modules: bool = False,
     fp4_indexer_cache: bool = False,
     prompt_len: int | None = None,
+    fraction_of: str = "device",
 ) -> MemoryPlan:
     """DRAFT_MODULES: speculative decoding is on, so the engine loads the checkpoint's MTP or DSpark modules and
     caches their KV. FP4_INDEXER_CACHE: V4's lightning-indexer keys in MXFP4 (Blackwell's recipe). PROMPT_LEN: the
-    planned prompts (default: the whole SEQUENCE_LEN), whose steps in flight V4's windowed caches hold pages for."""
+    planned prompts (default: the whole SEQUENCE_LEN), whose steps in flight V4's windowed caches hold pages for.
+    FRACTION_OF: what GPU_MEMORY_UTILIZATION is a share of, the engine's meaning (Engine.memory_fraction_of)."""
     draft_layers = spec.num_mtp_layers if draft_modules and spec.draft_method else 0
     components = weights_per_gpu(spec, fmt, layout, draft_layers)
     weights = sum(c.bytes_per_gpu for c in components)
     workspace = sparse_workspace_bytes(spec, max_model_len, max_num_batched_tokens)
     reserve = activation_reserve_bytes(spec, fmt, layout, max_num_batched_tokens) + workspace
-    budget = int(gpu_memory_utilization * accelerator.memory_bytes)
+    budget = _budget_bytes(accelerator.memory_bytes, gpu_memory_utilization, weights + reserve, fraction_of)
     kv_bytes = budget - weights - reserve
     cache = gpu_kv_cache(spec, layout, kv_dtype, draft_layers, fp4_indexer_cache)
     whole = kv_cache_layout(spec, kv_dtype, draft_layers=draft_layers, fp4_indexer_cache=fp4_indexer_cache)
@@ -193,6 +197,16 @@ def plan_memory(
         workspace_bytes_per_gpu=workspace,
         kv_prompt_in_flight_bytes=prompts_held,
     )
+
+
+def _budget_bytes(device_bytes: int, fraction: float, taken_bytes: int, fraction_of: str) -> int:
+    """What the engine may use: FRACTION of the whole device, or ("free") the TAKEN_BYTES of weights and reserve
+    plus FRACTION of what they leave (TensorRT-LLM's kv_cache_free_gpu_memory_fraction)."""
+    if fraction_of == "device":
+        return int(fraction * device_bytes)
+    if fraction_of == "free":
+        return taken_bytes + int(fraction * max(device_bytes - taken_bytes, 0))
+    raise ValueError(f"a memory fraction is of 'device' or 'free', not {fraction_of!r}")
 
 
 def _prompts_in_flight_bytes(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from deepserve.engines.registry import check_engine_name
+from deepserve.engines.registry import check_engine_name, memory_fraction_of
 from deepserve.engines.speculative import resolve_speculation
 from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, get_network
@@ -88,6 +88,7 @@ def build_deployment(
         draft_modules=draft_modules or (speculation is not None and speculation.draft_layers > 0),
         fp4_indexer_cache=fp4_indexer_cache,
         prompt_len=workload.input_len,
+        fraction_of=memory_fraction_of(engine),
     )
     return Deployment(
         spec,

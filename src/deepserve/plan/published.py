@@ -49,10 +49,9 @@ class SourceSetup:
 
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    # the engine's memory fraction in its own meaning (TensorRT-LLM's free_gpu_memory_fraction is of the memory the
+    # weights leave: Engine.memory_fraction_of)
     gpu_memory_utilization: float = 0.9
-    # TensorRT-LLM's kv_cache_config.free_gpu_memory_fraction: the KV cache's share of the memory left after the
-    # weights and the engine's reserve, not of the whole GPU (vLLM's meaning, gpu_memory_utilization's)
-    kv_free_memory_fraction: float | None = None
     network: str = "infiniband-ndr"
     concurrency_sweep: tuple[int, ...] = ()  # a "best over the sweep" row is the best of these levels
     rate_sweep: bool = False  # rows without a concurrency are peaks over a request-rate sweep
@@ -119,14 +118,14 @@ SOURCE_SETUPS = {
     # caps each of the 8 attention-DP ranks at max_batch_size 128 requests and max_num_tokens 1151 tokens a step,
     # 1K/2K requests (max_seq_len 3072 in its options), kv_cache_free_gpu_mem_fraction 0.8.
     "trtllm-best-perf": SourceSetup(
-        max_num_seqs=128, max_model_len=3072, max_num_batched_tokens=1151, kv_free_memory_fraction=0.8
+        max_num_seqs=128, max_model_len=3072, max_num_batched_tokens=1151, gpu_memory_utilization=0.8
     ),
     # InferenceX on B200 with TensorRT-LLM (PR 3317's baseline, benchmarks/single_node/dsr1_fp8_b200_trt.sh @
     # f5d7fa4): trtllm-serve --max_num_tokens max(8192, CONC+ISL rounded up to 64), i.e. 8192 for every 1K/1K
     # point (8320 at 8K/1K, where a prompt of at most 8192 tokens fits either way); max_batch_size not set (the
     # server's default, far above 128 clients); free_gpu_memory_fraction 0.8 (0.75 for 8K/1K on TP4, where either
     # leaves some 14 GiB per GPU, hundreds of times what 8 clients hold); the client of the InferenceX runs above.
-    "inferencex-3317-b200-trt": replace(_INFERENCEX_CLIENT, max_num_batched_tokens=8192, kv_free_memory_fraction=0.8),
+    "inferencex-3317-b200-trt": replace(_INFERENCEX_CLIENT, max_num_batched_tokens=8192, gpu_memory_utilization=0.8),
     # PR 3602: bench_serving's default range ratio (lengths uniform in [1, L]).
     "sglang-3602-h200": SourceSetup(length_mean_factor=0.5, length_spread=1.0),
     # PR 5571's run set SGL_ENABLE_JIT_DEEPGEMM=0 and not SGLANG_SUPPORT_CUTLASS_BLOCK_FP8, so SGLang's FP8
@@ -458,9 +457,7 @@ def row_deployment(row: PublishedRow, calibration: Path | None = None) -> Deploy
     """ROW's setup as a deployment; with CALIBRATION's measured kernel figures where the row's GPU is of the class
     the file was measured on."""
     setup = row.setup
-    deployment = _row_build(row, setup.gpu_memory_utilization)
-    if setup.kv_free_memory_fraction is not None:
-        deployment = _row_build(row, _whole_gpu_fraction(deployment, setup.kv_free_memory_fraction))
+    deployment = _row_build(row)
     options = StepOptions(
         overlap_comm=setup.overlap_comm,
         mla_decode_backend=setup.mla_decode_backend,
@@ -472,16 +469,8 @@ def row_deployment(row: PublishedRow, calibration: Path | None = None) -> Deploy
     return deployment
 
 
-def _whole_gpu_fraction(deployment: Deployment, free_fraction: float) -> float:
-    """The whole-GPU fraction (gpu_memory_utilization's meaning) that gives the KV cache FREE_FRACTION of the memory
-    DEPLOYMENT's weights and engine reserve leave (TensorRT-LLM's free_gpu_memory_fraction)."""
-    device_bytes = deployment.accelerator.memory_bytes
-    taken = deployment.memory.weights_bytes_per_gpu + deployment.memory.reserve_bytes_per_gpu
-    return min((taken + free_fraction * max(device_bytes - taken, 0)) / device_bytes, 1.0)
-
-
-def _row_build(row: PublishedRow, gpu_memory_utilization: float) -> Deployment:
-    """ROW's setup with GPU_MEMORY_UTILIZATION as the engine's whole-GPU memory fraction."""
+def _row_build(row: PublishedRow) -> Deployment:
+    """ROW's setup as the planner builds a deployment (its engine reads the memory fraction its own way)."""
     setup = row.setup
     workload = row_workload(row)
     return build_deployment(
@@ -494,7 +483,7 @@ def _row_build(row: PublishedRow, gpu_memory_utilization: float) -> Deployment:
         engine=row.engine,
         kv_dtype="auto" if row.kv_dtype in ("auto", "") else row.kv_dtype,
         network=setup.network,
-        gpu_memory_utilization=gpu_memory_utilization,
+        gpu_memory_utilization=setup.gpu_memory_utilization,
         max_model_len=setup.max_model_len or _longest_sequence(workload, setup.length_spread),
         workload=workload,
         max_num_seqs=setup.max_num_seqs,

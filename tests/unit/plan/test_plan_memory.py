@@ -128,6 +128,21 @@ def test_gpu_memory_utilization_and_reserve_shape_the_cache(v3_awq) -> None:
     )
 
 
+def test_each_engine_reads_the_memory_fraction_its_own_way(v3) -> None:
+    """vLLM's and SGLang's fraction is of the whole GPU; TensorRT-LLM's (--kv_cache_free_gpu_memory_fraction, which
+    the launcher passes the same number as) of what the weights and reserve leave, so it keeps a larger cache."""
+    vllm = build_deployment(v3, "h200", 8, weights="fp8", gpu_memory_utilization=0.9).memory
+    sglang = build_deployment(v3, "h200", 8, weights="fp8", engine="sglang", gpu_memory_utilization=0.9).memory
+    trtllm = build_deployment(v3, "h200", 8, weights="fp8", engine="trtllm", gpu_memory_utilization=0.9).memory
+    device = get_accelerator("h200").memory_bytes
+    assert vllm.budget_bytes_per_gpu == sglang.budget_bytes_per_gpu == int(0.9 * device)
+    left = device - trtllm.weights_bytes_per_gpu - trtllm.reserve_bytes_per_gpu
+    assert trtllm.kv_cache_bytes_per_gpu == pytest.approx(0.9 * left, abs=1)
+    assert trtllm.kv_cache_bytes_per_gpu - vllm.kv_cache_bytes_per_gpu == pytest.approx(
+        0.1 * (trtllm.weights_bytes_per_gpu + trtllm.reserve_bytes_per_gpu), abs=2
+    )
+
+
 def test_max_model_len_larger_than_the_cache_does_not_fit(v3_awq) -> None:
     deployment = build_deployment(v3_awq, "h100", 8, max_model_len=163_840, gpu_memory_utilization=0.62)
     assert deployment.memory.kv_cache_bytes_per_gpu > 0
