@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from deepserve.engines.config import EngineConfig
 from deepserve.engines.metrics import MetricNames
@@ -54,6 +54,11 @@ class LaunchSpec:
 FILE_MARKER = "DEEPSERVE_FILE_END"
 
 
+# What an engine's memory fraction is a share of: "device", the whole GPU (vLLM, SGLang); "free", what is left once
+# the weights are loaded (TensorRT-LLM).
+MemoryFractionOf = Literal["device", "free"]
+
+
 class Engine(Protocol):
     name: str
     package: str  # the Python module whose presence means the engine is installed
@@ -61,9 +66,7 @@ class Engine(Protocol):
     image: str  # the engine's official container image, for rendered deployments (`deepserve deploy render`)
     rocm_image: str | None  # its image for AMD GPUs (ROCm); None when the engine has no ROCm build
     metric_names: MetricNames  # its metric names (engines/metrics.py): load, prefix cache, speculative decoding
-    # What the engine's memory fraction (EngineConfig.gpu_memory_utilization, passed as its own flag) is a share of:
-    # "device", the whole GPU (vLLM, SGLang), or "free", what is left once the weights are loaded (TensorRT-LLM).
-    memory_fraction_of: str
+    memory_fraction_of: MemoryFractionOf  # what EngineConfig.gpu_memory_utilization, passed as its flag, is a share of
 
     def launch_spec(self, config: EngineConfig, model: ResolvedModel, python: str | None) -> LaunchSpec:
         """The command that runs CONFIG on this node (CONFIG.node_rank of CONFIG.nnodes) under PYTHON; with PYTHON

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepserve.engines.base import Engine
+from deepserve.engines.base import Engine, MemoryFractionOf
 from deepserve.engines.sglang import SglangEngine
 from deepserve.engines.trtllm import TrtllmEngine
 from deepserve.engines.vllm import VllmEngine
@@ -18,7 +18,7 @@ def get_engine(name: str) -> Engine:
         raise ConfigError(unknown_name("engine", name, list(ENGINES))) from None
 
 
-def memory_fraction_of(name: str) -> str:
+def memory_fraction_of(name: str) -> MemoryFractionOf:
     """What NAME's memory fraction is a share of ("device" or "free", Engine.memory_fraction_of); "device" for an
     engine deepserve does not launch (rows of published runs only), as vLLM's and SGLang's."""
     engine = ENGINES.get(name)

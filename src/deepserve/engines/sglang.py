@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from deepserve.engines.base import (
     LaunchSpec,
+    MemoryFractionOf,
     ResolvedModel,
     flag_args,
     gpu_only_flags,
@@ -38,7 +39,7 @@ class SglangEngine:
     name = "sglang"
     package = "sglang"
     metric_names = SGLANG_METRICS
-    memory_fraction_of = "device"  # --mem-fraction-static
+    memory_fraction_of: MemoryFractionOf = "device"  # --mem-fraction-static
     install_hint = (
         'install SGLang into deepserve\'s environment on a GPU machine: `pip install "sglang[all]"` '
         "(it has no build for a CPU-only machine like this one; `--dry-run` still prints its command line)"

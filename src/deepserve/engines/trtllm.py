@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from deepserve.config import deepserve_home
-from deepserve.engines.base import LaunchSpec, ResolvedModel, flag_args, gpu_only_flags, url_host
+from deepserve.engines.base import LaunchSpec, MemoryFractionOf, ResolvedModel, flag_args, gpu_only_flags, url_host
 from deepserve.engines.config import EngineConfig
 from deepserve.engines.metrics import TRTLLM_METRICS
 from deepserve.engines.platform import ROCM, gpu_platform
@@ -57,7 +57,7 @@ class TrtllmEngine:
     name = "trtllm"
     package = "tensorrt_llm"
     metric_names = TRTLLM_METRICS
-    memory_fraction_of = "free"  # --kv_cache_free_gpu_memory_fraction: of the memory the weights leave
+    memory_fraction_of: MemoryFractionOf = "free"  # --kv_cache_free_gpu_memory_fraction: of what the weights leave
     install_hint = (
         "TensorRT-LLM runs on NVIDIA GPUs only and is easiest to get as NVIDIA's container: "
         f"`docker run --gpus all --ipc=host -p 8000:8000 {NGC_IMAGE}` (NGC; trtllm-serve is on its PATH), or "

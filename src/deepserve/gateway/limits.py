@@ -335,8 +335,8 @@ def make_limiter(config: GatewayConfig, clock: Clock = time.monotonic, shared_cl
 
 
 class HostOnlyLifecycle:
-    """The part of a `Limiter` that limits no other host shares have in common (this process's own, or this host's
-    workers' in shared memory): no Redis that could be down, nothing to start or stop, no revocation to announce
+    """What every `Limiter` whose limits no other host shares (this process's own, or this host's workers' in shared
+    memory) does alike: no Redis that could be down, nothing to start or stop, no revocation to announce
     (gateways on one host read one key database), releases that take effect at once."""
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepserve.engines.base import MemoryFractionOf
 from deepserve.hardware.catalog import Accelerator
 from deepserve.models.kv_cache import KVCacheLayout, kv_cache_layout
 from deepserve.models.spec import COMPONENTS, ModelSpec
@@ -150,7 +151,7 @@ def plan_memory(
     draft_modules: bool = False,
     fp4_indexer_cache: bool = False,
     prompt_len: int | None = None,
-    fraction_of: str = "device",
+    fraction_of: MemoryFractionOf = "device",
 ) -> MemoryPlan:
     """DRAFT_MODULES: speculative decoding is on, so the engine loads the checkpoint's MTP or DSpark modules and
     caches their KV. FP4_INDEXER_CACHE: V4's lightning-indexer keys in MXFP4 (Blackwell's recipe). PROMPT_LEN: the
@@ -199,14 +200,12 @@ def plan_memory(
     )
 
 
-def _budget_bytes(device_bytes: int, fraction: float, taken_bytes: int, fraction_of: str) -> int:
+def _budget_bytes(device_bytes: int, fraction: float, taken_bytes: int, fraction_of: MemoryFractionOf) -> int:
     """What the engine may use: FRACTION of the whole device, or ("free") the TAKEN_BYTES of weights and reserve
     plus FRACTION of what they leave (TensorRT-LLM's kv_cache_free_gpu_memory_fraction)."""
-    if fraction_of == "device":
-        return int(fraction * device_bytes)
     if fraction_of == "free":
         return taken_bytes + int(fraction * max(device_bytes - taken_bytes, 0))
-    raise ValueError(f"a memory fraction is of 'device' or 'free', not {fraction_of!r}")
+    return int(fraction * device_bytes)
 
 
 def _prompts_in_flight_bytes(
