@@ -129,6 +129,7 @@ _ALIASES = {
     "fp4": "mxfp4",
     "mxfp4-experts": "mxfp4",
     "nvfp4-experts": "nvfp4",
+    "nvfp4-moe": "nvfp4",
 }
 
 _VLLM_MXFP4 = "vLLM 0.32 vllm/model_executor/layers/fused_moe/oracle/mxfp4.py (select_deepseek_v4_mxfp4_moe_backend)"

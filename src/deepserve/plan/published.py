@@ -128,6 +128,11 @@ SOURCE_SETUPS = {
     "inferencex-3317-b200-trt": replace(_INFERENCEX_CLIENT, max_num_batched_tokens=8192, gpu_memory_utilization=0.8),
     # PR 3602: bench_serving's default range ratio (lengths uniform in [1, L]).
     "sglang-3602-h200": SourceSetup(length_mean_factor=0.5, length_spread=1.0),
+    # SGLang's DeepSeek-V4 cookbook (docs_new/src/snippets/configs/deepseek-ai/deepseek-v4.jsx, benchmarkCommands):
+    # sglang.bench_serving --dataset-name random --random-input-len ISL --random-output-len OSL without
+    # --random-range-ratio (default 0.0: lengths uniform in [1, L]), --num-prompts by concurrency (numPromptsByConc,
+    # the CSV's num_prompts) and 64 warm-up requests sent before the measured ones.
+    "sglang-v4-cookbook": SourceSetup(length_mean_factor=0.5, length_spread=1.0),
     # PR 5571's run set SGL_ENABLE_JIT_DEEPGEMM=0 and not SGLANG_SUPPORT_CUTLASS_BLOCK_FP8, so SGLang's FP8
     # block-scaled linear layers ran its Triton GEMM (w8a8_block_fp8_matmul), not DeepGEMM.
     "sglang-5571-h200": SourceSetup(dense_gemm_backend="triton"),
@@ -226,6 +231,12 @@ class PublishedRow:
     @property
     def setup(self) -> SourceSetup:
         return SOURCE_SETUPS.get(self.source_id or self.source, SOURCE_SETUPS.get(self.source, SourceSetup()))
+
+    @property
+    def weight_format(self) -> str:
+        """The format's name: the weights column up to its first parenthesis, which says how the source put it
+        (e.g. 'fp4 (DeepSeek release: MXFP4 experts + FP8)' -> 'fp4', the V4 release's MXFP4 experts)."""
+        return self.weights.split("(", 1)[0].strip()
 
     @property
     def parsed_metric(self) -> RowMetric | None:
@@ -366,7 +377,7 @@ def _setup_reason(row: PublishedRow) -> str | None:
     for check, what in ((_model_known, "model"), (_gpu_known, "GPU"), (_format_known, "weight format")):
         problem = check(row)
         if problem:
-            return f"{what} {problem}: not in this branch (expressible once the catalog, formats or presets have it)"
+            return f"{what} {problem}: unknown to deepserve (expressible once the catalog, formats or presets have it)"
     return None
 
 
@@ -388,7 +399,7 @@ def _gpu_known(row: PublishedRow) -> str | None:
 
 def _format_known(row: PublishedRow) -> str | None:
     try:
-        get_format(row.weights)
+        get_format(row.weight_format)
     except DeepserveError:
         return f"{row.weights!r}"
     return None
@@ -402,8 +413,6 @@ def _workload_reason(row: PublishedRow) -> str | None:
         return "no concurrency stated"
     if row.scored_as == "finite" and benchmark_run(row) is None:
         return "the run's number of requests is not stated"
-    if row.speculative_tokens and row.speculative_tokens not in dict(setup.accept_lengths):
-        return "speculative decoding whose acceptance the source does not state"
     return None
 
 
@@ -478,7 +487,7 @@ def _row_build(row: PublishedRow) -> Deployment:
         row.hardware,
         row.gpus,
         nodes=row.stage_count,
-        weights=row.weights,
+        weights=row.weight_format,
         layout=row.layout(),
         engine=row.engine,
         kv_dtype="auto" if row.kv_dtype in ("auto", "") else row.kv_dtype,
@@ -500,11 +509,15 @@ def _longest_sequence(workload: RequestLengths, spread: float) -> int:
 
 def row_speculation(row: PublishedRow) -> SpeculativeDecoding | None:
     """The row's MTP with the mean acceptance length its source states (each draft accepted with one rate given
-    the ones before it); None without speculative decoding."""
+    the ones before it), else with the planner's published default, as a user's plan would take it; None without
+    speculative decoding."""
     k = row.speculative_tokens
     if not k:
         return None
-    rates = acceptance_from_length(k, dict(row.setup.accept_lengths)[k])
+    stated = dict(row.setup.accept_lengths).get(k)
+    if stated is None:  # what `plan --speculative-method mtp` assumes when the user gives no acceptance either
+        return speculative_decoding("mtp", k, (), row_spec(row))
+    rates = acceptance_from_length(k, stated)
     return replace(speculative_decoding("mtp", k, rates, row_spec(row)), acceptance_source=f"{row.source_id}")
 
 

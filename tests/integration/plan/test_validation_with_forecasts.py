@@ -36,15 +36,24 @@ def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation
     assert headline.mape_pct("throughput") <= 20 and headline.mape_pct("tpot") <= 15
     assert headline.mape_pct("ttft") <= TARGET_MAPE_PCT["ttft"]
     off = result.held_out.off_by_more_than_2x
-    # the 15 rows beyond 2x before InferenceX's MI325X sweep joined; that source's rows are guarded on their own:
-    # its throughputs and TPOTs within 2x held out, only its 4-client mean first token (row 435: 1,025 ms
-    # published, about 440 predicted) beyond
-    assert len([r for r in off if r.row.source_id != "inferencex-3318-mi325x"]) <= 15
+    guarded_alone = {"inferencex-3318-mi325x", "lmsys-amd-mtp-mi300x", "sglang-v4-cookbook"}
+    # nine rows beyond 2x outside the sources guarded on their own below (docs/PLANNING.md section 6)
+    assert len([r for r in off if r.row.source_id not in guarded_alone]) <= 9
+    # InferenceX's MI325X sweep: its throughputs and TPOTs within 2x held out, only its 4-client mean first token
+    # (row 435: 1,025 ms published, about 440 predicted) beyond
     assert [r.row.number for r in off if r.row.source_id == "inferencex-3318-mi325x"] == [435]
-    # the AMD MTP blog, predicted with sglang-rocm fitted on the MI325X sweep: 0.23-0.45 of its latencies (0.19-0.38
-    # before); still beyond 2x, guarded against getting worse
+    # the AMD MTP blog, predicted with sglang-rocm fitted on the MI325X sweep: its seven runs without MTP at
+    # 0.23-0.45 of their latencies, its seven with MTP (the plan's default acceptance: the blog states none) at
+    # 0.14-0.44; beyond 2x, guarded against getting worse
     amd_mtp = [r for r in result.held_out.results if r.row.source_id == "lmsys-amd-mtp-mi300x"]
-    assert len(amd_mtp) == 7 and min(r.ratio for r in amd_mtp) >= 0.22
+    assert len(amd_mtp) == 14 and min(r.ratio for r in amd_mtp) >= 0.13
+    # SGLang's V4 cookbook: its low-latency cells (TP, MTP, 1 and 16 clients) at 1.02-1.48 of their throughput and
+    # 0.63-1.01 of their TPOT; its cells at 64 clients and more are section 6, step 10's V4 findings (throughput
+    # up to 4x too high, first tokens up to 14x too early: the engine runs fewer requests than the model lets run)
+    cookbook = [r for r in result.held_out.results if r.row.source_id == "sglang-v4-cookbook"]
+    assert len(cookbook) == 126
+    low_latency = [r for r in cookbook if (r.row.concurrency or 0) <= 16 and r.group in ("throughput", "tpot")]
+    assert len(low_latency) == 28 and all(0.6 <= r.ratio <= 1.5 for r in low_latency)
     # SGLang PR 5571's run without DeepGEMM (its dense FP8 GEMMs at Triton's fractions): throughput 1.8x -> 1.6x
     pr_5571 = [r for r in result.held_out.results if r.row.source_id == "sglang-5571-h200"]
     assert pr_5571 and max(r.ratio for r in pr_5571) <= 1.65
@@ -62,4 +71,6 @@ def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation
     assert b200 and all(1 / 1.3 <= r.ratio <= 1.3 for r in b200 if r.group in ("throughput", "tpot"))
     guide = [r for r in result.held_out.results if r.row.source_id == "trtllm-best-perf"]
     assert guide and max(r.ratio for r in guide) <= 1.6
-    assert seconds < 300
+    # the V4 cookbook's runs of 1,024 and 4,096 clients (up to 4,096 requests each, simulated step by step) take
+    # most of it: about 310 s on a quiet machine
+    assert seconds < 600

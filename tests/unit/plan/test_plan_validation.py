@@ -9,6 +9,7 @@ import pytest
 
 from deepserve.plan.benchmark import BenchmarkRun
 from deepserve.plan.fit import fit_profiles, leave_one_source_out, row_cases
+from deepserve.plan.formats import get_format
 from deepserve.plan.kernels import KERNELS_PATH, WORK_KINDS
 from deepserve.plan.profiles import MAX_FITTED, PROFILES_PATH, load_profiles, select_profile, version_in_range
 from deepserve.plan.published import (
@@ -20,9 +21,11 @@ from deepserve.plan.published import (
     benchmark_run,
     load_rows,
     parse_metric,
+    row_speculation,
     unpredictable_reason,
 )
 from deepserve.plan.scoring import fits_steady
+from deepserve.plan.speculative import MTP_ACCEPTANCE_SOURCE
 from deepserve.plan.validate import MAX_RATIO, Score, validate
 
 # ../shared/published next to the checkout, or two levels up from a git worktree kept one folder deeper.
@@ -97,6 +100,32 @@ def test_a_client_default_request_count_makes_an_unstated_run_finite() -> None:
     assert _run_of(rows[18]).warmup_requests == 0 and _run_of(rows[4]).num_prompts == 1000
     seed_001 = _run_of(rows[21])  # its own client, count unstated: seven rounds with the first left out
     assert seed_001.num_prompts == 7 * 15 and seed_001.warmup_requests == 15
+
+
+def test_a_weights_column_that_describes_its_format_is_read_by_the_formats_name() -> None:
+    """SGLang's V4 cookbook rows say 'fp4 (DeepSeek release: MXFP4 experts + FP8)': the name before the parenthesis
+    is the format (fp4 -> the release's MXFP4 experts), so the rows are planned on V4's presets, with the
+    cookbook's client (bench_serving's default range ratio: lengths uniform in [1, L], mean L / 2)."""
+    rows = {r.number: r for r in load_rows()}
+    flash_b200 = rows[281]
+    assert flash_b200.weight_format == "fp4" and unpredictable_reason(flash_b200) is None
+    case = next(c for c in row_cases([flash_b200])[0])
+    assert case.deployment.fmt.name == "mxfp4" and case.deployment.spec.name.endswith("DeepSeek-V4-Flash")
+    assert _run_of(flash_b200).num_prompts == 32 and _run_of(flash_b200).input_len == 4096
+    gb200_nvfp4 = rows[next(n for n, r in rows.items() if r.weights.startswith("nvfp4-moe"))]
+    assert unpredictable_reason(gb200_nvfp4) is None and get_format(gb200_nvfp4.weight_format).name == "nvfp4"
+
+
+def test_an_mtp_run_without_a_stated_acceptance_takes_the_plans_default() -> None:
+    """What `plan --speculative-method mtp` assumes when the user gives no acceptance: the published default;
+    a source that states its acceptance length keeps its own."""
+    rows = {r.number: r for r in load_rows()}
+    unstated = row_speculation(rows[281])  # the cookbook's EAGLE/MTP 3-1-4: three drafts, acceptance not given
+    assert unstated is not None and unstated.num_tokens == 3
+    assert unstated.acceptance_source == MTP_ACCEPTANCE_SOURCE
+    mtp_blog = next(r for r in rows.values() if r.source_id == "lmsys-mtp-h200" and r.spec.startswith("mtp:"))
+    stated = row_speculation(mtp_blog)
+    assert stated is not None and stated.acceptance_source == "lmsys-mtp-h200"
 
 
 def test_pr_5571_runs_sglangs_triton_fp8_gemm_as_its_deepgemm_off_launch_forces() -> None:
