@@ -33,7 +33,8 @@ def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation
     result, seconds = forecast_validation
     headline = result.held_out.headline
     assert len(headline.results) >= 90
-    assert headline.mape_pct("throughput") <= 20 and headline.mape_pct("tpot") <= 15
+    # after section 6's step 9 (the engines' own all-reduce inside a node): 17.0% and 13.9%
+    assert headline.mape_pct("throughput") <= 17.5 and headline.mape_pct("tpot") <= 14.5
     assert headline.mape_pct("ttft") <= TARGET_MAPE_PCT["ttft"]
     off = result.held_out.off_by_more_than_2x
     # the 15 rows beyond 2x before InferenceX's MI325X sweep joined; that source's rows are guarded on their own:
