@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,9 @@ class KernelRates:
     class_measured: bool
     provenance: str  # where the figures come from, for `plan` and `validate`
     cross_node_all_reduce_us: float = 0.0  # a small all-reduce's latency over two nodes (grows with log2 of nodes)
+    # link kind -> (latency us, bus bandwidth GB/s) of the engines' own all-reduce kernel inside one node, which
+    # they run instead of NCCL's where it is faster (small messages)
+    custom_all_reduce: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def rate(self, kind: str) -> KindRate:
         return self.kinds[kind]
@@ -66,6 +69,16 @@ class KernelRates:
         if link.kind in self.collectives:
             return min(self.collectives[link.kind], link.bandwidth_gb_s)
         return link.bandwidth_gb_s * self.network_efficiency
+
+    def custom_all_reduce_s(self, link: Link, ranks: int, message_bytes: float) -> float | None:
+        """The engines' own all-reduce of MESSAGE_BYTES over RANKS GPUs of one node on LINK (None where the table
+        has no figures for the link): a latency plus the bytes at its bus bandwidth, NCCL's convention."""
+        figures = self.custom_all_reduce.get(link.kind)
+        if figures is None:
+            return None
+        latency_us, bus_gb_s = figures
+        bus_gb_s = min(bus_gb_s, link.bandwidth_gb_s)  # a cut-down NVLink (H800) caps it, as it caps NCCL's
+        return latency_us * 1e-6 + 2 * (ranks - 1) / ranks * message_bytes / (bus_gb_s * 1e9)
 
     def all_reduce_latency_us(self, link: Link, nodes: int, two_node_us: float = 0.0) -> float:
         """A small all-reduce's latency: the link's within a node; across NODES a two-node latency (TWO_NODE_US,
@@ -161,6 +174,10 @@ def kernel_rates(
         class_measured=measured,
         provenance=provenance,
         cross_node_all_reduce_us=float(collectives["cross_node_all_reduce"]["latency_us_two_nodes"]),
+        custom_all_reduce={
+            kind: (float(value["latency_us"]), float(value["bus_bandwidth_gb_s"]))
+            for kind, value in collectives.get("custom_all_reduce", {}).get("links", {}).items()
+        },
     )
 
 

@@ -440,10 +440,14 @@ class PerformanceModel:
         return tuple(parts)
 
     def _all_reduce_s(self, message_bytes: float, ranks: int) -> float:
+        """NCCL's all-reduce; inside one node, the engine's own kernel where that is faster: vLLM, SGLang and
+        TensorRT-LLM dispatch small messages (a decode step's) to it (kernels.json, collectives.custom_all_reduce)."""
         link = self.links.tensor
         two_node_us = self.engine.parameters.cross_node_latency_us
         latency_s = self.rates.all_reduce_latency_us(link, self.links.tensor_nodes, two_node_us) * 1e-6
-        return latency_s + 2 * (ranks - 1) / ranks * message_bytes / (self._all_reduce_bus_gb_s(ranks) * 1e9)
+        nccl_s = latency_s + 2 * (ranks - 1) / ranks * message_bytes / (self._all_reduce_bus_gb_s(ranks) * 1e9)
+        custom_s = self.rates.custom_all_reduce_s(link, ranks, message_bytes) if self.links.tensor_nodes <= 1 else None
+        return nccl_s if custom_s is None else min(nccl_s, custom_s)
 
     def _all_reduce_bus_gb_s(self, ranks: int) -> float:
         """Bus bandwidth (NCCL's convention) of the TP group's all-reduce. Over N nodes of g GPUs the collective is

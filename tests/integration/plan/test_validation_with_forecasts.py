@@ -33,7 +33,8 @@ def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation
     result, seconds = forecast_validation
     headline = result.held_out.headline
     assert len(headline.results) >= 90
-    assert headline.mape_pct("throughput") <= 20 and headline.mape_pct("tpot") <= 15
+    # after section 6's step 9 (the engines' own all-reduce inside a node): 17.0% and 13.9%
+    assert headline.mape_pct("throughput") <= 17.5 and headline.mape_pct("tpot") <= 14.5
     assert headline.mape_pct("ttft") <= TARGET_MAPE_PCT["ttft"]
     off = result.held_out.off_by_more_than_2x
     guarded_alone = {"inferencex-3318-mi325x", "lmsys-amd-mtp-mi300x", "sglang-v4-cookbook"}
@@ -47,8 +48,8 @@ def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation
     # 0.14-0.44; beyond 2x, guarded against getting worse
     amd_mtp = [r for r in result.held_out.results if r.row.source_id == "lmsys-amd-mtp-mi300x"]
     assert len(amd_mtp) == 14 and min(r.ratio for r in amd_mtp) >= 0.13
-    # SGLang's V4 cookbook: its low-latency cells (TP, MTP, 1 and 16 clients) at 1.02-1.48 of their throughput and
-    # 0.63-1.01 of their TPOT; its cells at 64 clients and more are section 6, step 10's V4 findings (throughput
+    # SGLang's V4 cookbook: its low-latency cells (TP, MTP, 1 and 16 clients) at 1.01-1.49 of their throughput and
+    # 0.63-1.02 of their TPOT; its cells at 64 clients and more are section 6, step 10's V4 findings (throughput
     # up to 4x too high, first tokens up to 14x too early: the engine runs fewer requests than the model lets run)
     cookbook = [r for r in result.held_out.results if r.row.source_id == "sglang-v4-cookbook"]
     assert len(cookbook) == 126

@@ -265,6 +265,26 @@ def test_tp_across_nodes_pays_each_all_reduce_s_latency_not_the_nic_bandwidth(v3
     assert prefill == pytest.approx(2 * 61 * (100e-6 + 2 * 15 / 16 * message / nvlink_bus), rel=0.05)
 
 
+def test_tp_inside_a_node_runs_small_all_reduces_on_the_engines_own_kernel(v3) -> None:
+    """TP8 inside one NVLink node: a decode step's all-reduces (one token: 14 KB) cost the engines' custom kernel's
+    5.8 us (SGLang PR #2904's measurement), not NCCL's 10 us; a long prompt's (8,192 tokens: 117 MB) go to NCCL at
+    its 370 GB/s bus bandwidth, where the custom kernel's 274 GB/s would be slower."""
+    _, model = _model(v3, gpu="h100")
+    per_layer = 2 * 61
+    decode = dict(model.step(1, 0, 1000).comm)["all_reduce"]
+    one_token = v3.hidden_size * 2
+    assert decode == pytest.approx(per_layer * (5.8e-6 + 2 * 7 / 8 * one_token / 274e9), rel=1e-6)
+    prefill = dict(model.step(0, 8192, 0).comm)["all_reduce"]
+    message = 8192 * v3.hidden_size * 2
+    assert prefill == pytest.approx(per_layer * (10e-6 + 2 * 7 / 8 * message / 370e9), rel=1e-6)
+    # the crossover: NCCL's larger latency against its larger bandwidth, about 2.5 MB (180 tokens of DeepSeek)
+    rates, link = model.rates, model.links.tensor
+    custom_at = rates.custom_all_reduce_s(link, 8, 1e6)
+    assert custom_at is not None and custom_at < 10e-6 + 1.75 * 1e6 / 370e9
+    custom_at = rates.custom_all_reduce_s(link, 8, 4e6)
+    assert custom_at is not None and custom_at > 10e-6 + 1.75 * 4e6 / 370e9
+
+
 def test_speculative_decoding_verifies_k_plus_one_tokens_and_runs_the_draft(v3) -> None:
     spec = speculative_decoding("mtp", 3, acceptance_from_length(3, 2.2), v3)
     assert spec.tokens_per_step == pytest.approx(2.2)
