@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from dataclasses import replace
 
 from deepserve.config import changed_fields
 from deepserve.engines.config import EngineConfig, serve_command
@@ -38,7 +39,7 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
             "data_parallel_size": layout.dp,
             "enable_expert_parallel": layout.ep,
             "max_model_len": memory.max_model_len,
-            "max_num_seqs": deployment.max_num_seqs_per_rank,
+            "max_num_seqs": _running_cap_on(deployment, engine),
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "quantization": deployment.fmt.vllm_quantization,
             "kv_cache_dtype": "fp8" if deployment.kv_dtype == "fp8" else None,
@@ -51,6 +52,14 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
             "num_speculative_tokens": speculation.num_tokens if speculation else None,
         }
     )
+
+
+def _running_cap_on(deployment: Deployment, engine: str) -> int | None:
+    """--max-num-seqs per rank for ENGINE: the plan's cap, where it comes from the KV cache or the user, is every
+    engine's; one that comes from the plan engine's own default (SGLang's for DeepSeek-V4) is that engine's only."""
+    if engine != deployment.engine and deployment.max_num_seqs is None:
+        deployment = replace(deployment, engine=engine, engine_version=None)
+    return deployment.max_num_seqs_per_rank
 
 
 def engine_commands(deployment: Deployment, config: PlanConfig) -> dict[str, str]:

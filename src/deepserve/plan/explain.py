@@ -221,6 +221,12 @@ def explain_kv_cache(config: PlanConfig, deployment: Deployment) -> str:
     cap = deployment.running_cap
     if deployment.max_num_seqs is not None and cap < memory.max_concurrent_sequences:
         text += f"; max_num_seqs {deployment.max_num_seqs} caps the running batch at {cap}"
+    elif deployment.max_num_seqs_in_effect is not None and cap < memory.max_concurrent_sequences:
+        default = deployment.engine_default_running_requests
+        text += (
+            f"; {deployment.engine}'s own default for {deployment.spec.architecture} ({default} running requests, "
+            f"shared out over the data-parallel ranks) caps the running batch at {cap}"
+        )
     else:
         text += f"; the running batch is limited by the KV cache at {cap} sequences"
     return text + _max_num_seqs_words(deployment)

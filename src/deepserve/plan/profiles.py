@@ -70,6 +70,9 @@ class VersionFacts:
     prefill_launch: str | None = None  # launch mode of steps that carry prompt tokens (None: as `launch`)
     max_num_seqs_per_micro_batch: bool = False  # max_num_seqs caps each PP micro-batch (vLLM V0), else all of them
     step_overhead_ms: float = 0.0  # a version's own extra time per step (slower kernels than the profile's today)
+    # the engine's own running-request cap when the command sets none, by model architecture (config.json's
+    # `architectures`), over all data-parallel ranks together: each rank runs its share
+    default_running_requests: dict[str, int] = field(default_factory=dict)
 
     def step_launch(self, family: str) -> str:
         per_expert = self.moe_per_expert.get(family)
@@ -194,6 +197,10 @@ def _version_facts(entry: dict[str, Any]) -> VersionFacts:
         prefill_launch=entry.get("prefill_launch"),
         max_num_seqs_per_micro_batch=bool(entry.get("max_num_seqs_per_micro_batch", False)),
         step_overhead_ms=float(entry.get("step_overhead_ms", 0.0)),
+        default_running_requests={
+            architecture: int(count)
+            for architecture, count in entry.get("default_running_requests", {}).get("by_architecture", {}).items()
+        },
     )
 
 

@@ -129,11 +129,31 @@ class Deployment:
     @property
     def running_cap(self) -> int:
         """Most requests running at once over the whole deployment: what the KV cache holds at the planned lengths,
-        and max_num_seqs as the engine applies it (see seqs_schedulers)."""
+        and max_num_seqs as the engine applies it (see seqs_schedulers and max_num_seqs_in_effect)."""
         cap = self.memory.max_concurrent_sequences
-        if self.max_num_seqs is not None:
-            cap = min(cap, self.max_num_seqs * self.seqs_schedulers)
+        seqs = self.max_num_seqs_in_effect
+        if seqs is not None:
+            cap = min(cap, seqs * self.seqs_schedulers)
         return max(cap, 0)
+
+    @property
+    def max_num_seqs_in_effect(self) -> int | None:
+        """max_num_seqs per scheduler as the engine runs it: the plan's; else the engine's own default for this
+        model where its profile records one (SGLang runs DeepSeek-V4 with 256 requests at most, shared out over
+        the data-parallel ranks); else None, and the KV cache decides."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        default = self.engine_default_running_requests
+        return None if default is None else max(default // self.layout.dp, 1)
+
+    @property
+    def engine_default_running_requests(self) -> int | None:
+        """The engine's running-request cap over all ranks for this model when its command sets none (the
+        profile's fact default_running_requests); None when the engine has no such default."""
+        selected = self.select_engine(across_engines=False)
+        if selected is None:
+            return None
+        return selected.facts.default_running_requests.get(self.spec.architecture)
 
     @property
     def seqs_schedulers(self) -> int:

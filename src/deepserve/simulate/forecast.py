@@ -69,7 +69,7 @@ def _rank_scheduler(deployment: Deployment, model: PerformanceModel) -> Schedule
     memory, layout, accelerator = deployment.memory, deployment.layout, deployment.accelerator
     block_size = default_block_size(deployment.spec.is_mla)
     default_seqs, _ = default_batch_limits(accelerator.memory_gib, accelerator.name)
-    seqs = deployment.max_num_seqs or default_seqs
+    seqs = deployment.max_num_seqs_in_effect or default_seqs
     limits = SchedulerLimits(
         max_num_seqs=seqs * deployment.micro_batches_capped(),
         max_num_batched_tokens=deployment.max_num_batched_tokens,

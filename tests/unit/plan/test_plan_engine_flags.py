@@ -11,6 +11,7 @@ import pytest
 from deepserve.engines.registry import get_engine
 from deepserve.models.resolve import ResolvedModel
 from deepserve.plan.commands import engine_config, needs_remote_code
+from deepserve.plan.explain import explain_kv_cache
 from deepserve.plan.planner import make_plan
 from deepserve.plan.types import PlanConfig
 
@@ -63,6 +64,45 @@ def test_max_num_seqs_caps_all_pipeline_micro_batches_together_in_vllm_v1() -> N
     assert capped.running_cap == 128
     old = make_plan(PlanConfig(model=V3, gpu="h100", gpus=16, max_num_seqs=128, engine_version="0.7.3")).deployment
     assert old.running_cap == 256  # vLLM's V0 engine had a scheduler per pipeline stage
+
+
+V4_FLASH = "deepseek-ai/DeepSeek-V4-Flash"
+
+
+def v4_on_sglang(**given: object) -> PlanConfig:
+    return PlanConfig(
+        model=V4_FLASH,
+        gpu="b200",
+        gpus=4,
+        tp=1,
+        dp=4,
+        ep=True,
+        engine="sglang",
+        input_len=8192,
+        output_len=1024,
+        **given,
+    )
+
+
+def test_sglang_runs_deepseek_v4_with_its_own_default_of_256_requests_shared_over_the_dp_ranks() -> None:
+    d = make_plan(v4_on_sglang()).deployment
+    assert d.memory.max_concurrent_sequences > 1000  # the KV cache alone would admit thousands
+    assert (d.engine_default_running_requests, d.max_num_seqs_in_effect, d.running_cap) == (256, 64, 256)
+    assert d.max_num_seqs_per_rank == 64
+    on_vllm = make_plan(v4_on_sglang().model_copy(update={"engine": "vllm"})).deployment
+    assert on_vllm.engine_default_running_requests is None  # vLLM has no such default: the KV cache decides
+    assert on_vllm.running_cap == on_vllm.memory.max_concurrent_sequences
+
+
+def test_a_given_max_num_seqs_overrides_the_engines_default_and_other_engines_commands_do_not_inherit_it() -> None:
+    given = make_plan(v4_on_sglang(max_num_seqs=200)).deployment
+    assert given.running_cap == 800  # 200 on each of the 4 ranks
+    plan = make_plan(v4_on_sglang())
+    assert engine_config(plan.deployment, plan.config, "sglang").max_num_seqs == 64
+    on_vllm = engine_config(plan.deployment, plan.config, "vllm").max_num_seqs
+    assert on_vllm is not None and on_vllm > 64  # vLLM's command gets the KV cache's cap, not SGLang's default
+    words = explain_kv_cache(plan.config, plan.deployment)
+    assert "sglang's own default for DeepseekV4ForCausalLM (256 running requests" in words
 
 
 def test_deepseek_needs_no_remote_code() -> None:
