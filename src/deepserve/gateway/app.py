@@ -702,16 +702,17 @@ class GatewayApp:
     async def _relay_stream(
         self, exchange: Exchange, parsed: ParsedRequest, response: HttpResponse, replica: UpstreamReplica, send: Send
     ) -> None:
-        """Forward each complete event as it arrives (the per-event path: one await on the connection per chunk)."""
+        """Forward the complete events as they arrive (the per-event path: one await on the connection for whatever
+        arrived together, one write to the client)."""
         tap = exchange.tap = StreamTap(parsed.strip_usage_chunk, exchange.endpoint.stream_shape)
         itl = self.metrics.for_model(parsed.client_model).itl_s
         logged = exchange.logged_body = [] if self.config.log_bodies else None
         logged_bytes = 0
         last_s = 0.0
-        next_chunk = response.next_chunk
+        next_data = response.next_data
         while True:
             try:
-                chunk = await next_chunk()
+                chunk = await next_data()
             except CLIENT_FAILURES as exc:
                 raise upstream_error(exc, replica) from exc
             if not chunk:

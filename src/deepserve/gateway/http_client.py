@@ -81,10 +81,12 @@ class HttpResponse:
         self._detached = False  # released or closed: the connection may already serve another request
         self.status = status
 
-    def next_chunk(self) -> Awaitable[bytes]:
-        """The next body chunk as it arrives, b"" at the end (the relay's loop: no generator between it and the
-        connection)."""
-        return self._connection.next_chunk()
+    def next_data(self) -> Awaitable[bytes]:
+        """The body that arrived since the last call, as soon as there is some (every chunk waiting, joined), b""
+        at the end: the relay's loop, with no generator between it and the connection. What the upstream sent
+        together goes on together: a stream's role chunk and first token, which vLLM and SGLang write at once, reach
+        the client in one write rather than two (the second one's time is the client's TTFT)."""
+        return self._connection.next_data()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         connection = self._connection
@@ -235,8 +237,31 @@ class _Connection(asyncio.Protocol):
         status = self._parser.get_status_code()
         return HttpResponse(self, status)
 
+    async def next_data(self) -> bytes:
+        """Every body chunk waiting, joined, or b"" at the end of the response (the per-event path: `_wait`
+        inlined)."""
+        chunks = self._chunks
+        while True:
+            if chunks:
+                if self._paused:
+                    self._resume()
+                if len(chunks) == 1:
+                    return chunks.popleft()
+                data = b"".join(chunks)
+                chunks.clear()
+                return data
+            if self._complete:
+                return b""
+            if self._error is not None:
+                raise self._error
+            self._waiter = waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
     async def next_chunk(self) -> bytes:
-        """The next body chunk, or b"" at the end of the response (the per-event path: `_wait` inlined)."""
+        """The next body chunk, or b"" at the end of the response."""
         chunks = self._chunks
         while True:
             if chunks:

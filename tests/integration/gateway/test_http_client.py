@@ -96,6 +96,32 @@ async def test_responses_are_read_whole_or_in_chunks_over_one_kept_alive_connect
     await client.close()
 
 
+async def test_next_data_joins_what_arrived_together_and_waits_for_the_rest() -> None:
+    """The relay's read: chunks the upstream wrote at once (a stream's role chunk and first token) come back as one
+    piece, so that they reach the client in one write; a later chunk is waited for; b"" ends the body."""
+    later = asyncio.Event()
+
+    async def role_and_token_then_more(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        writer.write(head + b"5\r\nrole\n\r\n6\r\ntoken\n\r\n")
+        await writer.drain()
+        await later.wait()
+        writer.write(b"5\r\nnext\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    client = _client()
+    async with raw_server(role_and_token_then_more) as (origin, _):
+        response = await client.request("POST", origin, "/v1/x", b"{}")
+        await until(lambda: response.buffered_chunks == 2)
+        assert await response.next_data() == b"role\ntoken\n"
+        later.set()
+        assert await response.next_data() == b"next\n"
+        assert await response.next_data() == b""
+        response.release()
+    await client.close()
+
+
 async def test_idle_connections_are_closed_before_the_server_would() -> None:
     clock = FakeClock()
     client = _client(clock, idle_s=4.0)
