@@ -238,8 +238,7 @@ class _Connection(asyncio.Protocol):
         return HttpResponse(self, status)
 
     async def next_data(self) -> bytes:
-        """Every body chunk waiting, joined, or b"" at the end of the response (the per-event path: `_wait`
-        inlined)."""
+        """Every body chunk waiting, joined, or b"" at the end of the response (the per-event path)."""
         chunks = self._chunks
         while True:
             if chunks:
@@ -254,38 +253,33 @@ class _Connection(asyncio.Protocol):
                 return b""
             if self._error is not None:
                 raise self._error
-            self._waiter = waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
+            await self._data_arrives()
+
+    async def _data_arrives(self) -> None:
+        """Until data_received, the end of the response or the connection's loss wakes this reader."""
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
 
     async def next_chunk(self) -> bytes:
         """The next body chunk, or b"" at the end of the response."""
         chunks = self._chunks
-        while True:
-            if chunks:
-                if self._paused and len(chunks) <= _RESUME_AT_CHUNKS:
-                    self._resume()
-                return chunks.popleft()
+        while not chunks:
             if self._complete:
                 return b""
             if self._error is not None:
                 raise self._error
-            self._waiter = waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
+            await self._data_arrives()
+        if self._paused and len(chunks) <= _RESUME_AT_CHUNKS:
+            self._resume()
+        return chunks.popleft()
 
     async def _wait(self) -> None:
         if self._error is not None:
             raise self._error
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
+        await self._data_arrives()
         if self._error is not None and not self._chunks:
             raise self._error
 
