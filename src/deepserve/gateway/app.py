@@ -58,12 +58,13 @@ from deepserve.gateway.errors import (
 )
 from deepserve.gateway.exchange import Exchange, billable_tokens
 from deepserve.gateway.http_client import HttpClient, HttpResponse, Resolver, system_resolve
-from deepserve.gateway.http_server import DISCONNECT_SCOPE_KEY
+from deepserve.gateway.http_server import DISCONNECT_SCOPE_KEY, SEND_NOW_SCOPE_KEY
 from deepserve.gateway.keys import ApiKey, KeyRing, key_source
 from deepserve.gateway.ledger import UsageLedger, UsageRow
 from deepserve.gateway.limits import Limiter, make_limiter
 from deepserve.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from deepserve.gateway.metrics import GatewayMetrics
+from deepserve.gateway.relay import StreamRelay
 from deepserve.gateway.responses import ResponseRoutes
 from deepserve.gateway.streaming import StreamTap
 from deepserve.gateway.upstreams import (
@@ -98,7 +99,6 @@ _KEY_REFRESH_INTERVAL_S = 1.0
 # A charge never exceeds the context: the engine cannot use more, whatever max_tokens says.
 DEFAULT_CHARGE_CAP_TOKENS = 131072
 # Keep at most this much of a streamed response when log_bodies is on.
-_MAX_LOGGED_BODY_BYTES = 1 << 20
 
 
 class GatewayApp:
@@ -455,6 +455,7 @@ class GatewayApp:
 
     async def _proxy(self, endpoint: ApiRoute, scope: Scope, receive: Receive, send: Send) -> None:
         exchange = Exchange(endpoint, scope.get("client"), scope["method"])
+        exchange.send_now = scope.get(SEND_NOW_SCOPE_KEY)
         watcher: asyncio.Task[None] | None = None
         task = asyncio.current_task()
         if task is not None:
@@ -702,44 +703,26 @@ class GatewayApp:
     async def _relay_stream(
         self, exchange: Exchange, parsed: ParsedRequest, response: HttpResponse, replica: UpstreamReplica, send: Send
     ) -> None:
-        """Forward the complete events as they arrive (the per-event path: one await on the connection for whatever
-        arrived together, one write to the client)."""
+        """Forward the complete events as they arrive: from the upstream connection's read callback while the
+        client's connection takes them (relay.py), else from here, one await on the connection for whatever arrived
+        together and one write to the client."""
         tap = exchange.tap = StreamTap(parsed.strip_usage_chunk, exchange.endpoint.stream_shape)
+        exchange.logged_body = [] if self.config.log_bodies else None
         itl = self.metrics.for_model(parsed.client_model).itl_s
-        logged = exchange.logged_body = [] if self.config.log_bodies else None
-        logged_bytes = 0
-        last_s = 0.0
-        next_data = response.next_data
+        relay = StreamRelay(exchange, tap, itl, _SSE_HEADERS, exchange.send_now)
+        sink = relay.offer_sink
         while True:
             try:
-                chunk = await next_data()
+                chunk = await response.next_data(sink)
             except CLIENT_FAILURES as exc:
                 raise upstream_error(exc, replica) from exc
-            if not chunk:
+            if relay.held:
+                await relay.send_held(send)
+            if chunk:
+                await relay.forward(chunk, send)
+            elif response.complete:
                 break
-            events = tap.feed(chunk)
-            if not events:
-                continue
-            now_s = time.perf_counter()
-            if exchange.response_started:
-                itl.observe(now_s - last_s)
-            else:
-                # Headers go out with the first event, not before: until then a failure can still be retried.
-                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-                exchange.response_started = True
-                exchange.ttft_s = now_s - exchange.started_s
-            last_s = now_s
-            await send({"type": "http.response.body", "body": events, "more_body": True})
-            if logged is not None and logged_bytes < _MAX_LOGGED_BODY_BYTES:
-                logged.append(events)
-                logged_bytes += len(events)
-        rest = tap.finish()
-        exchange.usage = tap.usage
-        exchange.finished = True
-        if not exchange.response_started:
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            exchange.response_started = True
-        await send({"type": "http.response.body", "body": rest, "more_body": False})
+        await relay.finish(send)
 
     async def _fail(self, exchange: Exchange, exc: GatewayError, send: Send) -> None:
         exchange.error = exc.ledger_text()

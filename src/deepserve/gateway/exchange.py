@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from deepserve.gateway.errors import ClientGone
@@ -37,6 +38,7 @@ class Exchange:
         "request_body",
         "response_id",
         "response_started",
+        "send_now",
         "started_s",
         "status",
         "tap",
@@ -67,6 +69,9 @@ class Exchange:
         self.request_body: bytes | None = None  # as received, kept only with log_bodies
         self.tap: StreamTap | None = None  # a stream's relay state: usage, events delivered
         self.response_id: str | None = None  # a Responses API answer's id
+        # The server's send without waiting (http_server.SEND_NOW_SCOPE_KEY), when it has one: how the stream
+        # relay forwards events from the upstream's read callback (relay.py)
+        self.send_now: Callable[[MutableMapping[str, Any]], bool] | None = None
         self.prefill_upstream: str | None = None  # the prefill replica (prefill/decode disaggregation)
         self.decode_sent_s: float | None = None  # when the decode request went out, after its prefill
 

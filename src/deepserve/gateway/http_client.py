@@ -34,6 +34,8 @@ from deepserve.gateway.clock import Clock
 # Flow control: stop reading from the upstream while this many body chunks wait for the reader; go on at half that.
 _PAUSE_AT_CHUNKS = 64
 _RESUME_AT_CHUNKS = _PAUSE_AT_CHUNKS // 2
+# Takes one read's body from the connection's read callback: True to go on, False when it can take no more now.
+BodySink = Callable[[bytes], bool]
 # A host name's addresses are reused this long (a Kubernetes service's name resolves on every new connection
 # otherwise, in the default executor); a connect failure on a reused address resolves again at once.
 DNS_TTL_S = 60.0
@@ -81,12 +83,22 @@ class HttpResponse:
         self._detached = False  # released or closed: the connection may already serve another request
         self.status = status
 
-    def next_data(self) -> Awaitable[bytes]:
+    def next_data(self, sink: BodySink | None = None) -> Awaitable[bytes]:
         """The body that arrived since the last call, as soon as there is some (every chunk waiting, joined), b""
         at the end: the relay's loop, with no generator between it and the connection. What the upstream sent
         together goes on together: a stream's role chunk and first token, which vLLM and SGLang write at once, reach
-        the client in one write rather than two (the second one's time is the client's TTFT)."""
-        return self._connection.next_data()
+        the client in one write rather than two (the second one's time is the client's TTFT).
+
+        With SINK, what arrives while the caller waits is handed to SINK from the connection's read callback, each
+        read's body joined, instead of waking the caller: the caller's task sleeps until the response ends, it
+        fails, or SINK answers False (it cannot take more now); then this returns b"" (see `complete`)."""
+        return self._connection.next_data(sink)
+
+    @property
+    def complete(self) -> bool:
+        """The whole body arrived and was read (or handed to a sink)."""
+        connection = self._connection
+        return connection._complete and not connection._chunks  # the module's own class
 
     async def chunks(self) -> AsyncIterator[bytes]:
         connection = self._connection
@@ -137,6 +149,7 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._chunks: collections.deque[bytes] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: BodySink | None = None  # takes each read's body while the reader sleeps (next_data)
         self._head_done = False
         self._interim = False  # between an interim (1xx) head and its end
         self._complete = False
@@ -160,6 +173,10 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(IncompleteResponse(f"malformed response from the upstream: {exc}"))
             self.close()
+            return
+        sink = self._sink
+        if sink is not None and self._chunks:
+            self._hand_to_sink(sink)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -192,7 +209,8 @@ class _Connection(asyncio.Protocol):
         if len(self._chunks) == _PAUSE_AT_CHUNKS and self._transport is not None:
             self._transport.pause_reading()  # the reader (a slow client downstream) is behind: let TCP push back
             self._paused = True
-        self._wake()
+        if self._sink is None:  # a sink gets the read's body, joined, once the parser is through it
+            self._wake()
 
     def on_message_complete(self) -> None:
         if self._interim:
@@ -237,23 +255,49 @@ class _Connection(asyncio.Protocol):
         status = self._parser.get_status_code()
         return HttpResponse(self, status)
 
-    async def next_data(self) -> bytes:
-        """Every body chunk waiting, joined, or b"" at the end of the response (the per-event path)."""
-        chunks = self._chunks
+    async def next_data(self, sink: BodySink | None = None) -> bytes:
+        """Every body chunk waiting, joined, or b"" at the end of the response (the per-event path); with SINK, b""
+        also once SINK has taken what arrived and the caller is to look again (HttpResponse.next_data)."""
         while True:
-            if chunks:
-                if self._paused:
-                    self._resume()
-                if len(chunks) == 1:
-                    return chunks.popleft()
-                data = b"".join(chunks)
-                chunks.clear()
-                return data
+            if self._chunks:
+                return self._take_chunks()
             if self._complete:
                 return b""
             if self._error is not None:
                 raise self._error
-            await self._data_arrives()
+            if sink is None:
+                await self._data_arrives()
+                continue
+            self._sink = sink
+            try:
+                await self._data_arrives()
+            finally:
+                self._sink = None
+            if not self._chunks:
+                if self._error is not None:
+                    raise self._error
+                return b""
+
+    def _take_chunks(self) -> bytes:
+        chunks = self._chunks
+        if self._paused:
+            self._resume()
+        if len(chunks) == 1:
+            return chunks.popleft()
+        data = b"".join(chunks)
+        chunks.clear()
+        return data
+
+    def _hand_to_sink(self, sink: BodySink) -> None:
+        """Give SINK the body of one read, from the read callback; wake the reader when SINK takes no more."""
+        try:
+            go_on = sink(self._take_chunks())
+        except Exception as exc:  # the sink's own failure: its reader raises it
+            go_on = False
+            self._fail(exc)
+        if not go_on:
+            self._sink = None
+            self._wake()
 
     async def _data_arrives(self) -> None:
         """Until data_received, the end of the response or the connection's loss wakes this reader."""

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 # scope[DISCONNECT_SCOPE_KEY](callback): call CALLBACK (no arguments) if the client goes away mid-request.
 DISCONNECT_SCOPE_KEY = "deepserve.on_disconnect"
+# scope[SEND_NOW_SCOPE_KEY](message) -> bool: send MESSAGE without waiting; False (nothing sent) when it must wait.
+SEND_NOW_SCOPE_KEY = "deepserve.send_now"
 # Pause reading a connection while more of a request body than this waits for the app to receive it.
 BODY_HIGH_WATER_BYTES = 1 << 16
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -148,9 +150,20 @@ class _Cycle:
         return {"type": "http.disconnect"}
 
     async def send(self, message: Message) -> None:
-        connection = self.connection
-        if connection.write_paused and not self.disconnected:
-            await connection.drain()
+        if self.connection.write_paused and not self.disconnected:
+            await self.connection.drain()
+        self._take(message)
+
+    def send_now(self, message: Message) -> bool:
+        """`send` without waiting, for a caller outside the request's task (the stream relay, from the upstream's
+        read callback): False, and nothing done, when MESSAGE would write to a client's connection that pushes back
+        and the caller must `await send(message)` instead (a response's start writes nothing: it is always taken)."""
+        if self.connection.write_paused and not self.disconnected and message["type"] != "http.response.start":
+            return False
+        self._take(message)
+        return True
+
+    def _take(self, message: Message) -> None:
         if self.disconnected:
             return
         kind = message["type"]
@@ -342,6 +355,7 @@ class _Connection(asyncio.Protocol):
         keep_alive = parser.should_keep_alive() and not self.shutting_down
         cycle = _Cycle(self, scope, keep_alive, self._expect_continue)
         scope[DISCONNECT_SCOPE_KEY] = cycle.set_on_disconnect
+        scope[SEND_NOW_SCOPE_KEY] = cycle.send_now
         self.parsing = cycle
         if self.cycle is None:
             self._start(cycle)

@@ -122,6 +122,100 @@ async def test_next_data_joins_what_arrived_together_and_waits_for_the_rest() ->
     await client.close()
 
 
+def _stream_in_three_writes(steps: list[asyncio.Event]) -> Handler:
+    """An upstream that writes a stream's role chunk and first token at once, then one event per step of STEPS,
+    then ends the body."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        writer.write(head + b"5\r\nrole\n\r\n6\r\ntoken\n\r\n")
+        await writer.drain()
+        for index, step in enumerate(steps):
+            await step.wait()
+            writer.write(b"6\r\nnext%d\n\r\n" % index)
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    return handler
+
+
+async def test_a_sink_gets_each_read_from_the_read_callback_while_the_reader_sleeps() -> None:
+    """The relay's fast path: what arrives while the reader waits goes to the sink, a read's chunks joined, and the
+    reader's task is not woken for it; it wakes once, at the end of the body."""
+    steps = [asyncio.Event(), asyncio.Event()]
+    taken: list[bytes] = []
+
+    def sink(data: bytes) -> bool:
+        taken.append(data)
+        steps[1].set()  # the next event is sent once this one was taken
+        return True
+
+    client = _client()
+    async with raw_server(_stream_in_three_writes(steps)) as (origin, _):
+        response = await client.request("POST", origin, "/v1/x", b"{}")
+        reads = 0
+        while True:
+            reads += 1
+            data = await asyncio.wait_for(response.next_data(sink), 5)
+            if data:
+                taken.append(data)  # arrived with the head, before the sink was given
+                steps[0].set()
+            elif response.complete:
+                break
+        assert b"".join(taken) == b"role\ntoken\nnext0\nnext1\n"
+        assert reads <= 2  # one read at most for what came with the head, then one wake at the end
+        response.release()
+    await client.close()
+
+
+async def test_a_sink_that_can_take_no_more_hands_the_rest_back_to_its_reader() -> None:
+    """A sink answering False (the client downstream pushes back) stops the callbacks: the reader wakes with b"",
+    and what arrives next waits for it in the queue, in order."""
+    steps = [asyncio.Event(), asyncio.Event()]
+    taken: list[bytes] = []
+
+    def sink_once(data: bytes) -> bool:
+        taken.append(data)
+        return False
+
+    client = _client()
+    async with raw_server(_stream_in_three_writes(steps)) as (origin, _):
+        response = await client.request("POST", origin, "/v1/x", b"{}")
+        assert await response.next_data() == b"role\ntoken\n"
+        reading = asyncio.ensure_future(response.next_data(sink_once))
+        await asyncio.sleep(0.05)
+        steps[0].set()
+        assert await asyncio.wait_for(reading, 5) == b""
+        assert taken == [b"next0\n"] and not response.complete
+        steps[1].set()
+        assert await asyncio.wait_for(response.next_data(), 5) == b"next1\n"
+        assert await asyncio.wait_for(response.next_data(), 5) == b""
+        assert response.complete and taken == [b"next0\n"]
+        response.release()
+    await client.close()
+
+
+async def test_a_sink_that_fails_fails_its_reader() -> None:
+    steps = [asyncio.Event(), asyncio.Event()]
+
+    def broken_sink(data: bytes) -> bool:
+        raise ValueError("the sink broke")
+
+    client = _client()
+    async with raw_server(_stream_in_three_writes(steps)) as (origin, _):
+        response = await client.request("POST", origin, "/v1/x", b"{}")
+        assert await response.next_data() == b"role\ntoken\n"
+        reading = asyncio.ensure_future(response.next_data(broken_sink))
+        await asyncio.sleep(0.05)
+        steps[0].set()
+        with pytest.raises(ValueError, match="the sink broke"):
+            await asyncio.wait_for(reading, 5)
+        response.close()
+    await client.close()
+
+
 async def test_idle_connections_are_closed_before_the_server_would() -> None:
     clock = FakeClock()
     client = _client(clock, idle_s=4.0)

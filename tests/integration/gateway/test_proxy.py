@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sqlite3
+from typing import Any
 
 import httpx
 import pytest
 
+from deepserve.gateway import http_server
+from deepserve.gateway.asgi import Send
 from deepserve.gateway.keys import KeyStore
 from deepserve.gateway.ledger import default_ledger_path, summarise
 from deepserve.gateway.limits import KeyLimits
+from deepserve.gateway.relay import StreamRelay
 from deepserve.gateway.server import running_gateway
 from deepserve.net import free_port
 from deepserve.simulate.clock import ManualClock
@@ -70,6 +75,50 @@ async def test_stream_chunks_are_forwarded_as_they_arrive_and_usage_is_accounted
         metrics = app.metrics.render().decode()
         assert f'deepserve_gateway_ttft_seconds_count{{model="{FAKE_MODEL}"}} 1.0' in metrics
         assert f'deepserve_gateway_completion_tokens_total{{key="anonymous",model="{FAKE_MODEL}"}} 4.0' in metrics
+
+
+async def test_a_stream_to_a_client_that_stops_reading_waits_for_it_and_arrives_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay writes from the upstream's read callback while the client takes the writes; a client that stops
+    reading makes it hand the stream back to the request's task, which waits for the client to drain (flow
+    control), and the client still gets every event, in order."""
+    handed_back = 0
+    send_held = StreamRelay.send_held
+
+    async def counted_send_held(relay: StreamRelay, send: Send) -> None:
+        nonlocal handed_back
+        handed_back += 1
+        await send_held(relay, send)
+
+    monkeypatch.setattr(StreamRelay, "send_held", counted_send_held)
+    connection_made = http_server._Connection.connection_made
+
+    def on_a_slow_network(connection: Any, transport: asyncio.BaseTransport) -> None:
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        connection_made(connection, transport)
+
+    # The kernel's buffers on loopback would take the whole stream: small ones, as on a slow link, make it push back.
+    monkeypatch.setattr(http_server._Connection, "connection_made", on_a_slow_network)
+    tokens = 3000
+    async with upstream_and_gateway() as (_, _, client):
+        host, port = client.base_url.host, client.base_url.port
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the gateway's writes back up
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+        body = json.dumps({**CHAT, "max_tokens": tokens, "stream": True}).encode()
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n"
+        writer.write(head.encode() + body)
+        await until(lambda: handed_back > 0, timeout_s=20)  # nothing read yet: the gateway had to wait
+        text = b""
+        while not text.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
+            text += await asyncio.wait_for(reader.read(65536), 30)
+        writer.close()
+    assert text.startswith(b"HTTP/1.1 200")
+    assert text.count(TOKEN_EVENT) == tokens
+    assert text.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
 
 
 async def test_stream_usage_kept_when_the_client_asked() -> None:
