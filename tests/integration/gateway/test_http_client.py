@@ -141,6 +141,15 @@ def _stream_in_three_writes(steps: list[asyncio.Event]) -> Handler:
     return handler
 
 
+async def _next_event_through(response: HttpResponse, sink: Callable[[bytes], bool], send_next: asyncio.Event) -> bytes:
+    """Read what came with the head, then wait with SINK given while the upstream sends its next event."""
+    assert await response.next_data() == b"role\ntoken\n"
+    reading = asyncio.ensure_future(response.next_data(sink))
+    await asyncio.sleep(0.05)  # the reader is asleep, its sink given
+    send_next.set()
+    return await asyncio.wait_for(reading, 5)
+
+
 async def test_a_sink_gets_each_read_from_the_read_callback_while_the_reader_sleeps() -> None:
     """The relay's fast path: what arrives while the reader waits goes to the sink, a read's chunks joined, and the
     reader's task is not woken for it; it wakes once, at the end of the body."""
@@ -183,11 +192,7 @@ async def test_a_sink_that_can_take_no_more_hands_the_rest_back_to_its_reader() 
     client = _client()
     async with raw_server(_stream_in_three_writes(steps)) as (origin, _):
         response = await client.request("POST", origin, "/v1/x", b"{}")
-        assert await response.next_data() == b"role\ntoken\n"
-        reading = asyncio.ensure_future(response.next_data(sink_once))
-        await asyncio.sleep(0.05)
-        steps[0].set()
-        assert await asyncio.wait_for(reading, 5) == b""
+        assert await _next_event_through(response, sink_once, steps[0]) == b""
         assert taken == [b"next0\n"] and not response.complete
         steps[1].set()
         assert await asyncio.wait_for(response.next_data(), 5) == b"next1\n"
@@ -206,12 +211,8 @@ async def test_a_sink_that_fails_fails_its_reader() -> None:
     client = _client()
     async with raw_server(_stream_in_three_writes(steps)) as (origin, _):
         response = await client.request("POST", origin, "/v1/x", b"{}")
-        assert await response.next_data() == b"role\ntoken\n"
-        reading = asyncio.ensure_future(response.next_data(broken_sink))
-        await asyncio.sleep(0.05)
-        steps[0].set()
         with pytest.raises(ValueError, match="the sink broke"):
-            await asyncio.wait_for(reading, 5)
+            await _next_event_through(response, broken_sink, steps[0])
         response.close()
     await client.close()
 
