@@ -442,6 +442,9 @@ class StreamSummary:
     proxy_cpu_ms_per_stream: float = float("nan")  # CPU of the process the requests went to, per stream
     core_share: float = float("nan")  # that CPU over the wall time of the batches: the share of one core it used
     repeats: list[StreamSummary] = field(default_factory=list)  # each repeat's own, in run order
+    # With --wave: the median over waves of each wave's median TTFT, and of its slowest stream's
+    wave_median_ms: float = float("nan")
+    wave_slowest_ms: float = float("nan")
 
 
 def summarise(results: list[StreamResult]) -> StreamSummary:
@@ -452,6 +455,24 @@ def summarise(results: list[StreamResult]) -> StreamSummary:
         percentile(ttfts, 50), percentile(ttfts, 99), statistics.fmean(itls) if itls else float("nan"),
         len(results) - len(ok), len(results),
     )  # fmt: skip
+
+
+def wave_ttfts(results: list[StreamResult], concurrency: int) -> tuple[float, float]:
+    """RESULTS in waves of CONCURRENCY (as wave_load returns them): the median over the waves of each wave's median
+    TTFT and of its slowest stream's, in ms (waves with a failure left out). Unlike a percentile of all streams
+    together, it compares waves with waves: a lockstep engine runs a wave in two steps or, when every request of it
+    arrived before the first step was formed, in one, and a few one-step waves on one path move its pooled p50 by
+    a whole step."""
+    middles, slowest = [], []
+    for start in range(0, len(results) - concurrency + 1, concurrency):
+        wave = results[start : start + concurrency]
+        if all(result.ok for result in wave):
+            ttfts = sorted(result.ttft_s * 1000 for result in wave)
+            middles.append(statistics.median(ttfts))
+            slowest.append(ttfts[-1])
+    if not middles:
+        return float("nan"), float("nan")
+    return statistics.median(middles), statistics.median(slowest)
 
 
 def main() -> int:
@@ -611,6 +632,8 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
             summary.proxy_cpu_ms_per_stream = cpu_s[name] * 1000 / max(1, len(results[name]))
             summary.core_share = cpu_s[name] / wall_s[name] if wall_s[name] else float("nan")
             summary.repeats = by_repeat[name]
+            if args.wave:
+                summary.wave_median_ms, summary.wave_slowest_ms = wave_ttfts(results[name], concurrency)
             rows[f"stream/{concurrency}/{name}"] = summary
     if args.latency_requests:
         latencies: dict[str, list[float]] = {name: [] for name in targets if name != "litellm"}
@@ -680,6 +703,26 @@ def _spread_row(concurrency: int, name: str, summary: StreamSummary, direct: Str
 PATHS = ("direct", "gateway", "workers=2", "baseline", "gw+redis", "w=2+redis", "base+redis", "base+w=2", "litellm")
 
 
+def _print_wave_table(args: argparse.Namespace, rows: dict[str, object]) -> None:
+    print()
+    print("By wave (see wave_ttfts): the median over waves of each wave's median TTFT and of its slowest stream's")
+    print("| streams | path | waves | wave median TTFT ms | added ms | wave's slowest TTFT ms | added ms |")
+    print("|---|---|---|---|---|---|---|")
+    for concurrency in args.concurrency:
+        direct = rows.get(f"stream/{concurrency}/direct")
+        for name in PATHS:
+            summary = rows.get(f"stream/{concurrency}/{name}")
+            if not isinstance(summary, StreamSummary) or not isinstance(direct, StreamSummary):
+                continue
+            added = (
+                (f"{summary.wave_median_ms - direct.wave_median_ms:+.2f}",
+                 f"{summary.wave_slowest_ms - direct.wave_slowest_ms:+.2f}")
+                if name != "direct" else ("–", "–")
+            )  # fmt: skip
+            print(f"| {concurrency} | {name} | {summary.count // concurrency} | {summary.wave_median_ms:.2f} | "
+                  f"{added[0]} | {summary.wave_slowest_ms:.2f} | {added[1]} |")  # fmt: skip
+
+
 def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
     print()
     mode = "lockstep (one engine step for all streams)" if args.lockstep else "staggered"
@@ -709,6 +752,8 @@ def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
                   f"{summary.failures}/{summary.count} |")  # fmt: skip
             if name != "direct":
                 spreads.append(_spread_row(concurrency, name, summary, direct))
+    if args.wave:
+        _print_wave_table(args, rows)
     print()
     print("Added TTFT of each repeat on its own (that repeat's path minus the same repeat's direct), in run order:")
     print("| streams | path | added TTFT p50 ms by repeat | added TTFT p99 ms by repeat | p99 range |")
