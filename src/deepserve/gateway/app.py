@@ -98,7 +98,6 @@ _KEY_REFRESH_INTERVAL_S = 1.0
 # known (no max_model_len from the upstream's /v1/models nor --max-model-len): DeepSeek-V3's context, 128K tokens.
 # A charge never exceeds the context: the engine cannot use more, whatever max_tokens says.
 DEFAULT_CHARGE_CAP_TOKENS = 131072
-# Keep at most this much of a streamed response when log_bodies is on.
 
 
 class GatewayApp:
