@@ -15,6 +15,9 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+# The gateway's own server's send without waiting (http_server.SEND_NOW_SCOPE_KEY): False, nothing sent, when the
+# client's connection pushes back and the caller must await send instead.
+SendNow = Callable[[Message], bool]
 App = Callable[[Scope, Receive, Send], Coroutine[Any, Any, None]]
 
 JSON_HEADER = (b"content-type", b"application/json")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, MutableMapping
 from typing import Any
 
+from deepserve.gateway.asgi import SendNow
 from deepserve.gateway.errors import ClientGone
 from deepserve.gateway.keys import ApiKey
 from deepserve.gateway.limits import Admission
@@ -71,7 +71,7 @@ class Exchange:
         self.response_id: str | None = None  # a Responses API answer's id
         # The server's send without waiting (http_server.SEND_NOW_SCOPE_KEY), when it has one: how the stream
         # relay forwards events from the upstream's read callback (relay.py)
-        self.send_now: Callable[[MutableMapping[str, Any]], bool] | None = None
+        self.send_now: SendNow | None = None
         self.prefill_upstream: str | None = None  # the prefill replica (prefill/decode disaggregation)
         self.decode_sent_s: float | None = None  # when the decode request went out, after its prefill
 

@@ -19,17 +19,15 @@ away cancels the task; what the callback writes to a gone client is dropped, as 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Protocol
 
-from deepserve.gateway.asgi import Message, Send
+from deepserve.gateway.asgi import Message, Send, SendNow
 from deepserve.gateway.exchange import Exchange
+from deepserve.gateway.http_client import BodySink
 from deepserve.gateway.streaming import StreamTap
 
 # The most of a stream's body kept for the usage ledger's body column (log_bodies).
 MAX_LOGGED_BODY_BYTES = 1 << 20
-
-SendNow = Callable[[Message], bool]  # the server's `send` without waiting: False when it would have to wait
 
 
 class Observer(Protocol):
@@ -60,7 +58,7 @@ class StreamRelay:
         self.held: list[Message] = []  # what `offer` could not send: the task sends it, waiting for the client
 
     @property
-    def offer_sink(self) -> Callable[[bytes], bool] | None:
+    def offer_sink(self) -> BodySink | None:
         """`offer`, when the server can send from outside the request's task (the gateway's own can; another ASGI
         server cannot, and the task relays every event)."""
         return None if self._send_now is None else self.offer
