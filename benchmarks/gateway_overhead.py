@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -703,24 +703,31 @@ def _spread_row(concurrency: int, name: str, summary: StreamSummary, direct: Str
 PATHS = ("direct", "gateway", "workers=2", "baseline", "gw+redis", "w=2+redis", "base+redis", "base+w=2", "litellm")
 
 
+def _measured_paths(
+    args: argparse.Namespace, rows: dict[str, object]
+) -> Iterator[tuple[int, str, StreamSummary, StreamSummary]]:
+    """(concurrency, path, its summary, direct's summary) for every path measured, in the tables' order."""
+    for concurrency in args.concurrency:
+        direct = rows.get(f"stream/{concurrency}/direct")
+        for name in PATHS:
+            summary = rows.get(f"stream/{concurrency}/{name}")
+            if isinstance(summary, StreamSummary) and isinstance(direct, StreamSummary):
+                yield concurrency, name, summary, direct
+
+
 def _print_wave_table(args: argparse.Namespace, rows: dict[str, object]) -> None:
     print()
     print("By wave (see wave_ttfts): the median over waves of each wave's median TTFT and of its slowest stream's")
     print("| streams | path | waves | wave median TTFT ms | added ms | wave's slowest TTFT ms | added ms |")
     print("|---|---|---|---|---|---|---|")
-    for concurrency in args.concurrency:
-        direct = rows.get(f"stream/{concurrency}/direct")
-        for name in PATHS:
-            summary = rows.get(f"stream/{concurrency}/{name}")
-            if not isinstance(summary, StreamSummary) or not isinstance(direct, StreamSummary):
-                continue
-            added = (
-                (f"{summary.wave_median_ms - direct.wave_median_ms:+.2f}",
-                 f"{summary.wave_slowest_ms - direct.wave_slowest_ms:+.2f}")
-                if name != "direct" else ("–", "–")
-            )  # fmt: skip
-            print(f"| {concurrency} | {name} | {summary.count // concurrency} | {summary.wave_median_ms:.2f} | "
-                  f"{added[0]} | {summary.wave_slowest_ms:.2f} | {added[1]} |")  # fmt: skip
+    for concurrency, name, summary, direct in _measured_paths(args, rows):
+        added = (
+            (f"{summary.wave_median_ms - direct.wave_median_ms:+.2f}",
+             f"{summary.wave_slowest_ms - direct.wave_slowest_ms:+.2f}")
+            if name != "direct" else ("–", "–")
+        )  # fmt: skip
+        print(f"| {concurrency} | {name} | {summary.count // concurrency} | {summary.wave_median_ms:.2f} | "
+              f"{added[0]} | {summary.wave_slowest_ms:.2f} | {added[1]} |")  # fmt: skip
 
 
 def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
@@ -734,24 +741,19 @@ def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
           "| added TTFT p99 ms | added ITL ms | server CPU ms/stream | server core % | failed |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     spreads = []
-    for concurrency in args.concurrency:
-        direct = rows.get(f"stream/{concurrency}/direct")
-        for name in PATHS:
-            summary = rows.get(f"stream/{concurrency}/{name}")
-            if not isinstance(summary, StreamSummary) or not isinstance(direct, StreamSummary):
-                continue
-            added = (
-                f"{summary.ttft_p50_ms - direct.ttft_p50_ms:+.2f} | {summary.ttft_p99_ms - direct.ttft_p99_ms:+.2f} | "
-                f"{summary.itl_mean_ms - direct.itl_mean_ms:+.2f}"
-                if name != "direct" else "– | – | –"
-            )  # fmt: skip
-            chunk_rate = concurrency * 1000 / args.itl_ms
-            print(f"| {concurrency} | {chunk_rate:,.0f} | {name} | {summary.ttft_p50_ms:.2f} | "
-                  f"{summary.ttft_p99_ms:.2f} | {summary.itl_mean_ms:.2f} | {added} | "
-                  f"{summary.proxy_cpu_ms_per_stream:.2f} | {summary.core_share * 100:.0f} | "
-                  f"{summary.failures}/{summary.count} |")  # fmt: skip
-            if name != "direct":
-                spreads.append(_spread_row(concurrency, name, summary, direct))
+    for concurrency, name, summary, direct in _measured_paths(args, rows):
+        added = (
+            f"{summary.ttft_p50_ms - direct.ttft_p50_ms:+.2f} | {summary.ttft_p99_ms - direct.ttft_p99_ms:+.2f} | "
+            f"{summary.itl_mean_ms - direct.itl_mean_ms:+.2f}"
+            if name != "direct" else "– | – | –"
+        )  # fmt: skip
+        chunk_rate = concurrency * 1000 / args.itl_ms
+        print(f"| {concurrency} | {chunk_rate:,.0f} | {name} | {summary.ttft_p50_ms:.2f} | "
+              f"{summary.ttft_p99_ms:.2f} | {summary.itl_mean_ms:.2f} | {added} | "
+              f"{summary.proxy_cpu_ms_per_stream:.2f} | {summary.core_share * 100:.0f} | "
+              f"{summary.failures}/{summary.count} |")  # fmt: skip
+        if name != "direct":
+            spreads.append(_spread_row(concurrency, name, summary, direct))
     if args.wave:
         _print_wave_table(args, rows)
     print()
