@@ -130,3 +130,43 @@ def test_fp4_weights_have_kernel_figures_on_every_gpu_class() -> None:
     for gpu in ("b200", "h200", "a100", "mi300x"):
         rates = kernel_rates(get_accelerator(gpu), "nvfp4")
         assert rates.family == "fp4" and not rates.rate("moe_gemm").measured
+
+
+def test_the_engines_kernel_sets_the_fp8_figures_where_several_were_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block-scaled GEMMs (DeepSeek's FP8 checkpoints) and the grouped MoE GEMM (one kernel over every local expert,
+    as the engines' fused MoE) set the planner's FP8 figures; the faster per-tensor and per-expert cases only stay
+    in the file."""
+    torch = pytest.importorskip("torch")
+    script = _load_script(monkeypatch)
+    acc = get_accelerator("h100")
+    calibration = script.Calibration(acc, torch.device("cpu"), script.Timer(torch.device("cpu"), 0, 1), 1)
+    bandwidth = acc.memory_bandwidth_gb_s * 1e9
+    for family, case, scaling, fraction in (
+        ("dense_gemm", "o_proj m=1", "tensor", 0.8),
+        ("dense_gemm", "lm_head m=1", "tensor", 0.8),
+        ("dense_gemm", "o_proj m=1", "block", 0.4),
+        ("dense_gemm", "lm_head m=1", "block", 0.4),
+        ("moe_gemm", "ep8 batch 256 (32 tokens/rank, 32/32 experts)", "block per expert", 0.3),
+        ("moe_gemm", "ep16 batch 256 (32 tokens/rank, 16/16 experts)", "block per expert", 0.3),
+        ("moe_gemm", "ep8 batch 256 (32 tokens/rank, 32/32 experts)", "rowwise grouped", 0.6),
+        ("moe_gemm", "ep16 batch 256 (32 tokens/rank, 16/16 experts)", "rowwise grouped", 0.6),
+    ):
+        nbytes = 1e9 if case.startswith(("lm_head", "ep8")) else 2.5e8
+        calibration.record(family, case, "fp8", nbytes / (fraction * bandwidth), nbytes, 1e6, scaling)
+    kinds = calibration.planner_block()["kinds"]
+    assert kinds["dense_gemm"]["fp8"]["memory_efficiency"] == pytest.approx(0.4, rel=1e-3)
+    assert kinds["moe_gemm"]["fp8"]["memory_efficiency"] == pytest.approx(0.6, rel=1e-3)
+    assert kinds["moe_gemm"]["fp8"]["floor_us"] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_the_recorded_gpu_calibrations_hold_the_kernels_the_searched_layouts_need(gpu: str) -> None:
+    path = Path(__file__).parents[3] / "benchmarks" / "results" / f"calibration_{gpu}.json"
+    data = json.loads(path.read_text())
+    assert data["catalog_entry"].startswith(gpu) and not data["smoke"] and data["device"].startswith("NVIDIA H")
+    cases = [(m["family"], m["case"], m["scaling"]) for m in data["measurements"]]
+    assert any(f == "moe_gemm" and c.startswith("ep64 ") and s == "rowwise grouped" for f, c, s in cases)
+    assert any(f == "dense_gemm" and s == "block" for f, _, s in cases)
+    assert any(f == "mla_decode" and c.endswith("context 131072") for f, c, _ in cases)
+    assert any(f == "mla_prefill" and c.startswith("chunk 8192 over 131072") for f, c, _ in cases)
+    assert load_calibration(path)["kinds"].keys() >= {"dense_gemm", "moe_gemm", "mla_decode", "mla_prefill"}
