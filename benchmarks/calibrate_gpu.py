@@ -46,6 +46,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -259,7 +260,6 @@ class Calibration:
             "dense_mlp gate_up 7168x4608": (spec.hidden_size, 2 * spec.intermediate_size // TP),
             "lm_head 7168x16160": (spec.hidden_size, spec.vocab_size // TP),
         }
-        fp8 = {"tensor": self.fp8_matmul(), "block": self.fp8_block_matmul()}
         for name, (k_full, n_full) in shapes.items():
             k, n = self.dim(k_full), self.dim(n_full)
             weight = torch.randn(k, n, device=self.device, dtype=torch.bfloat16) * 0.02
@@ -267,9 +267,7 @@ class Calibration:
                 x = torch.randn(m, k, device=self.device, dtype=torch.bfloat16)
                 seconds = self.timer.median_s(lambda x=x, weight=weight: torch.matmul(x, weight), f"{name} m={m}")
                 self.record("dense_gemm", f"{name} m={m}", "bf16", seconds, (k * n + m * k + m * n) * 2, 2 * m * k * n)
-                for scaling, prepare in fp8.items():
-                    if prepare is None:
-                        continue
+                for scaling, prepare in self.fp8_gemms.items():
                     seconds = self._fp8_seconds(prepare, x, weight, f"{name} m={m} fp8 {scaling}")
                     if seconds is not None:
                         nbytes = k * n + m * k + m * n * 2 + (k * n / 128**2 + m * k / 128) * 4 * (scaling == "block")
@@ -282,6 +280,13 @@ class Calibration:
         except (RuntimeError, ValueError) as exc:
             print(f"{case} skipped: {exc}".splitlines()[0], file=sys.stderr)
             return None
+
+    @cached_property
+    def fp8_gemms(self) -> dict[str, Fp8Builder]:
+        """The FP8 GEMMs this device runs, by scale layout ("tensor", "block"): each probed once, the ones that
+        cannot run left out (and said so)."""
+        builders = {"tensor": self.fp8_matmul(), "block": self.fp8_block_matmul()}
+        return {scaling: build for scaling, build in builders.items() if build is not None}
 
     def fp8_matmul(self) -> Fp8Builder | None:
         """FP8 x FP8 -> BF16 with per-tensor scales via torch._scaled_mm, where the device runs it."""
@@ -368,10 +373,10 @@ class Calibration:
     def expert_builders(self) -> dict[tuple[str, str], ExpertBuilder]:
         """Per (dtype, scaling), a builder of one expert-parallel MoE step on this device: (experts, rows, hidden,
         intermediate) -> its call."""
-        block = self.fp8_block_matmul()
-        per_expert, scaling = (block, "block") if block else (self.fp8_matmul(), "tensor")
-        if per_expert is None:
+        scaling = next((scaling for scaling in ("block", "tensor") if scaling in self.fp8_gemms), None)
+        if scaling is None:
             return {("bf16", ""): self._bf16_experts}
+        per_expert = self.fp8_gemms[scaling]
         builders: dict[tuple[str, str], ExpertBuilder] = {}
         if self._grouped_fp8_runs():
             builders["fp8", "rowwise grouped"] = self._grouped_fp8_experts
