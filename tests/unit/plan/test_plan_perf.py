@@ -355,3 +355,23 @@ def test_an_mla_decode_kernel_the_table_lacks_is_refused_with_the_known_ones(v3)
     deployment = replace(build_deployment(v3, "b200", 8, weights="fp8"), options=StepOptions(mla_decode_backend="x"))
     with pytest.raises(ConfigError, match="known: triton"):
         deployment.kernel_rates()
+
+
+def test_sglang_0_4_on_rocm_carries_the_step_its_published_run_measured() -> None:
+    """dstack's DeepSeek-R1 run on 8 x MI300X with SGLang 0.4.2.post4 (dstackai/benchmarks, online_results.csv:
+    3,200 / 800 tokens) measured a mean TPOT of 34.9, 38.8 and 47.1 ms at 4, 8 and 16 clients; the fitted profile
+    (SGLang 0.5.19 on ROCm) with the 0.4 series' version fact gives the same within 10%, and 20 ms less per step
+    for 0.5."""
+    r1 = load_spec("deepseek-ai/DeepSeek-R1")
+    workload = RequestLengths(3200, 800)
+    tpots = {}
+    for version in ("0.4.2", "0.5.19"):
+        deployment = build_deployment(r1, "mi300x", 8, engine="sglang", engine_version=version)
+        selected = deployment.select_engine()
+        assert selected is not None and selected.profile == "sglang-rocm"
+        model = deployment.performance_model(selected)
+        tpots[version] = [model.predict(c, workload, deployment.running_cap).tpot_ms for c in (4, 8, 16)]
+    for predicted, published in zip(tpots["0.4.2"], (34.94, 38.75, 47.09), strict=True):
+        assert predicted == pytest.approx(published, rel=0.1)
+    for old, new in zip(tpots["0.4.2"], tpots["0.5.19"], strict=True):
+        assert old - new == pytest.approx(20.0, rel=0.05)

@@ -311,7 +311,9 @@ def test_profile_selection_and_versions() -> None:
     old = select_profile("sglang", "hopper", "0.4.3", profiles)
     assert old is not None and old.facts.step_overhead_ms > 0 and "2643" in old.facts.source
     rocm = select_profile("sglang", "cdna3", None, profiles)
-    assert rocm is not None and rocm.profile == "sglang-rocm"
+    assert rocm is not None and rocm.profile == "sglang-rocm" and rocm.facts.range == ">=0.5"
+    rocm_0_4 = select_profile("sglang", "cdna3", "0.4.10.post1", profiles)
+    assert rocm_0_4 is not None and rocm_0_4.facts.step_overhead_ms == 20.0 and "dstack" in rocm_0_4.facts.source
     cpu = select_profile("sglang", "cpu", None, profiles)  # SGLang has no CPU profile: vLLM's CPU one stands in
     assert cpu is not None and cpu.profile == "vllm-cpu" and cpu.provenance.startswith("transferred")
     assert select_profile("sglang", "cpu", None, profiles, across_engines=False) is None
