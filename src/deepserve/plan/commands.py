@@ -56,8 +56,9 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
 
 def _running_cap_on(deployment: Deployment, engine: str) -> int | None:
     """--max-num-seqs per rank for ENGINE: the plan's cap, where it comes from the KV cache or the user, is every
-    engine's; one that comes from the plan engine's own default (SGLang's for DeepSeek-V4) is that engine's only."""
-    if engine != deployment.engine and deployment.max_num_seqs is None:
+    engine's; one that comes from the plan engine's own default or pool (SGLang's for DeepSeek-V4) is that
+    engine's only."""
+    if engine != deployment.engine:
         deployment = replace(deployment, engine=engine, engine_version=None)
     return deployment.max_num_seqs_per_rank
 

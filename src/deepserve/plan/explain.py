@@ -219,7 +219,14 @@ def explain_kv_cache(config: PlanConfig, deployment: Deployment) -> str:
     if memory.kv_cache_tokens < memory.max_model_len:
         text += f", fewer than one max_model_len of {memory.max_model_len:,}: the engine would refuse to start"
     cap = deployment.running_cap
-    if deployment.max_num_seqs is not None and cap < memory.max_concurrent_sequences:
+    pool = deployment.engine_pool_sequences_per_rank
+    if pool is not None and cap == pool * layout.dp and cap < memory.max_concurrent_sequences:
+        text += (
+            f"; {deployment.engine}'s own pool for {deployment.spec.architecture} caps the running batch at {cap}: "
+            f"its sliding-window pool, a fixed share of its cache in uncompressed entries of every layer, keeps "
+            f"each running request's prompt ({memory.prompt_len:,} tokens) until the request ends"
+        )
+    elif deployment.max_num_seqs is not None and cap < memory.max_concurrent_sequences:
         text += f"; max_num_seqs {deployment.max_num_seqs} caps the running batch at {cap}"
     elif deployment.max_num_seqs_in_effect is not None and cap < memory.max_concurrent_sequences:
         default = deployment.engine_default_running_requests

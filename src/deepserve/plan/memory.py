@@ -69,6 +69,7 @@ class MemoryPlan:
     kv_cache_tokens: int  # tokens the deployment caches (all data-parallel replicas together), as vLLM reports it
     max_model_len: int
     sequence_len: int  # input + output of the planned workload
+    prompt_len: int = 0  # input of the planned workload (0: the whole sequence_len)
     # What a request holds whatever its length on one GPU: V4's sliding windows and compressor state (0 for MLA).
     kv_fixed_bytes_per_sequence: int = 0
     kv_layout: KVCacheLayout | None = None  # the cache of the GPU's layers, for bytes at any context length
@@ -188,6 +189,7 @@ def plan_memory(
         kv_cache_tokens=tokens,
         max_model_len=max_model_len,
         sequence_len=sequence_len,
+        prompt_len=prompt_len or sequence_len,
         kv_fixed_bytes_per_sequence=cache.fixed_bytes_per_sequence,
         kv_layout=cache,
         kv_sequences=sequences,

@@ -73,6 +73,10 @@ class VersionFacts:
     # the engine's own running-request cap when the command sets none, by model architecture (config.json's
     # `architectures`), over all data-parallel ranks together: each rank runs its share
     default_running_requests: dict[str, int] = field(default_factory=dict)
+    # the engine's own KV pool for a model architecture where it admits fewer requests than the planner's cache
+    # model: its sliding-window pool's share of the full pool's tokens (SGLang's --swa-full-tokens-ratio for
+    # DeepSeek-V4, plan/engine_pools.py)
+    swa_full_tokens_ratio: dict[str, float] = field(default_factory=dict)
 
     def step_launch(self, family: str) -> str:
         per_expert = self.moe_per_expert.get(family)
@@ -200,6 +204,10 @@ def _version_facts(entry: dict[str, Any]) -> VersionFacts:
         default_running_requests={
             architecture: int(count)
             for architecture, count in entry.get("default_running_requests", {}).get("by_architecture", {}).items()
+        },
+        swa_full_tokens_ratio={
+            architecture: float(ratio)
+            for architecture, ratio in entry.get("swa_pool", {}).get("by_architecture", {}).items()
         },
     )
 

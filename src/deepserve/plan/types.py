@@ -14,6 +14,7 @@ from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import Accelerator, Network
 from deepserve.models.spec import ModelSpec
 from deepserve.plan.calibration import apply_calibration
+from deepserve.plan.engine_pools import sglang_v4_pool
 from deepserve.plan.formats import WeightFormat
 from deepserve.plan.kernels import KernelRates, kernel_rates
 from deepserve.plan.layout import Layout, layout_links
@@ -134,7 +135,26 @@ class Deployment:
         seqs = self.max_num_seqs_in_effect
         if seqs is not None:
             cap = min(cap, seqs * self.seqs_schedulers)
+        pool = self.engine_pool_sequences_per_rank
+        if pool is not None:
+            cap = min(cap, pool * self.layout.dp)
         return max(cap, 0)
+
+    @property
+    def engine_pool_sequences_per_rank(self) -> int | None:
+        """Requests of the planned lengths that the engine's own KV pool admits on one data-parallel rank, where
+        its profile records a pool of its own for this model (SGLang's sliding-window pool for DeepSeek-V4,
+        plan/engine_pools.py); None where the planner's cache model is the engine's."""
+        selected = self.select_engine(across_engines=False)
+        ratio = None if selected is None else selected.facts.swa_full_tokens_ratio.get(self.spec.architecture)
+        if ratio is None or not self.memory.fits:
+            return None
+        slots = self.max_num_seqs_in_effect or self.memory.max_concurrent_sequences // self.layout.dp
+        memory = self.memory
+        pool = sglang_v4_pool(
+            self.spec, memory.kv_cache_bytes_per_gpu, ratio, max(slots, 1), speculative=self.speculation is not None
+        )
+        return pool.sequences(memory.prompt_len or memory.sequence_len, memory.sequence_len)
 
     @property
     def max_num_seqs_in_effect(self) -> int | None:

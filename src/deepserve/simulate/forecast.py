@@ -70,6 +70,9 @@ def _rank_scheduler(deployment: Deployment, model: PerformanceModel) -> Schedule
     block_size = default_block_size(deployment.spec.is_mla)
     default_seqs, _ = default_batch_limits(accelerator.memory_gib, accelerator.name)
     seqs = deployment.max_num_seqs_in_effect or default_seqs
+    pool = deployment.engine_pool_sequences_per_rank  # SGLang's V4 sliding-window pool, at the planned prompts
+    if pool is not None:
+        seqs = max(min(seqs, pool), 1)
     limits = SchedulerLimits(
         max_num_seqs=seqs * deployment.micro_batches_capped(),
         max_num_batched_tokens=deployment.max_num_batched_tokens,

@@ -96,7 +96,9 @@ def test_sglang_runs_deepseek_v4_with_its_own_default_of_256_requests_shared_ove
 
 def test_a_given_max_num_seqs_overrides_the_engines_default_and_other_engines_commands_do_not_inherit_it() -> None:
     given = make_plan(v4_on_sglang(max_num_seqs=200)).deployment
-    assert given.running_cap == 800  # 200 on each of the 4 ranks
+    assert given.max_num_seqs_in_effect == 200  # on each of the 4 ranks, in place of SGLang's 64
+    pool = given.engine_pool_sequences_per_rank  # at 8K prompts each rank's sliding-window pool holds fewer
+    assert pool is not None and 64 < pool < 200 and given.running_cap == 4 * pool
     plan = make_plan(v4_on_sglang())
     assert engine_config(plan.deployment, plan.config, "sglang").max_num_seqs == 64
     on_vllm = engine_config(plan.deployment, plan.config, "vllm").max_num_seqs
