@@ -59,6 +59,7 @@ def test_research_rows_keep_their_source_and_say_how_they_are_read() -> None:
         raw = list(csv.DictReader(handle))
     assert len(raw) == 382 and [int(r["row"]) for r in raw] == list(range(101, 483))
     for entry in raw:
+        assert None not in entry, f"row {entry['row']}: more fields than columns (an unquoted comma in its text)"
         assert entry["source"] and entry["source_id"], entry["row"]
         assert entry["scored_as"] in (*SCORED_KINDS, "excluded"), entry["row"]
         if entry["scored_as"] == "excluded" or "[changed:" in entry["curation"]:
