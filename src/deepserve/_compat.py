@@ -4,9 +4,10 @@ Ubuntu 22.04, common on GPU servers, ships Python 3.10. On 3.11 and later these 
 
 - `timeout(delay_s)`: `asyncio.timeout`; on 3.10 the async-timeout backport (asyncio.timeout's origin), raising
   the builtin TimeoutError on expiry as 3.11 does (3.10's asyncio.TimeoutError is a different class).
-- `wait_for_event(event, timeout_s)`: until an asyncio.Event is set or the time is up, on `timeout`; not
-  `asyncio.wait_for`, which on 3.11 can swallow a cancellation that arrives just as the event is set (a waiter that
-  was cancelled then runs on: a benchmark that never ended in CI).
+- `wait_for_event(event, timeout_s)`: until an asyncio.Event is set or the time is up, never swallowing a
+  cancellation that arrives as the time runs out: on 3.11 `asyncio.timeout`, not `asyncio.wait_for` (which on 3.11
+  can swallow one that arrives just as the event is set: a benchmark that never ended in CI); on 3.10
+  `asyncio.wait`, not the async-timeout backport (which has the same fault at its expiry).
 - `run(coroutine, loop_factory=...)`: `asyncio.Runner(loop_factory=...).run(...)`, including its Ctrl-C handling:
   the first Ctrl-C cancels the main task (which may catch the cancellation and return partial results), a second
   one raises KeyboardInterrupt.
@@ -46,9 +47,25 @@ else:  # pragma: no cover - exercised by the Python 3.10 test run
 
 async def wait_for_event(event: asyncio.Event, timeout_s: float) -> None:
     """Until EVENT is set or TIMEOUT_S have passed, whichever comes first (the caller looks at the event after)."""
-    with contextlib.suppress(TimeoutError):
-        async with timeout(timeout_s):
-            await event.wait()
+    if sys.version_info >= (3, 11):
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await event.wait()
+        return
+    await _wait_for_event_310(event, timeout_s)  # pragma: no cover - exercised by the Python 3.10 test run
+
+
+async def _wait_for_event_310(event: asyncio.Event, timeout_s: float) -> None:
+    # Not async_timeout: without 3.11's uncancel it turns a cancellation that lands in the same loop iteration as
+    # its own expiry into TimeoutError, which this function swallows; a Ctrl-C lost that way let a benchmark run
+    # to its end in CI. asyncio.wait never swallows a cancellation of the task that awaits it.
+    if event.is_set():
+        return
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout_s)
+    finally:
+        waiter.cancel()
 
 
 def run(coroutine: Coroutine[Any, Any, T], loop_factory: LoopFactory | None = None) -> T:

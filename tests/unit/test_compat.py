@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -69,6 +70,42 @@ def test_timeout_that_does_not_expire_changes_nothing():
         return 7
 
     assert _compat.run(main()) == 7
+
+
+def test_wait_for_event_returns_when_set_or_when_the_time_is_up():
+    async def main() -> tuple[bool, bool]:
+        event = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.01, event.set)
+        await _compat.wait_for_event(event, 30)
+        idle = asyncio.Event()
+        await _compat.wait_for_event(idle, 0.01)
+        return event.is_set(), idle.is_set()
+
+    assert _compat.run(main()) == (True, False)
+
+
+def test_a_cancellation_as_the_wait_runs_out_is_not_swallowed():
+    """The wait's expiry and a cancellation handled in the same loop iteration: the cancellation wins (3.10's
+    async-timeout turned it into a timeout, which wait_for_event swallowed: a Ctrl-C lost, a benchmark ran on)."""
+
+    async def main() -> str:
+        event = asyncio.Event()
+
+        async def waiter() -> str:
+            await _compat.wait_for_event(event, 0.01)
+            return "ran on"
+
+        task = asyncio.ensure_future(waiter())
+        await asyncio.sleep(0)  # the task waits
+        time.sleep(0.05)  # its time is up; the loop has not seen it yet
+        await asyncio.sleep(0)
+        task.cancel()
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return "cancelled"
+
+    assert _compat.run(main()) == "cancelled"
 
 
 def test_ctrl_c_cancels_the_main_task_which_may_return_partial_results():
