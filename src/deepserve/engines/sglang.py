@@ -146,6 +146,21 @@ def _max_running_requests(config: EngineConfig) -> int | None:
     return config.max_num_seqs * config.data_parallel_size if _dp_attention(config) else config.max_num_seqs
 
 
+# SGLang's --chunked-prefill-size when the command sets none, by the GPU's memory (sglang 0.5.15,
+# server_args.py _handle_gpu_memory_settings): below each GiB figure, that many tokens; more memory (B200, B300,
+# MI300X and up), LARGE_GPU_CHUNKED_PREFILL. With DP attention each rank gets it divided by the DP size.
+DEFAULT_CHUNKED_PREFILL_BY_MEMORY = ((35.0, 2048), (60.0, 4096), (160.0, 8192))
+LARGE_GPU_CHUNKED_PREFILL = 16384
+
+
+def default_chunked_prefill_size(gpu_memory_gib: float) -> int:
+    """SGLang's own prompt-token budget per step on a GPU of GPU_MEMORY_GIB, where the command sets none."""
+    for below_gib, tokens in DEFAULT_CHUNKED_PREFILL_BY_MEMORY:
+        if gpu_memory_gib < below_gib:
+            return tokens
+    return LARGE_GPU_CHUNKED_PREFILL
+
+
 def _chunked_prefill_size(config: EngineConfig) -> int | None:
     """SGLang's chunk size: -1 disables chunking; otherwise vLLM's batched-token budget is the nearest match."""
     if config.enable_chunked_prefill is False:

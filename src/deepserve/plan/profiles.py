@@ -77,6 +77,9 @@ class VersionFacts:
     # model: its sliding-window pool's share of the full pool's tokens (SGLang's --swa-full-tokens-ratio for
     # DeepSeek-V4, plan/engine_pools.py)
     swa_full_tokens_ratio: dict[str, float] = field(default_factory=dict)
+    # with data-parallel attention each rank prefills at most the step's token budget divided by the DP size
+    # (SGLang's --chunked-prefill-size // dp_size); False: every rank has the whole budget (vLLM's DP engines)
+    dp_attention_splits_prefill_chunk: bool = False
 
     def step_launch(self, family: str) -> str:
         per_expert = self.moe_per_expert.get(family)
@@ -209,6 +212,7 @@ def _version_facts(entry: dict[str, Any]) -> VersionFacts:
             architecture: float(ratio)
             for architecture, ratio in entry.get("swa_pool", {}).get("by_architecture", {}).items()
         },
+        dp_attention_splits_prefill_chunk=bool(entry.get("dp_attention_prefill_chunk", {}).get("split", False)),
     )
 
 

@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from deepserve.engines.sglang import default_chunked_prefill_size
 from deepserve.errors import DeepserveError
 from deepserve.hardware.catalog import get_accelerator
 from deepserve.models.presets import preset_spec
@@ -40,6 +41,7 @@ ROWS_PATH = Path(__file__).with_name("data") / "published_rows.csv"
 RESEARCH_ROW_OFFSET = 100
 SCORED_KINDS = ("closed_loop", "sweep_peak", "finite", "prefill_phase", "decode_phase")
 GPUS_PER_NODE = 8
+DEFAULT_BATCHED_TOKENS = 8192  # the planner's step budget (plan's --max-num-batched-tokens default)
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class SourceSetup:
     prefill_tokens_per_gpu: int = 0  # prefill-phase rows: prompt tokens per GPU per step
     decode_batch_per_gpu: float = 0.0  # decode-phase rows: sequences per GPU (0: as many as the KV cache holds)
     accept_lengths: tuple[tuple[int, float], ...] = ()  # speculative rows: (draft tokens, mean acceptance length)
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: the engine's own (SGLang's by GPU memory), else 8192
     mla_decode_backend: str | None = None  # the MLA decode kernel the launch command forces (kernels.json)
     dense_gemm_backend: str | None = None  # the dense GEMM kernel the launch forces (kernels.json, per family)
 
@@ -496,10 +498,18 @@ def _row_build(row: PublishedRow) -> Deployment:
         max_model_len=setup.max_model_len or _longest_sequence(workload, setup.length_spread),
         workload=workload,
         max_num_seqs=setup.max_num_seqs,
-        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_num_batched_tokens=setup.max_num_batched_tokens or _engine_default_budget(row),
         engine_version=_version(row.engine_version),
         speculation=row_speculation(row),
     )
+
+
+def _engine_default_budget(row: PublishedRow) -> int:
+    """The step's prompt-token budget of ROW's engine where its source states none: SGLang's own, which depends on
+    the GPU's memory (16,384 on a B200, 8,192 on an H200); the planner's 8,192 for the others."""
+    if row.engine == "sglang":
+        return default_chunked_prefill_size(get_accelerator(row.hardware).memory_gib)
+    return DEFAULT_BATCHED_TOKENS
 
 
 def _longest_sequence(workload: RequestLengths, spread: float) -> int:

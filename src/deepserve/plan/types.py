@@ -157,6 +157,17 @@ class Deployment:
         return pool.sequences(memory.prompt_len or memory.sequence_len, memory.sequence_len)
 
     @property
+    def prefill_tokens_per_rank_step(self) -> int:
+        """Prompt tokens one data-parallel rank may prefill in a step: the step's token budget, divided by the DP
+        size where the engine's profile says its DP attention splits it (SGLang's --chunked-prefill-size //
+        dp_size: 8,192 on 8 ranks is 1,024 tokens each)."""
+        selected = self.select_engine(across_engines=False)
+        dp = self.layout.dp
+        if dp > 1 and selected is not None and selected.facts.dp_attention_splits_prefill_chunk:
+            return max(self.max_num_batched_tokens // dp, 1)
+        return self.max_num_batched_tokens
+
+    @property
     def max_num_seqs_in_effect(self) -> int | None:
         """max_num_seqs per scheduler as the engine runs it: the plan's; else the engine's own default for this
         model where its profile records one (SGLang runs DeepSeek-V4 with 256 requests at most, shared out over

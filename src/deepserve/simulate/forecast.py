@@ -75,7 +75,7 @@ def _rank_scheduler(deployment: Deployment, model: PerformanceModel) -> Schedule
         seqs = max(min(seqs, pool), 1)
     limits = SchedulerLimits(
         max_num_seqs=seqs * deployment.micro_batches_capped(),
-        max_num_batched_tokens=deployment.max_num_batched_tokens,
+        max_num_batched_tokens=deployment.prefill_tokens_per_rank_step,
         max_model_len=memory.max_model_len,
     )
     blocks = max(memory.kv_cache_tokens // layout.dp // block_size, 1)

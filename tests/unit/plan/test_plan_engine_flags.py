@@ -107,6 +107,13 @@ def test_a_given_max_num_seqs_overrides_the_engines_default_and_other_engines_co
     assert "sglang's own default for DeepseekV4ForCausalLM (256 running requests" in words
 
 
+def test_sglang_dp_attention_splits_the_prefill_chunk_over_its_ranks_and_vllm_does_not() -> None:
+    on_sglang = make_plan(v4_on_sglang(max_num_batched_tokens=16384)).deployment
+    assert on_sglang.prefill_tokens_per_rank_step == 4096  # SGLang: --chunked-prefill-size // dp_size
+    on_vllm = make_plan(v4_on_sglang(max_num_batched_tokens=16384).model_copy(update={"engine": "vllm"}))
+    assert on_vllm.deployment.prefill_tokens_per_rank_step == 16384
+
+
 def test_deepseek_needs_no_remote_code() -> None:
     plan = make_plan(PlanConfig(model=V3, gpu="h200", gpus=8))
     assert engine_config(plan.deployment, plan.config, "vllm").trust_remote_code is False

@@ -21,6 +21,7 @@ from deepserve.plan.published import (
     benchmark_run,
     load_rows,
     parse_metric,
+    row_deployment,
     row_speculation,
     unpredictable_reason,
 )
@@ -115,6 +116,17 @@ def test_a_weights_column_that_describes_its_format_is_read_by_the_formats_name(
     assert _run_of(flash_b200).num_prompts == 32 and _run_of(flash_b200).input_len == 4096
     gb200_nvfp4 = rows[next(n for n, r in rows.items() if r.weights.startswith("nvfp4-moe"))]
     assert unpredictable_reason(gb200_nvfp4) is None and get_format(gb200_nvfp4.weight_format).name == "nvfp4"
+
+
+def test_sglang_rows_without_a_stated_chunk_run_at_sglangs_own_default_for_their_gpu() -> None:
+    """SGLang sizes --chunked-prefill-size by the GPU's memory where the command sets none (the V4 cookbook's cells
+    set none): 16,384 on a B200, 8,192 on an H200; InferenceX's stated 32,768 stands; vLLM's rows keep 8,192."""
+    rows = {r.number: r for r in load_rows()}
+    h200_cell = next(r for r in rows.values() if r.source_id == "sglang-v4-cookbook" and r.hardware.startswith("H200"))
+    budgets = [row_deployment(rows[n]).max_num_batched_tokens for n in (287, 196, 1)]
+    assert budgets + [row_deployment(h200_cell).max_num_batched_tokens] == [16384, 32768, 8192, 8192]
+    balanced = row_deployment(rows[287])  # tp4 dp4 with DP attention: each rank prefills a quarter
+    assert balanced.layout.dp == 4 and balanced.prefill_tokens_per_rank_step == 4096
 
 
 def test_an_mtp_run_without_a_stated_acceptance_takes_the_plans_default() -> None:

@@ -113,6 +113,18 @@ def test_data_parallel_ranks_serve_requests_in_parallel(v3) -> None:
     assert eight.ttft_ms.mean < 1.6 * one.ttft_ms.mean
 
 
+def test_sglang_dp_attention_ranks_each_prefill_their_share_of_the_chunk(v3) -> None:
+    """SGLang divides --chunked-prefill-size by the DP size (each of 8 ranks: 1,024 of 8,192 tokens a step); vLLM's
+    DP ranks each schedule the whole budget; without DP SGLang's rank has it all."""
+    layout = Layout(tp=1, dp=8, ep=True)
+    budgets = {}
+    for engine, shape in (("sglang", layout), ("vllm", layout), ("sglang", None)):
+        deployment = _deployment(v3, engine=engine, layout=shape)
+        core = build_forecast_core(deployment, deployment.performance_model())
+        budgets[engine, shape] = core.scheduler.limits.max_num_batched_tokens
+    assert budgets == {("sglang", layout): 1024, ("vllm", layout): 8192, ("sglang", None): 8192}
+
+
 def test_sglang_never_mixes_prompts_into_decode_steps(v3) -> None:
     deployment = _deployment(v3, engine="sglang")
     core = build_forecast_core(deployment, deployment.performance_model())
