@@ -287,4 +287,16 @@ def explain_performance(deployment: Deployment, selected: SelectedFactors, rates
             f"; this version's {rates.family} MoE kernel launches {per_expert.launches_per_expert} GEMMs per touched "
             "expert from the host, so every step pays host-synchronised launches"
         )
-    return text
+    return text + _prefill_share_words(deployment)
+
+
+def _prefill_share_words(deployment: Deployment) -> str:
+    share, budget = deployment.prefill_tokens_per_rank_step, deployment.max_num_batched_tokens
+    if share >= budget:
+        return ""
+    prompt = deployment.memory.prompt_len
+    steps = f", so a {prompt:,}-token prompt takes {-(-prompt // share)} prefill steps" if prompt else ""
+    return (
+        f"; with DP attention the engine divides its {budget:,}-token prefill chunk over the {deployment.layout.dp} "
+        f"ranks: each prefills at most {share:,} prompt tokens a step{steps}"
+    )

@@ -112,6 +112,9 @@ def test_sglang_dp_attention_splits_the_prefill_chunk_over_its_ranks_and_vllm_do
     assert on_sglang.prefill_tokens_per_rank_step == 4096  # SGLang: --chunked-prefill-size // dp_size
     on_vllm = make_plan(v4_on_sglang(max_num_batched_tokens=16384).model_copy(update={"engine": "vllm"}))
     assert on_vllm.deployment.prefill_tokens_per_rank_step == 16384
+    words = " ".join(e.text for e in make_plan(v4_on_sglang(max_num_batched_tokens=16384)).explanations)
+    assert "each prefills at most 4,096 prompt tokens a step, so a 8,192-token prompt takes 2 prefill steps" in words
+    assert "prefill chunk over" not in " ".join(e.text for e in on_vllm.explanations)
 
 
 def test_deepseek_needs_no_remote_code() -> None:

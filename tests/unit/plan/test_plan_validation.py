@@ -122,9 +122,10 @@ def test_sglang_rows_without_a_stated_chunk_run_at_sglangs_own_default_for_their
     """SGLang sizes --chunked-prefill-size by the GPU's memory where the command sets none (the V4 cookbook's cells
     set none): 16,384 on a B200, 8,192 on an H200; InferenceX's stated 32,768 stands; vLLM's rows keep 8,192."""
     rows = {r.number: r for r in load_rows()}
-    h200_cell = next(r for r in rows.values() if r.source_id == "sglang-v4-cookbook" and r.hardware.startswith("H200"))
-    budgets = [row_deployment(rows[n]).max_num_batched_tokens for n in (287, 196, 1)]
-    assert budgets + [row_deployment(h200_cell).max_num_batched_tokens] == [16384, 32768, 8192, 8192]
+    cookbook = [r for r in rows.values() if r.source_id == "sglang-v4-cookbook"]
+    h200_cell = next(r for r in cookbook if r.hardware.startswith("H200"))
+    budgets = [row_deployment(row).max_num_batched_tokens for row in (rows[287], rows[196], rows[1], h200_cell)]
+    assert budgets == [16384, 32768, 8192, 8192]
     balanced = row_deployment(rows[287])  # tp4 dp4 with DP attention: each rank prefills a quarter
     assert balanced.layout.dp == 4 and balanced.prefill_tokens_per_rank_step == 4096
 
