@@ -146,19 +146,25 @@ def _max_running_requests(config: EngineConfig) -> int | None:
     return config.max_num_seqs * config.data_parallel_size if _dp_attention(config) else config.max_num_seqs
 
 
-# SGLang's --chunked-prefill-size when the command sets none, by the GPU's memory (sglang 0.5.15,
-# server_args.py _handle_gpu_memory_settings): below each GiB figure, that many tokens; more memory (B200, B300,
-# MI300X and up), LARGE_GPU_CHUNKED_PREFILL. With DP attention each rank gets it divided by the DP size.
-DEFAULT_CHUNKED_PREFILL_BY_MEMORY = ((35.0, 2048), (60.0, 4096), (160.0, 8192))
-LARGE_GPU_CHUNKED_PREFILL = 16384
+# SGLang's --chunked-prefill-size when the command sets none, by the GPU's memory (server_args.py in the wheels on
+# PyPI): for each era, from its first version, (below GiB, tokens) tiers and the tokens above the last. 0.4.6 and
+# before: 2,048 below 25,000 MiB, else 8,192; 0.4.7 added 16,384 for the largest GPUs (B200, MI300X: above 180,000
+# MiB in 0.4.7 and 0.4.8, from 160 GiB in 0.4.9); 0.5.4 a 4,096 tier (0.5.15's _handle_gpu_memory_settings). With
+# DP attention each rank gets a share (engine_profiles.json, dp_attention_prefill_chunk).
+CHUNKED_PREFILL_DEFAULTS: tuple[tuple[tuple[int, ...], tuple[tuple[float, int], ...], int], ...] = (
+    ((0, 5, 4), ((35.0, 2048), (60.0, 4096), (160.0, 8192)), 16384),
+    ((0, 4, 7), ((35.0, 2048), (160.0, 8192)), 16384),
+    ((0,), ((24.4, 2048),), 8192),
+)
 
 
-def default_chunked_prefill_size(gpu_memory_gib: float) -> int:
-    """SGLang's own prompt-token budget per step on a GPU of GPU_MEMORY_GIB, where the command sets none."""
-    for below_gib, tokens in DEFAULT_CHUNKED_PREFILL_BY_MEMORY:
-        if gpu_memory_gib < below_gib:
-            return tokens
-    return LARGE_GPU_CHUNKED_PREFILL
+def default_chunked_prefill_size(gpu_memory_gib: float, version: tuple[int, ...] | None = None) -> int:
+    """SGLang's own prompt-token budget per step on a GPU of GPU_MEMORY_GIB where the command sets none, in VERSION
+    (a release number as a tuple; None: the current one)."""
+    for since, tiers, largest in CHUNKED_PREFILL_DEFAULTS:
+        if version is None or version >= since:
+            return next((tokens for below_gib, tokens in tiers if gpu_memory_gib < below_gib), largest)
+    raise AssertionError("the last era starts at version 0")
 
 
 def _chunked_prefill_size(config: EngineConfig) -> int | None:

@@ -77,9 +77,17 @@ class VersionFacts:
     # model: its sliding-window pool's share of the full pool's tokens (SGLang's --swa-full-tokens-ratio for
     # DeepSeek-V4, plan/engine_pools.py)
     swa_full_tokens_ratio: dict[str, float] = field(default_factory=dict)
-    # with data-parallel attention each rank prefills at most the step's token budget divided by the DP size
-    # (SGLang's --chunked-prefill-size // dp_size); False: every rank has the whole budget (vLLM's DP engines)
-    dp_attention_splits_prefill_chunk: bool = False
+    # with data-parallel attention each rank prefills at most the step's token budget divided by this: "dp" for
+    # the DP size (SGLang >= 0.4.5's --chunked-prefill-size // dp_size), or a number (SGLang 0.4.4 and before
+    # halved it); None: every rank has the whole budget (vLLM's DP engines)
+    dp_attention_chunk_divisor: int | str | None = None
+
+    def prefill_chunk_per_rank(self, budget: int, dp: int) -> int:
+        """Prompt tokens one of DP data-parallel attention ranks may prefill in a step of BUDGET tokens."""
+        divisor = dp if self.dp_attention_chunk_divisor == "dp" else self.dp_attention_chunk_divisor
+        if dp <= 1 or divisor is None:
+            return budget
+        return max(budget // int(divisor), 1)
 
     def step_launch(self, family: str) -> str:
         per_expert = self.moe_per_expert.get(family)
@@ -212,7 +220,17 @@ def _version_facts(entry: dict[str, Any]) -> VersionFacts:
             architecture: float(ratio)
             for architecture, ratio in entry.get("swa_pool", {}).get("by_architecture", {}).items()
         },
-        dp_attention_splits_prefill_chunk=bool(entry.get("dp_attention_prefill_chunk", {}).get("split", False)),
+        dp_attention_chunk_divisor=_chunk_divisor(entry),
+    )
+
+
+def _chunk_divisor(entry: dict[str, Any]) -> int | str | None:
+    divisor = entry.get("dp_attention_prefill_chunk", {}).get("divide_by")
+    if divisor is None or divisor == "dp" or (isinstance(divisor, int) and divisor >= 1):
+        return divisor
+    raise ConfigError(
+        f'engine profile version {entry["range"]}: dp_attention_prefill_chunk.divide_by is {divisor!r}; give "dp" '
+        "(the DP size) or a whole number of at least 1"
     )
 
 

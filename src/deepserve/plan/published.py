@@ -33,6 +33,7 @@ from deepserve.plan.formats import get_format
 from deepserve.plan.layout import Layout
 from deepserve.plan.perf import RequestLengths, StepOptions
 from deepserve.plan.planner import build_deployment
+from deepserve.plan.profiles import version_key
 from deepserve.plan.speculative import SpeculativeDecoding, acceptance_from_length, speculative_decoding
 from deepserve.plan.types import Deployment
 
@@ -506,9 +507,13 @@ def _row_build(row: PublishedRow) -> Deployment:
 
 def _engine_default_budget(row: PublishedRow) -> int:
     """The step's prompt-token budget of ROW's engine where its source states none: SGLang's own, which depends on
-    the GPU's memory (16,384 on a B200, 8,192 on an H200); the planner's 8,192 for the others."""
+    its version and the GPU's memory (16,384 on a B200 since 0.4.7, 8,192 on an H200); the planner's 8,192 for the
+    others."""
     if row.engine == "sglang":
-        return default_chunked_prefill_size(get_accelerator(row.hardware).memory_gib)
+        version = _version(row.engine_version)
+        return default_chunked_prefill_size(
+            get_accelerator(row.hardware).memory_gib, version_key(version) if version else None
+        )
     return DEFAULT_BATCHED_TOKENS
 
 

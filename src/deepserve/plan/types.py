@@ -158,14 +158,13 @@ class Deployment:
 
     @property
     def prefill_tokens_per_rank_step(self) -> int:
-        """Prompt tokens one data-parallel rank may prefill in a step: the step's token budget, divided by the DP
-        size where the engine's profile says its DP attention splits it (SGLang's --chunked-prefill-size //
-        dp_size: 8,192 on 8 ranks is 1,024 tokens each)."""
+        """Prompt tokens one data-parallel rank may prefill in a step: the step's token budget, divided where the
+        engine's profile says its DP attention divides it (SGLang's --chunked-prefill-size // dp_size: 8,192 on
+        8 ranks is 1,024 tokens each)."""
         selected = self.select_engine(across_engines=False)
-        dp = self.layout.dp
-        if dp > 1 and selected is not None and selected.facts.dp_attention_splits_prefill_chunk:
-            return max(self.max_num_batched_tokens // dp, 1)
-        return self.max_num_batched_tokens
+        if selected is None:
+            return self.max_num_batched_tokens
+        return selected.facts.prefill_chunk_per_rank(self.max_num_batched_tokens, self.layout.dp)
 
     @property
     def max_num_seqs_in_effect(self) -> int | None:

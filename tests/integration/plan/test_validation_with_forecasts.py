@@ -66,7 +66,11 @@ def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation
     pro_h200 = [r for r in cookbook if r.row.model == "DeepSeek-V4-Pro" and r.row.hardware.startswith("H200")]
     assert all(0.55 <= r.ratio <= 1.0 for r in pro_h200 if r.group == "tpot" and (r.row.concurrency or 0) >= 64)
     assert all(0.4 <= r.ratio <= 2.5 for r in pro_h200)
-    assert len([r for r in off if r.row.source_id == "sglang-v4-cookbook"]) <= 25  # 38 before step 13
+    # V4-Pro's MegaMoE cells on Blackwell (DP8 attention, EP8): each rank prefills SGLang's share of the chunk
+    # (step 15), TPOT 2.8-2.9x held out (3.2-3.4x with the whole chunk on every rank)
+    mega = [r for r in cookbook if r.row.model == "DeepSeek-V4-Pro" and r.row.ep == 8 and r.row.spec in ("", "none")]
+    assert mega and max(r.ratio for r in mega if r.group == "tpot") <= 3.0
+    assert len([r for r in off if r.row.source_id == "sglang-v4-cookbook"]) <= 24  # 38 before step 13, 25 before 15
     # SGLang PR 5571's run without DeepGEMM (its dense FP8 GEMMs at Triton's fractions): throughput 1.8x -> 1.6x
     pr_5571 = [r for r in result.held_out.results if r.row.source_id == "sglang-5571-h200"]
     assert pr_5571 and max(r.ratio for r in pr_5571) <= 1.65

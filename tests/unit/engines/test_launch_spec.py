@@ -6,6 +6,7 @@ import pytest
 
 from deepserve.engines.config import EngineConfig
 from deepserve.engines.registry import get_engine
+from deepserve.engines.sglang import default_chunked_prefill_size
 from deepserve.errors import ConfigError
 from deepserve.models.resolve import ResolvedModel
 
@@ -126,3 +127,19 @@ def test_phases_are_read_from_vllm_log_lines() -> None:
     )
     assert engine.phase_of("INFO:     Application startup complete.") == "starting API server"
     assert engine.phase_of("some unrelated line") is None
+
+
+@pytest.mark.parametrize(
+    ("memory_gib", "version", "tokens"),
+    [
+        (141.0, None, 8192),  # H200, today's SGLang
+        (180.0, None, 16384),  # B200
+        (180.0, (0, 4, 6), 8192),  # before 0.4.7 every GPU of 25 GB or more got 8,192
+        (192.0, (0, 4, 10), 16384),  # MI300X from 0.4.7
+        (40.0, None, 4096),  # the 4,096 tier of 0.5.4 on
+        (40.0, (0, 5, 2), 8192),
+        (20.0, (0, 4, 3), 2048),
+    ],
+)
+def test_sglangs_own_chunk_follows_its_version_and_the_gpus_memory(memory_gib, version, tokens) -> None:
+    assert default_chunked_prefill_size(memory_gib, version) == tokens

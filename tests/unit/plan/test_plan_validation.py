@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from deepserve.errors import ConfigError
 from deepserve.plan.benchmark import BenchmarkRun
 from deepserve.plan.fit import fit_profiles, leave_one_source_out, row_cases
 from deepserve.plan.formats import get_format
@@ -225,6 +226,17 @@ def test_score_arithmetic_by_hand(validation) -> None:
     assert score.breakdown(lambda r: "all")["all"][first.group][1] == sum(
         r.group == first.group for r in (first, second)
     )
+
+
+def test_a_profile_with_a_bad_prefill_chunk_divisor_is_refused_saying_what_to_give(tmp_path: Path) -> None:
+    data = json.loads(PROFILES_PATH.read_text())
+    sglang = data["profiles"]["sglang"]["versions"][-1]
+    assert sglang["dp_attention_prefill_chunk"]["divide_by"] == "dp"
+    sglang["dp_attention_prefill_chunk"]["divide_by"] = "half"
+    path = tmp_path / "engine_profiles.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="divide_by is 'half'; give \"dp\""):
+        load_profiles(path)
 
 
 def test_stored_parameters_are_what_the_fit_produces() -> None:

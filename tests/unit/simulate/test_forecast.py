@@ -123,6 +123,8 @@ def test_sglang_dp_attention_ranks_each_prefill_their_share_of_the_chunk(v3) -> 
         core = build_forecast_core(deployment, deployment.performance_model())
         budgets[engine, shape] = core.scheduler.limits.max_num_batched_tokens
     assert budgets == {("sglang", layout): 1024, ("vllm", layout): 8192, ("sglang", None): 8192}
+    old = build_deployment(v3, "h200", 8, engine="sglang", layout=layout, engine_version="0.4.3", max_model_len=4096)
+    assert old.prefill_tokens_per_rank_step == 4096  # SGLang 0.4.4 and before halved the chunk, whatever the DP size
 
 
 def test_sglang_never_mixes_prompts_into_decode_steps(v3) -> None:
