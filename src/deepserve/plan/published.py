@@ -35,14 +35,14 @@ from deepserve.plan.perf import RequestLengths, StepOptions
 from deepserve.plan.planner import build_deployment
 from deepserve.plan.profiles import version_key
 from deepserve.plan.speculative import SpeculativeDecoding, acceptance_from_length, speculative_decoding
-from deepserve.plan.types import Deployment
+from deepserve.plan.types import Deployment, PlanConfig
 
 FIGURES_PATH = Path(__file__).with_name("data") / "serving_figures.json"
 ROWS_PATH = Path(__file__).with_name("data") / "published_rows.csv"
 RESEARCH_ROW_OFFSET = 100
 SCORED_KINDS = ("closed_loop", "sweep_peak", "finite", "prefill_phase", "decode_phase")
 GPUS_PER_NODE = 8
-DEFAULT_BATCHED_TOKENS = 8192  # the planner's step budget (plan's --max-num-batched-tokens default)
+DEFAULT_BATCHED_TOKENS: int = PlanConfig.model_fields["max_num_batched_tokens"].default  # plan's own default
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class SourceSetup:
     prefill_tokens_per_gpu: int = 0  # prefill-phase rows: prompt tokens per GPU per step
     decode_batch_per_gpu: float = 0.0  # decode-phase rows: sequences per GPU (0: as many as the KV cache holds)
     accept_lengths: tuple[tuple[int, float], ...] = ()  # speculative rows: (draft tokens, mean acceptance length)
-    max_num_batched_tokens: int | None = None  # None: the engine's own (SGLang's by GPU memory), else 8192
+    max_num_batched_tokens: int | None = None  # None: the engine's own (SGLang's by GPU memory), else plan's
     mla_decode_backend: str | None = None  # the MLA decode kernel the launch command forces (kernels.json)
     dense_gemm_backend: str | None = None  # the dense GEMM kernel the launch forces (kernels.json, per family)
 
