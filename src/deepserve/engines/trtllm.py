@@ -30,6 +30,12 @@ from deepserve.hardware.catalog import get_accelerator
 
 NGC_IMAGE = "nvcr.io/nvidia/tensorrt-llm/release:1.2.1"
 RENDERED_OPTIONS_DIR = "/tmp/deepserve"  # where a command for another machine (a container) keeps its options file
+# trtllm-serve's own step budget where --max_num_tokens is not given (its CLI contract and llm_args.py: 8192), and
+# chunked prefill is off unless asked for (llm_args.py: enable_chunked_prefill defaults to False). Without chunking
+# the LLM API refuses any prompt longer than max_num_tokens ("The sum of prompt length ..., query length ... should
+# not exceed max_num_tokens", tensorrt_llm/llmapi/llm.py _check_arguments; tests/unittest/llmapi/test_llm.py
+# test_max_num_token_check), so a context longer than the budget needs chunked prefill.
+DEFAULT_MAX_NUM_TOKENS = 8192
 # CUDA graphs are captured for batches up to this size (NVIDIA's throughput recipe: max_batch_size 1024, graphs to
 # 128); larger batches run without a graph.
 CUDA_GRAPH_MAX_BATCH = 128
@@ -180,8 +186,10 @@ def options(config: EngineConfig, model: ResolvedModel) -> dict[str, Any]:
     result["kv_cache_config"] = _kv_cache_config(config)
     if config.dtype:
         result["dtype"] = config.dtype
-    if config.enable_chunked_prefill is not None:
-        result["enable_chunked_prefill"] = config.enable_chunked_prefill
+    if chunked_prefill(config):
+        result["enable_chunked_prefill"] = True
+    elif config.enable_chunked_prefill is False:
+        result["enable_chunked_prefill"] = False
     if config.stream_interval:
         result["stream_interval"] = config.stream_interval
     result.update(speculative_options(*_speculative_fields(config)))
@@ -193,7 +201,31 @@ def options(config: EngineConfig, model: ResolvedModel) -> dict[str, Any]:
 
 def options_yaml(config: EngineConfig, model: ResolvedModel) -> str:
     header = "# TensorRT-LLM extra LLM-API options, written by deepserve (engines/trtllm.py) for trtllm-serve\n"
+    if not chunked_prefill(config) and _prompt_may_exceed_budget(config):
+        header += (
+            f"# enable_chunked_prefill is off: TensorRT-LLM refuses prompts over {step_token_budget(config)} tokens "
+            "(max_num_tokens) with HTTP 400\n"
+        )
     return header + yaml.safe_dump(options(config, model), sort_keys=False)
+
+
+def step_token_budget(config: EngineConfig) -> int:
+    """The tokens one step may hold: --max_num_tokens as the config sets it, else trtllm-serve's default."""
+    return config.max_num_batched_tokens or DEFAULT_MAX_NUM_TOKENS
+
+
+def chunked_prefill(config: EngineConfig) -> bool:
+    """Whether the engine splits prompts over steps: as the config says, and where it says nothing, whenever a
+    prompt may be longer than a step's token budget (an unset context length is the model's, 128K-164K tokens for
+    DeepSeek), since TensorRT-LLM would otherwise refuse such prompts while the service promises max_model_len.
+    MLA's chunked context runs on Hopper and Blackwell (NVIDIA's DeepSeek-R1 guide, "MLA chunked context")."""
+    if config.enable_chunked_prefill is not None:
+        return config.enable_chunked_prefill
+    return _prompt_may_exceed_budget(config)
+
+
+def _prompt_may_exceed_budget(config: EngineConfig) -> bool:
+    return config.max_model_len is None or config.max_model_len > step_token_budget(config)
 
 
 def moe_backend(config: EngineConfig, model: ResolvedModel) -> str:

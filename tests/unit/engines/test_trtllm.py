@@ -212,6 +212,31 @@ def test_throughput_recipe_options() -> None:
 
 
 @pytest.mark.parametrize(
+    "fields, chunked",
+    [
+        ({}, True),  # the model's own context (128K-164K tokens) over trtllm-serve's 8,192-token step
+        ({"max_model_len": 32768}, True),
+        ({"max_model_len": 32768, "max_num_batched_tokens": 32768}, None),  # every prompt fits a step: its default
+        ({"max_model_len": 4096}, None),
+        ({"max_model_len": 32768, "enable_chunked_prefill": True}, True),
+    ],
+)
+def test_chunked_prefill_where_a_prompt_may_outgrow_a_step(fields: dict[str, Any], chunked: bool | None) -> None:
+    """Without chunked prefill TensorRT-LLM refuses a prompt longer than max_num_tokens (HTTP 400), so a service
+    that promises a longer context turns it on."""
+    data = written_yaml(launch(**fields))
+    assert data.get("enable_chunked_prefill") is chunked
+
+
+def test_chunked_prefill_turned_off_by_the_user_stays_off_and_says_what_is_refused() -> None:
+    spec = launch(max_model_len=3072, max_num_batched_tokens=1151, enable_chunked_prefill=False)
+    assert written_yaml(spec)["enable_chunked_prefill"] is False
+    text = next(iter(spec.files.values()))
+    assert "refuses prompts over 1151 tokens" in text
+    assert "refuses" not in next(iter(launch(max_model_len=1024, enable_chunked_prefill=False).files.values()))
+
+
+@pytest.mark.parametrize(
     "fields, model",
     [
         (THROUGHPUT, R1),
