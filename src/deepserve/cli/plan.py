@@ -101,6 +101,8 @@ def print_plan(console: Console, plan: Plan) -> None:
         text = "none: even one request misses it" if within is None else f"{within}"
         console.print(f"highest concurrency with mean ITL <= {plan.config.slo_itl_ms:g} ms: {text}", highlight=False)
     console.print(_model_line(plan), highlight=False)
+    if plan.track_record is not None:
+        console.print(f"[bold]track record[/]: {plan.track_record.words()}", highlight=False)
     _print_explanations(console, plan)
     for engine, line in plan.commands.items():
         console.print(f"[bold]{engine}[/]: {line}", soft_wrap=True, highlight=False)

@@ -12,7 +12,9 @@ from rich.table import Table
 
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
+from deepserve.hardware.catalog import get_accelerator
 from deepserve.plan.search import SearchConfig, SearchPoint, SearchResult, chosen_commands, search
+from deepserve.plan.track_record import TrackRecord, record_for
 from deepserve.report.search_chart import draw_search_frontier
 
 
@@ -44,6 +46,8 @@ def _search(args: argparse.Namespace) -> int:
         commands = chosen_commands(result)
         data["commands"] = commands.__dict__ if commands else None
         data["chart"] = str(chart) if chart else None
+        record = chosen_track_record(result)
+        data["track_record"] = record.to_json() if record else None
         print(json.dumps(data, indent=2, default=list))
     elif args.markdown:
         print(search_markdown(result))
@@ -77,12 +81,23 @@ def _print_chosen(console: Console, result: SearchResult) -> None:
     console.print(
         f"[bold]chosen[/]: {chosen.candidate.describe()} at concurrency {chosen.concurrency}", highlight=False
     )
+    record = chosen_track_record(result)
+    if record is not None:
+        console.print(f"  track record: {record.words()}", highlight=False)
     for line in commands.serve:
         console.print(f"  {line}", soft_wrap=True, highlight=False)
     if commands.deploy_render:
         console.print(f"  {commands.deploy_render}", soft_wrap=True, highlight=False)
     for note in commands.notes:
         console.print(f"  note: {note}", highlight=False)
+
+
+def chosen_track_record(result: SearchResult) -> TrackRecord | None:
+    """How far held-out forecasts of the chosen layout's kind on this GPU's vendor have been."""
+    if result.chosen is None:
+        return None
+    vendor = get_accelerator(result.config.gpu).vendor
+    return record_for(result.chosen.candidate.layout.kind, vendor)
 
 
 def _points_table(title: str, points: list[SearchPoint]) -> Table:

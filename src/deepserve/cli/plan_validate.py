@@ -14,7 +14,17 @@ from rich.table import Table
 
 from deepserve.errors import ConfigError
 from deepserve.plan.fit import fit_profiles, fit_to_json, row_cases, write_fits
-from deepserve.plan.validate import GROUPS, MAX_RATIO, TARGET_MAPE_PCT, RowResult, Score, Validation, validate
+from deepserve.plan.track_record import TRACK_RECORD_PATH, summarise
+from deepserve.plan.validate import (
+    GROUPS,
+    MAX_RATIO,
+    TARGET_MAPE_PCT,
+    RowResult,
+    Score,
+    Validation,
+    track_record_figures,
+    validate,
+)
 from deepserve.simulate.forecast import SimulatorForecaster
 
 BREAKDOWNS: dict[str, Callable[[RowResult], str]] = {
@@ -43,6 +53,11 @@ def register(actions: argparse._SubParsersAction) -> None:
         default=None,
         help="kernel figures measured by benchmarks/calibrate_gpu.py: used for the rows on that GPU class",
     )
+    check.add_argument(
+        "--write-track-record",
+        action="store_true",
+        help="store the held-out ratios by layout kind in the package (data/track_record.json), which plan prints",
+    )
     # Accepted for scripts written against the earlier validation; leave-one-source-out is now always shown.
     check.add_argument("--cross-validate", action="store_true", help=argparse.SUPPRESS)
     check.set_defaults(handler=_validate)
@@ -54,10 +69,17 @@ def register(actions: argparse._SubParsersAction) -> None:
 
 def _validate(args: argparse.Namespace) -> int:
     calibration = args.calibration
+    if args.write_track_record and (args.steady or calibration is not None):
+        raise ConfigError(
+            "--write-track-record stores what `plan validate` gives by default (finite runs forecast, the kernel "
+            "table's figures): drop --steady and --calibration"
+        )
     forecaster = None if args.steady else SimulatorForecaster()
     started = time.monotonic()
     result = validate(calibration=calibration, forecaster=forecaster)
     seconds = time.monotonic() - started
+    if args.write_track_record:
+        write_track_record(result)
     if args.json:
         data = result.to_json()
         data["seconds"] = round(seconds, 1)
@@ -68,6 +90,17 @@ def _validate(args: argparse.Namespace) -> int:
         print_validation(Console(soft_wrap=True), result, in_sample_rows=args.in_sample, all_rows=args.rows)
         print(f"validated in {seconds:.0f} s", flush=True)
     return 0
+
+
+def write_track_record(result: Validation, path: Path = TRACK_RECORD_PATH) -> None:
+    data = {
+        "generated_by": "deepserve plan validate --write-track-record",
+        "generated_on": time.strftime("%Y-%m-%d", time.gmtime()),
+        "about": "leave-one-source-out predicted / published ratios by layout kind and GPU vendor "
+        "(plan/track_record.py); regenerate after changing the model, the profiles or the published rows",
+        **summarise(track_record_figures(result.held_out)),
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def validation_markdown(result: Validation) -> str:

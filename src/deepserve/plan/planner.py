@@ -22,6 +22,7 @@ from deepserve.plan.memory import plan_memory
 from deepserve.plan.perf import PerformanceModel, Prediction, RequestLengths
 from deepserve.plan.profiles import SelectedFactors
 from deepserve.plan.speculative import SpeculativeDecoding, speculative_decoding
+from deepserve.plan.track_record import TrackRecord, record_for
 from deepserve.plan.types import Deployment, PlanConfig
 
 # Engines that published figures name but deepserve cannot launch: the planner reads their rows, nothing else
@@ -143,6 +144,8 @@ class Plan:
     explanations: tuple[Explanation, ...] = ()  # why this format, layout and KV-cache size
     forecasts: tuple[BenchmarkForecast, ...] = ()  # the finite benchmark per concurrency level (--num-prompts)
     deploy_render: str = ""  # `deepserve deploy render` for this plan
+    # how far held-out forecasts of this layout kind on this vendor's GPUs have been (plan/track_record.py)
+    track_record: TrackRecord | None = None
 
     @property
     def fits(self) -> bool:
@@ -193,6 +196,7 @@ class Plan:
             },
             "performance_model": self._model_json(),
             "explanations": [e.to_json() for e in self.explanations],
+            "track_record": self.track_record.to_json() if self.track_record else None,
             "predictions": predictions,
             "slo_itl_ms": self.config.slo_itl_ms,
             "max_concurrency_within_slo": self.max_concurrency_within_slo,
@@ -300,6 +304,7 @@ def make_plan(config: PlanConfig, forecaster: BenchmarkForecaster | None = None)
         explanations,
         forecasts,
         render,
+        record_for(deployment.layout.kind, deployment.accelerator.vendor),
     )
 
 

@@ -21,6 +21,7 @@ from deepserve.plan.fit import HeldOut, RowCase, fit_profiles, leave_one_source_
 from deepserve.plan.profiles import EngineParameters
 from deepserve.plan.published import PublishedRow, load_rows, row_deployment, unpredictable_reason
 from deepserve.plan.scoring import NeedsForecaster, predict_row
+from deepserve.plan.track_record import HeldOutFigure
 
 GROUPS = ("throughput", "tpot", "ttft", "e2el", "p99")
 TARGET_MAPE_PCT = {"throughput": 15.0, "tpot": 15.0, "ttft": 30.0}
@@ -113,6 +114,14 @@ class Score:
             "by_run": _rounded(self.breakdown(lambda r: r.row.scored_as)),
             "rows": [_row_json(r) for r in self.results],
         }
+
+
+def track_record_figures(score: Score) -> list[HeldOutFigure]:
+    """SCORE's predictions as plan/track_record.py summarises them (layout kind, vendor, metric group, source)."""
+    return [
+        HeldOutFigure(r.row.layout_kind, r.vendor, r.group, r.row.source_id or r.row.source, r.ratio)
+        for r in score.results
+    ]
 
 
 def _rounded(table: dict[str, dict[str, tuple[float, int]]]) -> dict[str, dict[str, list[float]]]:

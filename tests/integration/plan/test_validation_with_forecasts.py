@@ -3,11 +3,13 @@ forecast through the simulator's scheduler in virtual time, each source held out
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
-from deepserve.plan.validate import TARGET_MAPE_PCT, validate
+from deepserve.plan.track_record import TRACK_RECORD_PATH, summarise
+from deepserve.plan.validate import TARGET_MAPE_PCT, track_record_figures, validate
 from deepserve.simulate.forecast import SimulatorForecaster
 
 
@@ -91,3 +93,17 @@ def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation
     # the V4 cookbook's runs of 1,024 and 4,096 clients (up to 4,096 requests each, simulated step by step) take
     # most of it: about 165-310 s on a quiet machine
     assert seconds < 600
+
+
+def test_the_packaged_track_record_is_what_validation_gives(forecast_validation) -> None:
+    """`plan` prints data/track_record.json beside its figures: it must be the current model's held-out record
+    (after a change to the model, the profiles or the rows: `deepserve plan validate --write-track-record`)."""
+    result, _seconds = forecast_validation
+    stored = json.loads(TRACK_RECORD_PATH.read_text())["records"]
+    current = summarise(track_record_figures(result.held_out))["records"]
+    assert [(r["layout_kind"], r["vendor"]) for r in stored] == [(r["layout_kind"], r["vendor"]) for r in current]
+    for old, new in zip(stored, current, strict=True):
+        assert old["metrics"].keys() == new["metrics"].keys(), old["layout_kind"]
+        for group, values in new["metrics"].items():
+            for name, value in values.items():
+                assert old["metrics"][group][name] == pytest.approx(value, abs=0.002), (old["layout_kind"], group)

@@ -117,6 +117,9 @@ def test_search_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.
     data = json.loads(capsys.readouterr().out)
     assert data["chosen"]["meets_slo"] and data["commands"]["serve"] and chart.is_file()
     assert {p["candidate"].split()[0] for p in data["ranked"]} == {"vllm"}
+    # beside the chosen layout: how far held-out forecasts of its kind on NVIDIA GPUs have been
+    record = data["track_record"]
+    assert record["vendor"] == "nvidia" and record["metrics"]["throughput"]["figures"] >= 5
     with pytest.raises(SystemExit) as refused:
         cli_main.main(["plan", "search", "--gpu", "h200", "--gpus", "8", "--objective", "cheap"])
     assert refused.value.code == 2 and "choose from 'throughput', 'cost', 'latency'" in capsys.readouterr().err
