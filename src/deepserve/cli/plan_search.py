@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -13,6 +14,7 @@ from rich.table import Table
 from deepserve.cli.flags import add_section_flags, section_overrides
 from deepserve.config import load_section
 from deepserve.hardware.catalog import get_accelerator
+from deepserve.models.resolve import load_spec
 from deepserve.plan.search import SearchConfig, SearchPoint, SearchResult, chosen_commands, search
 from deepserve.plan.track_record import TrackRecord, record_for
 from deepserve.report.search_chart import draw_search_frontier
@@ -64,8 +66,9 @@ def print_search(console: Console, result: SearchResult, chart: Path | None) -> 
         f"objective {config.objective}, ITL <= {config.slo_itl_ms} ms, TTFT <= {config.slo_ttft_ms} ms",
         highlight=False,
     )
-    console.print(_points_table(f"best {config.top} for {config.objective}", result.ranked()[: config.top]))
-    console.print(_points_table("frontier: tokens/s per GPU against tokens/s per user", result.frontier))
+    past = _throughput_track_record(result)
+    console.print(_points_table(f"best {config.top} for {config.objective}", result.ranked()[: config.top], past))
+    console.print(_points_table("frontier: tokens/s per GPU against tokens/s per user", result.frontier, past))
     if chart:
         console.print(f"chart: {chart}", highlight=False)
     _print_chosen(console, result)
@@ -94,15 +97,38 @@ def _print_chosen(console: Console, result: SearchResult) -> None:
 
 def chosen_track_record(result: SearchResult) -> TrackRecord | None:
     """How far held-out forecasts of the chosen layout's kind on this GPU's vendor have been."""
-    if result.chosen is None:
-        return None
+    return None if result.chosen is None else _track_record(result, result.chosen)
+
+
+def _track_record(result: SearchResult, point: SearchPoint) -> TrackRecord | None:
     vendor = get_accelerator(result.config.gpu).vendor
-    return record_for(result.chosen.candidate.layout.kind, vendor)
+    attention = load_spec(result.config.model).attention_kind
+    return record_for(point.candidate.layout.kind, vendor, attention)
 
 
-def _points_table(title: str, points: list[SearchPoint]) -> Table:
-    table = Table(title=title)
-    columns = ("candidate", "kind", "clients", "tok/s/GPU", "tok/s/user", "TPOT ms", "TTFT ms", "$/1M", "SLO")
+def _throughput_track_record(result: SearchResult) -> Callable[[SearchPoint], str]:
+    """A point's column: the median held-out throughput ratio of its layout kind (its track record's)."""
+
+    def column(point: SearchPoint) -> str:
+        record = _track_record(result, point)
+        metric = record.metric("throughput") if record else None
+        if metric is None:
+            return "-"
+        return f"{'~' if record and record.instead_of else ''}{metric.median_ratio:.2f}x"
+
+    return column
+
+
+def _points_table(title: str, points: list[SearchPoint], past: Callable[[SearchPoint], str]) -> Table:
+    table = Table(
+        title=title,
+        caption="past tput: the median predicted / published throughput of this layout kind for this model's "
+        "generation on published runs the planner never saw (~: over a wider set, where those are too few; "
+        "plan/track_record.py)",
+    )
+    columns = (
+        "candidate", "kind", "clients", "tok/s/GPU", "tok/s/user", "TPOT ms", "TTFT ms", "$/1M", "SLO", "past tput"
+    )  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column in ("candidate", "kind") else "right")
     for p in points:
@@ -117,6 +143,7 @@ def _points_table(title: str, points: list[SearchPoint]) -> Table:
             f"{p.ttft_ms:,.0f}",
             cost,
             "yes" if p.meets_slo else "no",
+            past(p),
         )
     return table
 
@@ -127,13 +154,15 @@ def search_markdown(result: SearchResult) -> str:
         f"{config.model} on {config.gpus} x {config.gpu}, {config.input_len}/{config.output_len}, objective "
         f"{config.objective}, ITL <= {config.slo_itl_ms} ms: {result.candidates} candidates in {result.seconds:.1f} s",
         "",
-        "| | candidate | clients | tok/s/GPU | tok/s/user | TPOT ms | TTFT ms | SLO |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| | candidate | clients | tok/s/GPU | tok/s/user | TPOT ms | TTFT ms | SLO | past tput |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|",
     ]
+    past = _throughput_track_record(result)
     for tag, points in (("best", result.ranked()[: config.top]), ("frontier", result.frontier)):
         for p in points:
             lines.append(
                 f"| {tag} | {p.candidate.describe()} | {p.concurrency} | {p.tok_s_per_gpu:,.0f} | "
-                f"{p.tok_s_per_user:.1f} | {p.tpot_ms:.1f} | {p.ttft_ms:,.0f} | {'yes' if p.meets_slo else 'no'} |"
+                f"{p.tok_s_per_user:.1f} | {p.tpot_ms:.1f} | {p.ttft_ms:,.0f} | {'yes' if p.meets_slo else 'no'} | "
+                f"{past(p)} |"
             )
     return "\n".join(lines)

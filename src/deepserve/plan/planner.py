@@ -304,7 +304,7 @@ def make_plan(config: PlanConfig, forecaster: BenchmarkForecaster | None = None)
         explanations,
         forecasts,
         render,
-        record_for(deployment.layout.kind, deployment.accelerator.vendor),
+        record_for(deployment.layout.kind, deployment.accelerator.vendor, deployment.spec.attention_kind),
     )
 
 

@@ -1,12 +1,15 @@
-"""How far the planner's figures have been from published runs it never saw, by layout kind and GPU vendor.
+"""How far the planner's figures have been from published runs it never saw, by layout kind, GPU vendor and model
+generation.
 
 `deepserve plan validate --write-track-record` condenses its leave-one-source-out results into
-data/track_record.json: for each layout kind (tp, tp+ep, dp-attention+ep, ...) on each vendor's GPUs and each metric
-group, how many published figures of how many sources were predicted, the median of predicted / published, the range
-holding the middle 80% of those ratios and the share within 1.5x. `plan` and `plan search` print the record of the
-layout they chose beside its figures, so a forecast for a layout the planner has often overestimated says so where
-the user reads it, not only in docs/PLANNING.md. The integration test of `plan validate` checks that the stored file
-is what the current model and rows give.
+data/track_record.json: for each layout kind (tp, tp+ep, dp-attention+ep, ...) on each vendor's GPUs, for each model
+generation (told apart by attention: MLA for V3/R1/V3.1, sparse MLA for V3.2, compressed sparse attention for V4) and
+for every generation together, and each metric group: how many published figures of how many sources were
+predicted, the median of predicted / published, the range holding the middle 80% of those ratios and the share
+within 1.5x. `plan` and `plan search` print the record closest to the plan they chose beside its figures, so a
+forecast for a setup the planner has often overestimated says so where the user reads it, not only in
+docs/PLANNING.md. The integration test of `plan validate` checks that the stored file is what the current model and
+rows give.
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ RECORDED_GROUPS = ("throughput", "tpot", "ttft")
 MIN_FIGURES = 5  # fewer held-out figures than this say nothing about a layout kind
 BIAS_RATIO = 1.2  # a median ratio this far from 1 (either way) is a lean the user is told to expect
 CLOSE_RATIO = 1.5  # "within 1.5x": the share of figures predicted within this factor either way
-ALL_LAYOUTS = "all"
+ANY = "all"  # a layout kind or attention that stands for every one
+GENERATIONS = {
+    "mla": "MLA models (V3, R1, V3.1)",
+    "mla_sparse": "sparse-MLA models (V3.2)",
+    "compressed_sparse": "compressed-attention models (V4)",
+}
 
 
 @dataclass(frozen=True)
@@ -59,25 +67,36 @@ class MetricRecord:
 class TrackRecord:
     layout_kind: str
     vendor: str
+    attention: str
     metrics: tuple[MetricRecord, ...]
-    instead_of: str | None = None  # the layout kind asked for, where it has too few figures of its own
+    instead_of: str | None = None  # what was asked for, where it has too few figures of its own
+
+    @property
+    def scope(self) -> str:
+        return scope_words(self.layout_kind, self.vendor, self.attention)
 
     def words(self) -> str:
-        usable = [m for m in self.metrics if m.figures >= MIN_FIGURES]
-        where = "every layout" if self.layout_kind == ALL_LAYOUTS else self.layout_kind
+        usable = [m for m in (self.metric(group) for group in RECORDED_GROUPS) if m is not None]
+        where = self.scope
         if self.instead_of:
-            where += f", as {self.instead_of} has too few published figures of its own"
-        head = f"predicted / published on runs it never saw ({where}, {self.vendor} GPUs): "
+            where += f"; too few published figures for {self.instead_of}"
+        head = f"predicted / published on runs it never saw ({where}): "
         if not usable:
             counts = ", ".join(f"{m.group} {m.figures}" for m in self.metrics) or "none"
             return head + f"too few published figures to say ({counts})"
         return head + "; ".join(m.words() for m in usable)
 
+    def metric(self, group: str) -> MetricRecord | None:
+        """GROUP's figures where there are enough of them to say anything."""
+        return next((m for m in self.metrics if m.group == group and m.figures >= MIN_FIGURES), None)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "layout_kind": self.layout_kind,
             "vendor": self.vendor,
+            "attention": self.attention,
             "metrics": {m.group: _metric_json(m) for m in self.metrics},
+            **({"instead_of": self.instead_of} if self.instead_of else {}),
         }
 
 
@@ -87,45 +106,72 @@ class HeldOutFigure:
 
     layout_kind: str
     vendor: str
+    attention: str
     group: str
     source: str
     ratio: float
 
 
 def summarise(figures: Iterable[HeldOutFigure]) -> dict[str, Any]:
-    """The stored form: {"records": [...]} per layout kind and vendor, plus every layout together per vendor."""
+    """The stored form: {"records": [...]} for each layout kind, vendor and attention that has figures, and for
+    every layout kind, every attention and both together on each vendor's GPUs."""
     chosen = [f for f in figures if f.group in RECORDED_GROUPS and f.ratio > 0]
-    keys = sorted({(f.layout_kind, f.vendor) for f in chosen}) + sorted({(ALL_LAYOUTS, f.vendor) for f in chosen})
+    keys = sorted(
+        {
+            (kind, f.vendor, attention)
+            for f in chosen
+            for kind in (f.layout_kind, ANY)
+            for attention in (f.attention, ANY)
+        },
+        key=lambda key: (key[0] == ANY, key[2] == ANY, key),
+    )
     records = []
-    for kind, vendor in keys:
-        mine = [f for f in chosen if f.vendor == vendor and kind in (ALL_LAYOUTS, f.layout_kind)]
+    for kind, vendor, attention in keys:
+        mine = [
+            f for f in chosen if f.vendor == vendor and kind in (ANY, f.layout_kind) and attention in (ANY, f.attention)
+        ]
         metrics = tuple(_metric(group, [f for f in mine if f.group == group]) for group in RECORDED_GROUPS)
-        records.append(TrackRecord(kind, vendor, tuple(m for m in metrics if m is not None)).to_json())
+        records.append(TrackRecord(kind, vendor, attention, tuple(m for m in metrics if m is not None)).to_json())
     return {"records": records}
 
 
-def load_track_records(path: Path = TRACK_RECORD_PATH) -> dict[tuple[str, str], TrackRecord]:
+def load_track_records(path: Path = TRACK_RECORD_PATH) -> dict[tuple[str, str, str], TrackRecord]:
     try:
         data = json.loads(path.read_text())
-        return {(r.layout_kind, r.vendor): r for r in (_record(entry) for entry in data["records"])}
+        return {(r.layout_kind, r.vendor, r.attention): r for r in (_record(entry) for entry in data["records"])}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(
             f"{path}: not a track record ({exc}); regenerate it with `deepserve plan validate --write-track-record`"
         ) from exc
 
 
-def record_for(layout_kind: str, vendor: str, path: Path = TRACK_RECORD_PATH) -> TrackRecord | None:
-    """The record of LAYOUT_KIND on VENDOR's GPUs; every layout's where the kind has too few figures of its own."""
+def record_for(layout_kind: str, vendor: str, attention: str, path: Path = TRACK_RECORD_PATH) -> TrackRecord | None:
+    """The record of LAYOUT_KIND for models of ATTENTION on VENDOR's GPUs; where that has too few figures, the
+    nearest that has enough: the layout kind for every model, the model's generation on every layout, then every
+    layout and model on the vendor's GPUs."""
     records = _records_as_of(path, path.stat().st_mtime_ns) if path.is_file() else {}
-    own = records.get((layout_kind, vendor))
-    if own is not None and any(m.figures >= MIN_FIGURES for m in own.metrics):
-        return own
-    every = records.get((ALL_LAYOUTS, vendor))
-    return own if every is None else replace(every, instead_of=layout_kind)
+    order = ((layout_kind, attention), (layout_kind, ANY), (ANY, attention), (ANY, ANY))
+    found = [records[(kind, vendor, models)] for kind, models in order if (kind, vendor, models) in records]
+    enough = next((r for r in found if any(m.figures >= MIN_FIGURES for m in r.metrics)), None)
+    if enough is None:
+        return found[0] if found else None  # too few anywhere: its words say so
+    if (enough.layout_kind, enough.attention) == (layout_kind, attention):
+        return enough
+    return replace(enough, instead_of=setup_words(layout_kind, attention))
+
+
+def scope_words(layout_kind: str, vendor: str, attention: str) -> str:
+    return f"{setup_words(layout_kind, attention)}, {vendor} GPUs"
+
+
+def setup_words(layout_kind: str, attention: str) -> str:
+    layouts = "every layout" if layout_kind == ANY else layout_kind
+    models = "every model" if attention == ANY else GENERATIONS.get(attention, attention)
+    return f"{layouts} on {models}"
 
 
 @lru_cache(maxsize=4)
-def _records_as_of(path: Path, _mtime_ns: int) -> dict[tuple[str, str], TrackRecord]:
+def _records_as_of(path: Path, _mtime_ns: int) -> dict[tuple[str, str, str], TrackRecord]:
     """The file read once per version of it (a search plans many layouts)."""
     return load_track_records(path)
 
@@ -182,4 +228,4 @@ def _record(entry: dict[str, Any]) -> TrackRecord:
         )
         for group, values in entry["metrics"].items()
     )
-    return TrackRecord(str(entry["layout_kind"]), str(entry["vendor"]), metrics)
+    return TrackRecord(str(entry["layout_kind"]), str(entry["vendor"]), str(entry["attention"]), metrics)

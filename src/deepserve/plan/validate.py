@@ -36,6 +36,7 @@ class RowResult:
     profile: str
     provenance: str  # "leave-one-source-out", "in-sample", "carried-over kernel figures"
     vendor: str = "nvidia"
+    attention: str = "mla"  # the model's attention kind (ModelSpec.attention_kind): its generation
 
     @property
     def ratio(self) -> float:
@@ -117,9 +118,10 @@ class Score:
 
 
 def track_record_figures(score: Score) -> list[HeldOutFigure]:
-    """SCORE's predictions as plan/track_record.py summarises them (layout kind, vendor, metric group, source)."""
+    """SCORE's predictions as plan/track_record.py summarises them (layout kind, vendor, attention, metric group,
+    source)."""
     return [
-        HeldOutFigure(r.row.layout_kind, r.vendor, r.group, r.row.source_id or r.row.source, r.ratio)
+        HeldOutFigure(r.row.layout_kind, r.vendor, r.attention, r.group, r.row.source_id or r.row.source, r.ratio)
         for r in score.results
     ]
 
@@ -226,14 +228,18 @@ def _in_sample(
             value = case.predict(parameters, forecaster)
         except NeedsForecaster:
             continue
-        yield RowResult(case.row, value, case.engine.profile, "in-sample", case.deployment.accelerator.vendor)
+        d = case.deployment
+        yield RowResult(case.row, value, case.engine.profile, "in-sample", d.accelerator.vendor, d.spec.attention_kind)
 
 
 def _held_result(held: HeldOut, cases: list[RowCase]) -> RowResult:
     case = next(c for c in cases if c.row.number == held.row.number)
     assert held.predicted is not None
-    vendor = case.deployment.accelerator.vendor
-    return RowResult(held.row, held.predicted, case.engine.profile, "leave-one-source-out", vendor)
+    d = case.deployment
+    provenance = "leave-one-source-out"
+    return RowResult(
+        held.row, held.predicted, case.engine.profile, provenance, d.accelerator.vendor, d.spec.attention_kind
+    )
 
 
 def _skipped(

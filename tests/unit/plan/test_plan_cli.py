@@ -44,11 +44,12 @@ def test_a_plan_says_how_far_forecasts_of_its_layout_have_been(capsys: pytest.Ca
     """The held-out track record of the plan's layout kind (plan/track_record.py), in JSON and in the table."""
     _code, out, _ = run(capsys, "--gpu", "h200", "--tp", "1", "--dp", "8", "--ep", "--json")
     record = json.loads(out)["track_record"]
-    assert (record["layout_kind"], record["vendor"]) == ("dp-attention+ep", "nvidia")
+    assert (record["layout_kind"], record["vendor"], record["attention"]) == ("dp-attention+ep", "nvidia", "mla")
     throughput = record["metrics"]["throughput"]
     assert throughput["figures"] >= 5 and throughput["low_ratio"] <= throughput["median_ratio"]
     _code, out, _ = run(capsys, "--gpu", "h200", "--tp", "1", "--dp", "8", "--ep")
-    assert "track record: predicted / published on runs it never saw (dp-attention+ep, nvidia GPUs)" in out
+    scope = "(dp-attention+ep on MLA models (V3, R1, V3.1), nvidia GPUs)"
+    assert f"track record: predicted / published on runs it never saw {scope}" in out
 
 
 def test_fp8_on_8_h100_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:

@@ -109,6 +109,23 @@ def test_the_frontier_chart_is_drawn(h200, tmp_path: Path) -> None:
     assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_each_point_shows_how_its_layout_kind_has_fared_held_out(h200) -> None:
+    """The ranking and the frontier carry each layout kind's median held-out throughput ratio (plan/track_record.py),
+    so a candidate whose kind has run high says so beside its figures."""
+    from deepserve.cli.plan_search import search_markdown
+    from deepserve.plan.track_record import record_for
+
+    lines = [line for line in search_markdown(h200).splitlines() if line.startswith(("| best", "| frontier"))]
+    assert lines and all(line.rstrip(" |").endswith("x") for line in lines)
+    record = record_for("dp-attention+tp-experts", "nvidia", "mla")
+    assert record is not None
+    metric = record.metric("throughput")
+    assert metric is not None
+    expected = f"{'~' if record.instead_of else ''}{metric.median_ratio:.2f}x"
+    data_parallel = [line for line in lines if "DP-attention" in line and "experts split" in line]
+    assert data_parallel and all(line.rstrip(" |").endswith(" " + expected) for line in data_parallel)
+
+
 def test_search_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(cli_main, "COMMANDS", ("plan",))
     chart = tmp_path / "chart.png"
