@@ -25,7 +25,7 @@ from deepserve.errors import ConfigError
 
 TRACK_RECORD_PATH = Path(__file__).with_name("data") / "track_record.json"
 RECORDED_GROUPS = ("throughput", "tpot", "ttft")
-MIN_FIGURES = 5  # fewer held-out figures than this say nothing about a layout kind
+MIN_FIGURES = 5  # fewer held-out figures than this say nothing about a setup
 BIAS_RATIO = 1.2  # a median ratio this far from 1 (either way) is a lean the user is told to expect
 CLOSE_RATIO = 1.5  # "within 1.5x": the share of figures predicted within this factor either way
 ANY = "all"  # a layout kind or attention that stands for every one
@@ -38,7 +38,7 @@ GENERATIONS = {
 
 @dataclass(frozen=True)
 class MetricRecord:
-    """One metric group's held-out ratios (predicted / published) for one layout kind on one vendor's GPUs."""
+    """One metric group's held-out ratios (predicted / published) for one layout kind, generation and vendor."""
 
     group: str
     figures: int
@@ -65,6 +65,8 @@ class MetricRecord:
 
 @dataclass(frozen=True)
 class TrackRecord:
+    """The held-out record of one setup: a layout kind (or ANY) for one generation (or ANY) on one vendor's GPUs."""
+
     layout_kind: str
     vendor: str
     attention: str
