@@ -97,20 +97,23 @@ def _print_chosen(console: Console, result: SearchResult) -> None:
 
 def chosen_track_record(result: SearchResult) -> TrackRecord | None:
     """How far held-out forecasts of the chosen layout's kind on this GPU's vendor have been."""
-    return None if result.chosen is None else _track_record(result, result.chosen)
+    return None if result.chosen is None else _track_records(result)(result.chosen)
 
 
-def _track_record(result: SearchResult, point: SearchPoint) -> TrackRecord | None:
+def _track_records(result: SearchResult) -> Callable[[SearchPoint], TrackRecord | None]:
+    """A point's track record: its layout kind, for the searched model's generation on the searched GPU's vendor
+    (both worked out once per search)."""
     vendor = get_accelerator(result.config.gpu).vendor
     attention = load_spec(result.config.model).attention_kind
-    return record_for(point.candidate.layout.kind, vendor, attention)
+    return lambda point: record_for(point.candidate.layout.kind, vendor, attention)
 
 
 def _throughput_track_record(result: SearchResult) -> Callable[[SearchPoint], str]:
     """A point's column: the median held-out throughput ratio of its layout kind (its track record's)."""
+    track_record = _track_records(result)
 
     def column(point: SearchPoint) -> str:
-        record = _track_record(result, point)
+        record = track_record(point)
         metric = record.metric("throughput") if record else None
         if metric is None:
             return "-"

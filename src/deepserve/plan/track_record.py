@@ -21,6 +21,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from deepserve.errors import ConfigError
 
 TRACK_RECORD_PATH = Path(__file__).with_name("data") / "track_record.json"
@@ -49,13 +51,12 @@ class MetricRecord:
     within_close: float  # share of figures within CLOSE_RATIO either way
 
     def words(self) -> str:
+        more, less = ("more", "less") if self.group == "throughput" else ("higher", "lower")  # a rate, or a latency
         lean = ""
         if self.median_ratio >= BIAS_RATIO:
-            lean = ", forecasts ran high: expect less"
+            lean = f", forecasts ran high: expect {less}"
         elif self.median_ratio <= 1 / BIAS_RATIO:
-            lean = ", forecasts ran low: expect more"
-        if self.group != "throughput":  # a latency predicted low is a latency that will come out higher
-            lean = lean.replace("expect less", "expect lower").replace("expect more", "expect higher")
+            lean = f", forecasts ran low: expect {more}"
         return (
             f"{self.group} {self.median_ratio:.2f}x median, {self.low_ratio:.2f}-{self.high_ratio:.2f}x for 80%, "
             f"{self.within_close:.0%} within {CLOSE_RATIO:g}x ({_count(self.figures, 'figure')}, "
@@ -181,25 +182,18 @@ def _records_as_of(path: Path, _mtime_ns: int) -> dict[tuple[str, str, str], Tra
 def _metric(group: str, figures: Sequence[HeldOutFigure]) -> MetricRecord | None:
     if not figures:
         return None
-    ratios = sorted(f.ratio for f in figures)
+    ratios = [f.ratio for f in figures]
+    low, median, high = (round(float(q), 3) for q in np.percentile(ratios, (10, 50, 90)))
     close = sum(1 / CLOSE_RATIO <= r <= CLOSE_RATIO for r in ratios)
     return MetricRecord(
         group=group,
         figures=len(ratios),
         sources=len({f.source for f in figures}),
-        median_ratio=round(_quantile(ratios, 0.5), 3),
-        low_ratio=round(_quantile(ratios, 0.1), 3),
-        high_ratio=round(_quantile(ratios, 0.9), 3),
+        median_ratio=median,
+        low_ratio=low,
+        high_ratio=high,
         within_close=round(close / len(ratios), 3),
     )
-
-
-def _quantile(ordered: Sequence[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default), over ORDERED values."""
-    position = q * (len(ordered) - 1)
-    below = int(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 def _count(number: int, noun: str) -> str:
