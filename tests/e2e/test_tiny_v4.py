@@ -166,7 +166,9 @@ def test_bench_measures_reasoning_and_answer_with_thinking_on_and_off(served_v4:
             assert record.reasoning_tokens == REASONING_BUDGET, record  # the server's count (usage)
             assert record.answer_tokens == BENCH_OUTPUT_LEN - REASONING_BUDGET  # </think> and the answer
             assert record.first_answer_s is not None, record
-            assert record.first_reasoning_s == record.first_token_s < record.first_answer_s
+            # <=: a starved API server merges the deltas the consumer has not taken yet (vLLM's output collector),
+            # so the whole reasoning and the answer's first token can arrive in the first write
+            assert record.first_reasoning_s == record.first_token_s <= record.first_answer_s
             assert record.prompt_len > 400  # the server's count: V4's encoder adds its reasoning instruction
         else:  # no reasoning: left out of the reasoning figures (its answer's first token is its TTFT)
             assert record.reasoning_tokens is None and record.answer_tokens is None, record
@@ -180,7 +182,7 @@ def test_bench_measures_reasoning_and_answer_with_thinking_on_and_off(served_v4:
     assert data["mean_reasoning_tokens"] == REASONING_BUDGET
     for key in ("mean_reasoning_ttft_ms", "median_reasoning_ttft_ms", "mean_answer_ttft_ms", "p99_answer_ttft_ms"):
         assert data[key] > 0, key
-    assert data["mean_answer_ttft_ms"] > data["mean_reasoning_ttft_ms"]  # the answer comes after the reasoning
+    assert data["mean_answer_ttft_ms"] >= data["mean_reasoning_ttft_ms"]  # the answer never before the reasoning
     # over the requests that reasoned, from their own records
     for name, moment in (("reasoning", "first_reasoning_s"), ("answer", "first_answer_s")):
         waits_ms = [(getattr(record, moment) - record.sent_s) * 1000 for record in on_records]
