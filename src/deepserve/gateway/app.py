@@ -684,6 +684,10 @@ class GatewayApp:
 
     async def _send_whole(self, exchange: Exchange, status: int, body: bytes, send: Send) -> None:
         exchange.status = status
+        if exchange.head_sent:  # a retry's refusal, after the first replica's 200 head went out: an error event
+            exchange.finished = exchange.response_started = True
+            await send({"type": "http.response.body", "body": _error_event(status, body), "more_body": False})
+            return
         if status == 200 and b'"usage"' in body:
             with contextlib.suppress(ValueError, AttributeError, RecursionError):  # an answer we cannot read is
                 answer = orjson.loads(body)  # forwarded all the same, only not accounted
@@ -708,8 +712,14 @@ class GatewayApp:
         tap = exchange.tap = StreamTap(parsed.strip_usage_chunk, exchange.endpoint.stream_shape)
         exchange.logged_body = [] if self.config.log_bodies else None
         itl = self.metrics.for_model(parsed.client_model).itl_s
-        relay = StreamRelay(exchange, tap, itl, _SSE_HEADERS, exchange.send_now)
+        relay = StreamRelay(exchange, tap, itl, exchange.send_now)
         sink = relay.offer_sink
+        if not exchange.head_sent:
+            # The head now, as the engine sent its own: a client that parses it at the first token instead (every
+            # stream of an engine step at once) adds that to every stream's TTFT (docs/PERFORMANCE.md)
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            await send({"type": "http.response.body", "body": b"", "more_body": True})
+            exchange.head_sent = True
         while True:
             try:
                 chunk = await response.next_data(sink)
@@ -733,8 +743,8 @@ class GatewayApp:
             exchange.status = exc.status
             return
         exchange.finished = True
-        if exchange.response_started:
-            # The stream already started (status 200 is on the wire): end it with an error event.
+        if exchange.response_started or exchange.head_sent:
+            # The stream's head is on the wire (status 200): end it with an error event.
             exchange.status = exc.status
             await send({"type": "http.response.body", "body": exc.sse_event(), "more_body": False})
         else:
@@ -860,6 +870,17 @@ def _client_text(client: Any) -> str:
     if isinstance(client, (tuple, list)) and len(client) == 2:
         return f"{client[0]}:{client[1]}"
     return "-"
+
+
+def _error_event(status: int, body: bytes) -> bytes:
+    """An engine's refusal (STATUS, BODY) as a stream's last event: its own error object where it sent one in
+    OpenAI's shape, else one that quotes it."""
+    with contextlib.suppress(ValueError, RecursionError):
+        answer = orjson.loads(body)
+        if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+            return b"data: " + orjson.dumps(answer) + b"\n\n"
+    detail = body[:300].decode(errors="replace")
+    return UpstreamBadStatus(f"upstream answered {status}: {detail}").sse_event()
 
 
 def _cancel_on_disconnect(

@@ -30,6 +30,7 @@ class Exchange:
         "endpoint",
         "error",
         "finished",
+        "head_sent",
         "key",
         "logged_body",
         "method",
@@ -61,7 +62,8 @@ class Exchange:
         self.ttft_s: float | None = None
         self.upstream: str | None = None
         self.usage: dict[str, Any] | None = None
-        self.response_started = False
+        self.response_started = False  # the first event (or the whole answer) went to the client
+        self.head_sent = False  # a stream's 200 head went to the client (as soon as the upstream's did)
         self.finished = False
         self.client_gone = False
         self.cut: str | None = None  # why the gateway ended the request (shutdown), when it did

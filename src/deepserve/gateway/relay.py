@@ -11,10 +11,12 @@ token waited for all the reads of that instant and then for the relays of the st
 (docs/PERFORMANCE.md, "One stream's fixed cost and a burst's per-stream cost"). From the read callback each stream's
 token leaves right after its own read.
 
-The task keeps what it owned: the retry before the first event (nothing is sent to the client until an event is
-complete), errors (a failure in `offer` reaches the task through the connection), cancellation (the client going
-away cancels the task; what the callback writes to a gone client is dropped, as `send` drops it) and flow control
-(a client that does not read makes `offer` stop, and the task waits for it as it always did)."""
+The response head goes out before any event, when the engine's own head arrives (the engine sends it at once, and a
+client parses it while the first token is computed); the task still owns the retry before the first event (no event
+goes out until one is complete, so a replica that fails before it is replaced under the same 200 head), errors (a
+failure in `offer` reaches the task through the connection), cancellation (the client going away cancels the task;
+what the callback writes to a gone client is dropped, as `send` drops it) and flow control (a client that does not
+read makes `offer` stop, and the task waits for it as it always did)."""
 
 from __future__ import annotations
 
@@ -35,23 +37,15 @@ class Observer(Protocol):
 
 
 class StreamRelay:
-    """The events of one stream on their way: the response head with the first event, the ITL histogram, the
-    logged body."""
+    """The events of one stream on their way (its response head went out before them): the time to the first
+    event, the ITL histogram, the logged body."""
 
-    __slots__ = ("_exchange", "_headers", "_itl", "_last_s", "_logged_bytes", "_send_now", "_tap", "held")
+    __slots__ = ("_exchange", "_itl", "_last_s", "_logged_bytes", "_send_now", "_tap", "held")
 
-    def __init__(
-        self,
-        exchange: Exchange,
-        tap: StreamTap,
-        itl: Observer,
-        headers: list[tuple[bytes, bytes]],
-        send_now: SendNow | None,
-    ) -> None:
+    def __init__(self, exchange: Exchange, tap: StreamTap, itl: Observer, send_now: SendNow | None) -> None:
         self._exchange = exchange
         self._tap = tap
         self._itl = itl
-        self._headers = headers
         self._send_now = send_now
         self._last_s = 0.0
         self._logged_bytes = 0
@@ -90,9 +84,7 @@ class StreamRelay:
         rest = tap.finish()
         exchange.usage = tap.usage
         exchange.finished = True
-        if not exchange.response_started:
-            await send({"type": "http.response.start", "status": 200, "headers": self._headers})
-            exchange.response_started = True
+        exchange.response_started = True
         await send({"type": "http.response.body", "body": rest, "more_body": False})
 
     def _messages(self, data: bytes) -> list[Message]:
@@ -101,16 +93,13 @@ class StreamRelay:
             return []
         exchange = self._exchange
         now_s = time.perf_counter()
-        messages: list[Message] = []
         if exchange.response_started:
             self._itl.observe(now_s - self._last_s)
-        else:
-            # Headers go out with the first event, not before: until then a failure can still be retried.
-            messages.append({"type": "http.response.start", "status": 200, "headers": self._headers})
+        else:  # from here on a failure ends the stream with an error event: the client has tokens
             exchange.response_started = True
             exchange.ttft_s = now_s - exchange.started_s
         self._last_s = now_s
-        messages.append({"type": "http.response.body", "body": events, "more_body": True})
+        messages: list[Message] = [{"type": "http.response.body", "body": events, "more_body": True}]
         logged = exchange.logged_body
         if logged is not None and self._logged_bytes < MAX_LOGGED_BODY_BYTES:
             logged.append(events)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import aiohttp
 import httpx
@@ -23,6 +24,10 @@ from .conftest import gateway_config, ledger_rows, start_gateway, start_upstream
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 FAILING = {"error_fraction": 1.0}  # every generation request answered with an error (error_status, default 500)
+
+
+# Upstream options: every stream's 200 head goes out, then the connection closes before any event
+DROPS_AFTER_HEAD: dict[str, Any] = {"cut_fraction": 1.0, "cut_after_tokens": 0, "cut_mode": "close"}
 
 
 def stalling(after_tokens: int) -> dict[str, object]:
@@ -57,6 +62,72 @@ async def test_upstream_4xx_is_passed_through_and_not_retried() -> None:
         assert response.status_code == 422
         assert response.json()["error"]["message"] == "injected failure (deepserve simulate)"
         assert first.app.stats.requests + second.app.stats.requests == 1
+
+
+async def test_a_streams_head_reaches_the_client_as_soon_as_the_engines_does() -> None:
+    """The engine sends a stream's head at once and its first token after the prefill; the gateway passes the head
+    on when it arrives, so the client has parsed it before the first token (otherwise every stream of an engine
+    step waits at its first token for the heads of the streams ahead of it)."""
+    request = {**CHAT, "stream": True}
+    async with (
+        upstream_and_gateway(upstream_options={"ttft_ms": 60_000.0}) as (fake, app, client),
+        client.stream("POST", "/chat/completions", json=request) as response,
+    ):
+        assert response.status_code == 200  # the head, within the client's 30 s timeout: no token for a minute
+        assert response.headers["content-type"] == "text/event-stream"
+        assert fake.app.stats.completed == 0 and app.requests_in_flight == 1
+
+
+async def test_a_stream_dropped_after_its_head_is_retried_under_that_head() -> None:
+    async with (
+        upstream(**DROPS_AFTER_HEAD) as dropping,
+        upstream() as good,
+        running_gateway(gateway_config(dropping.base_url, good.base_url, balancing="round_robin")) as (app, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        responses = [await client.post("/chat/completions", json={**CHAT, "stream": True}) for _ in range(4)]
+        for response in responses:
+            events = [event for event in response.text.split("\n\n") if event]
+            assert response.status_code == 200 and events[-1] == "data: [DONE]"
+            assert all("error" not in json.loads(event.removeprefix("data: ")) for event in events[:-1])
+        assert dropping.app.stats.requests >= 2 and good.app.stats.completed == 4
+        assert "deepserve_gateway_retries_total" in app.metrics.render().decode()
+
+
+async def test_a_stream_whose_retry_is_refused_ends_with_the_engines_error_as_its_event() -> None:
+    async with (
+        upstream(**DROPS_AFTER_HEAD) as dropping,
+        upstream(**FAILING, error_status=422) as refusing,
+        running_gateway(gateway_config(dropping.base_url, refusing.base_url, balancing="round_robin")) as (app, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        responses = [await client.post("/chat/completions", json={**CHAT, "stream": True}) for _ in range(4)]
+        in_stream = [response for response in responses if response.status_code == 200]
+        assert in_stream, "round robin sent no request to the dropping replica first"
+        for response in responses:
+            if response.status_code == 200:  # dropped after the 200 head, then refused: the refusal as the event
+                event = response.text.strip()
+                assert event.startswith("data: ") and "\n" not in event
+                error = json.loads(event.removeprefix("data: "))["error"]
+            else:  # refused at once: the engine's status and body as they were
+                assert response.status_code == 422
+                error = response.json()["error"]
+            assert error["message"] == "injected failure (deepserve simulate)"
+        assert app.ledger is not None and app.ledger.flush()
+    assert ledger_rows("status") == [(422,)] * 4
+
+
+async def test_a_stream_the_only_replica_drops_after_its_head_ends_with_an_error_event() -> None:
+    async with upstream_and_gateway(upstream_options=DROPS_AFTER_HEAD) as (fake, app, client):
+        response = await client.post("/chat/completions", json={**CHAT, "stream": True})
+        assert response.status_code == 200  # the engine's 200 head had gone on to the client
+        event = response.text.strip()
+        assert event.startswith("data: ") and "\n" not in event
+        assert json.loads(event.removeprefix("data: "))["error"]["code"] == "upstream_unavailable"
+        # dropped rather than refused: tried again on the same replica, as often as retries are allowed
+        assert fake.app.stats.requests == 1 + app.config.max_retries
+        assert app.ledger is not None and app.ledger.flush()
+    assert ledger_rows("status, completion_tokens") == [(503, None)]  # as the error says, not the head
 
 
 async def test_client_disconnect_mid_stream_aborts_the_upstream_and_records_the_tokens_delivered() -> None:
