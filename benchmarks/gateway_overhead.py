@@ -445,6 +445,7 @@ class StreamSummary:
     # With --wave: the median over waves of each wave's median TTFT, and of its slowest stream's
     wave_median_ms: float = float("nan")
     wave_slowest_ms: float = float("nan")
+    wave_places_ms: dict[int, float] = field(default_factory=dict)  # place in the wave (0: fastest) → median TTFT
 
 
 def summarise(results: list[StreamResult]) -> StreamSummary:
@@ -473,6 +474,26 @@ def wave_ttfts(results: list[StreamResult], concurrency: int) -> tuple[float, fl
     if not middles:
         return float("nan"), float("nan")
     return statistics.median(middles), statistics.median(slowest)
+
+
+def wave_places(concurrency: int) -> list[int]:
+    """The places within a wave shown by place (0: its fastest stream): the first, the second, the middle, the last.
+    On a lockstep engine the fastest is usually alone in the first step and the others share the second, so the
+    first place shows what the burst's first request costs and the others what the shared step's relay costs."""
+    return sorted({0, 1, concurrency // 2, concurrency - 1}) if concurrency > 1 else [0]
+
+
+def wave_place_ttfts(results: list[StreamResult], concurrency: int) -> dict[int, float]:
+    """RESULTS in waves of CONCURRENCY: for each place of `wave_places`, the median over waves of the TTFT (ms) of
+    the stream at that place in its wave (waves with a failure left out)."""
+    waves = [
+        sorted(result.ttft_s * 1000 for result in results[start : start + concurrency])
+        for start in range(0, len(results) - concurrency + 1, concurrency)
+        if all(result.ok for result in results[start : start + concurrency])
+    ]
+    if not waves:
+        return {}
+    return {place: statistics.median(wave[place] for wave in waves) for place in wave_places(concurrency)}
 
 
 def main() -> int:
@@ -634,6 +655,7 @@ async def _measure(args: argparse.Namespace, targets: dict[str, Server]) -> dict
             summary.repeats = by_repeat[name]
             if args.wave:
                 summary.wave_median_ms, summary.wave_slowest_ms = wave_ttfts(results[name], concurrency)
+                summary.wave_places_ms = wave_place_ttfts(results[name], concurrency)
             rows[f"stream/{concurrency}/{name}"] = summary
     if args.latency_requests:
         latencies: dict[str, list[float]] = {name: [] for name in targets if name != "litellm"}
@@ -730,6 +752,20 @@ def _print_wave_table(args: argparse.Namespace, rows: dict[str, object]) -> None
               f"{added[0]} | {summary.wave_slowest_ms:.2f} | {added[1]} |")  # fmt: skip
 
 
+def _print_place_table(args: argparse.Namespace, rows: dict[str, object]) -> None:
+    print()
+    print("By place in the wave (see wave_places): the median over waves of the TTFT of the wave's k-th fastest "
+          "stream, and what the path added to it")  # fmt: skip
+    print("| streams | path | TTFT ms by place (added ms) |")
+    print("|---|---|---|")
+    for concurrency, name, summary, direct in _measured_paths(args, rows):
+        cells = []
+        for place, ttft_ms in summary.wave_places_ms.items():
+            added = "" if name == "direct" else f" ({ttft_ms - direct.wave_places_ms.get(place, float('nan')):+.2f})"
+            cells.append(f"{place + 1}: {ttft_ms:.2f}{added}")
+        print(f"| {concurrency} | {name} | {' / '.join(cells)} |")
+
+
 def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
     print()
     mode = "lockstep (one engine step for all streams)" if args.lockstep else "staggered"
@@ -756,6 +792,7 @@ def _print_tables(args: argparse.Namespace, rows: dict[str, object]) -> None:
             spreads.append(_spread_row(concurrency, name, summary, direct))
     if args.wave:
         _print_wave_table(args, rows)
+        _print_place_table(args, rows)
     print()
     print("Added TTFT of each repeat on its own (that repeat's path minus the same repeat's direct), in run order:")
     print("| streams | path | added TTFT p50 ms by repeat | added TTFT p99 ms by repeat | p99 range |")
