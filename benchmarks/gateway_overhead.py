@@ -477,10 +477,11 @@ def wave_ttfts(results: list[StreamResult], concurrency: int) -> tuple[float, fl
 
 
 def wave_places(concurrency: int) -> list[int]:
-    """The places within a wave shown by place (0: its fastest stream): the first, the second, the middle, the last.
-    On a lockstep engine the fastest is usually alone in the first step and the others share the second, so the
-    first place shows what the burst's first request costs and the others what the shared step's relay costs."""
-    return sorted({0, 1, concurrency // 2, concurrency - 1}) if concurrency > 1 else [0]
+    """The places within a wave shown by place (0: its fastest stream): the first, a quarter in, the middle, the
+    last. On a lockstep engine the fastest is alone in the first step (or one of the first two or three, where the
+    client sent them before the step began) and the others share the second, so the first place shows what the
+    burst's first request costs and the others what the shared step's relay costs."""
+    return sorted({0, concurrency // 4, concurrency // 2, concurrency - 1})
 
 
 def wave_place_ttfts(results: list[StreamResult], concurrency: int) -> dict[int, float]:
