@@ -16,7 +16,9 @@ timer (staggered); a request's first token comes at the end of its prefill step,
 a wave arrive together, stream in lockstep and end in the same engine step, so the next wave arrives as a burst too
 (issue 22: what a gateway in front of vLLM sees when many clients start together). The table gives each level's
 chunk rate (streams x 1000 / --itl-ms events per second) and how much of one core the path's process used, which
-is the curve of what one gateway worker sustains before it adds latency.
+is the curve of what one gateway worker sustains before it adds latency. With `--wave` two more tables compare
+waves with waves: each wave's median and slowest stream, and the TTFT by place in the wave (its fastest stream, alone
+in the engine's first step, against those that share the second).
 `--baseline-src DIR` adds the gateway of another checkout's `src/` (e.g. `git archive main src | tar -x -C /tmp/b`)
 as a path of its own, so that a change is measured against the code before it in the same run.
 `--workers` adds `--workers 2` with the limits in memory both workers map (`workers=2`, what one host runs without
