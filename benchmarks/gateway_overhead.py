@@ -466,16 +466,20 @@ def wave_ttfts(results: list[StreamResult], concurrency: int) -> tuple[float, fl
     together, it compares waves with waves: a lockstep engine runs a wave in two steps or, when every request of it
     arrived before the first step was formed, in one, and a few one-step waves on one path move its pooled p50 by
     a whole step."""
-    middles, slowest = [], []
-    for start in range(0, len(results) - concurrency + 1, concurrency):
-        wave = results[start : start + concurrency]
-        if all(result.ok for result in wave):
-            ttfts = sorted(result.ttft_s * 1000 for result in wave)
-            middles.append(statistics.median(ttfts))
-            slowest.append(ttfts[-1])
-    if not middles:
+    waves = complete_waves(results, concurrency)
+    if not waves:
         return float("nan"), float("nan")
-    return statistics.median(middles), statistics.median(slowest)
+    return statistics.median(statistics.median(wave) for wave in waves), statistics.median(wave[-1] for wave in waves)
+
+
+def complete_waves(results: list[StreamResult], concurrency: int) -> list[list[float]]:
+    """RESULTS in waves of CONCURRENCY (as wave_load returns them): each wave's TTFTs in ms, fastest first, for the
+    waves in which no stream failed."""
+    return [
+        sorted(result.ttft_s * 1000 for result in results[start : start + concurrency])
+        for start in range(0, len(results) - concurrency + 1, concurrency)
+        if all(result.ok for result in results[start : start + concurrency])
+    ]
 
 
 def wave_places(concurrency: int) -> list[int]:
@@ -489,11 +493,7 @@ def wave_places(concurrency: int) -> list[int]:
 def wave_place_ttfts(results: list[StreamResult], concurrency: int) -> dict[int, float]:
     """RESULTS in waves of CONCURRENCY: for each place of `wave_places`, the median over waves of the TTFT (ms) of
     the stream at that place in its wave (waves with a failure left out)."""
-    waves = [
-        sorted(result.ttft_s * 1000 for result in results[start : start + concurrency])
-        for start in range(0, len(results) - concurrency + 1, concurrency)
-        if all(result.ok for result in results[start : start + concurrency])
-    ]
+    waves = complete_waves(results, concurrency)
     if not waves:
         return {}
     return {place: statistics.median(wave[place] for wave in waves) for place in wave_places(concurrency)}
