@@ -4,8 +4,9 @@ shutdown, overload, and a 10,000-request soak."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
@@ -23,7 +24,8 @@ from tests.helpers import FAKE_MODEL, Child, FakeClock, until
 from .conftest import gateway_config, ledger_rows, start_gateway, start_upstream, upstream, upstream_and_gateway
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-FAILING = {"error_fraction": 1.0}  # every generation request answered with an error (error_status, default 500)
+# every generation request answered with an error (error_status, default 500)
+FAILING: dict[str, Any] = {"error_fraction": 1.0}
 
 
 # Upstream options: every stream's 200 head goes out, then the connection closes before any event
@@ -36,14 +38,23 @@ def stalling(after_tokens: int) -> dict[str, object]:
     return {"cut_fraction": 1.0, "cut_mode": "stall", "cut_after_tokens": after_tokens}
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_a_failing_replica_is_retried_on_another(stream: bool) -> None:
+@contextlib.asynccontextmanager
+async def two_replicas(
+    first: dict[str, Any], second: dict[str, Any]
+) -> AsyncIterator[tuple[SimulatorServer, SimulatorServer, GatewayApp, httpx.AsyncClient]]:
+    """Two upstreams (FIRST's and SECOND's options), a gateway sending to them in turn, and a client of it."""
     async with (
-        upstream(**FAILING) as broken,
-        upstream() as good,
-        running_gateway(gateway_config(broken.base_url, good.base_url, balancing="round_robin")) as (app, url),
+        upstream(**first) as one,
+        upstream(**second) as other,
+        running_gateway(gateway_config(one.base_url, other.base_url, balancing="round_robin")) as (app, url),
         httpx.AsyncClient(base_url=url) as client,
     ):
+        yield one, other, app, client
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_failing_replica_is_retried_on_another(stream: bool) -> None:
+    async with two_replicas(FAILING, {}) as (broken, good, app, client):
         responses = [await client.post("/chat/completions", json={**CHAT, "stream": stream}) for _ in range(10)]
         assert [response.status_code for response in responses] == [200] * 10
         assert all(response.text.endswith("data: [DONE]\n\n") == stream for response in responses)
@@ -79,12 +90,7 @@ async def test_a_streams_head_reaches_the_client_as_soon_as_the_engines_does() -
 
 
 async def test_a_stream_dropped_after_its_head_is_retried_under_that_head() -> None:
-    async with (
-        upstream(**DROPS_AFTER_HEAD) as dropping,
-        upstream() as good,
-        running_gateway(gateway_config(dropping.base_url, good.base_url, balancing="round_robin")) as (app, url),
-        httpx.AsyncClient(base_url=url) as client,
-    ):
+    async with two_replicas(DROPS_AFTER_HEAD, {}) as (dropping, good, app, client):
         responses = [await client.post("/chat/completions", json={**CHAT, "stream": True}) for _ in range(4)]
         for response in responses:
             events = [event for event in response.text.split("\n\n") if event]
@@ -95,12 +101,7 @@ async def test_a_stream_dropped_after_its_head_is_retried_under_that_head() -> N
 
 
 async def test_a_stream_whose_retry_is_refused_ends_with_the_engines_error_as_its_event() -> None:
-    async with (
-        upstream(**DROPS_AFTER_HEAD) as dropping,
-        upstream(**FAILING, error_status=422) as refusing,
-        running_gateway(gateway_config(dropping.base_url, refusing.base_url, balancing="round_robin")) as (app, url),
-        httpx.AsyncClient(base_url=url) as client,
-    ):
+    async with two_replicas(DROPS_AFTER_HEAD, {**FAILING, "error_status": 422}) as (_, _, app, client):
         responses = [await client.post("/chat/completions", json={**CHAT, "stream": True}) for _ in range(4)]
         in_stream = [response for response in responses if response.status_code == 200]
         assert in_stream, "round robin sent no request to the dropping replica first"
