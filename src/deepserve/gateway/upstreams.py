@@ -190,15 +190,17 @@ class UpstreamPool:
                 failed.add(_host_of(seed))
                 log.warning("resolving upstream %s failed (%s); keeping its %d replicas", seed, exc,
                             sum(replica.server_name == _host_of(seed) for replica in self.replicas))  # fmt: skip
+        known = {replica.url for replica in self.replicas}
+        added = [UpstreamReplica(url, server_name=name) for url, name in found.items() if url not in known]
+        # Checked before the pool changes, and the pool changed in one step: a request never meets a pool whose
+        # gone replicas have left while its new ones are not yet known to be healthy.
+        await asyncio.gather(*(self._check(replica) for replica in added))
         for replica in list(self.replicas):
             if replica.url not in found and (replica.server_name or _host_of(replica.url)) not in failed:
                 self._retire(replica)
-        known = {replica.url for replica in self.replicas}
-        added = [UpstreamReplica(url, server_name=name) for url, name in found.items() if url not in known]
         for replica in added:
             log.warning("upstream %s joined (an address of %s)", replica.url, replica.server_name)
         self.replicas += added
-        await asyncio.gather(*(self._check(replica) for replica in added))
         self._update_models()
 
     async def _replica_urls(self, seed: str) -> dict[str, str]:

@@ -116,6 +116,24 @@ async def test_a_failed_resolution_keeps_the_replicas_found_before() -> None:
             assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
 
 
+async def test_a_request_never_meets_a_pool_between_its_old_and_new_replicas() -> None:
+    """Every address replaced at once (a rollout): the new replicas are checked before the old ones leave, so the
+    pool is never without a healthy replica (a request in that window was answered 503)."""
+    zone = Zone(ADDRESSES[0])
+    async with replicas_on_one_port() as (port, _):
+        config = gateway_config(f"http://{NAME}:{port}/v1", discover_upstreams=True, discovery_interval_s=60)
+        app = GatewayApp(config, resolve=zone.resolve)
+        async with running_gateway(config, app):
+            zone.addresses = [ADDRESSES[1], ADDRESSES[2]]
+            discovery = asyncio.create_task(app.pool.discover())
+            while not discovery.done():
+                assert app.pool.ready() and app.pool.models, _replicas(app)
+                await asyncio.sleep(0)
+            await discovery
+            assert _replicas(app) == {_url(address, port) for address in ADDRESSES[1:]}
+            assert all(replica.healthy for replica in app.pool.replicas)
+
+
 # ---- through a real DNS server on loopback ------------------------------------------------------------------------
 
 
@@ -176,6 +194,7 @@ async def test_replicas_come_and_go_with_a_real_dns_servers_answers() -> None:
             async with running_gateway(config, app) as (_, url), httpx.AsyncClient(base_url=url) as client:
                 assert _replicas(app) == {_url(address, port) for address in ADDRESSES[:2]}
                 zone.addresses = [ADDRESSES[2]]  # the discovery loop sees it within its interval
-                await until(lambda: _replicas(app) == {_url(ADDRESSES[2], port)})
+                # healthy too: on a starved machine the new replica's first check can time out (then the next one)
+                await until(lambda: _replicas(app) == {_url(ADDRESSES[2], port)} and app.pool.ready())
                 assert (await client.post("/chat/completions", json=CHAT)).status_code == 200
                 assert _requests(servers[ADDRESSES[2]]) == 1
