@@ -30,6 +30,9 @@ too, the other checkout's gateway gets the two Redis paths as well (`base+redis`
 their own, since the two versions' scripts may keep their state differently), and after the tables Redis's own
 account of each Redis path (`INFO commandstats`, reset before each batch: script calls per stream, µs per call, and
 the commands the scripts ran). `--paths` measures only the paths named (and `direct`, which every difference needs).
+`--proxy-cpus 1` runs every gateway (and LiteLLM) on the CPUs named and the upstream, Redis and this load generator
+on the others, as a deployment gives its gateway cores of its own: what is left is the hop itself (two more
+wake-ups and the gateway's work), not the gateway and the engine waiting for each other's core.
 """
 
 from __future__ import annotations
@@ -110,10 +113,16 @@ def start_server(
     health: str,
     timeout_s: float,
     env: dict[str, str] | None = None,
+    cpus: set[int] | None = None,
 ) -> Server:
-    """Start ARGV; ready when READY_LINE is printed (if given) and HEALTH answers 200."""
+    """Start ARGV (on CPUS only, when given); ready when READY_LINE is printed (if given) and HEALTH answers 200."""
     process = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or dict(os.environ)
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env or dict(os.environ),
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
     )
     server = Server(name, url, process)
     seen = threading.Event()
@@ -160,6 +169,9 @@ def start_upstream(itl_ms: float, ttft_ms: float = 0.0, lockstep: bool = False) 
     return start_server("simulated upstream", argv, "READY ", url + "/v1", url + "/health", 30)
 
 
+PROXY_CPUS: set[int] | None = None  # --proxy-cpus: where the gateways and LiteLLM run (None: wherever they like)
+
+
 def start_gateway(upstream: str, api_key: str, src: Path | None = None, **fields: object) -> Server:
     """A gateway process (from SRC, another checkout's src/, when given: only flags it knows are passed)."""
     port = free_port()
@@ -169,7 +181,7 @@ def start_gateway(upstream: str, api_key: str, src: Path | None = None, **fields
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(src or REPO / "src")}
     server = start_server("deepserve gateway", gateway_argv(config, sys.executable), "GATEWAY READY", url + "/v1",
-                          url + "/ready", 90, env)  # fmt: skip
+                          url + "/ready", 90, env, PROXY_CPUS)  # fmt: skip
     server.api_key = api_key
     return server
 
@@ -262,7 +274,7 @@ def start_litellm(binary: Path, upstream: str, workdir: Path) -> Server:
     argv = [str(binary), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
     url = f"http://127.0.0.1:{port}"
     os.environ.setdefault("LITELLM_LOG", "ERROR")
-    return start_server("LiteLLM proxy", argv, None, url + "/v1", url + "/health/liveliness", 180)
+    return start_server("LiteLLM proxy", argv, None, url + "/v1", url + "/health/liveliness", 180, cpus=PROXY_CPUS)
 
 
 # ---- load ---------------------------------------------------------------------------------------------------------
@@ -528,7 +540,15 @@ def main() -> int:
     parser.add_argument(
         "--paths", nargs="+", choices=PATHS[1:], default=None, help="only these paths (and direct, always measured)"
     )
+    parser.add_argument(
+        "--proxy-cpus", default=None, help="CPUs for the gateways and LiteLLM (e.g. 1 or 2-3); the rest run elsewhere"
+    )
     args = parser.parse_args()
+    if args.proxy_cpus is not None:
+        try:
+            pin_proxies(args.proxy_cpus)
+        except ValueError as exc:
+            parser.error(f"--proxy-cpus {args.proxy_cpus}: {exc}")
     if args.wave and not args.lockstep:
         parser.error("--wave needs --lockstep: waves end together only when the engine steps every stream together")
     if args.baseline_src is not None and not (args.baseline_src / "deepserve").is_dir():
@@ -550,8 +570,34 @@ def main() -> int:
         return runner(_run(args, Path(tmp)))
 
 
+def pin_proxies(spec: str) -> None:
+    """Run the proxies on the CPUs of SPEC ("1", "2-3", "1,3") and this process (and the upstream and Redis it
+    starts) on every other CPU it may use."""
+    global PROXY_CPUS
+    allowed = os.sched_getaffinity(0)
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        if not first.strip().isdigit() or (last and not last.strip().isdigit()):
+            raise ValueError(f"{part!r} is not a CPU number or range (e.g. 1 or 2-3)")
+        cpus.update(range(int(first), int(last or first) + 1))
+    if not cpus <= allowed:
+        raise ValueError(
+            f"CPUs {sorted(cpus - allowed)} are not available here (this process may use {sorted(allowed)})"
+        )
+    if not allowed - cpus:
+        raise ValueError("no CPU would be left for the upstream and the load generator")
+    os.sched_setaffinity(0, allowed - cpus)
+    PROXY_CPUS = cpus
+
+
 async def _run(args: argparse.Namespace, workdir: Path) -> int:
-    print(f"machine: {os.cpu_count()} CPUs (shared); every server is one process on loopback", flush=True)
+    placement = (
+        f"gateways on CPUs {sorted(PROXY_CPUS)}, upstream and load generator on {sorted(os.sched_getaffinity(0))}"
+        if PROXY_CPUS
+        else "shared"
+    )
+    print(f"machine: {os.cpu_count()} CPUs ({placement}); every server is one process on loopback", flush=True)
     upstream = start_upstream(args.itl_ms, args.ttft_ms, args.lockstep)
     servers = [upstream]
     try:
