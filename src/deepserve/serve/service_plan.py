@@ -100,7 +100,7 @@ def plan_service(
     front.check_startable()
     gateway_launch = LaunchSpec(
         argv=gateway_argv(front, python),
-        ready_path="/health",
+        ready_path="/ready",  # 200 once a health check found the engine, where /health answers as soon as it listens
         served_model_name=model.served_name,
         base_url=gateway_base_url(front),
     )

@@ -257,10 +257,10 @@ async def test_replica_killed_under_load(children: list[Child]) -> None:
         plain = [asyncio.create_task(_post(session, url + "/chat/completions", {**CHAT, "max_tokens": 40}))
                  for _ in range(40)]  # fmt: skip
         started = asyncio.Semaphore(0)
-        stream_body = {**CHAT, "max_tokens": 40, "stream": True}
+        stream_body = {**CHAT, "max_tokens": 150, "stream": True}  # 3 s of tokens: the doomed ones outlive the start
         streams = [asyncio.create_task(_stream(session, url + "/chat/completions", stream_body, started))
                    for _ in range(10)]  # fmt: skip
-        for _ in streams:  # every stream has its first event (300 ms); non-streamed answers take 1.1 s
+        for _ in streams:  # every stream has its first event (300 ms); non-streamed answers take 1.1 s, streams 3.3 s
             await asyncio.wait_for(started.acquire(), timeout=10)
         doomed.kill()
         assert [status for status, _ in await asyncio.gather(*plain)] == [200] * 40
@@ -390,8 +390,24 @@ async def test_a_slow_health_check_is_not_death_until_it_repeats() -> None:
         await app.pool.check_all()
         assert replica.failed_checks == 3 and not replica.healthy
         fake.app.controls.health_delay_s = 0.0
+        app.pool.health_timeout_s = 10.0  # the prompt answer must not miss a short timeout on a loaded machine
         await app.pool.check_all()
         assert replica.healthy and replica.failed_checks == 0
+
+
+async def test_a_replica_slow_to_answer_its_first_check_is_in_rotation_when_the_gateway_starts() -> None:
+    """A busy engine answers the gateway's first /health after its timeout: checked again at once, the gateway
+    starts with it in rotation instead of announcing itself ready with no healthy replica for an interval."""
+    async with upstream(health_delay_s=5.0) as fake:  # beyond the health timeout (0.5 s at a 0.2 s interval)
+        app = GatewayApp(gateway_config(fake.base_url, health_check_interval_s=0.2))
+        starting = asyncio.create_task(app.start())
+        try:
+            await until(lambda: fake.app.stats.health_checks >= 1)
+            fake.app.controls.health_delay_s = 0.0  # the engine catches up
+            await starting
+            assert app.pool.ready() and app.pool.models and app.pool.replicas[0].failed_checks == 0
+        finally:
+            await app.close()
 
 
 async def test_the_only_replica_failing_shows_its_error() -> None:
