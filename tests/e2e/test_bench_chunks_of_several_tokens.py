@@ -2,8 +2,8 @@
 --stream-interval 4 (one SSE event per 4 tokens, as MTP or speculative decoding would send them).
 
 With the token ids vLLM lists on request (return_token_ids, found by the probe), every chunk's tokens are exact:
-ITL is per token, its median is the decode step (within 25% of the mean TPOT), and each request's samples add up
-to its decode time; the median is taken over the requests vLLM streamed promptly (`streamed_promptly`: starved of
+ITL is per token, its median is the decode step (within a factor of 2 of the mean TPOT), and each request's samples
+add up to its decode time; the median is taken over the requests vLLM streamed promptly (`streamed_promptly`: starved of
 CPU, it may send a stream in one burst), run again until there are three.
 Without them (--return-token-ids off), the usage total is spread by text and said to be estimated. The same server
 checks trace replay and multi-turn prompts against vLLM's own token counts. Bounded: about 20 short requests at
@@ -129,7 +129,11 @@ def test_token_ids_make_itl_exact(served_tiny_stream_interval_4, tokenizer, endp
             "the cores): the ITL spread is not measurable; the last run:\n" + chunk_timeline(result)
         )
     median_itl = statistics.median(sample for record in streamed for sample in itl_ms(record))
-    assert median_itl == pytest.approx(statistics.mean(defined(tpot_ms(record)) for record in streamed), rel=0.25)
+    mean_tpot = statistics.mean(defined(tpot_ms(record)) for record in streamed)
+    # The samples' mean is the TPOT (they add up to the decode time, checked above); their median stays near it when
+    # each chunk's gap is spread over its 4 tokens, within a factor of 2 however unevenly a loaded machine schedules
+    # the steps. A gap given whole to one token (the median 0) or one sample per chunk (4 × the TPOT) is far off.
+    assert 0.5 <= median_itl / mean_tpot <= 2, chunk_timeline(result)
 
 
 def test_without_token_ids_itl_is_estimated_and_says_so(served_tiny_stream_interval_4, tokenizer):

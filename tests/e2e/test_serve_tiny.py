@@ -65,7 +65,9 @@ def test_streamed_chat_completion_reports_usage(client: OpenAI, served_tiny: Ser
     assert usage.completion_tokens == 12
     assert usage.prompt_tokens == 1 + len(b"Be brief.") + 1 + len(b"Tell me about MLA.") + 1
     token_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content is not None]
-    assert 1 < len(token_chunks) <= 13  # one per token (plus the role chunk); never more
+    # at most one per token (plus the role chunk), never more; a starved API server merges pending deltas, so a
+    # single chunk can carry them all
+    assert 1 <= len(token_chunks) <= 13
     assert chunks[-2].choices[0].finish_reason == "length"
 
 

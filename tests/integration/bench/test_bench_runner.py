@@ -44,16 +44,17 @@ def run(server, n=6, output_len=10, counter=None, **sections):
 
 
 def test_success_measures_the_fixed_timings():
-    with simulator_thread(ttft_ms=30, itl_ms=10, metrics_endpoint=False) as server:
+    # timings long enough that a loaded machine's delays stay well within the bounds below (about ±50%)
+    with simulator_thread(ttft_ms=200, itl_ms=50, metrics_endpoint=False) as server:
         result = run(server, n=6, output_len=8, load={"max_concurrency": 3})
     data = result.to_json()
     assert (data["completed"], data["failed"]) == (6, 0)
     assert data["total_output_tokens"] == 48  # from the server's usage
     assert data["output_tokens_source"] == "usage"
     assert data["total_input_tokens"] == 6 * (1 + len("prompt 0"))  # usage.prompt_tokens (BOS + bytes), not 3
-    assert 28 <= data["median_ttft_ms"] <= 60
-    assert 9 <= data["median_tpot_ms"] <= 20
-    assert 9 <= data["median_itl_ms"] <= 20
+    assert 100 <= data["median_ttft_ms"] <= 300
+    assert 25 <= data["median_tpot_ms"] <= 75
+    assert 25 <= data["median_itl_ms"] <= 75
     assert data["max_concurrent_requests"] == 3
     assert data["server_metrics"]["available"] is False  # a server without /metrics: noted
     assert "no metrics endpoint" in data["server_metrics"]["note"]

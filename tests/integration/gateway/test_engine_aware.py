@@ -54,8 +54,9 @@ async def test_lockstep_gives_every_running_stream_its_token_in_the_same_engine_
         texts = await asyncio.gather(*(stream(0.007 * index) for index in range(4)))
         assert all(text.count('"finish_reason"') == 6 for text in texts)  # six token chunks each
         # Each stream on its own timer would take 4 × 6 = 24 wake-ups; in lockstep the four share steps (a stream
-        # that arrives between two steps joins the next one), so about 6 or 7 steps serve all 24 tokens.
-        assert 6 <= engine.app.engine.stats()["steps"] <= 8
+        # that arrives between two steps joins the next one), so about 6 or 7 steps serve all 24 tokens; on a loaded
+        # machine the arrivals may spread over a few more steps, never near 24.
+        assert 6 <= engine.app.engine.stats()["steps"] <= 12
 
 
 async def test_engine_aware_routes_by_the_engines_own_metrics() -> None:

@@ -654,7 +654,8 @@ async def test_the_gateway_retries_a_request_whose_pooled_connection_the_upstrea
 
     chat = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     async with raw_server(engine) as (origin, _):
-        config = gateway_config(f"http://127.0.0.1:{origin.port}/v1")
+        # no health loop during the test: its checks share the keep-alive pool and could take the idle connection
+        config = gateway_config(f"http://127.0.0.1:{origin.port}/v1", health_check_interval_s=3600)
         async with running_gateway(config) as (app, url), httpx.AsyncClient(base_url=url) as client:
             statuses = [(await client.post("/chat/completions", json=chat)).status_code for _ in range(2)]
             assert statuses == [200, 200]

@@ -121,7 +121,7 @@ async def test_a_keys_concurrency_is_counted_across_gateways(redis_server: Redis
         shared_gateway(served.base_url, redis_server.url, FakeClock()) as (_, first),
         shared_gateway(served.base_url, redis_server.url, FakeClock()) as (_, second),
     ):
-        request = {**CHAT, "max_tokens": 50, "stream": True}
+        request = {**CHAT, "max_tokens": 150, "stream": True}  # 3 s of tokens: the other gateway's call falls within
         async with first.stream("POST", "/chat/completions", json=request, headers=bearer(secret)) as streaming:
             assert streaming.status_code == 200
             busy = await second.post("/chat/completions", json=CHAT, headers=bearer(secret))
@@ -138,7 +138,7 @@ async def test_global_concurrency_is_one_limit_and_a_freed_slot_wakes_the_other_
         shared_gateway(fake.base_url, redis_server.url, None, max_concurrency=1) as (_, first),
         shared_gateway(fake.base_url, redis_server.url, None, max_concurrency=1) as (second_app, second),
     ):
-        request = {**CHAT, "max_tokens": 20, "stream": True}
+        request = {**CHAT, "max_tokens": 150, "stream": True}  # 3 s of tokens: the other request queues meanwhile
         async with first.stream("POST", "/chat/completions", json=request) as streaming:
             assert streaming.status_code == 200
             queued = asyncio.create_task(second.post("/chat/completions", json=CHAT))

@@ -33,9 +33,11 @@ def child_pid(process: SupervisedProcess) -> int:
 
 def test_ready_after_phases_then_stop_kills_the_whole_tree(tmp_path: Path) -> None:
     phases: list[str] = []
-    with fake_engine(tmp_path) as process:
+    # Two seconds of weight loading: wait_ready samples the phase every half second (further apart on a
+    # loaded machine), so that several samples fall within it; the later --startup-delay-s wins.
+    with fake_engine(tmp_path, "--startup-delay-s", "2") as process:
         ready_s = process.wait_ready(30, lambda phase, elapsed: phases.append(phase))
-        assert 0.4 < ready_s < 30
+        assert 1.9 < ready_s < 30
         grandchild = child_pid(process)
         assert psutil.pid_exists(grandchild)
     assert "loading weights" in phases
