@@ -99,7 +99,7 @@ async def test_send_writes_at_once_and_several_writes_are_answered_in_order(redi
     async with connection(redis_server.url) as conn:
         assert conn.send([("PING",)]) is None  # no connection yet: `pipeline` opens one
         assert await conn.call("PING") == "PONG"
-        slow = conn.send([("EVAL", BUSY_SCRIPT, 0)])
+        slow = conn.send([("EVAL", LONG_BUSY_SCRIPT, 0)])  # still running after the 0.1 s below, even if late
         assert slow is not None
         quick = conn.send([("INCR", "n"), ("NOSUCHCOMMAND",)])  # written while the slow one runs
         assert quick is not None
