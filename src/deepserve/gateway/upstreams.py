@@ -162,10 +162,11 @@ class UpstreamPool:
 
     async def start(self) -> None:
         if self.discover_replicas:
-            await self.discover()
+            await self.discover()  # checks every replica it finds
             self._discovery_task = asyncio.create_task(self._discovery_loop(), name="upstream-discovery")
-        await self.check_all()
-        await self._recheck_timed_out(self.replicas)
+        else:
+            await self._check_new(self.replicas)
+            self._update_models()
         self._health_task = asyncio.create_task(self._health_loop(), name="upstream-health")
 
     async def close(self) -> None:
@@ -195,8 +196,7 @@ class UpstreamPool:
         added = [UpstreamReplica(url, server_name=name) for url, name in found.items() if url not in known]
         # Checked before the pool changes, and the pool changed in one step: a request never meets a pool whose
         # gone replicas have left while its new ones are not yet known to be healthy.
-        await asyncio.gather(*(self._check(replica) for replica in added))
-        await self._recheck_timed_out(added)
+        await self._check_new(added)
         for replica in list(self.replicas):
             if replica.url not in found and (replica.server_name or _host_of(replica.url)) not in failed:
                 self._retire(replica)
@@ -324,16 +324,17 @@ class UpstreamPool:
         await asyncio.gather(*(self._check(replica) for replica in self.replicas))
         self._update_models()
 
-    async def _recheck_timed_out(self, replicas: Sequence[UpstreamReplica]) -> None:
-        """Check again, at once, those of REPLICAS whose first check timed out (up to CHECK_TIMEOUTS_TO_FAIL checks in
-        all): a replica slow to answer once, as a busy engine is, would otherwise stay out of rotation for an interval,
-        and a gateway starting with one replica would announce itself ready with none healthy."""
-        for _ in range(CHECK_TIMEOUTS_TO_FAIL - 1):
-            pending = [replica for replica in replicas if not replica.healthy and replica.failed_checks]
+    async def _check_new(self, replicas: Sequence[UpstreamReplica]) -> None:
+        """Check REPLICAS, none of which has passed a check yet; those whose check timed out are checked again at once
+        (up to CHECK_TIMEOUTS_TO_FAIL checks in all): a replica slow to answer once, as a busy engine is, would
+        otherwise stay out of rotation for an interval, and a gateway starting with one replica would announce itself
+        ready with none healthy."""
+        pending = list(replicas)
+        for _ in range(CHECK_TIMEOUTS_TO_FAIL):
+            await asyncio.gather(*(self._check(replica) for replica in pending))
+            pending = [replica for replica in pending if not replica.healthy and replica.failed_checks]
             if not pending:
                 break
-            await asyncio.gather(*(self._check(replica) for replica in pending))
-        self._update_models()
 
     async def _health_loop(self) -> None:
         while True:
