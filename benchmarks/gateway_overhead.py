@@ -33,6 +33,11 @@ the commands the scripts ran). `--paths` measures only the paths named (and `dir
 `--proxy-cpus 1` runs every gateway (and LiteLLM) on the CPUs named and the upstream, Redis and this load generator
 on the others, as a deployment gives its gateway cores of its own: what is left is the hop itself (two more
 wake-ups and the gateway's work), not the gateway and the engine waiting for each other's core.
+`--floors` adds two proxies that do less than the gateway, as yardsticks for the hop: `byte-relay`
+(benchmarks/byte_relay.py, bytes copied on uvloop, no HTTP) and `haproxy` (one thread, HTTP mode, when installed).
+`--load-nice -10` gives this load generator priority over the servers once they run: on fewer cores than busy
+processes it otherwise waits on the run queue while a proxy relays an engine step (benchmarks/lockstep_trace.py
+measures that wait), which a client on another machine does not.
 """
 
 from __future__ import annotations
@@ -184,6 +189,51 @@ def start_gateway(upstream: str, api_key: str, src: Path | None = None, **fields
                           url + "/ready", 90, env, PROXY_CPUS)  # fmt: skip
     server.api_key = api_key
     return server
+
+
+def start_floors(upstream: str, workdir: Path, servers: list[Server]) -> dict[str, Server]:
+    """The proxies that do less than the gateway, as yardsticks for its hop: a uvloop relay that copies bytes (no
+    HTTP, no keys, no limits) and HAProxy (C, one thread, HTTP mode) when the machine has it; each is appended to
+    SERVERS as soon as it runs, so that it is stopped whatever happens next."""
+    host_port = upstream.removeprefix("http://").removesuffix("/v1")
+    floors: dict[str, Server] = {}
+    port = free_port()
+    argv = [sys.executable, str(REPO / "benchmarks" / "byte_relay.py"), "--port", str(port), "--upstream", host_port]
+    url = f"http://127.0.0.1:{port}"
+    floors["byte-relay"] = start_server("byte relay", argv, "RELAY READY", url + "/v1", url + "/health", 30,
+                                        cpus=PROXY_CPUS)  # fmt: skip
+    servers.append(floors["byte-relay"])
+    binary = shutil.which("haproxy", path=os.environ.get("PATH", "") + ":/usr/sbin")
+    if binary is None:
+        print("note: HAProxy skipped: not installed (apt-get install haproxy)", flush=True)
+        return floors
+    port = free_port()
+    config = workdir / "haproxy.cfg"
+    config.write_text(HAPROXY_CONFIG.format(port=port, upstream=host_port))
+    url = f"http://127.0.0.1:{port}"
+    floors["haproxy"] = start_server("haproxy", [binary, "-db", "-f", str(config)], None, url + "/v1",
+                                     url + "/health", 30, cpus=PROXY_CPUS)  # fmt: skip
+    servers.append(floors["haproxy"])
+    return floors
+
+
+# One thread, as one gateway worker; http-no-delay so that a streamed event is sent when it arrives, not merged with
+# what follows (HAProxy's advice for interactive HTTP); timeouts longer than any run.
+HAPROXY_CONFIG = """global
+    nbthread 1
+    maxconn 8192
+defaults
+    mode http
+    option http-no-delay
+    timeout connect 5s
+    timeout client 600s
+    timeout server 600s
+frontend bench
+    bind 127.0.0.1:{port}
+    default_backend engine
+backend engine
+    server engine {upstream}
+"""
 
 
 def bench_key() -> str:
@@ -541,6 +591,18 @@ def main() -> int:
         "--paths", nargs="+", choices=PATHS[1:], default=None, help="only these paths (and direct, always measured)"
     )
     parser.add_argument(
+        "--floors",
+        action="store_true",
+        help="add the hop's floors: a byte relay on uvloop (byte_relay.py) and HAProxy in HTTP mode, if installed",
+    )
+    parser.add_argument(
+        "--load-nice",
+        type=int,
+        default=None,
+        help="the load generator's nice value once the servers run (e.g. -10: its wake-ups do not queue behind a busy "
+        "proxy on a machine with fewer cores than processes; below 0 needs root or CAP_SYS_NICE)",
+    )
+    parser.add_argument(
         "--proxy-cpus", default=None, help="CPUs for the gateways and LiteLLM (e.g. 1 or 2-3); the rest run elsewhere"
     )
     args = parser.parse_args()
@@ -591,6 +653,19 @@ def pin_proxies(spec: str) -> None:
     PROXY_CPUS = cpus
 
 
+def prioritise_load(nice: int) -> None:
+    """Give this process (the load generator; the servers it started keep theirs) the nice value NICE. On a machine
+    with fewer cores than busy processes, Linux lets a running process keep its core for a while after it woke
+    another (EEVDF's run to parity): the load generator, woken by a proxy's first relayed event, waits on the run
+    queue until the proxy has relayed the whole engine step, which a client on another machine would not."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except PermissionError as exc:
+        why = f"--load-nice {nice}: not permitted ({exc}); a negative value needs root or CAP_SYS_NICE"
+        raise SystemExit(why) from None
+    print(f"load generator at nice {os.getpriority(os.PRIO_PROCESS, 0)}; the servers at their own", flush=True)
+
+
 async def _run(args: argparse.Namespace, workdir: Path) -> int:
     placement = (
         f"gateways on CPUs {sorted(PROXY_CPUS)}, upstream and load generator on {sorted(os.sched_getaffinity(0))}"
@@ -634,6 +709,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
                 server.redis_url = base_redis.url
                 servers.append(server)
                 targets[name] = server
+        if args.floors:
+            targets.update(start_floors(upstream.url, workdir, servers))
         if args.paths:
             targets = {name: server for name, server in targets.items() if name == "direct" or name in args.paths}
         binary = None if args.no_litellm else ensure_litellm()
@@ -644,6 +721,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
                 targets["litellm"] = litellm
             except RuntimeError as exc:
                 print(f"note: LiteLLM skipped: {exc}", flush=True)
+        if args.load_nice is not None:
+            prioritise_load(args.load_nice)
         rows = await _measure(args, targets)
     finally:
         for server in reversed(servers):
@@ -771,7 +850,10 @@ def _spread_row(concurrency: int, name: str, summary: StreamSummary, direct: Str
             f"{' / '.join(f'{v:+.2f}' for v in p99s)} | {min(p99s):+.2f} … {max(p99s):+.2f} |")  # fmt: skip
 
 
-PATHS = ("direct", "gateway", "workers=2", "baseline", "gw+redis", "w=2+redis", "base+redis", "base+w=2", "litellm")
+PATHS = (
+    "direct", "gateway", "workers=2", "baseline", "gw+redis", "w=2+redis", "base+redis", "base+w=2", "litellm",
+    "byte-relay", "haproxy",
+)  # fmt: skip
 
 
 def _measured_paths(
