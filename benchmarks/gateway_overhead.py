@@ -611,6 +611,9 @@ def main() -> int:
             pin_proxies(args.proxy_cpus)
         except ValueError as exc:
             parser.error(f"--proxy-cpus {args.proxy_cpus}: {exc}")
+    floors_named = sorted({"byte-relay", "haproxy"} & set(args.paths or ()))
+    if floors_named and not args.floors:
+        parser.error(f"--paths {' '.join(floors_named)} needs --floors, which starts those proxies")
     if args.wave and not args.lockstep:
         parser.error("--wave needs --lockstep: waves end together only when the engine steps every stream together")
     if args.baseline_src is not None and not (args.baseline_src / "deepserve").is_dir():
