@@ -20,7 +20,7 @@ class _Side(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.peer: _Side | None = None
-        self.pending: list[bytes] = []  # what arrived for the peer before it connected
+        self.pending: list[bytes] = []  # what arrived before the two sides were joined
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass asyncio's
@@ -69,9 +69,10 @@ class _Client(_Side):
                 upstream.transport.close()
             return
         assert upstream.transport is not None
-        for data in self.pending:
-            upstream.transport.write(data)
-        self.pending.clear()
+        for side, to in ((self, upstream.transport), (upstream, self.transport)):  # what came before both were up
+            for data in side.pending:
+                to.write(data)
+            side.pending.clear()
 
 
 async def serve(port: int, upstream: tuple[str, int]) -> None:

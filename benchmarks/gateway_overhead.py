@@ -335,6 +335,7 @@ class StreamResult:
     ttft_s: float
     itl_s: float | None  # mean gap between events after the first
     error: str | None = None  # why the stream failed (a failure is data, not an exception)
+    first_at_s: float = 0.0  # when the first token arrived (time.perf_counter), to line up with other processes
 
     @property
     def ok(self) -> bool:
@@ -343,6 +344,13 @@ class StreamResult:
 
 def headers_for(api_key: str) -> dict[str, str]:
     return {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
+
+
+def stream_body(tokens: int) -> bytes:
+    """A streamed chat request for TOKENS tokens."""
+    return json.dumps(
+        {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": tokens, "stream": True}
+    ).encode()
 
 
 async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> StreamResult:
@@ -370,7 +378,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, head
     # [DONE] is an event but no token; the gaps are between token events
     tokens = events - 1
     itl = (last - first) / (tokens - 1) if tokens > 1 else None
-    return StreamResult(first - started, itl, None if tokens > 0 else "no tokens")
+    return StreamResult(first - started, itl, None if tokens > 0 else "no tokens", first)
 
 
 async def stream_load(
@@ -378,9 +386,7 @@ async def stream_load(
 ) -> list[StreamResult]:
     """CONCURRENCY streams at all times, ROUNDS each; the first round (connection set-up) is not counted. Workers
     start spread over one stream's duration (STREAM_S), so that arrivals are steady rather than one burst."""
-    body = json.dumps(
-        {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": tokens, "stream": True}
-    ).encode()
+    body = stream_body(tokens)
     results: list[StreamResult] = []
     connector = aiohttp.TCPConnector(limit=concurrency)
     timeout = aiohttp.ClientTimeout(total=120)
@@ -400,9 +406,7 @@ async def stream_load(
 async def wave_load(url: str, concurrency: int, rounds: int, tokens: int, api_key: str) -> list[StreamResult]:
     """ROUNDS waves of CONCURRENCY streams, each wave sent all at once when the one before has ended (all of its
     streams end in the same engine step); the first wave (connection set-up) is not counted."""
-    body = json.dumps(
-        {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": tokens, "stream": True}
-    ).encode()
+    body = stream_body(tokens)
     results: list[StreamResult] = []
     connector = aiohttp.TCPConnector(limit=concurrency)
     timeout = aiohttp.ClientTimeout(total=120)

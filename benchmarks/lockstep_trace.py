@@ -1,8 +1,8 @@
 """Where a lockstep engine step's first tokens spend their time on the way to the client, direct and through the
 gateway: one clock (CLOCK_MONOTONIC, shared by every process) stamped in the engine fake when it hands a step's
-tokens to its streams, in the gateway when it relays a stream's first event, and in the load generator when a
-stream's first token arrives; with the load generator's time spent runnable but waiting for a core
-(/proc/self/schedstat) per wave.
+tokens to its streams and when it has written them all, in the gateway when it relays a stream's first event, and
+in the load generator when a stream's first token arrives; with the load generator's time spent runnable but
+waiting for a core (/proc/self/schedstat) per wave.
 
     .venv/bin/python benchmarks/lockstep_trace.py                      # about 1 minute
     .venv/bin/python benchmarks/lockstep_trace.py --load-nice -10      # the load generator preferred (root)
@@ -12,13 +12,12 @@ request starts engine step 1 alone and the others join step 2, whose end hands C
 together. Times are milliseconds after that hand-out (the engine's step 2), medians over the counted waves.
 
 The stamps come from hooks that a `sitecustomize` module installs in the engine fake and the gateway (a temporary
-directory on their PYTHONPATH); they wrap two functions and add a list append each, nothing else."""
+directory on their PYTHONPATH); they wrap two functions and add list appends, nothing else."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,6 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gateway_overhead as harness
-from deepserve.simulate.fixed import FAKE_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,6 +54,7 @@ _deliver = _engine._deliver
 def _stamped_deliver(outputs, now_s):
     _stamps.append(("engine", _clock()))
     _deliver(outputs, now_s)
+    _stamps.append(("engine_written", _clock()))
 _engine._deliver = _stamped_deliver
 
 import deepserve.gateway.relay as _relay
@@ -86,37 +85,28 @@ def run_queue_wait_s() -> float:
         return int(stat.read().split()[1]) / 1e9
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> float:
-    """When the stream's first token arrived (a chat stream's role-only chunk is no token)."""
-    async with session.post(url, data=body, headers=headers) as response:
-        async for chunk in response.content.iter_any():
-            if chunk.count(b"data:") - chunk.count(b'"role"') > 0:
-                first = time.perf_counter()
-                async for _ in response.content.iter_any():
-                    pass
-                return first
-    raise RuntimeError(f"{url}: a stream ended without a token")
-
-
 async def waves(url: str, api_key: str, concurrency: int, count: int) -> list[tuple[float, float, list[float]]]:
-    """COUNT waves after one uncounted: (sent at, run-queue wait during the wave, first-token times)."""
-    body = json.dumps(
-        {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 50, "stream": True}
-    ).encode()
+    """COUNT waves after one uncounted: (sent at, run-queue wait during the wave, first-token times). Each stream is
+    read as gateway_overhead.py reads it, so a first token here is the one its TTFT counts."""
+    body = harness.stream_body(50)
+    headers = harness.headers_for(api_key)
     out = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
         for index in range(count + 1):
             sent, waited = time.perf_counter(), run_queue_wait_s()
-            streams = (one_stream(session, url + "/chat/completions", body, harness.headers_for(api_key))
-                       for _ in range(concurrency))  # fmt: skip
-            firsts = await asyncio.gather(*streams)
+            wave = await asyncio.gather(
+                *(harness.one_stream(session, url + "/chat/completions", body, headers) for _ in range(concurrency))
+            )
+            failed = [result.error for result in wave if not result.ok]
+            if failed:
+                raise RuntimeError(f"{url}: {len(failed)} of {concurrency} streams failed, e.g. {failed[0]}")
             if index:
-                out.append((sent, run_queue_wait_s() - waited, sorted(firsts)))
+                out.append((sent, run_queue_wait_s() - waited, sorted(result.first_at_s for result in wave)))
     return out
 
 
 def read_stamps(trace_dir: Path) -> dict[str, list[float]]:
-    stamps: dict[str, list[float]] = {"engine": [], "gateway": []}
+    stamps: dict[str, list[float]] = {"engine": [], "engine_written": [], "gateway": []}
     for path in trace_dir.glob("*.txt"):
         for line in path.read_text().splitlines():
             kind, at = line.split()
@@ -136,10 +126,12 @@ def wave_figures(wave: tuple[float, float, list[float]], stamps: dict[str, list[
     if len(second) != len(firsts) - 1:
         return None
     relayed = [at for at in stamps["gateway"] if step2 <= at <= firsts[-1]]
+    written = next(at for at in stamps["engine_written"] if at >= step2)
     ms = 1000.0
     figures = {
         "load generator waiting for a core (ms/wave)": waited * ms,
         "step 1: first token at the client": (firsts[0] - step1) * ms,
+        "step 2: the engine fake has written every stream's token": (written - step2) * ms,
         "step 2: first stream's token at the client": (second[0] - step2) * ms,
         "step 2: median stream's token at the client": (statistics.median(second) - step2) * ms,
         "step 2: last stream's token at the client": (second[-1] - step2) * ms,

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from types import ModuleType
 
 import pytest
 
 from deepserve.net import free_port
-from tests.helpers import load_benchmark_script
+from tests.helpers import load_benchmark_script, until
 
 
 @pytest.fixture
@@ -30,52 +31,47 @@ async def _answer_each_line(reader: asyncio.StreamReader, writer: asyncio.Stream
     writer.close()
 
 
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 @contextlib.asynccontextmanager
-async def _relay(relay_script: ModuleType) -> AsyncIterator[int]:
-    upstream = await asyncio.start_server(_answer_each_line, "127.0.0.1", 0)
-    upstream_port = upstream.sockets[0].getsockname()[1]
+async def _relay_to(relay_script: ModuleType, upstream_port: int) -> AsyncIterator[int]:
+    """The relay in this event loop, listening, in front of UPSTREAM_PORT: its port."""
     port = free_port()
     serving = asyncio.create_task(relay_script.serve(port, ("127.0.0.1", upstream_port)))
     try:
-        for _ in range(100):
-            with contextlib.suppress(OSError):
-                _, probe = await asyncio.open_connection("127.0.0.1", port)
-                probe.close()
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: _accepts(port))
         yield port
     finally:
         serving.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await serving
-        upstream.close()
 
 
 async def test_the_relay_carries_both_ways_including_what_came_before_the_upstream_connected(
     relay_script: ModuleType,
 ) -> None:
-    async with _relay(relay_script) as port:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"hello\nworld\n")  # at once: the relay's upstream connection is not up yet
-        assert await asyncio.wait_for(reader.readline(), 5) == b"olleh\n"
-        assert await asyncio.wait_for(reader.readline(), 5) == b"dlrow\n"
-        writer.write(b"bye\n")
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # the upstream closed: so does the relay's client side
-        writer.close()
+    upstream = await asyncio.start_server(_answer_each_line, "127.0.0.1", 0)
+    try:
+        async with _relay_to(relay_script, upstream.sockets[0].getsockname()[1]) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"hello\nworld\n")  # at once: the relay's upstream connection is not up yet
+            assert await asyncio.wait_for(reader.readline(), 5) == b"olleh\n"
+            assert await asyncio.wait_for(reader.readline(), 5) == b"dlrow\n"
+            writer.write(b"bye\n")
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # the upstream closed: so does the client side
+            writer.close()
+    finally:
+        upstream.close()
 
 
 async def test_a_relay_without_its_upstream_closes_the_client(relay_script: ModuleType) -> None:
-    port = free_port()
-    serving = asyncio.create_task(relay_script.serve(port, ("127.0.0.1", free_port())))
-    try:
-        for _ in range(100):
-            with contextlib.suppress(OSError):
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                break
-            await asyncio.sleep(0.05)
+    async with _relay_to(relay_script, free_port()) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
-    finally:
-        serving.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await serving
