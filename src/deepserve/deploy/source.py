@@ -31,7 +31,7 @@ from deepserve.models.resolve import ResolvedModel, load_spec
 from deepserve.models.tiny import is_tiny_model
 from deepserve.plan.admission import check_gpu_fit
 from deepserve.plan.commands import engine_config as planned_engine_config
-from deepserve.plan.formats import checkpoint_format, get_format
+from deepserve.plan.formats import checkpoint_format, get_format, loads_as, published_export
 from deepserve.plan.memory import checkpoint_bytes
 from deepserve.plan.planner import Plan, make_plan
 from deepserve.plan.types import PlanConfig
@@ -390,12 +390,14 @@ def check_loadable_format(plan: PlanConfig) -> None:
     except ModelError:
         return  # a hub id we have no preset of: its format is not known here
     stored, asked = checkpoint_format(spec), get_format(plan.weights)
-    on_the_fly = asked.vllm_quantization is not None and stored.name in ("bf16", "fp16")
-    if asked.name != stored.name and not on_the_fly:
+    if not loads_as(stored, asked):
+        export = published_export(plan.model, asked)
+        instead = (
+            f"--model {export} (its export in {asked.name})" if export else f"a checkpoint in {asked.name} with --model"
+        )
         raise ConfigError(
             f"{plan.model}'s checkpoint is stored in {stored.name} ({stored.description}); --weights {plan.weights} "
-            f"would plan for weights the engine never loads: drop --weights, or name a checkpoint stored in "
-            f"{asked.name} with --model (e.g. an AWQ export such as cognitivecomputations/DeepSeek-V3-AWQ)"
+            f"would plan for weights the engine never loads: drop --weights, or name {instead}"
         )
 
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import shlex
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from deepserve.config import changed_fields
 from deepserve.engines.config import EngineConfig, serve_command
 from deepserve.engines.registry import ENGINES
 from deepserve.errors import ConfigError
+from deepserve.models.presets import preset_spec
 from deepserve.models.resolve import ResolvedModel
 from deepserve.models.spec import ModelSpec
+from deepserve.plan.formats import checkpoint_format, loads_as, published_export
 from deepserve.plan.types import Deployment, PlanConfig
 
 HEAD_NODE_ADDRESS = "HEAD_NODE_IP"  # a placeholder the user replaces with node 0's address
@@ -18,6 +20,65 @@ HEAD_NODE_ADDRESS = "HEAD_NODE_IP"  # a placeholder the user replaces with node 
 # deepseek_v32, deepseek_v4; vllm/transformers_utils/config.py registers deepseek_v32, deepseek_v4, deepseek_v41;
 # vllm/model_executor/models/deepseek_v2.py serves V2/V3): they load without the repository's own Python code.
 NATIVE_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_v41"})
+
+
+@dataclass(frozen=True)
+class CheckpointChoice:
+    """The checkpoint the plan's commands load, and why when it is not the model named."""
+
+    model: str | None  # None: no checkpoint known to deepserve holds the planned format
+    why: str = ""  # empty when the named model loads as planned
+
+
+@dataclass(frozen=True)
+class LaunchLines:
+    """The plan's command lines: each engine's, `deepserve serve` per node, `deepserve deploy render`."""
+
+    engines: dict[str, str]
+    serve: tuple[str, ...]
+    render: str
+
+
+def checkpoint_to_load(deployment: Deployment, config: PlanConfig) -> CheckpointChoice:
+    """The named model where its checkpoint loads as the planned format (its own, or FP8 made from 16-bit while
+    loading); else the published export of its weights in that format (an AWQ or NVFP4 repack); else none, since
+    serving the named checkpoint would load weights the plan did not size."""
+    try:
+        stored = checkpoint_format(deployment.spec)
+    except ConfigError:
+        return CheckpointChoice(config.model)
+    asked, name = deployment.fmt, deployment.spec.name
+    if loads_as(stored, asked):
+        return CheckpointChoice(config.model)
+    export = published_export(config.model, asked)
+    speculation = deployment.speculation
+    method = speculation.method if speculation else None
+    if export is not None and method in ("mtp", "dspark") and not preset_spec(export).mtp_params():
+        return CheckpointChoice(
+            None,
+            f"{export}, the export of {name}'s weights in {asked.name}, has no draft module for {method}: plan it "
+            "without --speculative-method, or name a checkpoint with --model",
+        )
+    if export is not None:
+        why = f"the commands load {export}, the published export of {name}'s weights in {asked.name}"
+        return CheckpointChoice(export, why)
+    return CheckpointChoice(
+        None,
+        f"no checkpoint of {name} stored as {asked.name} is known to deepserve, and the engines would load it as "
+        f"stored ({stored.name}): name one with --model, or drop --weights",
+    )
+
+
+def launch_lines(deployment: Deployment, config: PlanConfig) -> LaunchLines:
+    """The command lines for the plan, loading the checkpoint `checkpoint_to_load` chooses ("n/a: why" without
+    one)."""
+    choice = checkpoint_to_load(deployment, config)
+    if choice.model is None:
+        refused = f"n/a: {choice.why}"
+        return LaunchLines(dict.fromkeys(ENGINES, refused), (refused,), refused)
+    if choice.model != config.model:  # the export is stored in the planned format: --weights is its own
+        config = config.model_copy(update={"model": choice.model, "weights": None})
+    return LaunchLines(engine_commands(deployment, config), serve_commands(deployment, config), render_command(config))
 
 
 def needs_remote_code(spec: ModelSpec) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from deepserve.engines.registry import memory_fraction_of
 from deepserve.errors import ConfigError
 from deepserve.models.spec import dtype_bytes
+from deepserve.plan.commands import checkpoint_to_load
 from deepserve.plan.formats import FORMATS, WeightFormat, checkpoint_format, format_support
 from deepserve.plan.kernels import KernelRates
 from deepserve.plan.layout import stage_layers
@@ -64,6 +65,9 @@ def explain_format(config: PlanConfig, deployment: Deployment) -> str:
         text = f"weights {fmt.name} ({fmt.description}): as asked (--weights); the checkpoint is stored as {checkpoint}"
         if fmt.vllm_quantization:
             text += f", which vLLM quantizes while loading (--quantization {fmt.vllm_quantization})"
+        choice = checkpoint_to_load(deployment, config)
+        if choice.why:
+            text += f"; {choice.why}"
     per_gpu = f"{memory.weights_bytes_per_gpu / GB:,.1f} GB of weights per GPU"
     if memory.kv_cache_bytes_per_gpu > 0:
         text += f"; {per_gpu} leave {memory.kv_cache_bytes_per_gpu / GB:,.1f} GB for the KV cache"

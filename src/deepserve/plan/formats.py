@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from deepserve.errors import ConfigError, unknown_name
 from deepserve.hardware.catalog import Accelerator
+from deepserve.models.presets import exports_of, preset_spec
 from deepserve.models.spec import ModelSpec
 
 # Components whose matrices a quantized format converts; the others keep 16-bit (hyper-connections FP32).
@@ -199,3 +200,15 @@ def checkpoint_format(spec: ModelSpec) -> WeightFormat:
         f"{spec.name}: quantization {quant.method} {quant.bits}-bit is not modelled; pass --weights "
         f"({', '.join(FORMATS)})"
     )
+
+
+def loads_as(stored: WeightFormat, asked: WeightFormat) -> bool:
+    """Whether an engine loading a checkpoint stored as STORED runs ASKED: the same format, or FP8 quantized while
+    loading a 16-bit checkpoint (vLLM's --quantization fp8)."""
+    on_the_fly = asked.vllm_quantization is not None and stored.name in ("bf16", "fp16")
+    return asked.name == stored.name or on_the_fly
+
+
+def published_export(model: str, fmt: WeightFormat) -> str | None:
+    """The preset that holds MODEL's weights re-quantized to FMT (e.g. DeepSeek-V3's AWQ export), or None."""
+    return next((name for name in exports_of(model) if checkpoint_format(preset_spec(name)).name == fmt.name), None)

@@ -12,7 +12,7 @@ from deepserve.hardware.catalog import Accelerator, get_accelerator, get_network
 from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
 from deepserve.plan.benchmark import BenchmarkForecast, BenchmarkForecaster, BenchmarkRun
-from deepserve.plan.commands import engine_commands, render_command, serve_commands
+from deepserve.plan.commands import launch_lines
 from deepserve.plan.cost import usd_per_million_output_tokens
 from deepserve.plan.explain import Explanation, explain
 from deepserve.plan.formats import WeightFormat, checkpoint_format, get_format
@@ -286,24 +286,22 @@ def make_plan(config: PlanConfig, forecaster: BenchmarkForecaster | None = None)
             within_slo = highest_concurrency_within(model, workload, cap, config.slo_itl_ms)
         if forecaster is not None and config.num_prompts:
             forecasts = tuple(forecaster.forecast(deployment, model, run) for run in benchmark_runs(config))
-    commands = engine_commands(deployment, config)
-    serve_lines = serve_commands(deployment, config)
+    lines = launch_lines(deployment, config)
     smallest = None if deployment.memory.fits else smallest_fitting_gpus(config)
     explanations = explain(config, deployment, selected, rates, smallest)
-    render = render_command(config)
     return Plan(
         config,
         deployment,
         selected,
         predictions,
         within_slo,
-        commands,
+        lines.engines,
         smallest,
-        serve_lines,
+        lines.serve,
         rates,
         explanations,
         forecasts,
-        render,
+        lines.render,
         record_for(deployment.layout.kind, deployment.accelerator.vendor, deployment.spec.attention_kind),
     )
 

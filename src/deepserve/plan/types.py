@@ -34,7 +34,11 @@ class PlanConfig(Section):
     gpus: int = Field(8, ge=1, description="total GPUs (all nodes)")
     nodes: int | None = Field(None, ge=1, description="nodes the GPUs are spread over (default: as few as hold them)")
     weights: str | None = Field(
-        None, description="bf16, fp16, fp8, fp8-dynamic, awq-int4; None = the checkpoint's format"
+        None,
+        description=(
+            "bf16, fp16, fp8, fp8-dynamic, awq-int4, mxfp4, nvfp4; None = the checkpoint's format (another format "
+            "loads the model's published export in it, e.g. an AWQ or NVFP4 repack)"
+        ),
     )
     kv_dtype: str = Field("auto", description="KV-cache dtype: auto (the activation dtype, 16-bit) or fp8")
     max_model_len: int | None = Field(

@@ -31,7 +31,10 @@ class SimulateConfig(Section):
     gpus: int = Field(8, ge=1, description="total GPUs of the simulated deployment (all nodes)")
     nodes: int | None = Field(None, ge=1, description="nodes the GPUs are spread over (default: as few as hold them)")
     weights: str | None = Field(
-        None, description="bf16, fp16, fp8, fp8-dynamic, awq-int4; None = the checkpoint's format (or --quantization)"
+        None,
+        description=(
+            "bf16, fp16, fp8, fp8-dynamic, awq-int4, mxfp4, nvfp4; None = the checkpoint's format (or --quantization)"
+        ),
     )
     network: str = Field("infiniband-ndr", description="between nodes: infiniband-ndr, roce-400g, ethernet-100g")
     calibration: Path | None = Field(None, description="JSON from benchmarks/calibrate_gpu.py (measured kernels)")

@@ -118,6 +118,10 @@ def test_the_fit_is_checked_whenever_the_gpu_type_is_known() -> None:
 def test_a_weight_format_the_checkpoint_does_not_have_is_refused() -> None:
     with pytest.raises(ConfigError, match="stored in fp8 .*--weights awq-int4 would plan for weights the engine never"):
         planned_config(EngineConfig(model=V3), "h200", 8, weights="awq-int4")
+    with pytest.raises(ConfigError, match="name --model cognitivecomputations/DeepSeek-V3-AWQ \\(its export in awq"):
+        planned_config(EngineConfig(model=V3), "h200", 8, weights="awq-int4")
+    with pytest.raises(ConfigError, match="or name a checkpoint in awq-int4 with --model$"):
+        planned_config(EngineConfig(model="deepseek-ai/DeepSeek-V3.2"), "h200", 8, weights="awq-int4")
     _, plan = planned_config(EngineConfig(model=V3), "h200", 8, weights="fp8")
     assert plan.deployment.fmt.name == "fp8"
 

@@ -8,7 +8,14 @@ from importlib import resources
 
 import pytest
 
-from deepserve.models.presets import config_sources, preset_config, preset_info, preset_names, preset_spec
+from deepserve.models.presets import (
+    config_sources,
+    exports_of,
+    preset_config,
+    preset_info,
+    preset_names,
+    preset_spec,
+)
 
 PUBLISHED = [name for name in preset_names() if preset_info(name) is not None]
 
@@ -104,6 +111,27 @@ def test_repacks_keep_the_architecture_and_change_the_experts() -> None:
     assert nvfp4.total_params == fp8.total_params == base.total_params
     assert nvfp4.quantization is not None and nvfp4.quantization.moe_quant_algo == "NVFP4"
     assert fp8.expert_dtype == "fp8"
+
+
+def test_exports_name_the_checkpoint_they_requantize() -> None:
+    assert exports_of("v3") == ["cognitivecomputations/DeepSeek-V3-AWQ"]
+    assert exports_of("R1") == ["cognitivecomputations/DeepSeek-R1-AWQ"]  # aliases and case resolve
+    v4_pro = ["nvidia/DeepSeek-V4-Pro-NVFP4", "sgl-project/DeepSeek-V4-Pro-FP8"]
+    assert exports_of("deepseek-ai/DeepSeek-V4-Pro") == v4_pro
+    assert exports_of("deepseek-ai/DeepSeek-V3.2") == exports_of("/models/a-local-dir") == []
+    for name in PUBLISHED:
+        info = preset_info(name)
+        assert info is not None
+        origin = info.quantized_from
+        if origin is None:
+            continue
+        export, base = preset_spec(name), preset_spec(origin.model)
+        assert origin.source.startswith("https://"), name
+        assert (export.num_layers, export.hidden_size, export.n_routed_experts) == (
+            base.num_layers,
+            base.hidden_size,
+            base.n_routed_experts,
+        ), f"{name} is not an export of {origin.model}: another architecture"
 
 
 @pytest.mark.parametrize("name", PUBLISHED)

@@ -146,8 +146,12 @@ def test_dp_attention_commands(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_on_the_fly_fp8_sets_quantization(capsys: pytest.CaptureFixture[str]) -> None:
-    _code, out, _ = run(capsys, "--gpu", "b200", "--weights", "fp8-dynamic", "--json")
+    """vLLM quantizes a 16-bit checkpoint to FP8 while loading; an FP8-block checkpoint (V3) it loads as stored."""
+    _code, out, _ = run(capsys, "--model", "deepseek-ai/DeepSeek-V2-Lite", "--gpu", "b200", "--weights", "fp8-dynamic",
+                        "--json")  # fmt: skip
     assert "--quantization fp8" in json.loads(out)["commands"]["vllm"]
+    _code, out, _ = run(capsys, "--gpu", "b200", "--weights", "fp8-dynamic", "--json")
+    assert json.loads(out)["commands"]["vllm"].startswith("n/a: no checkpoint of deepseek-ai/DeepSeek-V3 stored as")
 
 
 @pytest.mark.parametrize(
@@ -292,3 +296,52 @@ def test_wide_ep_over_two_nodes_needs_no_pipeline(capsys: pytest.CaptureFixture[
     # each rank's share of what the KV cache holds, rounded down so that all ranks together stay within it
     assert per_rank * 16 <= plan["max_concurrent_sequences"] < (per_rank + 1) * 16
     assert "each of the 16 data-parallel ranks" in " ".join(e["text"] for e in plan["explanations"])
+
+
+def test_a_format_the_checkpoint_lacks_loads_its_published_export(capsys: pytest.CaptureFixture[str]) -> None:
+    """Planned as AWQ, the commands must load the AWQ export: DeepSeek-V3's own FP8 checkpoint would not fit the
+    memory the plan gave the KV cache."""
+    _code, out, _ = run(capsys, "--gpu", "h100", "--weights", "awq-int4", "--json")
+    plan = json.loads(out)
+    assert plan["weights"] == "awq-int4" and plan["fits"]
+    for line in [*plan["commands"].values(), *plan["serve_commands"]]:
+        assert AWQ in line and "deepseek-ai/DeepSeek-V3 " not in line
+    render = plan["deploy_render_command"]
+    assert f"--model {AWQ}" in render and "--weights" not in render  # the export's own format: nothing to say
+    why = {e["topic"]: e["text"] for e in plan["explanations"]}["quantization"]
+    assert f"the commands load {AWQ}, the published export of deepseek-ai/DeepSeek-V3's weights in awq-int4" in why
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (("--model", "v3.2", "--weights", "awq-int4"), "no checkpoint of deepseek-ai/DeepSeek-V3.2 stored as awq-int4"),
+        (
+            ("--weights", "awq-int4", "--speculative-method", "mtp"),
+            f"{AWQ}, the export of deepseek-ai/DeepSeek-V3's weights in awq-int4, has no draft module for mtp",
+        ),
+    ],
+)
+def test_without_a_checkpoint_in_the_planned_format_no_command_is_offered(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], reason: str
+) -> None:
+    _code, out, _ = run(capsys, "--gpu", "h200", *argv, "--json")
+    plan = json.loads(out)
+    lines = [*plan["commands"].values(), *plan["serve_commands"], plan["deploy_render_command"]]
+    assert all(line.startswith("n/a: ") and reason in line for line in lines)
+    _code, out, _ = run(capsys, "--gpu", "h200", *argv)
+    assert f"deepserve: n/a: {reason}" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
+    ("model", "weights"),
+    [("deepseek-ai/DeepSeek-V3", "fp8"), ("deepseek-ai/DeepSeek-V2-Lite", "fp8-dynamic"), (AWQ, None)],
+)
+def test_a_checkpoint_that_loads_as_planned_is_served_as_named(
+    capsys: pytest.CaptureFixture[str], model: str, weights: str | None
+) -> None:
+    argv = ("--weights", weights) if weights else ()
+    _code, out, _ = run(capsys, "--model", model, "--gpu", "h200", *argv, "--json")
+    plan = json.loads(out)
+    assert plan["serve_commands"][0].startswith(f"deepserve serve --model {model} ")
+    assert f"--model {model} " in plan["deploy_render_command"]
