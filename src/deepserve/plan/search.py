@@ -1,8 +1,9 @@
 """`deepserve plan search`: every layout the engines support for a model on so many GPUs, ranked for an objective.
 
 The space: engines (vLLM, SGLang); tensor, pipeline and data-parallel attention layouts with experts split by TP or
-spread whole (EP), wide EP across nodes; the weight formats the checkpoint allows (its own, and what an engine
-quantizes it to while loading); speculative decoding off or on (the model's MTP module, at published acceptance);
+spread whole (EP), wide EP across nodes; the weight formats the checkpoint allows (its own, what an engine
+quantizes it to while loading, and its published exports: DeepSeek-V3's AWQ, V4's NVFP4 and FP8); speculative
+decoding off or on (the model's MTP module, at published acceptance, where the format's checkpoint has it);
 and prefill/decode disaggregation (a prefill pool and a decode pool in whole nodes, the KV cache crossing the stated
 network). Each candidate that fits is predicted at concurrency levels 1, 2, 4, ... up to what it can run, by the
 steady closed-loop formula (perf.closed_loop; disaggregated pools by their phases, plan/phases.py). The frontier is
@@ -23,10 +24,11 @@ from pydantic import Field, field_validator
 from deepserve.config import Section
 from deepserve.errors import DeepserveError
 from deepserve.hardware.catalog import get_accelerator, get_network
+from deepserve.models.presets import exports_of, preset_spec
 from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
 from deepserve.plan.cost import usd_per_million_output_tokens
-from deepserve.plan.formats import checkpoint_format
+from deepserve.plan.formats import checkpoint_format, get_format, loads_as, published_export
 from deepserve.plan.layout import Layout, check_layout
 from deepserve.plan.perf import PerformanceModel, Prediction, RequestLengths
 from deepserve.plan.phases import kv_transfer_s
@@ -226,28 +228,39 @@ class _Refused(Exception):
 
 def enumerate_candidates(config: SearchConfig, spec: ModelSpec) -> Iterator[Candidate]:
     per_node = get_accelerator(config.gpu).devices_per_node
-    formats = config.weights or formats_allowed(spec)
+    formats = config.weights or formats_allowed(spec, config.model)
     speculations: list[SpeculativeDecoding | None] = [None]
     if config.speculative and spec.mtp_params():
         speculations += [speculative_decoding("mtp", k, (), spec) for k in MTP_DRAFT_TOKENS]
     for engine in config.engines:
         for weights in formats:
+            drafts = speculations if _has_draft_module(config.model, spec, weights) else [None]
             for kv_dtype in config.kv_dtypes:
                 for layout in layouts(spec, config.gpus, per_node):
-                    for speculation in speculations:
+                    for speculation in drafts:
                         yield Candidate(engine, layout, weights, kv_dtype, speculation)
                 if config.disaggregation:
                     for pools in pool_splits(spec, config.gpus, per_node):
                         yield Candidate(engine, pools.decode, weights, kv_dtype, None, pools)
 
 
-def formats_allowed(spec: ModelSpec) -> list[str]:
-    """The checkpoint's own format and what an engine makes of it while loading (a 16-bit checkpoint: FP8 on the
-    fly); other formats need another checkpoint (an AWQ or FP4 export: give it as --model)."""
+def formats_allowed(spec: ModelSpec, model: str) -> list[str]:
+    """The checkpoint's own format, what an engine makes of it while loading (a 16-bit checkpoint: FP8 on the fly),
+    and the formats of MODEL's published exports (an AWQ or NVFP4 repack: the plan's commands load that checkpoint);
+    any other format needs a checkpoint the user names with --model."""
     own = checkpoint_format(spec).name
-    if own in ("bf16", "fp16"):
-        return [own, "fp8-dynamic"]
-    return [own]
+    allowed = [own, "fp8-dynamic"] if own in ("bf16", "fp16") else [own]
+    exported = [checkpoint_format(preset_spec(name)).name for name in exports_of(model)]
+    return [*allowed, *(fmt for fmt in exported if fmt not in allowed)]
+
+
+def _has_draft_module(model: str, spec: ModelSpec, weights: str) -> bool:
+    """Whether the checkpoint that runs WEIGHTS holds MODEL's MTP module (the AWQ exports dropped it)."""
+    fmt = get_format(weights)
+    if loads_as(checkpoint_format(spec), fmt):
+        return True
+    export = published_export(model, fmt)
+    return export is None or bool(preset_spec(export).mtp_params())
 
 
 def layouts(spec: ModelSpec, gpus: int, per_node: int) -> Iterator[Layout]:

@@ -74,10 +74,25 @@ def test_ranking_puts_points_within_the_slo_first_and_follows_the_objective(h200
 
 
 def test_candidates_that_do_not_fit_are_refused_with_the_reason(v3) -> None:
-    result = search(SearchConfig(gpu="h100", gpus=8, speculative=False))  # FP8 DeepSeek-V3 needs 16 H100
+    result = search(SearchConfig(gpu="h100", gpus=8, weights=["fp8"], speculative=False))  # FP8 V3 needs 16 H100
     assert not result.points and result.refused
     assert all("does not fit" in reason for _, reason in result.refused)
     assert result.chosen is None and chosen_commands(result) is None
+
+
+def test_published_exports_are_formats_to_search_and_their_commands_load_them() -> None:
+    """DeepSeek-V3's FP8 release does not fit 8 x H100; its AWQ export does, without the MTP module it dropped."""
+    result = search(SearchConfig(gpu="h100", gpus=8, disaggregation=False))
+    assert {p.candidate.weights for p in result.points} == {"awq-int4"}
+    assert all(c.speculation is None for c, _ in result.refused if c.weights == "awq-int4")
+    assert not any(p.candidate.speculation for p in result.points)
+    commands = chosen_commands(result)
+    assert commands is not None and commands.deploy_render is not None
+    assert commands.serve[0].startswith("deepserve serve --model cognitivecomputations/DeepSeek-V3-AWQ ")
+    assert "--model cognitivecomputations/DeepSeek-V3-AWQ " in commands.deploy_render
+    v4 = search(SearchConfig(model="deepseek-ai/DeepSeek-V4-Flash", gpu="b200", gpus=4, disaggregation=False))
+    assert {p.candidate.weights for p in v4.points} == {"mxfp4", "nvfp4", "fp8"}
+    assert any(p.candidate.weights == "nvfp4" and p.candidate.speculation for p in v4.points)  # the repack has MTP
 
 
 def test_speculative_decoding_and_pools_are_dimensions(h200) -> None:
