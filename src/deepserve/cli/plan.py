@@ -152,7 +152,7 @@ def _forecasts_table(plan: Plan) -> Table:
 
 
 def _print_serve_lines(console: Console, plan: Plan) -> None:
-    nodes = plan.deployment.nodes
+    nodes = plan.deployment.hosts
     if nodes == 1:
         console.print(f"[bold]deepserve[/]: {plan.serve_commands[0]}", soft_wrap=True, highlight=False)
         return

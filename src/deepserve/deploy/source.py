@@ -275,10 +275,11 @@ def _engine_image(engine: Engine, config: EngineConfig) -> str:
 
 
 def _node_gpus(config: EngineConfig) -> int | None:
-    """GPUs on each node: as given, else a node of the GPU type the deployment is for (8 x H100), else unknown."""
+    """GPUs on each node: as given, else one machine of the GPU type the deployment is for (8 x H100; an NVL72
+    rack's compute tray, 4), else unknown."""
     if config.gpus_per_node is not None:
         return config.gpus_per_node
-    return get_accelerator(config.gpu_type).devices_per_node if config.gpu_type else None
+    return get_accelerator(config.gpu_type).devices_per_host if config.gpu_type else None
 
 
 def _plan_note(plan: Plan) -> str:

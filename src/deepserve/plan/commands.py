@@ -105,8 +105,8 @@ def engine_config(deployment: Deployment, config: PlanConfig, engine: str) -> En
             "quantization": deployment.fmt.vllm_quantization,
             "kv_cache_dtype": "fp8" if deployment.kv_dtype == "fp8" else None,
             "trust_remote_code": needs_remote_code(deployment.spec),
-            "nnodes": deployment.nodes,
-            "master_addr": HEAD_NODE_ADDRESS if deployment.nodes > 1 else None,
+            "nnodes": deployment.hosts,
+            "master_addr": HEAD_NODE_ADDRESS if deployment.hosts > 1 else None,
             # the GPU type picks the platform's settings (ROCm's environment on AMD, TensorRT-LLM's MoE backend)
             "gpu_type": deployment.accelerator.name if deployment.accelerator.vendor != "host" else None,
             "speculative_method": speculation.method if speculation else None,
@@ -143,9 +143,9 @@ def serve_commands(deployment: Deployment, config: PlanConfig) -> tuple[str, ...
     """The `deepserve serve` line for each node of the plan (vLLM), node 0 first: the same lines `serve --dry-run`
     prints, so a plan can be pasted onto the nodes as it is."""
     engine = engine_config(deployment, config, "vllm").model_copy(
-        update={"gpu_type": deployment.accelerator.name, "host": "0.0.0.0" if deployment.nodes > 1 else "127.0.0.1"}
+        update={"gpu_type": deployment.accelerator.name, "host": "0.0.0.0" if deployment.hosts > 1 else "127.0.0.1"}
     )
-    return tuple(serve_command(engine.for_node(rank)) for rank in range(deployment.nodes))
+    return tuple(serve_command(engine.for_node(rank)) for rank in range(deployment.hosts))
 
 
 # PlanConfig fields and the `deepserve deploy render` flags that carry them; the others (concurrency levels, the SLO,

@@ -132,6 +132,13 @@ class Deployment:
     options: StepOptions = field(default_factory=StepOptions)  # two-batch overlap of communication
 
     @property
+    def hosts(self) -> int:
+        """The machines the engine launches on: the nodes, or more where one node's NVLink domain spans several
+        machines (an NVL72 rack's 72 GPUs are 18 compute trays of 4)."""
+        per_host = self.accelerator.devices_per_host or self.accelerator.devices_per_node
+        return max(self.nodes, -(-self.layout.gpus // per_host))
+
+    @property
     def running_cap(self) -> int:
         """Most requests running at once over the whole deployment: what the KV cache holds at the planned lengths,
         and max_num_seqs as the engine applies it (see seqs_schedulers and max_num_seqs_in_effect)."""

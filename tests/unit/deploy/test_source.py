@@ -168,3 +168,18 @@ def test_shell_line_puts_a_variable_where_the_placeholder_was(tmp_path: Path) ->
         check=True,
     ).stdout
     assert out == '1 2|--dist-init-addr|10.0.0.1:5000|--json|{"a": "$HOME"}|it\'s|'
+
+
+def test_an_nvl72_rack_launches_on_its_compute_trays() -> None:
+    """A GB200 NVL72 rack is one NVLink domain (the plan's node) of 18 machines with 4 GPUs each: the engine runs
+    on as many nodes as trays its GPUs fill, each asking for 4 GPUs."""
+    layout = EngineConfig(model=V3, tensor_parallel_size=1, data_parallel_size=72, enable_expert_parallel=True)
+    config, plan = planned_config(layout, "gb200", 72)
+    assert plan.deployment.nodes == 1 and plan.deployment.hosts == 18  # one NVLink domain, eighteen machines
+    assert config.nnodes == 18 and config.master_addr == MASTER_PLACEHOLDER
+    spec = deploy_spec(config, GatewayConfig(), "x", plan=plan)
+    assert spec.nodes == 18 and spec.node_gpus == 4
+    tp8, plan = planned_config(EngineConfig(model=V3), "gb200", 8)
+    assert (tp8.nnodes, plan.deployment.hosts) == (2, 2)
+    _, plan = planned_config(EngineConfig(model=V3), "h100", 16)
+    assert (plan.deployment.nodes, plan.deployment.hosts) == (2, 2)

@@ -345,3 +345,12 @@ def test_a_checkpoint_that_loads_as_planned_is_served_as_named(
     plan = json.loads(out)
     assert plan["serve_commands"][0].startswith(f"deepserve serve --model {model} ")
     assert f"--model {model} " in plan["deploy_render_command"]
+
+
+def test_an_nvl72_plan_prints_a_serve_line_per_compute_tray(capsys: pytest.CaptureFixture[str]) -> None:
+    _code, out, _ = run(capsys, "--gpu", "gb200", "--gpus", "72", "--tp", "1", "--dp", "72", "--ep", "--json")
+    plan = json.loads(out)
+    assert plan["nodes"] == 1  # one NVLink domain for the performance model
+    lines = plan["serve_commands"]
+    assert len(lines) == 18 and all("--nnodes 18" in line for line in lines)
+    assert "--node-rank 17" in lines[-1]
