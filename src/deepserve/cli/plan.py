@@ -153,12 +153,13 @@ def _forecasts_table(plan: Plan) -> Table:
 
 def _print_serve_lines(console: Console, plan: Plan) -> None:
     nodes = plan.deployment.hosts
-    if nodes == 1:
+    if len(plan.serve_commands) == 1:  # one machine, or "n/a: why"
         console.print(f"[bold]deepserve[/]: {plan.serve_commands[0]}", soft_wrap=True, highlight=False)
         return
     console.print(
-        f"[bold]deepserve on {nodes} nodes[/] (vLLM's multi-node runtime; replace HEAD_NODE_IP with node 0's address "
-        "on the network the nodes share; node 0 serves the API and the gateway, the others run headless):",
+        f"[bold]deepserve on {nodes} nodes[/] ({plan.deployment.engine}'s multi-node runtime; replace HEAD_NODE_IP "
+        "with node 0's address on the network the nodes share; node 0 serves the API and the gateway, the others run "
+        "headless):",
         highlight=False,
     )
     for rank, line in enumerate(plan.serve_commands):

@@ -78,7 +78,10 @@ def launch_lines(deployment: Deployment, config: PlanConfig) -> LaunchLines:
         return LaunchLines(dict.fromkeys(ENGINES, refused), (refused,), refused)
     if choice.model != config.model:  # the export is stored in the planned format: --weights is its own
         config = config.model_copy(update={"model": choice.model, "weights": None})
-    return LaunchLines(engine_commands(deployment, config), serve_commands(deployment, config), render_command(config))
+    engines = engine_commands(deployment, config)
+    refused = engines.get(deployment.engine, "")  # the plan's engine cannot run it (TensorRT-LLM across nodes)
+    serve = (refused,) if refused.startswith("n/a") else serve_commands(deployment, config)
+    return LaunchLines(engines, serve, render_command(config))
 
 
 def needs_remote_code(spec: ModelSpec) -> bool:
@@ -140,9 +143,9 @@ def engine_commands(deployment: Deployment, config: PlanConfig) -> dict[str, str
 
 
 def serve_commands(deployment: Deployment, config: PlanConfig) -> tuple[str, ...]:
-    """The `deepserve serve` line for each node of the plan (vLLM), node 0 first: the same lines `serve --dry-run`
-    prints, so a plan can be pasted onto the nodes as it is."""
-    engine = engine_config(deployment, config, "vllm").model_copy(
+    """The `deepserve serve` line for each node of the plan, on the plan's engine (the one its figures are for),
+    node 0 first: the same lines `serve --dry-run` prints, so a plan can be pasted onto the nodes as it is."""
+    engine = engine_config(deployment, config, deployment.engine).model_copy(
         update={"gpu_type": deployment.accelerator.name, "host": "0.0.0.0" if deployment.hosts > 1 else "127.0.0.1"}
     )
     return tuple(serve_command(engine.for_node(rank)) for rank in range(deployment.hosts))

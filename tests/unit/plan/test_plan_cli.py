@@ -354,3 +354,15 @@ def test_an_nvl72_plan_prints_a_serve_line_per_compute_tray(capsys: pytest.Captu
     lines = plan["serve_commands"]
     assert len(lines) == 18 and all("--nnodes 18" in line for line in lines)
     assert "--node-rank 17" in lines[-1]
+
+
+def test_the_serve_lines_run_the_plans_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    """The figures are the plan engine's, so its `deepserve serve` lines launch that engine, or say why they cannot."""
+    _code, out, _ = run(capsys, "--gpu", "h200", "--engine", "sglang", "--json")
+    plan = json.loads(out)
+    assert plan["serve_commands"][0].startswith("deepserve serve --engine sglang ")
+    assert "--engine sglang" in plan["deploy_render_command"]
+    _code, out, _ = run(capsys, "--gpu", "h100", "--gpus", "16", "--engine", "trtllm", "--json")
+    plan = json.loads(out)
+    assert plan["serve_commands"] == [plan["commands"]["trtllm"]]
+    assert plan["serve_commands"][0].startswith("n/a: --nnodes 2: TensorRT-LLM spans nodes under MPI")

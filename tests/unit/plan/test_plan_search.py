@@ -113,6 +113,15 @@ def test_the_chosen_candidate_has_serve_and_deploy_lines(h200) -> None:
     assert commands.deploy_render and commands.deploy_render.startswith("deepserve deploy render --target kubernetes")
     layout = h200.chosen.candidate.layout
     assert f"--tensor-parallel-size {layout.tp}" in commands.serve[0] or layout.tp == 1
+    engine = h200.chosen.candidate.engine  # the lines run the engine the candidate's figures are for
+    assert (
+        ("--engine sglang" in commands.serve[0])
+        == (engine == "sglang")
+        == ("--engine sglang" in commands.deploy_render)
+    )
+    sglang = search(SearchConfig(gpu="h200", gpus=8, engines=["sglang"], disaggregation=False))
+    chosen = chosen_commands(sglang)
+    assert chosen is not None and chosen.serve[0].startswith("deepserve serve --engine sglang ")
 
 
 def test_a_search_is_quick_and_says_how_long_it_took(h200) -> None:
