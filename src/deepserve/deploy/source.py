@@ -18,7 +18,7 @@ from deepserve import __version__
 from deepserve.config import load_section, parse_key_values
 from deepserve.deploy.config import DeployConfig
 from deepserve.engines.base import Engine, LaunchSpec
-from deepserve.engines.config import EngineConfig
+from deepserve.engines.config import DEFAULT_KV_CONNECTOR, EngineConfig
 from deepserve.engines.platform import ROCM, gpu_platform
 from deepserve.engines.registry import get_engine
 from deepserve.engines.topology import check_layout_fits_nodes
@@ -72,7 +72,6 @@ def load_engine_config(file: Path | None, overrides: dict[str, Any]) -> EngineCo
 
 
 ROLES = ("engine", "prefill", "decode")
-DEFAULT_KV_CONNECTOR = "NixlConnector"  # vLLM's P/D connector on GPUs (llm-d's and vLLM's P/D guides use it)
 SHARED_KV_CONNECTOR = "ExampleConnector"  # moves KV through a directory both pools mount
 KV_SHARED_PATH = "/var/cache/deepserve/kv-transfer"  # that directory, inside the engine containers
 # Connectors that move KV over the nodes' network (RDMA where there is one): the pools need the network profile.

@@ -25,6 +25,9 @@ Role = Literal["prefill", "decode"]
 JOIN_PORT_OFFSET = 100  # default join port: master port + 100, clear of the ports vLLM takes near the master port
 
 
+DEFAULT_KV_CONNECTOR = "NixlConnector"  # vLLM's P/D connector on GPUs (llm-d's and vLLM's P/D guides use it)
+
+
 class EngineConfig(Section):
     """How the inference engine is launched: the flags the seeds tune, in one place."""
 

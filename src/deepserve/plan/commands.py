@@ -6,7 +6,7 @@ import shlex
 from dataclasses import dataclass, replace
 
 from deepserve.config import changed_fields
-from deepserve.engines.config import EngineConfig, serve_command
+from deepserve.engines.config import DEFAULT_KV_CONNECTOR, EngineConfig, Role, serve_command
 from deepserve.engines.registry import ENGINES
 from deepserve.errors import ConfigError
 from deepserve.models.presets import preset_spec
@@ -69,9 +69,9 @@ def checkpoint_to_load(deployment: Deployment, config: PlanConfig) -> Checkpoint
     )
 
 
-def launch_lines(deployment: Deployment, config: PlanConfig) -> LaunchLines:
+def launch_lines(deployment: Deployment, config: PlanConfig, role: Role | None = None) -> LaunchLines:
     """The command lines for the plan, loading the checkpoint `checkpoint_to_load` chooses ("n/a: why" without
-    one)."""
+    one); with ROLE, the serve lines run one side of a prefill/decode pair."""
     choice = checkpoint_to_load(deployment, config)
     if choice.model is None:
         refused = f"n/a: {choice.why}"
@@ -80,7 +80,7 @@ def launch_lines(deployment: Deployment, config: PlanConfig) -> LaunchLines:
         config = config.model_copy(update={"model": choice.model, "weights": None})
     engines = engine_commands(deployment, config)
     refused = engines.get(deployment.engine, "")  # the plan's engine cannot run it (TensorRT-LLM across nodes)
-    serve = (refused,) if refused.startswith("n/a") else serve_commands(deployment, config)
+    serve = (refused,) if refused.startswith("n/a") else serve_commands(deployment, config, role)
     return LaunchLines(engines, serve, render_command(config))
 
 
@@ -142,12 +142,15 @@ def engine_commands(deployment: Deployment, config: PlanConfig) -> dict[str, str
     return lines
 
 
-def serve_commands(deployment: Deployment, config: PlanConfig) -> tuple[str, ...]:
+def serve_commands(deployment: Deployment, config: PlanConfig, role: Role | None = None) -> tuple[str, ...]:
     """The `deepserve serve` line for each node of the plan, on the plan's engine (the one its figures are for),
-    node 0 first: the same lines `serve --dry-run` prints, so a plan can be pasted onto the nodes as it is."""
-    engine = engine_config(deployment, config, deployment.engine).model_copy(
-        update={"gpu_type": deployment.accelerator.name, "host": "0.0.0.0" if deployment.hosts > 1 else "127.0.0.1"}
-    )
+    node 0 first: the same lines `serve --dry-run` prints, so a plan can be pasted onto the nodes as it is. With
+    ROLE, a prefill or decode engine on vLLM's default connector, listening for the gateway in front of the pools."""
+    reached = deployment.hosts > 1 or role is not None  # from other machines
+    update: dict[str, object] = {"gpu_type": deployment.accelerator.name, "host": "0.0.0.0" if reached else "127.0.0.1"}
+    if role is not None:
+        update.update(role=role, kv_connector=DEFAULT_KV_CONNECTOR)
+    engine = engine_config(deployment, config, deployment.engine).model_copy(update=update)
     return tuple(serve_command(engine.for_node(rank)) for rank in range(deployment.hosts))
 
 

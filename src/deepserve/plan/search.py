@@ -22,11 +22,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from deepserve.config import Section
+from deepserve.engines.config import DEFAULT_KV_CONNECTOR, Role
 from deepserve.errors import DeepserveError
 from deepserve.hardware.catalog import get_accelerator, get_network
 from deepserve.models.presets import exports_of, preset_spec
 from deepserve.models.resolve import load_spec
 from deepserve.models.spec import ModelSpec
+from deepserve.plan.commands import launch_lines
 from deepserve.plan.cost import usd_per_million_output_tokens
 from deepserve.plan.formats import checkpoint_format, get_format, loads_as, published_export
 from deepserve.plan.layout import Layout, check_layout
@@ -490,13 +492,34 @@ def _colocated_commands(plan_config: PlanConfig, candidate: Candidate) -> Chosen
 
 
 def _pool_commands(config: SearchConfig, candidate: Candidate, pools: Pools, point: SearchPoint) -> ChosenCommands:
-    lines = []
-    roles = (("prefill", pools.prefill, pools.prefill_replicas), ("decode", pools.decode, pools.decode_replicas))
-    for role, layout, replicas in roles:
-        plan = make_plan(_plan_config(config, candidate, layout, point))
-        lines += [f"# {role} pool, {replicas} replica(s): {line}" for line in plan.serve_commands]
-    notes = (
-        "prefill/decode pools: join them with the engine's KV-transfer connector and route each request prefill "
-        "then decode (deepserve serve roles and rendered pools: issue 21)",
+    """Each pool's serve lines with its role (the prefill pool without speculative decoding, as it was evaluated),
+    the gateway line that joins them, and a deploy render line where both pools share one layout (render's pools
+    do)."""
+    lines, plans = [], {}
+    roles: tuple[tuple[Role, Layout, int], ...] = (
+        ("prefill", pools.prefill, pools.prefill_replicas),
+        ("decode", pools.decode, pools.decode_replicas),
     )
-    return ChosenCommands(tuple(lines), None, notes)
+    for role, layout, replicas in roles:
+        member = candidate if role == "decode" else replace(candidate, speculation=None)
+        plan = make_plan(_plan_config(config, member, layout, point))
+        serve = launch_lines(plan.deployment, plan.config, role).serve
+        lines += [f"# {role} pool, {replicas} replica(s): {line}" for line in serve]
+        plans[role] = plan
+    notes = [
+        "in front of the pools: deepserve gateway --prefill-upstream http://PREFILL_NODE0:8000/v1 --upstream "
+        f"http://DECODE_NODE0:8000/v1 (one flag per replica; {DEFAULT_KV_CONNECTOR} moves the KV cache between them)"
+    ]
+    render = plans["decode"].deploy_render
+    if pools.prefill != pools.decode:
+        notes.append(
+            f"deploy render gives both pools one layout, and these differ ({pools.prefill.describe()} and "
+            f"{pools.decode.describe()}): render each pool on its own, or serve them with the lines above"
+        )
+        return ChosenCommands(tuple(lines), None, tuple(notes))
+    if not render.startswith("n/a"):
+        render += (
+            f" --prefill-replicas {pools.prefill_replicas} --replicas {pools.decode_replicas} "
+            f"--kv-connector {DEFAULT_KV_CONNECTOR}"
+        )
+    return ChosenCommands(tuple(lines), render, tuple(notes))

@@ -4,6 +4,7 @@ candidate's command lines, the chart."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,31 @@ def test_the_chosen_candidate_has_serve_and_deploy_lines(h200) -> None:
     sglang = search(SearchConfig(gpu="h200", gpus=8, engines=["sglang"], disaggregation=False))
     chosen = chosen_commands(sglang)
     assert chosen is not None and chosen.serve[0].startswith("deepserve serve --engine sglang ")
+
+
+def test_chosen_pools_get_role_lines_a_gateway_line_and_a_render_line() -> None:
+    result = search(SearchConfig(gpu="h100", gpus=16))  # AWQ pools of one node each lead at high load
+    chosen = result.chosen
+    assert chosen is not None and chosen.candidate.pools is not None
+    pools = chosen.candidate.pools
+    commands = chosen_commands(result)
+    assert commands is not None
+    prefill, decode = commands.serve
+    assert prefill.startswith("# prefill pool, 1 replica(s): deepserve serve ") and "--role prefill" in prefill
+    assert decode.startswith("# decode pool, 1 replica(s): deepserve serve ") and "--role decode" in decode
+    assert all("--kv-connector NixlConnector" in line and "--host 0.0.0.0" in line for line in commands.serve)
+    assert "--speculative-method" not in prefill  # the prefill pool was evaluated without drafts
+    assert any(
+        note.startswith("in front of the pools: deepserve gateway --prefill-upstream") for note in commands.notes
+    )
+    if pools.prefill == pools.decode:
+        assert commands.deploy_render is not None
+        assert commands.deploy_render.endswith("--prefill-replicas 1 --replicas 1 --kv-connector NixlConnector")
+    different = replace(pools, decode=Layout(tp=2, dp=4))
+    other = replace(chosen, candidate=replace(chosen.candidate, pools=different))
+    split = chosen_commands(replace(result, points=(other,)))
+    assert split is not None and split.deploy_render is None
+    assert any("deploy render gives both pools one layout, and these differ" in note for note in split.notes)
 
 
 def test_a_search_is_quick_and_says_how_long_it_took(h200) -> None:
