@@ -9,7 +9,7 @@ from deepserve.config import changed_fields
 from deepserve.engines.config import DEFAULT_KV_CONNECTOR, EngineConfig, Role, serve_command
 from deepserve.engines.registry import ENGINES
 from deepserve.errors import ConfigError
-from deepserve.models.presets import preset_spec
+from deepserve.models.presets import canonical_preset_name, preset_spec
 from deepserve.models.resolve import ResolvedModel
 from deepserve.models.spec import ModelSpec
 from deepserve.plan.formats import checkpoint_format, loads_as, published_export
@@ -130,7 +130,8 @@ def _running_cap_on(deployment: Deployment, engine: str) -> int | None:
 def engine_commands(deployment: Deployment, config: PlanConfig) -> dict[str, str]:
     """Each engine's command for the plan (preceded by the files it reads, e.g. TensorRT-LLM's options), or why the
     engine cannot run it (TensorRT-LLM on AMD GPUs or across nodes)."""
-    model = ResolvedModel(source=config.model, served_name=config.model, on_cpu=False)
+    name = canonical_preset_name(config.model) or config.model  # the hub id an alias (v4-flash) stands for
+    model = ResolvedModel(source=name, served_name=name, on_cpu=False)
     lines = {}
     for name, engine in ENGINES.items():
         try:

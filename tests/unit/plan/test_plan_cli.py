@@ -366,3 +366,13 @@ def test_the_serve_lines_run_the_plans_engine(capsys: pytest.CaptureFixture[str]
     plan = json.loads(out)
     assert plan["serve_commands"] == [plan["commands"]["trtllm"]]
     assert plan["serve_commands"][0].startswith("n/a: --nnodes 2: TensorRT-LLM spans nodes under MPI")
+
+
+def test_engine_lines_load_the_hub_id_an_alias_stands_for(capsys: pytest.CaptureFixture[str]) -> None:
+    """The engines know nothing of deepserve's aliases: `vllm serve v4-flash` would look for a repository of that
+    name. deepserve's own lines may keep the alias (serve resolves it)."""
+    _code, out, _ = run(capsys, "--model", "v4-flash", "--gpu", "h200", "--json")
+    plan = json.loads(out)
+    assert plan["commands"]["vllm"].startswith("vllm serve deepseek-ai/DeepSeek-V4-Flash --served-model-name ")
+    assert "--model-path deepseek-ai/DeepSeek-V4-Flash " in plan["commands"]["sglang"]
+    assert "trtllm-serve deepseek-ai/DeepSeek-V4-Flash " in plan["commands"]["trtllm"]
