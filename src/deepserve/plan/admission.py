@@ -22,7 +22,7 @@ from deepserve.models.spec import ModelSpec
 from deepserve.plan.formats import FORMATS, WeightFormat, checkpoint_format, get_format
 from deepserve.plan.layout import Layout
 from deepserve.plan.memory import weights_per_gpu
-from deepserve.plan.planner import build_deployment, smallest_fitting_gpus
+from deepserve.plan.planner import build_deployment, check_context_length, smallest_fitting_gpus
 from deepserve.plan.speculative import SpeculativeDecoding, speculative_decoding
 from deepserve.plan.types import PlanConfig
 
@@ -88,6 +88,7 @@ def check_cpu_fit(config: EngineConfig, model_source: str, available_bytes: int,
     spec = spec_or_none(model_source)
     if spec is None:
         return FitCheck(None, _unchecked(True, ""))
+    check_context_length(spec, config.max_model_len)
     fmt = weight_format(config, spec)
     layout = _layout(config)
     speculation, uncounted = _speculation(config, spec)

@@ -74,6 +74,7 @@ def build_deployment(
     if nodes > 1 and gpus // nodes > accelerator.devices_per_node:
         raise ConfigError(f"{gpus // nodes} GPUs per node exceeds the {accelerator.devices_per_node} a node holds")
     workload = workload or RequestLengths(1024, 256)
+    check_context_length(spec, max_model_len)
     context = max_model_len or min(32768, spec.max_position_embeddings)
     kv = resolve_kv_dtype(kv_dtype, fmt, spec)
     memory = plan_memory(
@@ -324,6 +325,18 @@ def benchmark_runs(config: PlanConfig) -> list[BenchmarkRun]:
 
 
 MAX_NODES_SEARCHED = 8
+
+
+def check_context_length(spec: ModelSpec, max_model_len: int | None) -> None:
+    """vLLM refuses a max_model_len beyond the model's positions (max_position_embeddings, which YaRN checkpoints
+    state already scaled: vllm/config/model.py, _get_and_verify_max_len), and so does SGLang's --context-length."""
+    limit = spec.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ConfigError(
+            f"--max-model-len {max_model_len:,} exceeds {spec.name}'s {limit:,} positions (max_position_embeddings): "
+            f"the engines refuse it (vLLM unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, past which positions are "
+            f"undefined); give {limit} or less"
+        )
 
 
 def nodes_for(config: PlanConfig) -> int:

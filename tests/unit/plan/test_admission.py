@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from deepserve.engines.config import EngineConfig
+from deepserve.errors import ConfigError
 from deepserve.hardware.catalog import get_accelerator
 from deepserve.plan.admission import accelerator_for, check_cpu_fit, check_gpu_fit
 
@@ -70,3 +73,12 @@ def test_the_activation_reserve_assumes_vllms_own_token_budget_for_the_gpu() -> 
         default = check_gpu_fit(EngineConfig(tensor_parallel_size=8), model, accelerator)
         given = check_gpu_fit(EngineConfig(tensor_parallel_size=8, max_num_batched_tokens=budget), model, accelerator)
         assert default.summary == given.summary, gpu
+
+
+def test_serve_refuses_a_context_beyond_the_models_positions_on_gpus_and_on_cpu() -> None:
+    too_long = EngineConfig(tensor_parallel_size=8, max_model_len=163841)
+    with pytest.raises(ConfigError, match="--max-model-len 163,841 exceeds deepseek-ai/DeepSeek-V3's 163,840 posit"):
+        check_gpu_fit(too_long, "deepseek-ai/DeepSeek-V3", H100)
+    with pytest.raises(ConfigError, match="give 163840 or less"):
+        check_cpu_fit(too_long.model_copy(update={"tensor_parallel_size": 1}), "deepseek-ai/DeepSeek-V3", 10**12, 1)
+    assert check_gpu_fit(too_long.model_copy(update={"max_model_len": 163840}), "deepseek-ai/DeepSeek-V3", H100)

@@ -376,3 +376,14 @@ def test_engine_lines_load_the_hub_id_an_alias_stands_for(capsys: pytest.Capture
     assert plan["commands"]["vllm"].startswith("vllm serve deepseek-ai/DeepSeek-V4-Flash --served-model-name ")
     assert "--model-path deepseek-ai/DeepSeek-V4-Flash " in plan["commands"]["sglang"]
     assert "trtllm-serve deepseek-ai/DeepSeek-V4-Flash " in plan["commands"]["trtllm"]
+
+
+@pytest.mark.parametrize(("model", "limit"), [("v3", "163,840"), ("v4-flash", "1,048,576")])
+def test_a_context_beyond_the_models_positions_is_refused(
+    capsys: pytest.CaptureFixture[str], model: str, limit: str
+) -> None:
+    """vLLM refuses max_model_len past max_position_embeddings (YaRN checkpoints state it scaled), so a plan for it
+    would print commands that never start."""
+    code, _out, err = run(capsys, "--model", model, "--gpu", "b200", "--max-model-len", "2000000")
+    assert code != 0
+    assert "--max-model-len 2,000,000 exceeds" in err and f"{limit} positions (max_position_embeddings)" in err
