@@ -130,8 +130,8 @@ def _running_cap_on(deployment: Deployment, engine: str) -> int | None:
 def engine_commands(deployment: Deployment, config: PlanConfig) -> dict[str, str]:
     """Each engine's command for the plan (preceded by the files it reads, e.g. TensorRT-LLM's options), or why the
     engine cannot run it (TensorRT-LLM on AMD GPUs or across nodes)."""
-    name = canonical_preset_name(config.model) or config.model  # the hub id an alias (v4-flash) stands for
-    model = ResolvedModel(source=name, served_name=name, on_cpu=False)
+    source = canonical_preset_name(config.model) or config.model  # the hub id an alias (v4-flash) stands for
+    model = ResolvedModel(source=source, served_name=source, on_cpu=False)
     lines = {}
     for name, engine in ENGINES.items():
         try:
