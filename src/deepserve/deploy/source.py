@@ -232,7 +232,7 @@ def deploy_spec(
         )
     node_gpus = _node_gpus(config)
     per_node = node_gpus or max(config.world_size // config.nnodes, 1)
-    notes = tuple(check_layout_fits_nodes(config, per_node, on_this_machine=False))
+    notes = tuple(check_layout_fits_nodes(config, per_node, on_this_machine=False)) + _nvlink_domain_notes(config)
     model = render_model(config)
     notes += (_plan_note(plan),) if plan else _fit_notes(config, model)
     engine = get_engine(config.engine)
@@ -250,6 +250,19 @@ def deploy_spec(
         node_gpus=node_gpus,
         plan=plan,
         notes=notes,
+    )
+
+
+def _nvlink_domain_notes(config: EngineConfig) -> tuple[str, ...]:
+    """Machines of one NVLink domain (an NVL72 rack's trays) reach each other over NVLink only inside the rack's
+    IMEX domain; without it NCCL falls back to the network between them."""
+    accelerator = get_accelerator(config.gpu_type) if config.gpu_type else None
+    if accelerator is None or config.nnodes < 2 or accelerator.devices_per_host >= accelerator.devices_per_node:
+        return ()
+    return (
+        f"the {config.nnodes} nodes are compute trays of one {accelerator.name} NVLink domain: schedule them in one "
+        "rack and give the pods its IMEX channel (NVIDIA's DRA driver: a ComputeDomain claim; Slurm: the rack's IMEX "
+        "service), or NCCL talks between them over the network",
     )
 
 

@@ -179,6 +179,9 @@ def test_an_nvl72_rack_launches_on_its_compute_trays() -> None:
     assert config.nnodes == 18 and config.master_addr == MASTER_PLACEHOLDER
     spec = deploy_spec(config, GatewayConfig(), "x", plan=plan)
     assert spec.nodes == 18 and spec.node_gpus == 4
+    assert any(note.startswith("the 18 nodes are compute trays of one gb200 NVLink domain") for note in spec.notes)
+    single = deploy_spec(EngineConfig(model=V3, tensor_parallel_size=8, gpu_type="h200"), GatewayConfig(), "x")
+    assert not any("NVLink domain" in note for note in single.notes)
     tp8, plan = planned_config(EngineConfig(model=V3), "gb200", 8)
     assert (tp8.nnodes, plan.deployment.hosts) == (2, 2)
     _, plan = planned_config(EngineConfig(model=V3), "h100", 16)
