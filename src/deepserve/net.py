@@ -4,9 +4,11 @@ kernel's receive timestamps of socket reads (what the bench client and the simul
 from __future__ import annotations
 
 import math
+import random
 import socket
 import struct
 import time
+from pathlib import Path
 
 from deepserve.errors import ConfigError
 
@@ -14,12 +16,42 @@ SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux's value; Python'
 TIMESTAMP_SPACE = socket.CMSG_SPACE(16)  # one struct timespec
 
 
+LOWEST_CHOSEN_PORT = 10000  # below, well-known and registered services crowd the space
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+DEFAULT_EPHEMERAL_RANGE = (32768, 60999)  # Linux's default ip_local_port_range
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS has just found free on HOST (another process may still take it before we bind it)."""
+    """A port free on HOST now, chosen below the kernel's ephemeral range. The ports the OS hands out for bind(0)
+    and for every outgoing connection come from that range, so a port found free there can be taken by any process's
+    next connection before the server it was chosen for binds it (vLLM's workers open dozens while a multi-node
+    engine starts, which takes minutes on a CPU). Another process may still bind the port chosen here on purpose."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
+    low = _ephemeral_range()[0]
+    if low - LOWEST_CHOSEN_PORT >= 1000:
+        for port in random.sample(range(LOWEST_CHOSEN_PORT, low), 64):
+            if _can_bind(family, host, port):
+                return port
+    with socket.socket(family, socket.SOCK_STREAM) as probe:  # a kernel whose ephemeral range leaves no room
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(part) for part in EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL_RANGE
+    return low, high
+
+
+def _can_bind(family: socket.AddressFamily, host: str, port: int) -> bool:
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def ensure_port_free(host: str, port: int) -> None:
