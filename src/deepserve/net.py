@@ -16,16 +16,19 @@ SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux's value; Python'
 TIMESTAMP_SPACE = socket.CMSG_SPACE(16)  # one struct timespec
 
 
-LOWEST_CHOSEN_PORT = 10000  # below, well-known and registered services crowd the space
+# Ray's workers bind 10002-19999 unless told otherwise (`ray start --min-worker-port/--max-worker-port`), and
+# `ray start` refuses a GCS or component port inside that range; below it, registered services crowd the space.
+LOWEST_CHOSEN_PORT = 20000
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 DEFAULT_EPHEMERAL_RANGE = (32768, 60999)  # Linux's default ip_local_port_range
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on HOST now, chosen below the kernel's ephemeral range. The ports the OS hands out for bind(0)
-    and for every outgoing connection come from that range, so a port found free there can be taken by any process's
-    next connection before the server it was chosen for binds it (vLLM's workers open dozens while a multi-node
-    engine starts, which takes minutes on a CPU). Another process may still bind the port chosen here on purpose."""
+    """A port free on HOST now, chosen between Ray's worker ports and the kernel's ephemeral range. The ports the OS
+    hands out for bind(0) and for every outgoing connection come from that range, so a port found free there can be
+    taken by any process's next connection before the server it was chosen for binds it (vLLM's workers open dozens
+    while a multi-node engine starts, which takes minutes on a CPU). Another process may still bind the port chosen
+    here on purpose."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low = _ephemeral_range()[0]
     if low - LOWEST_CHOSEN_PORT >= 1000:

@@ -1,5 +1,5 @@
-"""free_port chooses below the kernel's ephemeral range, where no process's next connection can take the port before
-the server it was chosen for binds it."""
+"""free_port chooses between Ray's worker ports and the kernel's ephemeral range, where no process's next connection
+can take the port before the server it was chosen for binds it."""
 
 from __future__ import annotations
 
