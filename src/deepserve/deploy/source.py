@@ -257,7 +257,7 @@ def _nvlink_domain_notes(config: EngineConfig) -> tuple[str, ...]:
     """Machines of one NVLink domain (an NVL72 rack's trays) reach each other over NVLink only inside the rack's
     IMEX domain; without it NCCL falls back to the network between them."""
     accelerator = get_accelerator(config.gpu_type) if config.gpu_type else None
-    if accelerator is None or config.nnodes < 2 or accelerator.devices_per_host >= accelerator.devices_per_node:
+    if accelerator is None or config.nnodes < 2 or accelerator.gpus_per_machine >= accelerator.devices_per_node:
         return ()
     return (
         f"the {config.nnodes} nodes are compute trays of one {accelerator.name} NVLink domain: schedule them in one "
@@ -291,7 +291,7 @@ def _node_gpus(config: EngineConfig) -> int | None:
     rack's compute tray, 4), else unknown."""
     if config.gpus_per_node is not None:
         return config.gpus_per_node
-    return get_accelerator(config.gpu_type).devices_per_host if config.gpu_type else None
+    return get_accelerator(config.gpu_type).gpus_per_machine if config.gpu_type else None
 
 
 def _plan_note(plan: Plan) -> str:

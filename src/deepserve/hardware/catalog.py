@@ -71,6 +71,12 @@ class Accelerator:
     def memory_bytes(self) -> int:
         return int(self.memory_gib * 1024**3)
 
+    @property
+    def gpus_per_machine(self) -> int:
+        """GPUs one machine holds: a compute tray of an NVL72 rack (4), else the whole node (the measured host's
+        entry states no devices_per_host)."""
+        return self.devices_per_host or self.devices_per_node
+
 
 def _load_accelerators() -> tuple[Accelerator, ...]:
     """data/accelerators.json: every figure with the vendor page it comes from."""

@@ -135,8 +135,7 @@ class Deployment:
     def hosts(self) -> int:
         """The machines the engine launches on: the nodes, or more where one node's NVLink domain spans several
         machines (an NVL72 rack's 72 GPUs are 18 compute trays of 4)."""
-        per_host = self.accelerator.devices_per_host or self.accelerator.devices_per_node
-        return max(self.nodes, -(-self.layout.gpus // per_host))
+        return max(self.nodes, -(-self.layout.gpus // self.accelerator.gpus_per_machine))
 
     @property
     def running_cap(self) -> int:
