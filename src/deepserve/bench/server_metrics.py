@@ -42,6 +42,7 @@ from deepserve.engines.metrics import (
     MetricNames,
     detect_engine,
     label_value,
+    read_left_out,
     read_metrics,
     series_labels,
     series_name,
@@ -122,6 +123,8 @@ class ServerMetricsSummary:
     prefix_cache_hit_rate: float | None = None
     preemptions: float | None = None
     spec_decode: SpecDecodeSummary | None = None  # None: the engine reported no speculative decoding
+    # behind the gateway: replicas some samples lacked, each with how many and the last reason the gateway gave
+    replicas_left_out: dict[str, str] = field(default_factory=dict)
     samples: list[dict[str, float]] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -256,6 +259,7 @@ class ServerMetricsScraper:
         self._new_peak = asyncio.Event()
         self._stopping = False
         self._peak_scrapes = 0
+        self._left_out: dict[str, tuple[int, str]] = {}  # replica: (samples that lacked it, the last reason)
 
     async def start(self) -> None:
         await self._scrape_fresh()  # the baseline for counters
@@ -280,7 +284,8 @@ class ServerMetricsScraper:
         sample = self._parse(response.text) if response.status_code == 200 else {}
         self._fallback_note = f" (nor has {self.fallback_url})"
         if sample:
-            self.url, self._samples, self._unavailable = self.fallback_url, [sample], None
+            self.url, self._samples, self._unavailable = self.fallback_url, [], None
+            self._record(response.text, sample)
 
     async def _loop(self) -> None:
         started = time.monotonic()
@@ -312,7 +317,13 @@ class ServerMetricsScraper:
             if not self._samples:
                 self._unavailable = f"no metrics endpoint at {self.url} (HTTP {response.status_code})"
             return
-        self._samples.append(self._parse(response.text))
+        self._record(response.text, self._parse(response.text))
+
+    def _record(self, text: str, sample: dict[str, float]) -> None:
+        """Keep SAMPLE (parsed from TEXT), and count the replicas the gateway's TEXT says it lacks."""
+        self._samples.append(sample)
+        for replica, reason in read_left_out(text).items():
+            self._left_out[replica] = (self._left_out.get(replica, (0, ""))[0] + 1, reason)
 
     def _parse(self, text: str) -> dict[str, float]:
         """One scrape, read with the table of the engine found in the first scrape that had any."""
@@ -336,6 +347,13 @@ class ServerMetricsScraper:
         summary.sampling = self._sampling_words()
         if summary.note:
             summary.note += self._fallback_note
+        summary.replicas_left_out = {
+            replica: f"missing from {count} of {len(self._samples)} samples (last: {reason})"
+            for replica, (count, reason) in self._left_out.items()
+        }
+        if summary.replicas_left_out:
+            missing = "; ".join(f"{replica} {why}" for replica, why in summary.replicas_left_out.items())
+            summary.note = f"{summary.note}; {missing}" if summary.note else missing
         return summary
 
     def _sampling_words(self) -> str:

@@ -240,6 +240,25 @@ def with_label(line: str, key: str, value: str) -> str:
     return f"{line[:space]}{{{label}}}{line[space:]}"
 
 
+LEFT_OUT_PREFIX = "# replica "
+LEFT_OUT_MARK = " left out: "
+
+
+def left_out_comment(replica: str, reason: str) -> str:
+    """The comment line a merged exposition (the gateway's /metrics/engines) has for a replica it lacks."""
+    return f"{LEFT_OUT_PREFIX}{replica}{LEFT_OUT_MARK}{reason}"
+
+
+def read_left_out(text: str) -> dict[str, str]:
+    """{replica: reason} from the left_out_comment lines of TEXT."""
+    missing: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith(LEFT_OUT_PREFIX) and LEFT_OUT_MARK in line:
+            replica, _, reason = line[len(LEFT_OUT_PREFIX) :].partition(LEFT_OUT_MARK)
+            missing[replica] = reason
+    return missing
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 

@@ -12,7 +12,7 @@ CACHE_S after that moment.
 
 Samples are regrouped by metric family across replicas (one HELP/TYPE header per family), because Prometheus text
 format requires a family's samples to be contiguous. A replica that does not answer is named in a comment line and
-left out; the endpoint itself always answers 200 (an empty body when no replica is healthy). Engines put model
+left out, and so is one out of rotation; the endpoint itself always answers 200. Engines put model
 names and counts in their series, never secrets.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from deepserve.engines.metrics import sample_name, with_label
+from deepserve.engines.metrics import left_out_comment, sample_name, with_label
 from deepserve.gateway.clock import Clock
 from deepserve.gateway.upstreams import CLIENT_FAILURES, UpstreamPool, UpstreamReplica
 
@@ -63,7 +63,7 @@ def merge_exposition(texts: dict[str, str], errors: dict[str, str] | None = None
             if family is None:  # a sample before any header: a family of its own
                 family = families.setdefault(sample_name(line), _Family())
             family.samples.append(label_sample(line, replica))
-    lines = [f"# replica {replica} left out: {reason}" for replica, reason in (errors or {}).items()]
+    lines = [left_out_comment(replica, reason) for replica, reason in (errors or {}).items()]
     for family in families.values():
         lines += family.headers.values()
         lines += family.samples
@@ -71,11 +71,17 @@ def merge_exposition(texts: dict[str, str], errors: dict[str, str] | None = None
 
 
 async def scrape_replicas(pool: UpstreamPool) -> tuple[dict[str, str], dict[str, str]]:
-    """({replica URL: its /metrics text}, {replica URL: why it is missing}) over the healthy replicas."""
+    """({replica URL: its /metrics text}, {replica URL: why it is missing}): the healthy replicas are scraped; one
+    out of rotation is named with its last error, not scraped (it may be unreachable, and every caller would wait)."""
     healthy = [replica for replica in pool.replicas if replica.healthy]
     answers = await asyncio.gather(*(_scrape(pool, replica) for replica in healthy))
     texts = {replica.url: text for replica, (text, _) in zip(healthy, answers, strict=True) if text is not None}
-    errors = {replica.url: error for replica, (_, error) in zip(healthy, answers, strict=True) if error is not None}
+    errors = {
+        replica.url: f"out of rotation ({replica.last_error or 'not yet checked'})"
+        for replica in pool.replicas
+        if not replica.healthy
+    }
+    errors |= {replica.url: error for replica, (_, error) in zip(healthy, answers, strict=True) if error is not None}
     return texts, errors
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -173,3 +174,31 @@ def test_through_the_gateway_the_runs_counters_grow_by_what_the_engine_counted()
 
 def test_the_bench_waits_out_as_long_as_the_gateway_may_cache_the_engines_metrics():
     assert GATEWAY_ENGINES_MAX_AGE_S == CACHE_S < GATEWAY_FRESH_WAIT_S
+
+
+def test_a_replica_out_of_rotation_is_named_by_the_gateway_and_in_the_benchs_summary(two_replicas):
+    """The gateway does not scrape a replica its health checks took out (it may be unreachable): it names it with
+    the reason, and the bench says how many of its samples lacked that replica, so a peak read from the others alone
+    is not taken for the whole deployment's."""
+    first, _, gateway = two_replicas
+    root = gateway.removesuffix("/v1")
+    first.control({"healthy": False})
+    deadline = time.monotonic() + 10
+    while "left out" not in (text := httpx.get(root + "/metrics/engines").text) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"# replica {first.base_url} left out: out of rotation (health check failed: /health answered 503)" in text
+    assert f'replica="{first.base_url}"' not in text  # not scraped
+
+    async def scrape() -> dict:
+        scraper = ServerMetricsScraper(root + "/metrics", 0.05, fallback_url=root + "/metrics/engines")
+        await scraper.start()
+        await asyncio.sleep(0.3)
+        return (await scraper.stop()).to_json()
+
+    summary = asyncio.run(scrape())
+    assert summary["peak_kv_cache_usage_perc"] == 0.5  # the healthy replica's alone
+    scrapes = summary["scrapes"]
+    reason = "out of rotation (health check failed: /health answered 503)"
+    why = f"missing from {scrapes} of {scrapes} samples (last: {reason})"
+    assert summary["replicas_left_out"] == {first.base_url: why}
+    assert f"{first.base_url} {why}" in summary["note"]

@@ -3,6 +3,7 @@ replica, one HELP/TYPE header per family, each family's samples together."""
 
 from __future__ import annotations
 
+from deepserve.engines.metrics import read_left_out
 from deepserve.gateway.engine_metrics import label_sample, merge_exposition
 
 A = """\
@@ -47,3 +48,9 @@ def test_merge_groups_families_across_replicas_with_one_header_each():
 
 def test_no_healthy_replica_is_an_empty_exposition():
     assert merge_exposition({}) == ""
+
+
+def test_the_left_out_comments_read_back_as_written():
+    merged = merge_exposition({"http://a:1/v1": "vllm:x 1\n"}, {"http://b:2/v1": "out of rotation (HTTP 503)"})
+    assert read_left_out(merged) == {"http://b:2/v1": "out of rotation (HTTP 503)"}
+    assert read_left_out("# replica without a mark\nvllm:x 1\n") == {}
