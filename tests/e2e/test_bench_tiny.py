@@ -65,6 +65,7 @@ def test_bench_tiny_model(served_tiny, tmp_path_factory, tmp_path, endpoint):
     server = data["server_metrics"]
     assert server["available"] is True, server["note"]
     assert server["url"] == served_tiny.root_url + "/metrics/engines"  # the gateway's own /metrics has no vllm:
+    assert server["samples_in_run"] >= 1, server
     assert server["peak_running"] >= 1, server
     assert server["peak_kv_cache_usage_perc"] > 0, server  # scraped while the engine held the requests' KV cache
     assert data["tokenizer_source"] == f"local:{tokenizer}"

@@ -90,7 +90,8 @@ class Driver:
         on_in_flight: Callable[[int], None] | None = None,
     ) -> None:
         """BEFORE_RUN: awaited between the warm-ups and the measured run (--profile starts the profiler there).
-        ON_IN_FLIGHT: told the requests in flight each time one is released (the server-metrics sampler)."""
+        ON_IN_FLIGHT: told the requests in flight each time one is released and each time one ends (the
+        server-metrics sampler)."""
         self.plan = plan
         self.before_run = before_run
         self.on_in_flight = on_in_flight
@@ -250,6 +251,8 @@ class Driver:
     def _free_slot(self) -> None:
         self.in_flight -= 1
         self.slot_freed.set()
+        if self.on_in_flight is not None:
+            self.on_in_flight(self.in_flight)
 
     def _keep(self, record: RequestRecord, decoded: DecodedStream) -> None:
         self.outcome.records.append(record)

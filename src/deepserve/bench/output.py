@@ -344,7 +344,8 @@ def _server_rows(server: ServerMetricsSummary, tokens_per_chunk: float | None = 
     if server.note:
         rows.append(server.note)
     if server.sampling:
-        rows.append(f"sampled {server.scrapes} times: {server.sampling}")
+        during = "" if server.samples_in_run is None else f" ({server.samples_in_run} while requests ran)"
+        rows.append(f"sampled {server.scrapes} times{during}: {server.sampling}")
     values = [
         ("Peak running requests:", server.peak_running),
         ("Peak waiting requests:", server.peak_waiting),

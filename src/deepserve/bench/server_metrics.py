@@ -56,6 +56,11 @@ AUTO_MIN_INTERVAL_S = 0.05  # the first samples of a run
 AUTO_MAX_INTERVAL_S = 1.0  # a long run's
 AUTO_SAMPLES_PER_ELAPSED = 20  # interval = elapsed / 20 in between
 ENGINE_TITLES = {"vllm": "vLLM", "sglang": "SGLang"}
+NO_SAMPLE_IN_RUN = (
+    "no sample was taken while requests were in flight (each scrape outlasted the run, or none landed in it): the"
+    " peaks are the server's before and after the run, not during it; a longer run, or --server-metrics-url at the"
+    " engine itself, gives some"
+)
 PEAK_SETTLE_S = 0.02  # after a new high of requests in flight: time for the server to read and schedule them
 
 
@@ -114,6 +119,9 @@ class ServerMetricsSummary:
     url: str | None = None  # where the numbers came from
     engine: str | None = None  # whose metric names the server exports: vllm, sglang
     scrapes: int = 0
+    # samples taken while the client had requests in flight (when it sent and when the answer came); None: not
+    # known (a run driven by several worker processes). Peaks come from these: with none, they are not the run's.
+    samples_in_run: int | None = None
     sampling: str = ""  # when samples were taken
     peak_running: float | None = None
     peak_waiting: float | None = None
@@ -259,6 +267,8 @@ class ServerMetricsScraper:
         self._new_peak = asyncio.Event()
         self._stopping = False
         self._peak_scrapes = 0
+        self._client_now: int | None = None  # None until the driver reports: samples_in_run is then unknown
+        self._samples_in_run = 0
         self._left_out: dict[str, tuple[int, str]] = {}  # replica: (samples that lacked it, the last reason)
 
     async def start(self) -> None:
@@ -269,7 +279,9 @@ class ServerMetricsScraper:
             self._task = asyncio.create_task(self._loop())
 
     def client_in_flight(self, count: int) -> None:
-        """The client's requests in flight (called by the driver as it sends): a new high asks for a sample."""
+        """The client's requests in flight (called by the driver as each is sent and as each ends): a new high asks
+        for a sample."""
+        self._client_now = count
         if count > self._client_peak:
             self._client_peak = count
             self._new_peak.set()
@@ -307,6 +319,7 @@ class ServerMetricsScraper:
         await self._scrape()
 
     async def _scrape(self) -> None:
+        in_flight_before = self._client_now or 0
         try:
             response = await self._client.get(self.url)
         except httpx.HTTPError as exc:
@@ -318,6 +331,8 @@ class ServerMetricsScraper:
                 self._unavailable = f"no metrics endpoint at {self.url} (HTTP {response.status_code})"
             return
         self._record(response.text, self._parse(response.text))
+        if in_flight_before and self._client_now:
+            self._samples_in_run += 1
 
     def _record(self, text: str, sample: dict[str, float]) -> None:
         """Keep SAMPLE (parsed from TEXT), and count the replicas the gateway's TEXT says it lacks."""
@@ -345,6 +360,9 @@ class ServerMetricsScraper:
         summary = summarize_samples(self._samples, self._names)
         summary.url = self.url
         summary.sampling = self._sampling_words()
+        summary.samples_in_run = None if self._client_now is None else self._samples_in_run
+        if summary.samples_in_run == 0:
+            summary.note = _joined(summary.note, NO_SAMPLE_IN_RUN)
         if summary.note:
             summary.note += self._fallback_note
         summary.replicas_left_out = {
@@ -353,7 +371,7 @@ class ServerMetricsScraper:
         }
         if summary.replicas_left_out:
             missing = "; ".join(f"{replica} {why}" for replica, why in summary.replicas_left_out.items())
-            summary.note = f"{summary.note}; {missing}" if summary.note else missing
+            summary.note = _joined(summary.note, missing)
         return summary
 
     def _sampling_words(self) -> str:
@@ -364,6 +382,10 @@ class ServerMetricsScraper:
             f"(at most {AUTO_MAX_INTERVAL_S:g} s)"
         )
         return f"{every}, and {self._peak_scrapes} times at a new high of the client's requests in flight"
+
+
+def _joined(note: str, more: str) -> str:
+    return f"{note}; {more}" if note else more
 
 
 def _fresh_wait_s(url: str) -> float:

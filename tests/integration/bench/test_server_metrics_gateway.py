@@ -202,3 +202,36 @@ def test_a_replica_out_of_rotation_is_named_by_the_gateway_and_in_the_benchs_sum
     why = f"missing from {scrapes} of {scrapes} samples (last: {reason})"
     assert summary["replicas_left_out"] == {first.base_url: why}
     assert f"{first.base_url} {why}" in summary["note"]
+
+
+def test_the_summary_counts_the_samples_taken_while_requests_were_in_flight():
+    """Only a sample taken while the client's requests ran can show their peak: the summary counts them, and says
+    when there was none (a run shorter than one scrape), rather than passing the idle server's values off as the
+    run's peaks."""
+    with simulator_thread() as server:
+        server.control({"metrics_text": vllm_metrics(1, 0, 0.1, 0, 0, 0)})
+        url = server.root_url + "/metrics"
+
+        async def sampled(in_run: bool) -> dict:
+            scraper = ServerMetricsScraper(url, 60.0)  # no timed sample: only the ones this test provokes
+            await scraper.start()  # the baseline, before any request
+            if in_run:
+                scraper.client_in_flight(1)  # a new high: a sample while it runs
+                await asyncio.sleep(0.3)
+            scraper.client_in_flight(0)
+            return (await scraper.stop()).to_json()
+
+        with_one = asyncio.run(sampled(True))
+        without = asyncio.run(sampled(False))
+        never_told = asyncio.run(_summary_without_driver(url))
+    assert (with_one["scrapes"], with_one["samples_in_run"]) == (3, 1)
+    assert "no sample was taken while requests were in flight" not in with_one["note"]
+    assert (without["scrapes"], without["samples_in_run"]) == (2, 0)
+    assert without["note"].startswith("no sample was taken while requests were in flight")
+    assert never_told["samples_in_run"] is None and never_told["note"] == ""  # several workers: not known
+
+
+async def _summary_without_driver(url: str) -> dict:
+    scraper = ServerMetricsScraper(url, 60.0)
+    await scraper.start()
+    return (await scraper.stop()).to_json()
