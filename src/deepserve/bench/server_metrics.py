@@ -360,11 +360,11 @@ class ServerMetricsScraper:
         summary = summarize_samples(self._samples, self._names)
         summary.url = self.url
         summary.sampling = self._sampling_words()
+        if summary.note:  # the URL and the fallback both lack the engine's series
+            summary.note += self._fallback_note
         summary.samples_in_run = None if self._client_now is None else self._samples_in_run
         if summary.samples_in_run == 0:
             summary.note = _joined(summary.note, NO_SAMPLE_IN_RUN)
-        if summary.note:
-            summary.note += self._fallback_note
         summary.replicas_left_out = {
             replica: f"missing from {count} of {len(self._samples)} samples (last: {reason})"
             for replica, (count, reason) in self._left_out.items()

@@ -235,3 +235,20 @@ async def _summary_without_driver(url: str) -> dict:
     scraper = ServerMetricsScraper(url, 60.0)
     await scraper.start()
     return (await scraper.stop()).to_json()
+
+
+def test_a_server_with_no_engine_series_at_either_url_is_named_once_beside_the_other_notes():
+    with simulator_thread() as server:
+        server.control({"metrics_text": "process_open_fds 3.0\n"})
+        fallback = server.root_url + "/metrics/engines"  # the simulator has no such route
+
+        async def sampled() -> dict:
+            scraper = ServerMetricsScraper(server.root_url + "/metrics", 60.0, fallback_url=fallback)
+            await scraper.start()
+            scraper.client_in_flight(0)  # the driver reports; no request ran while a sample was taken
+            return (await scraper.stop()).to_json()
+
+        note = asyncio.run(sampled())["note"]
+    series, _, rest = note.partition(f" (nor has {fallback})")
+    assert series == "the server's /metrics has none of the vLLM series we report"
+    assert rest.startswith("; no sample was taken while requests were in flight")
