@@ -360,19 +360,21 @@ class ServerMetricsScraper:
         summary = summarize_samples(self._samples, self._names)
         summary.url = self.url
         summary.sampling = self._sampling_words()
-        if summary.note:  # the URL and the fallback both lack the engine's series
-            summary.note += self._fallback_note
         summary.samples_in_run = None if self._client_now is None else self._samples_in_run
-        if summary.samples_in_run == 0:
-            summary.note = _joined(summary.note, NO_SAMPLE_IN_RUN)
         summary.replicas_left_out = {
             replica: f"missing from {count} of {len(self._samples)} samples (last: {reason})"
             for replica, (count, reason) in self._left_out.items()
         }
-        if summary.replicas_left_out:
-            missing = "; ".join(f"{replica} {why}" for replica, why in summary.replicas_left_out.items())
-            summary.note = _joined(summary.note, missing)
+        summary.note = self._note(summary)
         return summary
+
+    def _note(self, summary: ServerMetricsSummary) -> str:
+        """SUMMARY's note with what this scraper saw: series missing at the fallback URL too, no sample in the run,
+        replicas the gateway left out."""
+        missing_series = summary.note + self._fallback_note if summary.note else ""
+        no_sample = NO_SAMPLE_IN_RUN if summary.samples_in_run == 0 else ""
+        left_out = [f"{replica} {why}" for replica, why in summary.replicas_left_out.items()]
+        return "; ".join(filter(None, [missing_series, no_sample, *left_out]))
 
     def _sampling_words(self) -> str:
         every = (
@@ -382,10 +384,6 @@ class ServerMetricsScraper:
             f"(at most {AUTO_MAX_INTERVAL_S:g} s)"
         )
         return f"{every}, and {self._peak_scrapes} times at a new high of the client's requests in flight"
-
-
-def _joined(note: str, more: str) -> str:
-    return f"{note}; {more}" if note else more
 
 
 def _fresh_wait_s(url: str) -> float:
