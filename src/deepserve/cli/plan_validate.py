@@ -27,6 +27,9 @@ from deepserve.plan.validate import (
 )
 from deepserve.simulate.forecast import SimulatorForecaster
 
+SHAPE_APART = 1.25  # a forecast and a steady figure further apart than this are worth a look
+SHAPE_GROUPS = ("throughput", "tpot", "e2el")
+
 BREAKDOWNS: dict[str, Callable[[RowResult], str]] = {
     "source": lambda r: r.row.source_id or r.row.source,
     "layout kind": lambda r: r.row.layout_kind,
@@ -108,19 +111,21 @@ def validation_markdown(result: Validation) -> str:
     prediction, then both summaries, as docs quote them."""
     held = result.held_out
     lines = [_score_summary("leave-one-source-out", held), "", _score_summary("in-sample", result.in_sample), ""]
+    lines += [_shape_summary(held), ""]
     for name, key in BREAKDOWNS.items():
         lines += [*_breakdown_markdown(name, held.breakdown(key), held.groups()), ""]
     in_sample = {r.row.number: r for r in result.in_sample.results}
     lines += [
-        "| row | source | setup | published | leave-one-source-out | ratio | in-sample | ratio |",
-        "|---:|---|---|---:|---:|---:|---:|---:|",
+        "| row | source | setup | published | leave-one-source-out | ratio | steady formula | ratio | in-sample "
+        "| ratio |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in held.results:
         own = in_sample.get(r.row.number)
         own_text = f"{own.predicted:,.4g} | {own.ratio:.2f}" if own else "- | -"
         lines.append(
             f"| {r.row.number} | {r.row.source_id} | {r.row.label().split(' ', 1)[1]} | {r.row.value:,.4g} "
-            f"{r.row.unit} | {r.predicted:,.4g} | {r.ratio:.2f} | {own_text} |"
+            f"{r.row.unit} | {r.predicted:,.4g} | {r.ratio:.2f} | {_steady_text(r, ' | ', '- | -')} | {own_text} |"
         )
     return "\n".join(lines)
 
@@ -140,6 +145,7 @@ def print_validation(
     held = result.held_out
     console.print(_score_summary("leave-one-source-out", held), highlight=False)
     console.print(_score_summary("in-sample (fitted on every row)", result.in_sample), highlight=False)
+    console.print(_shape_summary(held), highlight=False)
     for name, key in BREAKDOWNS.items():
         console.print(_breakdown_table(f"leave-one-source-out MAPE by {name}", held.breakdown(key), held.groups()))
     shown = held if all_rows else Score(tuple(held.off_by_more_than_2x))
@@ -177,14 +183,48 @@ def _breakdown_table(title: str, table: dict[str, dict[str, tuple[float, int]]],
 
 def _score_table(title: str, score: Score) -> Table:
     table = Table(title=title)
-    for column in ("row", "setup", "predicted", "published", "ratio"):
+    for column in ("row", "setup", "predicted", "published", "ratio", "steady formula (ratio)"):
         table.add_column(column, justify="left" if column == "setup" else "right")
     for r in score.results:
         label = r.row.label().split(" ", 1)[1]
         table.add_row(
-            str(r.row.number), label, f"{r.predicted:,.2f}", f"{r.row.value:,.2f} {r.row.unit}", f"{r.ratio:.2f}"
+            str(r.row.number),
+            label,
+            f"{r.predicted:,.2f}",
+            f"{r.row.value:,.2f} {r.row.unit}",
+            f"{r.ratio:.2f}",
+            _steady_text(r, " (", "", ")"),
         )
     return table
+
+
+def _shape_summary(score: Score, apart: float = SHAPE_APART) -> str:
+    """The held-out closed loops whose forecast run and steady formula part by more than APART on a rate or a
+    mean latency past the first token: there the run's shape (waves of equal requests, the first burst, the tail)
+    sets the figure. First-token times are left out: beyond one client only the forecast describes them."""
+    if all(r.steady is None for r in score.results):
+        return "closed loops: none was forecast as its run (--steady), so none has a second figure to compare"
+    parted = [r for r in score.results if r.group in SHAPE_GROUPS and _parting(r) > apart]
+    what = f"forecast closed loops whose throughput, TPOT or E2E latency part from the steady formula by > {apart:g}x"
+    if not parted:
+        return f"{what}: none"
+    rows = ", ".join(f"row {r.row.number} ({r.ratio:.2f} forecast, {r.steady_ratio:.2f} steady)" for r in parted)
+    return f"{what}: {rows}"
+
+
+def _parting(r: RowResult) -> float:
+    """How far apart R's forecast and steady figures are (1.0: equal, or no steady figure)."""
+    if r.steady is None:
+        return 1.0
+    return max(r.steady / r.predicted, r.predicted / r.steady)
+
+
+def _steady_text(r: RowResult, between: str, absent: str, after: str = "") -> str:
+    """The steady formula's value and ratio beside a forecast closed loop: where they part, the run's shape (its
+    waves, first burst or tail) sets the figure, not the engine's steady state."""
+    if r.steady is None or r.steady_ratio is None:
+        return absent
+    return f"{r.steady:,.4g}{between}{r.steady_ratio:.2f}{after}"
 
 
 def _score_summary(name: str, score: Score) -> str:

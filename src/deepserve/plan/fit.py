@@ -23,11 +23,13 @@ from deepserve.plan.benchmark import BenchmarkForecaster
 from deepserve.plan.kernels import KernelRates
 from deepserve.plan.perf import PerformanceModel
 from deepserve.plan.profiles import PROFILES_PATH, EngineParameters, SelectedFactors, write_parameters
-from deepserve.plan.published import PublishedRow, load_rows, row_deployment, unpredictable_reason
+from deepserve.plan.published import PublishedRow, benchmark_run, load_rows, row_deployment, unpredictable_reason
 from deepserve.plan.scoring import NeedsForecaster, fits_steady, predict_row
 from deepserve.plan.types import Deployment
 
 MIN_TARGETS_PER_PARAMETER = 2
+# Runs the steady formula describes as well as the forecast: a closed loop, a sweep's best point.
+STEADY_OR_FORECAST = ("closed_loop", "sweep_peak")
 # Starting points per parameter, spanning what engines do (kernels per layer; prefill efficiency; ms; us).
 STARTS: dict[str, tuple[float, ...]] = {
     "kernels_per_layer": (5.0, 30.0, 120.0),
@@ -214,6 +216,16 @@ class RowCase:
     def steady(self) -> bool:
         return fits_steady(self.row)
 
+    def steady_beside_forecast(
+        self, parameters: EngineParameters, forecaster: BenchmarkForecaster | None
+    ) -> float | None:
+        """The steady formula's value for a row that FORECASTER predicts as its finite run (a closed loop of
+        known length): where the two disagree, the run's shape (waves, a first burst, its tail) sets the figure.
+        None for rows without both."""
+        if forecaster is None or self.row.scored_as not in STEADY_OR_FORECAST or benchmark_run(self.row) is None:
+            return None
+        return predict_row(self.row, self.deployment, self.model(parameters), steady=True)
+
 
 def row_cases(
     rows: list[PublishedRow] | None = None, calibration: Path | None = None
@@ -289,6 +301,7 @@ class HeldOut:
     predicted: float | None  # by parameters fitted without the row's source; None when none could be
     parameters: EngineParameters | None
     reason: str = ""
+    steady: float | None = None  # the steady formula's value, where the row was forecast as a finite run
 
     @property
     def ratio(self) -> float:
@@ -330,9 +343,10 @@ def leave_one_source_out(
 
 def _held(case: RowCase, parameters: EngineParameters, forecaster: BenchmarkForecaster | None) -> HeldOut:
     try:
-        return HeldOut(case.row, case.predict(parameters, forecaster), parameters)
+        predicted = case.predict(parameters, forecaster)
     except NeedsForecaster:
         return HeldOut(case.row, None, parameters, "a finite run: predicted only through the simulator's forecast")
+    return HeldOut(case.row, predicted, parameters, steady=case.steady_beside_forecast(parameters, forecaster))
 
 
 def fit_to_json(fit: ProfileFit, cases: list[RowCase]) -> dict[str, Any]:

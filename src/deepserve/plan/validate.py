@@ -37,10 +37,15 @@ class RowResult:
     provenance: str  # "leave-one-source-out", "in-sample", "carried-over kernel figures"
     vendor: str = "nvidia"
     attention: str = "mla"  # the model's attention kind (ModelSpec.attention_kind): its generation
+    steady: float | None = None  # the steady formula's value beside a forecast closed loop (not scored)
 
     @property
     def ratio(self) -> float:
         return self.predicted / self.row.value
+
+    @property
+    def steady_ratio(self) -> float | None:
+        return None if self.steady is None else self.steady / self.row.value
 
     @property
     def abs_pct_error(self) -> float:
@@ -183,7 +188,14 @@ def _row_json(r: RowResult) -> dict[str, object]:
         "ratio": round(r.ratio, 3),
         "profile": r.profile,
         "provenance": r.provenance,
+        **_steady_json(r),
     }
+
+
+def _steady_json(r: RowResult) -> dict[str, float]:
+    if r.steady is None or r.steady_ratio is None:
+        return {}
+    return {"steady_predicted": round(r.steady, 2), "steady_ratio": round(r.steady_ratio, 3)}
 
 
 def _skipped_json(skipped: Skipped) -> dict[str, object]:
@@ -238,7 +250,13 @@ def _held_result(held: HeldOut, cases: list[RowCase]) -> RowResult:
     d = case.deployment
     provenance = "leave-one-source-out"
     return RowResult(
-        held.row, held.predicted, case.engine.profile, provenance, d.accelerator.vendor, d.spec.attention_kind
+        held.row,
+        held.predicted,
+        case.engine.profile,
+        provenance,
+        d.accelerator.vendor,
+        d.spec.attention_kind,
+        held.steady,
     )
 
 

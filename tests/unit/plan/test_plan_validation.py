@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from deepserve.cli.plan_validate import _shape_summary, validation_markdown
 from deepserve.errors import ConfigError
 from deepserve.plan.benchmark import BenchmarkRun
 from deepserve.plan.fit import fit_profiles, leave_one_source_out, row_cases
@@ -369,3 +370,23 @@ def test_cpu_profile_is_what_its_stored_measurements_fit(monkeypatch: pytest.Mon
 def test_off_by_more_than_2x_is_counted_on_every_row(validation) -> None:
     off = validation.held_out.off_by_more_than_2x
     assert all(not 1 / MAX_RATIO <= r.ratio <= MAX_RATIO for r in off)
+
+
+def test_a_forecast_closed_loop_shows_the_steady_formula_beside_it_and_where_they_part(validation) -> None:
+    """`plan validate` puts the steady figure next to a closed loop it forecast; the summary names the rates and
+    latencies past the first token where the two part by more than 1.25x (not first-token times, which only the
+    forecast describes beyond one client)."""
+    by_group = {r.group: r for r in validation.held_out.results if r.row.scored_as == "closed_loop"}
+    throughput, ttft, tpot = by_group["throughput"], by_group["ttft"], by_group["tpot"]
+    parted = replace(throughput, steady=throughput.predicted * 1.5)
+    first_token = replace(ttft, steady=ttft.predicted * 3)
+    close = replace(tpot, steady=tpot.predicted * 1.2)
+    summary = _shape_summary(Score((parted, first_token, close)))
+    assert f"row {parted.row.number} ({parted.ratio:.2f} forecast, {parted.steady_ratio:.2f} steady)" in summary
+    assert f"row {first_token.row.number} " not in summary and f"row {close.row.number} " not in summary
+    assert parted.steady_ratio == pytest.approx(1.5 * parted.ratio)
+    assert _shape_summary(Score((close,))).endswith(": none")
+    assert "none was forecast" in _shape_summary(validation.held_out)  # the steady-only validation
+    assert validation.to_json()["leave_one_source_out"]["rows"][0].keys().isdisjoint({"steady_predicted"})
+    text = validation_markdown(replace(validation, held_out=Score((parted, close))))
+    assert f"| {parted.steady:,.4g} | {parted.steady_ratio:.2f} |" in text
