@@ -61,6 +61,12 @@ NO_SAMPLE_IN_RUN = (
     " peaks are the server's before and after the run, not during it; a longer run, or --server-metrics-url at the"
     " engine itself, gives some"
 )
+ENGINE_IDLE_IN_EVERY_SAMPLE = (
+    "the engine reported no request running or waiting in any sample, though some were taken while requests were"
+    " in flight: its metrics endpoint answered only between its bursts of work (on a machine short of CPU, vLLM's"
+    " API server gets it when the engine idles), or it had finished each request before the client got the answer;"
+    " the peaks are not the run's"
+)
 PEAK_SETTLE_S = 0.02  # after a new high of requests in flight: time for the server to read and schedule them
 
 
@@ -369,12 +375,18 @@ class ServerMetricsScraper:
         return summary
 
     def _note(self, summary: ServerMetricsSummary) -> str:
-        """SUMMARY's note with what this scraper saw: series missing at the fallback URL too, no sample in the run,
-        replicas the gateway left out."""
+        """SUMMARY's note with what this scraper saw: series missing at the fallback URL too, no sample in the run
+        or only samples of an idle engine, replicas the gateway left out."""
         missing_series = summary.note + self._fallback_note if summary.note else ""
         no_sample = NO_SAMPLE_IN_RUN if summary.samples_in_run == 0 else ""
+        idle = ENGINE_IDLE_IN_EVERY_SAMPLE if self._saw_only_an_idle_engine(summary) else ""
         left_out = [f"{replica} {why}" for replica, why in summary.replicas_left_out.items()]
-        return "; ".join(filter(None, [missing_series, no_sample, *left_out]))
+        return "; ".join(filter(None, [missing_series, no_sample, idle, *left_out]))
+
+    def _saw_only_an_idle_engine(self, summary: ServerMetricsSummary) -> bool:
+        """Samples taken while the client's requests were in flight, all showing an engine with nothing running or
+        waiting: the engine did work that no sample caught (its peaks of 0 would be taken for the run's)."""
+        return bool(summary.samples_in_run) and summary.peak_running == 0 and not summary.peak_waiting
 
     def _sampling_words(self) -> str:
         every = (

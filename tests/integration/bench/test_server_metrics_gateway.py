@@ -231,6 +231,29 @@ def test_the_summary_counts_the_samples_taken_while_requests_were_in_flight():
     assert never_told["samples_in_run"] is None and never_told["note"] == ""  # several workers: not known
 
 
+def test_samples_in_the_run_that_all_found_the_engine_idle_are_named_not_passed_off_as_peaks():
+    """On a machine short of CPU, vLLM's API server may answer /metrics only while its engine idles: samples taken
+    while the client's requests were in flight then all show nothing running. The summary says so; one sample with
+    a request running is enough for the peaks to stand."""
+    with simulator_thread() as server:
+        url = server.root_url + "/metrics"
+
+        async def in_run(running: int) -> dict:
+            server.control({"metrics_text": vllm_metrics(running, 0, 0.1 * running, 0, 0, 0)})
+            scraper = ServerMetricsScraper(url, 60.0)
+            await scraper.start()
+            scraper.client_in_flight(2)
+            await asyncio.sleep(0.3)
+            scraper.client_in_flight(0)
+            return (await scraper.stop()).to_json()
+
+        idle = asyncio.run(in_run(0))
+        busy = asyncio.run(in_run(2))
+    assert idle["samples_in_run"] == 1 and idle["peak_running"] == 0
+    assert idle["note"].startswith("the engine reported no request running or waiting in any sample")
+    assert busy["samples_in_run"] == 1 and busy["peak_running"] == 2 and busy["note"] == ""
+
+
 async def _summary_without_driver(url: str) -> dict:
     scraper = ServerMetricsScraper(url, 60.0)
     await scraper.start()
