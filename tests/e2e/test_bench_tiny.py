@@ -67,22 +67,16 @@ def test_bench_tiny_model(served_tiny, tmp_path_factory, tmp_path, endpoint):
     assert server["available"] is True, server["note"]
     assert server["url"] == served_tiny.root_url + "/metrics/engines"  # the gateway's own /metrics has no vllm:
     assert server["prefix_cache_queries"] >= PROMPTS * 32 * 0.9, server  # the engine's counters grew by the run
-    _assert_true_peaks_or_said_why_not(server)
+    _assert_true_peaks(server)
     assert data["tokenizer_source"] == f"local:{tokenizer}"
 
 
-def _assert_true_peaks_or_said_why_not(server: dict) -> None:
-    """Peaks from samples that caught the engine at work; or, where none did, a note that says so. On these two
-    cores vLLM's API server may answer /metrics only between its engine's bursts of work, where nothing runs:
-    measured under this test harness, 4-8 scrapes in a run, answered at request boundaries, with or without busy
-    loops beside it (13-45 scrapes, peaks of 2, for the same workload outside pytest; docs/METRICS.md). The bench must
-    then say its peaks are not the run's, never report them as if they were."""
-    note = server["note"]
-    if NO_SAMPLE_IN_RUN in note:
-        assert server["samples_in_run"] == 0, server
-    elif ENGINE_IDLE_IN_EVERY_SAMPLE in note:
-        assert server["samples_in_run"] >= 1 and server["peak_running"] == 0, server
-    else:
-        assert server["samples_in_run"] >= 1, server
-        assert server["peak_running"] >= 1, server
-        assert server["peak_kv_cache_usage_perc"] > 0, server  # scraped while the engine held the requests' KV cache
+def _assert_true_peaks(server: dict) -> None:
+    """Peaks from samples that caught the engine at work. Before the supervisor kept the engine and gateway in the
+    caller's session, each had a scheduling group of its own (the kernel's autogroup): the test's mostly idle group got
+    a core only between the engine's waves, 4-8 scrapes a run landed at request boundaries and the peaks were 0.
+    Since, 86-131 scrapes with peaks of 2, with two busy loops beside it too (docs/METRICS.md)."""
+    assert NO_SAMPLE_IN_RUN not in server["note"] and ENGINE_IDLE_IN_EVERY_SAMPLE not in server["note"], server
+    assert server["samples_in_run"] >= 10, server
+    assert server["peak_running"] >= 1, server
+    assert server["peak_kv_cache_usage_perc"] > 0, server  # scraped while the engine held the requests' KV cache

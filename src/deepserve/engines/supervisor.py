@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from deepserve._compat import own_process_group
 from deepserve.engines.base import LaunchSpec
 from deepserve.errors import EngineError
 
@@ -61,7 +62,7 @@ class SupervisedProcess:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: a terminal's Ctrl-C reaches us, and we stop it
+            **own_process_group(),  # a terminal's Ctrl-C reaches us, and we stop it
         )
         self._reader = threading.Thread(target=self._pump_log, name=f"{self.name}-log", daemon=True)
         self._reader.start()
