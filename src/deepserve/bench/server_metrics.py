@@ -63,10 +63,13 @@ NO_SAMPLE_IN_RUN = (
 )
 ENGINE_IDLE_IN_EVERY_SAMPLE = (
     "the engine reported no request running or waiting in any sample, though some were taken while requests were"
-    " in flight: its metrics endpoint answered only between its bursts of work (on a machine short of CPU, vLLM's"
-    " API server gets it when the engine idles), or it had finished each request before the client got the answer;"
-    " the peaks are not the run's"
+    " in flight: the samples landed only between the engine's bursts of work (on a machine short of CPU, this client"
+    " or the server's API process got a core only while the engine idled), or the engine had finished each request"
+    " before the client got the answer; the peaks are not the run's"
 )
+# a client that waited this share of the run for a CPU, and at least this long, is named in the note
+CLIENT_WAIT_NOTE_SHARE = 0.1
+CLIENT_WAIT_NOTE_MIN_S = 0.5
 PEAK_SETTLE_S = 0.02  # after a new high of requests in flight: time for the server to read and schedule them
 
 
@@ -137,6 +140,9 @@ class ServerMetricsSummary:
     prefix_cache_hit_rate: float | None = None
     preemptions: float | None = None
     spec_decode: SpecDecodeSummary | None = None  # None: the engine reported no speculative decoding
+    # seconds this client's event loop was runnable but waiting for a CPU between the first and last sample (Linux's
+    # run-queue wait); None where the kernel does not say
+    client_cpu_wait_s: float | None = None
     # behind the gateway: replicas some samples lacked, each with how many and the last reason the gateway gave
     replicas_left_out: dict[str, str] = field(default_factory=dict)
     samples: list[dict[str, float]] = field(default_factory=list, repr=False)
@@ -276,8 +282,10 @@ class ServerMetricsScraper:
         self._client_now: int | None = None  # None until the driver reports: samples_in_run is then unknown
         self._samples_in_run = 0
         self._left_out: dict[str, tuple[int, str]] = {}  # replica: (samples that lacked it, the last reason)
+        self._started = (time.monotonic(), run_queue_wait_s())
 
     async def start(self) -> None:
+        self._started = (time.monotonic(), run_queue_wait_s())
         await self._scrape_fresh()  # the baseline for counters
         if self.fallback_url and not any(self._samples[-1:]):
             await self._try_fallback()
@@ -367,6 +375,7 @@ class ServerMetricsScraper:
         summary.url = self.url
         summary.sampling = self._sampling_words()
         summary.samples_in_run = None if self._client_now is None else self._samples_in_run
+        summary.client_cpu_wait_s = self._client_wait_s()
         summary.replicas_left_out = {
             replica: f"missing from {count} of {len(self._samples)} samples (last: {reason})"
             for replica, (count, reason) in self._left_out.items()
@@ -381,7 +390,24 @@ class ServerMetricsScraper:
         no_sample = NO_SAMPLE_IN_RUN if summary.samples_in_run == 0 else ""
         idle = ENGINE_IDLE_IN_EVERY_SAMPLE if self._saw_only_an_idle_engine(summary) else ""
         left_out = [f"{replica} {why}" for replica, why in summary.replicas_left_out.items()]
-        return "; ".join(filter(None, [missing_series, no_sample, idle, *left_out]))
+        return "; ".join(filter(None, [missing_series, no_sample, idle, self._client_wait_note(summary), *left_out]))
+
+    def _client_wait_s(self) -> float | None:
+        now = run_queue_wait_s()
+        return None if now is None or self._started[1] is None else now - self._started[1]
+
+    def _client_wait_note(self, summary: ServerMetricsSummary) -> str:
+        """Words for a client that spent a good share of the run waiting for a CPU: its samples, and its requests'
+        send times, fell where it got one."""
+        waited_s, elapsed_s = summary.client_cpu_wait_s, time.monotonic() - self._started[0]
+        if waited_s is None or waited_s < max(CLIENT_WAIT_NOTE_MIN_S, CLIENT_WAIT_NOTE_SHARE * elapsed_s):
+            return ""
+        return (
+            f"this client waited {waited_s:.1f} s of {elapsed_s:.1f} s for a CPU, so its samples and its requests'"
+            " send times fell where it got one: the machine is short of CPU for it beside the server (where the kernel"
+            " groups processes by session, a bench started from another terminal than the server gets a share of its"
+            " own and may wait like this; start both from one shell, or the bench on another machine)"
+        )
 
     def _saw_only_an_idle_engine(self, summary: ServerMetricsSummary) -> bool:
         """Samples taken while the client's requests were in flight, all showing an engine with nothing running or
@@ -396,6 +422,15 @@ class ServerMetricsScraper:
             f"(at most {AUTO_MAX_INTERVAL_S:g} s)"
         )
         return f"{every}, and {self._peak_scrapes} times at a new high of the client's requests in flight"
+
+
+def run_queue_wait_s() -> float | None:
+    """Seconds the calling thread has spent runnable but not running (Linux's schedstat); None elsewhere."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _fresh_wait_s(url: str) -> float:

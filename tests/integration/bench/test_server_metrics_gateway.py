@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deepserve.bench import server_metrics
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.output import console_block
 from deepserve.bench.runner import run_benchmark
@@ -254,9 +258,55 @@ def test_samples_in_the_run_that_all_found_the_engine_idle_are_named_not_passed_
     assert busy["samples_in_run"] == 1 and busy["peak_running"] == 2 and busy["note"] == ""
 
 
-async def _summary_without_driver(url: str) -> dict:
+def test_a_client_that_waited_for_a_cpu_says_how_long(monkeypatch: pytest.MonkeyPatch):
+    """The client's own run-queue wait over the run is in the summary; where it is a good share of the run, the note
+    says the samples (and the send times) fell where the client got a CPU. The kernel's figures are replaced here so
+    that the test does not depend on the machine's load; the reading itself is tested below."""
+    waits = iter([0.0, 0.0, 0.65])  # the scraper's creation, its start, its stop
+
+    monkeypatch.setattr(server_metrics, "run_queue_wait_s", lambda: next(waits))
+    with simulator_thread() as server:
+        server.control({"metrics_text": vllm_metrics(1, 0, 0.1, 0, 0, 0)})
+        starved = asyncio.run(_summary_without_driver(server.root_url + "/metrics", in_run_s=0.8))
+        waits = iter([1.0, 1.0, 1.4])  # under half a second: not worth a note
+        served = asyncio.run(_summary_without_driver(server.root_url + "/metrics", in_run_s=0.3))
+    assert starved["client_cpu_wait_s"] == pytest.approx(0.65)
+    assert "this client waited 0.7 s of " in starved["note"] and "for a CPU" in starved["note"]
+    assert served["client_cpu_wait_s"] == pytest.approx(0.4) and served["note"] == ""
+
+
+def test_the_run_queue_wait_is_the_calling_threads_own():
+    """A thread that shares its only CPU with a busy process waits for it; the reading grows by that wait."""
+    cpu = min(os.sched_getaffinity(0))
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    grown: list[float] = []
+
+    def spin_beside_it() -> None:
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        before = server_metrics.run_queue_wait_s()
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:
+            pass
+        after = server_metrics.run_queue_wait_s()
+        assert before is not None and after is not None
+        grown.append(after - before)
+
+    try:
+        os.sched_setaffinity(busy.pid, {cpu})
+        time.sleep(0.2)  # the busy loop is running
+        thread = threading.Thread(target=spin_beside_it)
+        thread.start()
+        thread.join()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert grown and grown[0] > 0.1  # about half of the 0.6 s
+
+
+async def _summary_without_driver(url: str, in_run_s: float = 0.0) -> dict:
     scraper = ServerMetricsScraper(url, 60.0)
     await scraper.start()
+    await asyncio.sleep(in_run_s)
     return (await scraper.stop()).to_json()
 
 
