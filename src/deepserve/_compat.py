@@ -129,10 +129,11 @@ def _close(loop: asyncio.AbstractEventLoop) -> None:
 def own_process_group() -> dict[str, Any]:
     """Popen's keywords for a child in its own process group (a terminal's Ctrl-C does not reach it; its group can be
     signalled whole) but in the caller's session. A new session would do the first two too, but where the kernel
-    groups tasks by session for scheduling (autogroup, the default on desktop and many server kernels), it is also a
-    new scheduling group with a whole CPU share of its own: the engine's busy workers then starve a mostly idle
-    client in the caller's group for up to a second at a time (measured on Linux 6.18, 2 cores: a benchmark's 10 ms
-    sleep took 0.9-2.0 s while vLLM ran a wave, with no such delay once everything shared one group)."""
+    groups tasks by session for scheduling (autogroup: on in many distributions' kernels, and on the machine
+    measured), it is also a new scheduling group with a whole CPU share of its own: the engine's busy workers then
+    starve a mostly idle client in the caller's group for up to a second at a time (measured on Linux 6.18, 2 cores:
+    a benchmark's 10 ms sleep took 0.9-2.0 s while vLLM ran a wave, with no such delay once everything shared one
+    group)."""
     if sys.version_info >= (3, 11):
         return {"process_group": 0}
     return {"start_new_session": True}  # pragma: no cover - 3.10's Popen has no process_group
