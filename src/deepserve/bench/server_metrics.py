@@ -397,14 +397,14 @@ class ServerMetricsScraper:
         return None if now is None or self._started[1] is None else now - self._started[1]
 
     def _client_wait_note(self, summary: ServerMetricsSummary) -> str:
-        """Words for a client that spent a good share of the run waiting for a CPU: its samples, and its requests'
-        send times, fell where it got one."""
+        """Words for a client that spent a good share of the run waiting for a CPU."""
         waited_s, elapsed_s = summary.client_cpu_wait_s, time.monotonic() - self._started[0]
         if waited_s is None or waited_s < max(CLIENT_WAIT_NOTE_MIN_S, CLIENT_WAIT_NOTE_SHARE * elapsed_s):
             return ""
         return (
-            f"this client waited {waited_s:.1f} s of {elapsed_s:.1f} s for a CPU, so its samples and its requests'"
-            " send times fell where it got one: the machine is short of CPU for it beside the server (where the kernel"
+            f"this client waited {waited_s:.1f} s of {elapsed_s:.1f} s for a CPU, so its samples, its requests' send"
+            " times and its reads fell where it got one (tokens read together share one arrival time: ITLs of 0,"
+            " answers in one write): the machine is short of CPU for it beside the server (where the kernel"
             " groups processes by session, a bench started from another terminal than the server gets a share of its"
             " own and may wait like this; start both from one shell, or the bench on another machine)"
         )
