@@ -282,7 +282,7 @@ class ServerMetricsScraper:
         self._client_now: int | None = None  # None until the driver reports: samples_in_run is then unknown
         self._samples_in_run = 0
         self._left_out: dict[str, tuple[int, str]] = {}  # replica: (samples that lacked it, the last reason)
-        self._started = (time.monotonic(), run_queue_wait_s())
+        self._started: tuple[float, float | None] = (time.monotonic(), None)  # start() reads the run-queue wait
 
     async def start(self) -> None:
         self._started = (time.monotonic(), run_queue_wait_s())

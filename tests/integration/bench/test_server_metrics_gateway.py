@@ -262,13 +262,13 @@ def test_a_client_that_waited_for_a_cpu_says_how_long(monkeypatch: pytest.Monkey
     """The client's own run-queue wait over the run is in the summary; where it is a good share of the run, the note
     says the samples (and the send times) fell where the client got a CPU. The kernel's figures are replaced here so
     that the test does not depend on the machine's load; the reading itself is tested below."""
-    waits = iter([0.0, 0.0, 0.65])  # the scraper's creation, its start, its stop
+    waits = iter([0.0, 0.65])  # the scraper's start, its stop
 
     monkeypatch.setattr(server_metrics, "run_queue_wait_s", lambda: next(waits))
     with simulator_thread() as server:
         server.control({"metrics_text": vllm_metrics(1, 0, 0.1, 0, 0, 0)})
         starved = asyncio.run(_summary_without_driver(server.root_url + "/metrics", in_run_s=0.8))
-        waits = iter([1.0, 1.0, 1.4])  # under half a second: not worth a note
+        waits = iter([1.0, 1.4])  # under half a second: not worth a note
         served = asyncio.run(_summary_without_driver(server.root_url + "/metrics", in_run_s=0.3))
     assert starved["client_cpu_wait_s"] == pytest.approx(0.65)
     assert "this client waited 0.7 s of " in starved["note"] and "for a CPU" in starved["note"]
