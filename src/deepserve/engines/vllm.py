@@ -25,6 +25,7 @@ from deepserve.engines.platform import ROCM, gpu_platform, vllm_rocm_env
 from deepserve.engines.speculative import vllm_speculative_json
 from deepserve.engines.topology import nodes_share_this_host
 from deepserve.errors import ConfigError, unknown_name
+from deepserve.hardware.catalog import HOST_AMX_ARCHITECTURE, Accelerator
 from deepserve.models.chat_format import ChatFormat, model_chat_format
 
 GIB = 1024**3
@@ -36,8 +37,11 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 LARGE_GPU_GIB = 70  # from this much memory per GPU (the A100 excepted) vLLM batches more by default
 LARGE_GPU_BATCH_LIMITS = (1024, 8192)  # (max_num_seqs, max_num_batched_tokens)
 SMALL_GPU_BATCH_LIMITS = (256, 2048)
+CPU_BATCH_LIMITS = (128, 2048)  # the CPU build's own defaults for its API server
 MLA_BLOCK_SIZE = 64  # vLLM's MLA backends on Hopper (FlashMLA) need 64-token blocks
 DEFAULT_BLOCK_SIZE = 16
+CPU_MLA_BLOCK_SIZE = 16  # the CPU build's reference MLA decode kernel compiles for 16 only
+CPU_BLOCK_SIZE = 128
 # On CPU, vLLM checks --gpu-memory-utilization x RAM against free memory at start on every node; nodes sharing one
 # host (a loopback test) must split it.
 CPU_SHARED_HOST_MEMORY_FRACTION = 0.8
@@ -138,19 +142,27 @@ class VllmEngine:
         return refused + gpu_only_flags(config)
 
 
-def default_batch_limits(gpu_memory_gib: float, gpu_name: str) -> tuple[int, int]:
-    """vLLM's default (max_num_seqs, max_num_batched_tokens) on a GPU of GPU_MEMORY_GIB named GPU_NAME."""
-    large = gpu_memory_gib >= LARGE_GPU_GIB and "a100" not in gpu_name.lower()
+def default_batch_limits(accelerator: Accelerator) -> tuple[int, int]:
+    """vLLM's default (max_num_seqs, max_num_batched_tokens) for its API server on ACCELERATOR: its CPU build's own
+    (vllm/engine/arg_utils.py, 0.32), else by the GPU's memory."""
+    if accelerator.hardware_class == "cpu":
+        return CPU_BATCH_LIMITS
+    large = accelerator.memory_gib >= LARGE_GPU_GIB and "a100" not in accelerator.name.lower()
     return LARGE_GPU_BATCH_LIMITS if large else SMALL_GPU_BATCH_LIMITS
 
 
-def cpu_runs_prompts_whole(hardware_class: str, is_mla: bool) -> bool:
+def cpu_runs_prompts_whole(accelerator: Accelerator, is_mla: bool) -> bool:
     """vLLM's CPU platform turns chunked prefill and prefix caching off for MLA models and raises the token budget
-    to max(max_model_len, 2048), so that a prompt is prefilled whole in one step (vllm/platforms/cpu.py, 0.32)."""
-    return hardware_class == "cpu" and is_mla
+    to max(max_model_len, 2048), so that a prompt is prefilled whole in one step, except on an x86 CPU with AMX
+    tiles, whose AMX MLA kernels prefill in chunks and keep the prefix cache (vllm/platforms/cpu.py, 0.32)."""
+    return accelerator.hardware_class == "cpu" and is_mla and accelerator.architecture != HOST_AMX_ARCHITECTURE
 
 
-def default_block_size(is_mla: bool) -> int:
+def default_block_size(is_mla: bool, accelerator: Accelerator | None = None) -> int:
+    """vLLM's KV block size when none is given: on its CPU build 16 for the reference MLA kernels and 128 otherwise
+    (vllm/platforms/cpu.py, 0.32); on GPUs 64 for MLA (FlashMLA's) and 16 otherwise."""
+    if accelerator is not None and accelerator.hardware_class == "cpu":
+        return CPU_MLA_BLOCK_SIZE if cpu_runs_prompts_whole(accelerator, is_mla) else CPU_BLOCK_SIZE
     return MLA_BLOCK_SIZE if is_mla else DEFAULT_BLOCK_SIZE
 
 

@@ -57,6 +57,7 @@ class Accelerator:
     # Work kinds whose rate was measured on this very device, as a fraction of dense_tflops (the host's attention,
     # hardware/host.py); they replace the kernel table's figures for the device's class.
     measured_compute_efficiency: tuple[tuple[str, float], ...] = ()
+    measured_memory_efficiency: tuple[tuple[str, float], ...] = ()  # (kind, fraction of memory_bandwidth_gb_s)
     architecture: str = ""  # sm80, sm90, sm100, sm103, sm120, gfx942, gfx950: decides native weight formats
     devices_per_host: int = 0  # GPUs one machine holds, where the scale-up domain spans several (NVL72: 4)
 
@@ -133,6 +134,12 @@ def host_accelerator(measurement: HostMeasurement | None = None) -> Accelerator:
     m = measurement or measured_host()
     gemm = m.engine_gflops
     attention = (("mla_prefill", round(m.attention_gflops / gemm, 3)),) if m.attention_gflops and m.bf16_gflops else ()
+    decode_compute = (("mla_decode", round(m.decode_attention_gflops / gemm, 3)),) if m.decode_attention_gflops else ()
+    decode_memory = (
+        (("mla_decode", round(m.decode_attention_gb_s / m.memory_bandwidth_gb_s, 3)),)
+        if m.decode_attention_gb_s
+        else ()
+    )
     return Accelerator(
         name="host",
         vendor="host",
@@ -147,13 +154,33 @@ def host_accelerator(measurement: HostMeasurement | None = None) -> Accelerator:
             f"{m.engine_threads} thread(s) vLLM's CPU worker gets: copy bandwidth "
             f"{m.memory_bandwidth_gb_s} GB/s, {gemm} GFLOP/s for a bf16 model "
             f"({'PyTorch bf16 linear' if m.bf16_gflops else 'fp32 BLAS: no torch'})"
-            + (f", {m.attention_gflops} GFLOP/s for prompt attention (PyTorch SDPA)" if attention else "")
+            + (
+                f", {m.attention_gflops} GFLOP/s for prompt attention ({_kernel_name(m.attention_kernel)})"
+                if attention
+                else ""
+            )
+            + (
+                f", vLLM's AMX MLA decode kernel at {m.decode_attention_gb_s} GB/s of cache (4 heads) and "
+                f"{m.decode_attention_gflops} GFLOP/s (128 heads)"
+                if decode_memory
+                else ""
+            )
             + " (hardware/host.py)",
         ),
         aliases=HOST_NAMES[1:],
         notes="this machine, measured; vLLM's CPU build",
-        measured_compute_efficiency=attention,
+        measured_compute_efficiency=attention + decode_compute,
+        measured_memory_efficiency=decode_memory,
+        architecture=HOST_AMX_ARCHITECTURE if m.amx else "",
     )
+
+
+HOST_AMX_ARCHITECTURE = "x86-amx"  # vLLM's CPU build runs MLA with its AMX kernels here (engines/vllm.py)
+_ATTENTION_KERNELS = {"sdpa": "PyTorch SDPA", "amx_mla": "vLLM's AMX MLA kernel"}
+
+
+def _kernel_name(kernel: str) -> str:
+    return _ATTENTION_KERNELS.get(kernel, kernel)
 
 
 def get_accelerator(name: str) -> Accelerator:

@@ -18,12 +18,27 @@ change, and the planner priced prompts at half their cost (docs/PLANNING.md sect
   vLLM's CPU build. NumPy's fp32 BLAS rate on every core is recorded beside it for the reader, and stands in where
   torch is not installed. Measured on a 2-core AVX2 machine: 15 GFLOP/s for the bf16 linear on one thread against
   53-166 for NumPy's fp32 (square bf16 `a @ b` ran at 2).
-- Attention rate: PyTorch's causal scaled-dot-product attention in bf16 at DeepSeek's per-head sizes (query and key
-  192, value 128; 8 heads of a 512-token prompt) on the engine's threads: vLLM's CPU MLA backend prefills with that
-  call (vllm/v1/attention/backends/mla/cpu_mla.py). Causal FLOPs count half the score matrix. Measured on the 2-core
-  machine: 19-26 GFLOP/s on one thread, up to 1.7 times the linear's; charged at the linear's rate, a 512-token
-  prompt of the tiny model was predicted about 30 ms slower than its attention runs.
-- Whether the CPU has bf16 units (AVX512-BF16 or AMX), recorded for the reader.
+- Attention rate: a causal prompt of 512 tokens and 8 heads at DeepSeek's per-head sizes, on the engine's threads,
+  through the kernel vLLM's CPU build prefills MLA with, counted in the planner's FLOPs (the decompressed form:
+  query and key 192, value 128 per head and position; causal FLOPs count half the score matrix):
+  - on an x86 CPU with AMX tiles, vLLM 0.32 picks its AMX_MLA backend (vllm/platforms/cpu.py), which attends in the
+    latent space (512 + 64 per position, one key shared by the heads) with its `extend_attention_cpu` kernel; we
+    time that kernel where vLLM is installed. Measured on a 2-core Xeon with AMX: 110 GFLOP/s in the planner's count
+    against 23 for PyTorch's SDPA on the same thread, so the SDPA figure priced a 512-token prompt of the tiny model
+    about 50 ms too slow;
+  - elsewhere vLLM's reference CPU MLA backend prefills with PyTorch's scaled-dot-product attention
+    (vllm/v1/attention/backends/mla/cpu_mla.py), which we time. Measured on a 2-core AMD machine without bf16 units:
+    19-26 GFLOP/s on one thread, up to 1.7 times the linear's; charged at the linear's rate, a 512-token prompt of
+    the tiny model was predicted about 30 ms slower than its attention runs.
+- Decode attention, on an x86 CPU with AMX tiles where vLLM is installed: its AMX MLA decode kernel
+  (`decode_attention_cpu`) over 64 sequences of 512 cached positions, twice. With 4 query heads (the tiny
+  models') the kernel is bound by the positions it walks, not by FLOPs: recorded as the cache bytes it reads per
+  second (3-7 GB/s on the 2-core Xeon against 20-24 for a plain copy). With 128 heads (DeepSeek's) it is bound by
+  FLOPs: recorded in the planner's absorbed count ((512 + 64) + 512 per head and position), 120-200 GFLOP/s there.
+  The planner charges a decode step the larger of the two (plan/kernels.py); charged at the copy bandwidth, a step
+  of 64 sequences of the tiny model at 576 positions was priced at 9 ms where the kernel took 33.
+- Whether the CPU has bf16 units (AVX512-BF16 or AMX) and AMX tiles: the latter decide vLLM's MLA backend, and with
+  it whether prompts are chunked (engines/vllm.py, `cpu_runs_prompts_whole`).
 """
 
 from __future__ import annotations
@@ -50,8 +65,10 @@ MATMUL_SIZE = 1024
 BF16_LINEAR_SHAPE = (512, 512, 1024)  # tokens, in features, out features: a prefill chunk through a projection
 PREFILL_ATTENTION_SHAPE = (8, 512, 192, 128)  # heads, prompt tokens, query/key and value sizes per head (DeepSeek's)
 REPEATS = 5
-FORMAT = "deepserve-host/4"
+FORMAT = "deepserve-host/5"
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+AMX_CPU_FLAG = "amx_tile"
+LATENT_SIZES = (512, 64)  # MLA's compressed KV per position: kv_lora_rank, qk_rope_head_dim (DeepSeek V2/V3)
 VLLM_RESERVED_CORES_PER_WORKER = 1  # vLLM keeps a core per local CPU worker for its scheduler (x86, Arm)
 
 
@@ -66,7 +83,11 @@ class HostMeasurement:
     measured_at: str
     native_bf16: bool | None = None  # the CPU has bf16 units (AVX512-BF16 or AMX); None when unknown
     engine_threads: int = 1  # the threads vLLM's CPU worker computes on (engine_threads())
-    attention_gflops: float | None = None  # PyTorch's causal bf16 attention on a prompt, engine's threads
+    attention_gflops: float | None = None  # causal bf16 prompt attention on the engine's threads (planner's FLOPs)
+    decode_attention_gb_s: float | None = None  # vLLM's AMX MLA decode kernel at 4 heads: cache bytes read per second
+    decode_attention_gflops: float | None = None  # the same kernel at 128 heads, in the planner's (absorbed) FLOPs
+    amx: bool | None = None  # x86 AMX tiles: vLLM's CPU build then runs MLA with its AMX kernels; None when unknown
+    attention_kernel: str = "sdpa"  # what attention_gflops timed: "sdpa" (PyTorch) or "amx_mla" (vLLM's kernel)
     format: str = FORMAT
 
     @property
@@ -145,6 +166,11 @@ def _read_cached() -> HostMeasurement | None:
 
 def measure_host() -> HostMeasurement:
     threads = engine_threads()
+    amx = AMX_CPU_FLAG in cpu_flags() if Path("/proc/cpuinfo").is_file() else None
+    attention = vllm_amx_prefill_attention_gflops(threads=threads) if amx else None
+    kernel = "amx_mla" if attention else "sdpa"
+    decode = vllm_amx_decode_attention(threads=threads) if attention else None
+    attention = attention or torch_prefill_attention_gflops(threads=threads)
     return HostMeasurement(
         host=socket.gethostname(),
         cpu_model=cpu_model(),
@@ -155,7 +181,11 @@ def measure_host() -> HostMeasurement:
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         native_bf16=bool(cpu_flags() & set(BF16_CPU_FLAGS)) if Path("/proc/cpuinfo").is_file() else None,
         engine_threads=threads,
-        attention_gflops=_rounded(torch_prefill_attention_gflops(threads=threads)),
+        attention_gflops=_rounded(attention),
+        amx=amx,
+        attention_kernel=kernel,
+        decode_attention_gb_s=_rounded(decode.cache_gb_s) if decode else None,
+        decode_attention_gflops=_rounded(decode.gflops) if decode else None,
     )
 
 
@@ -284,6 +314,113 @@ def torch_prefill_attention_gflops(
         attend()
         best_s = min(_timed(attend) for _ in range(repeats))
     return 2 * heads * tokens * (tokens / 2) * (qk_size + v_size) / best_s / 1e9
+
+
+def vllm_amx_prefill_attention_gflops(
+    shape: tuple[int, int, int, int] = PREFILL_ATTENTION_SHAPE, repeats: int = REPEATS, threads: int | None = None
+) -> float | None:
+    """vLLM's AMX MLA prefill kernel (`extend_attention_cpu`, what its AMX_MLA backend calls) over one prompt of
+    SHAPE's heads and tokens in MLA's latent space, on THREADS, best of REPEATS; its rate in the FLOPs the planner
+    counts for the decompressed form (SHAPE's query/key and value sizes), so that it compares with SDPA's. None where
+    vLLM's CPU build or the CPU's AMX is missing."""
+    ops = _vllm_amx_ops()
+    if ops is None:
+        return None
+    import torch
+
+    heads, tokens, qk_size, v_size = shape
+    latent, rope = LATENT_SIZES
+    query = torch.randn(tokens, heads, latent + rope, dtype=torch.bfloat16)
+    cache = torch.randn(tokens, 1, latent + rope, dtype=torch.bfloat16)
+    out = torch.empty(tokens, heads, latent, dtype=torch.bfloat16)
+    positions = torch.arange(tokens, dtype=torch.int64).unsqueeze(0)  # request 0's token i sits in row i
+    one = torch.zeros(1, dtype=torch.int64)
+    length = torch.tensor([tokens], dtype=torch.int64)
+
+    def attend() -> None:
+        ops.cpu_mla_extend(  # new tokens, cache, paging of one request that is all prompt; no cap, window or sinks
+            query, cache, cache[..., :latent], out, cache, cache[..., :latent], positions, one, length, length,
+            one * 0, tokens, (latent + rope) ** -0.5, 0.0, False, 0, None, None, None,
+        )  # fmt: skip
+
+    try:
+        with _torch_threads(torch, threads):
+            attend()
+            best_s = min(_timed(attend) for _ in range(repeats))
+    except (RuntimeError, AttributeError):  # a build without the AMX kernels, or a CPU that refuses the tiles
+        return None
+    return 2 * heads * tokens * (tokens / 2) * (qk_size + v_size) / best_s / 1e9
+
+
+@dataclass(frozen=True)
+class DecodeAttentionRates:
+    cache_gb_s: float  # few heads: the latent cache bytes the kernel walks per second
+    gflops: float  # many heads: the planner's absorbed FLOPs per second
+
+
+def vllm_amx_decode_attention(
+    sequences: int = 64, positions: int = 512, heads: tuple[int, int] = (4, 128), threads: int | None = None
+) -> DecodeAttentionRates | None:
+    """vLLM's AMX MLA decode kernel (`decode_attention_cpu`, what its AMX_MLA backend calls for decoding sequences)
+    over SEQUENCES of POSITIONS cached tokens, on THREADS, at the two head counts of HEADS (see the module's doc
+    string); None where vLLM's CPU build or the CPU's AMX is missing."""
+    ops = _vllm_amx_ops()
+    if ops is None:
+        return None
+    try:
+        few = _amx_decode_seconds(ops, sequences, positions, heads[0], threads)
+        many = _amx_decode_seconds(ops, sequences, positions, heads[1], threads)
+    except (RuntimeError, AttributeError):  # a build without the AMX kernels
+        return None
+    latent, rope = LATENT_SIZES
+    cache_bytes = sequences * positions * (latent + rope) * 2  # bf16
+    flops = 2 * sequences * positions * heads[1] * (latent + rope + latent)
+    return DecodeAttentionRates(cache_bytes / few / 1e9, flops / many / 1e9)
+
+
+def _vllm_amx_ops() -> Any:
+    """vLLM's custom operators where this CPU has AMX tiles and vLLM's CPU build imports; else None (its AMX
+    kernels must not run on a CPU without the tiles)."""
+    if AMX_CPU_FLAG not in cpu_flags():
+        return None
+    try:
+        import torch
+        from vllm import _custom_ops as ops
+    except Exception:  # vLLM's import fails in many ways off its CPU build; any of them means no kernel to time
+        return None
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    # Linux hands out the tile state only on request: without it vLLM's AMX MoE kernel died of SIGILL here, and which
+    # of its kernels ask for it themselves is theirs to decide.
+    init = getattr(torch.cpu, "_init_amx", None)
+    return ops if init is None or init() else None
+
+
+def _amx_decode_seconds(ops: Any, sequences: int, positions: int, heads: int, threads: int | None) -> float:
+    """Best of REPEATS of one decode step's attention for one layer; the split of each sequence's positions over
+    partial results is the backend's (amx_mla.py's _compute_num_kv_splits, here for one thread per core)."""
+    import torch
+
+    latent, rope = LATENT_SIZES
+    splits = 1
+    while splits < positions // 512:
+        splits *= 2
+    query = torch.randn(sequences, heads, latent + rope, dtype=torch.bfloat16)
+    cache = torch.randn(sequences * positions, 1, latent + rope, dtype=torch.bfloat16)
+    out = torch.zeros(sequences, heads, latent, dtype=torch.bfloat16)
+    partial = torch.zeros(sequences, heads, splits, latent + 1, dtype=torch.float32)
+    rows = torch.arange(sequences * positions, dtype=torch.int64).view(sequences, positions)
+    lengths = torch.full((sequences,), positions, dtype=torch.int64)
+
+    def attend() -> None:
+        ops.cpu_mla_decode(  # the cache already holds the new tokens (no key/value to write); no cap or window
+            query, cache, cache[..., :latent], out, None, None, None, partial, rows,
+            torch.arange(sequences, dtype=torch.int64), lengths, (latent + rope) ** -0.5, 0.0, False, 0, None, None,
+        )  # fmt: skip
+
+    with _torch_threads(torch, threads):
+        attend()
+        return min(_timed(attend) for _ in range(REPEATS))
 
 
 @contextlib.contextmanager

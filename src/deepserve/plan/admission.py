@@ -197,7 +197,7 @@ def _speculative_method(value: str) -> str:
 
 def _default_batched_tokens(accelerator: Accelerator) -> int:
     """vLLM's token budget per step when none is given (it sizes the activation reserve)."""
-    return default_batch_limits(accelerator.memory_gib, accelerator.name)[1]
+    return default_batch_limits(accelerator)[1]
 
 
 def _layout(config: EngineConfig) -> Layout:

@@ -156,6 +156,10 @@ def kernel_rates(
         kinds[kind] = replace(
             kinds[kind], compute_efficiency=efficiency, measured=True, source=f"measured on {accelerator.name}"
         )
+    for kind, efficiency in accelerator.measured_memory_efficiency:
+        kinds[kind] = replace(
+            kinds[kind], memory_efficiency=efficiency, measured=True, source=f"measured on {accelerator.name}"
+        )
     collectives = table["collectives"]
     measured = bool(entry["measured"])
     provenance = f"{accelerator.hardware_class} kernel figures" + ("" if measured else " (carried over, not measured)")

@@ -67,8 +67,8 @@ def build_forecast_core(deployment: Deployment, model: PerformanceModel) -> Engi
 
 def _rank_scheduler(deployment: Deployment, model: PerformanceModel) -> Scheduler:
     memory, layout, accelerator = deployment.memory, deployment.layout, deployment.accelerator
-    block_size = default_block_size(deployment.spec.is_mla)
-    default_seqs, _ = default_batch_limits(accelerator.memory_gib, accelerator.name)
+    block_size = default_block_size(deployment.spec.is_mla, accelerator)
+    default_seqs, _ = default_batch_limits(accelerator)
     seqs = deployment.max_num_seqs_in_effect or default_seqs
     pool = deployment.engine_pool_sequences_per_rank  # SGLang's V4 sliding-window pool, at the planned prompts
     if pool is not None:

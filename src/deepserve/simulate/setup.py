@@ -125,7 +125,7 @@ def _on(flag: bool) -> str:
 def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
     sim = _hardware_from_engine(engine, sim)
     accelerator = get_accelerator(sim.gpu)
-    default_seqs, default_tokens = default_batch_limits(accelerator.memory_gib, accelerator.name)
+    default_seqs, default_tokens = default_batch_limits(accelerator)
     model = engine.model or DEFAULT_MODEL
     chunked = engine.enable_chunked_prefill is not False  # vLLM's V1 default: on (prefix caching too)
     served = engine.served_model_name or canonical_preset_name(model) or model.rstrip("/")
@@ -146,14 +146,16 @@ def resolve(engine: EngineConfig, sim: SimulateConfig) -> SimulatedDeployment:
     from deepserve.plan.planner import make_plan
 
     spec = load_spec(model)
-    if cpu_runs_prompts_whole(accelerator.hardware_class, spec.is_mla):
+    if cpu_runs_prompts_whole(accelerator, spec.is_mla):
         chunked = common["chunked_prefill"] = common["prefix_caching"] = False
     max_model_len = engine.max_model_len or min(FIXED_MAX_MODEL_LEN, spec.max_position_embeddings)
     batched = engine.max_num_batched_tokens or (default_tokens if chunked else max(max_model_len, default_tokens))
     plan = make_plan(_plan_config(engine, sim, model, spec, max_model_len, batched, common["max_num_seqs"]))
     memory = plan.deployment.memory
     pooled = memory.kv_layout is not None and not memory.kv_layout.is_linear
-    block_size = engine.block_size or (memory.kv_block_tokens if pooled else default_block_size(spec.is_mla))
+    block_size = engine.block_size or (
+        memory.kv_block_tokens if pooled else default_block_size(spec.is_mla, accelerator)
+    )
     num_blocks = _kv_blocks(plan, engine, block_size, accelerator)
     state_blocks = memory.kv_state_blocks_per_sequence if pooled else 0
     if (num_blocks - state_blocks) * block_size < max_model_len:

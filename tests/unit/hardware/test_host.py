@@ -92,3 +92,33 @@ def test_the_hosts_measured_attention_replaces_the_kernel_tables_figure() -> Non
     assert attention.compute_efficiency == pytest.approx(1.6) and attention.measured
     without = host.HostMeasurement("h", "cpu", 2, 27.0, 150.0, 15.0, "2026-11-23T00:00:00Z")
     assert kernel_rates(host_accelerator(without), "bf16").rate("mla_prefill").compute_efficiency == 1.0
+
+
+def test_the_hosts_measured_decode_kernel_sets_both_sides_of_decode_attention() -> None:
+    """On an AMX host the decode kernel's cache rate (few heads) and FLOP rate (many heads) replace the kernel
+    table's "as dense" for mla_decode; the host then counts as x86-amx, the architecture vLLM's AMX path needs."""
+    from deepserve.hardware.catalog import HOST_AMX_ARCHITECTURE, host_accelerator
+    from deepserve.plan.kernels import kernel_rates
+
+    measured = host.HostMeasurement(
+        "h", "cpu", 2, 20.0, 150.0, 1000.0, "2026-11-29T00:00:00Z", attention_gflops=110.0, amx=True,
+        attention_kernel="amx_mla", decode_attention_gb_s=4.0, decode_attention_gflops=160.0,
+    )  # fmt: skip
+    accelerator = host_accelerator(measured)
+    decode = kernel_rates(accelerator, "bf16").rate("mla_decode")
+    assert (decode.memory_efficiency, decode.compute_efficiency) == (pytest.approx(0.2), pytest.approx(0.16))
+    assert decode.measured and accelerator.architecture == HOST_AMX_ARCHITECTURE
+    assert "AMX MLA" in accelerator.sources[0]
+    plain = host_accelerator(host.HostMeasurement("h", "cpu", 2, 20.0, 150.0, 15.0, "2026-11-23T00:00:00Z"))
+    assert kernel_rates(plain, "bf16").rate("mla_decode").memory_efficiency == 1.0 and plain.architecture == ""
+
+
+def test_vllms_amx_mla_kernels_are_timed_where_the_cpu_has_them() -> None:
+    """The kernels vLLM's AMX_MLA backend runs, called as it calls them, at small shapes; None on other CPUs."""
+    prefill = host.vllm_amx_prefill_attention_gflops((2, 64, 192, 128), repeats=1, threads=1)
+    decode = host.vllm_amx_decode_attention(sequences=2, positions=64, heads=(4, 16), threads=1)
+    if host._vllm_amx_ops() is None:
+        assert prefill is None and decode is None
+        return
+    assert prefill is not None and prefill > 0
+    assert decode is not None and decode.cache_gb_s > 0 and decode.gflops > 0

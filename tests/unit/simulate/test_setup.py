@@ -117,9 +117,22 @@ def test_on_this_cpu_an_mla_model_is_prefilled_whole_as_vllms_cpu_build_does(mon
     engine = EngineConfig(model="deepserve/tiny-deepseek-v3", max_model_len=8192, enable_chunked_prefill=True)
     deployment = resolve(engine, SimulateConfig(gpu="host", gpus=1))
     assert (deployment.chunked_prefill, deployment.prefix_caching) == (False, False)
-    assert deployment.max_num_batched_tokens == 8192
+    assert (deployment.max_num_batched_tokens, deployment.block_size) == (8192, 16)
     on_gpu = resolve(engine.model_copy(update={"model": "deepseek-ai/DeepSeek-V3"}), SimulateConfig(gpu="h200"))
     assert on_gpu.chunked_prefill
+
+
+def test_on_a_cpu_with_amx_an_mla_model_is_prefilled_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AMX tiles vLLM's CPU build picks its AMX MLA backend and keeps chunked prefill, prefix caching and its
+    own budget of 2,048 tokens and 128 sequences, in 128-token blocks (vllm/platforms/cpu.py, arg_utils.py, 0.32)."""
+    from deepserve.hardware import host
+
+    measured = host.HostMeasurement("box", "Test CPU", 2, 20.0, 60.0, 900.0, "2026-11-29T00:00:00Z", amx=True)
+    monkeypatch.setattr(host, "measured_host", lambda refresh=False: measured)
+    engine = EngineConfig(model="deepserve/tiny-deepseek-v3", max_model_len=8192)
+    deployment = resolve(engine, SimulateConfig(gpu="host", gpus=1))
+    assert (deployment.chunked_prefill, deployment.prefix_caching) == (True, True)
+    assert (deployment.max_num_batched_tokens, deployment.max_num_seqs, deployment.block_size) == (2048, 128, 128)
 
 
 def test_v4_flash_is_simulated_with_its_memory_model() -> None:
