@@ -2,7 +2,8 @@
 model on vLLM's CPU build, at several concurrency levels and two prompt lengths.
 
     .venv/bin/python benchmarks/cpu_profile.py [--input-lens 128,512] [--output-len 128] [--concurrency 1,4,16,64]
-                                               [--rounds 4] [--write-profile] [--from-file F] [--machine median]
+                                               [--rounds 4] [--repeats N] [--write-profile] [--from-file F]
+                                               [--machine median]
 
 1. Measures this machine (copy bandwidth, linear and attention rates on the cores vLLM's CPU worker computes on;
    hardware/host.py) right before each point, so the planner's `host` device describes the machine under the load
@@ -61,6 +62,9 @@ TARGET_RATIO_ERROR = 0.25  # issue 11: within 25% on TPOT and throughput
 METRICS = ("ttft_ms", "tpot_ms", "output_tok_s")
 MAX_MODEL_LEN = 32768  # what `deepserve serve` gives vLLM's CPU build (engines/vllm.py)
 MIN_STEADY_REQUESTS = 3
+WARMUP_REQUESTS = 2
+WARMUP_SEED_OFFSET = 500  # apart from every point's own seed (input_len * 1000 + concurrency)
+DECODE_RATES = ("decode_attention_gb_s", "decode_attention_gflops")  # measured on AMX hosts only
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class Point:
     prompts: int
     host: dict[str, Any]  # this machine measured right before the point (HostMeasurement)
     steady: dict[str, float] | None = None  # the same metrics over the run's steady part (steady_state())
+    runs: list[float] | None = None  # with --repeats: every run's steady output tok/s (this point is the median)
 
     def accelerator(self) -> Accelerator:
         return host_accelerator(HostMeasurement(**self.host))
@@ -119,17 +124,24 @@ def start_service(home: Path) -> tuple[subprocess.Popen[str], list[str]]:
 
 
 def bench(engine_url: str, input_len: int, concurrency: int, args: argparse.Namespace, out: Path) -> Point:
+    """One closed-loop point. Each point, and its warm-up before it, draws its prompts with a seed of its own: the
+    same seed gives the same first prompts at every point, and where vLLM keeps a prefix cache (its CPU build on
+    a CPU with AMX, every GPU) a later point's first requests would find their whole prompt cached."""
     host = measure_host().to_json()
     name = f"in{input_len}-c{concurrency}.json"
     prompts = max(args.min_prompts, concurrency * args.rounds)
-    command = [
+    seed = input_len * 1000 + concurrency
+    common = [
         sys.executable, "-m", "deepserve.cli.main", "bench", "--base-url", engine_url.removesuffix("/v1"),
         "--dataset-name", "random", "--random-input-len", str(input_len),
         "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio), "--ignore-eos",
-        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--num-warmups", "2",
-        "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", name, "--disable-tqdm",
+        "--max-concurrency", str(concurrency), "--disable-tqdm",
     ]  # fmt: skip
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+    warm_up = ["--num-prompts", str(WARMUP_REQUESTS), "--seed", str(seed + WARMUP_SEED_OFFSET)]
+    subprocess.run(common + warm_up, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+    measured = ["--num-prompts", str(prompts), "--seed", str(seed), "--save-result", "--save-detailed"]
+    measured += ["--result-dir", str(out), "--result-filename", name]
+    subprocess.run(common + measured, check=True, stdout=subprocess.DEVNULL, timeout=3600)
     result = json.loads((out / name).read_text())
     return Point(
         input_len=input_len,
@@ -231,6 +243,12 @@ def main() -> None:
         help="lengths drawn within +-ratio of the mean, so the clients fall out of step (see the doc string)",
     )
     parser.add_argument("--min-prompts", type=int, default=8)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every point this many times, in rounds, and keep the median run (a shared machine's speed drifts)",
+    )
     parser.add_argument("--calibrate", default="", help="points to fit on, as c:input_len,... (default: see doc)")
     parser.add_argument("--write-profile", action="store_true", help="store the fit in data/engine_profiles.json")
     parser.add_argument(
@@ -266,7 +284,7 @@ def main() -> None:
 def with_median_machine(points: list[Point]) -> list[Point]:
     """POINTS, each with the median of all their machine measurements in place of its own."""
     typical = dict(points[0].host)
-    for name in ("memory_bandwidth_gb_s", "fp32_gflops", "bf16_gflops", "attention_gflops"):
+    for name in ("memory_bandwidth_gb_s", "fp32_gflops", "bf16_gflops", "attention_gflops", *DECODE_RATES):
         values = [p.host[name] for p in points if p.host.get(name) is not None]
         typical[name] = statistics.median(values) if values else None
     return [replace(point, host=typical) for point in points]
@@ -279,15 +297,25 @@ def run_points(lens: list[int], levels: list[int], args: argparse.Namespace) -> 
         print(f"engine ready after {time.monotonic() - started:.0f} s", file=sys.stderr)
         engine_url = fields[3]
         try:
-            points = []
-            for input_len in lens:
-                for concurrency in levels:
-                    points.append(bench(engine_url, input_len, concurrency, args, Path(tmp)))
-                    print(f"measured {points[-1]}", file=sys.stderr)
+            runs: dict[tuple[int, int], list[Point]] = {}
+            for _ in range(args.repeats):  # rounds over every point, so that a slow spell of the machine is shared
+                for input_len in lens:
+                    for concurrency in levels:
+                        point = bench(engine_url, input_len, concurrency, args, Path(tmp))
+                        runs.setdefault((input_len, concurrency), []).append(point)
+                        print(f"measured {point}", file=sys.stderr)
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=120)
-    return points
+    return [median_run(points) for points in runs.values()]
+
+
+def median_run(points: list[Point]) -> Point:
+    """Of one point's repeated runs, the one whose steady throughput is the median (the lower middle one of an
+    even number): a whole run, so that its TTFT, TPOT, throughput and machine stay one measurement."""
+    ranked = sorted(points, key=lambda p: p.in_steady_state().output_tok_s)
+    chosen = ranked[(len(ranked) - 1) // 2]
+    return replace(chosen, runs=[p.in_steady_state().output_tok_s for p in points]) if len(points) > 1 else chosen
 
 
 Row = tuple[Point, dict[str, float], dict[str, float], bool]  # point, prediction, ratios, calibration point

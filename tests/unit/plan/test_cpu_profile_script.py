@@ -1,7 +1,11 @@
-"""benchmarks/cpu_profile.py's steady part of a closed-loop run: what the planner's formula is scored against."""
+"""benchmarks/cpu_profile.py: the steady part of a closed-loop run (what the planner's formula is scored against),
+the median of repeated runs, and prompts no two runs share."""
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -47,3 +51,39 @@ def test_a_point_without_a_steady_part_is_scored_on_the_whole_run(script: Module
         128, 4, 200.0, 15.0, 230.0, 16, {}, {"ttft_ms": 90.0, "tpot_ms": 16.0, "output_tok_s": 220.0}
     )
     assert (measured.in_steady_state().ttft_ms, measured.in_steady_state().output_tok_s) == (90.0, 220.0)
+
+
+def test_repeated_runs_keep_the_median_run_whole(script: ModuleType) -> None:
+    def run(tok_s: float, ttft_ms: float) -> object:
+        steady = {"ttft_ms": ttft_ms, "tpot_ms": 10.0, "output_tok_s": tok_s}
+        return script.Point(128, 4, 2 * ttft_ms, 10.0, tok_s, 16, {"bf16_gflops": tok_s}, steady)
+
+    chosen = script.median_run([run(300.0, 30.0), run(500.0, 50.0), run(400.0, 40.0)])
+    assert (chosen.output_tok_s, chosen.ttft_ms, chosen.host["bf16_gflops"]) == (400.0, 80.0, 400.0)
+    assert chosen.runs == [300.0, 500.0, 400.0]
+    assert script.median_run([run(300.0, 30.0), run(500.0, 50.0)]).output_tok_s == 300.0  # the lower middle
+    single = run(300.0, 30.0)
+    assert script.median_run([single]) is single
+
+
+def test_every_point_and_its_warm_up_draw_prompts_of_their_own(
+    script: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Where vLLM keeps a prefix cache, a point that drew the same first prompts as an earlier point (or as its own
+    warm-up) would find them cached: every bench the script runs has a seed no other has."""
+    seeds: list[str] = []
+
+    def bench_run(command: list[str], **_: object) -> None:
+        seeds.append(command[command.index("--seed") + 1])
+        if "--result-filename" in command:
+            result = {"mean_ttft_ms": 1.0, "mean_tpot_ms": 1.0, "output_throughput": 1.0}
+            (tmp_path / command[command.index("--result-filename") + 1]).write_text(json.dumps(result))
+
+    monkeypatch.setattr(script.subprocess, "run", bench_run)
+    monkeypatch.setattr(script, "measure_host", lambda: script.HostMeasurement("h", "cpu", 2, 1.0, 1.0, 1.0, "t"))
+    monkeypatch.setattr(script, "steady_state", lambda result, concurrency: None)
+    args = argparse.Namespace(min_prompts=8, rounds=4, output_len=128, range_ratio=0.5)
+    for input_len in (128, 512):
+        for concurrency in (1, 4, 16, 64):
+            script.bench("http://127.0.0.1:1/v1", input_len, concurrency, args, tmp_path)
+    assert len(seeds) == 16 and len(set(seeds)) == 16
