@@ -158,10 +158,10 @@ def cpu_runs_prompts_whole(accelerator: Accelerator, is_mla: bool) -> bool:
     return accelerator.hardware_class == "cpu" and is_mla and accelerator.architecture != HOST_AMX_ARCHITECTURE
 
 
-def default_block_size(is_mla: bool, accelerator: Accelerator | None = None) -> int:
+def default_block_size(is_mla: bool, accelerator: Accelerator) -> int:
     """vLLM's KV block size when none is given: on its CPU build 16 for the reference MLA kernels and 128 otherwise
     (vllm/platforms/cpu.py, 0.32); on GPUs 64 for MLA (FlashMLA's) and 16 otherwise."""
-    if accelerator is not None and accelerator.hardware_class == "cpu":
+    if accelerator.hardware_class == "cpu":
         return CPU_MLA_BLOCK_SIZE if cpu_runs_prompts_whole(accelerator, is_mla) else CPU_BLOCK_SIZE
     return MLA_BLOCK_SIZE if is_mla else DEFAULT_BLOCK_SIZE
 

@@ -390,8 +390,8 @@ def _vllm_amx_ops() -> Any:
         return None
     if not torch.cpu._is_amx_tile_supported():
         return None
-    # Linux hands out the tile state only on request: without it vLLM's AMX MoE kernel died of SIGILL here, and which
-    # of its kernels ask for it themselves is theirs to decide.
+    # Linux hands a process the AMX tile state only on request: vLLM's MLA kernels ran without asking, but its MoE
+    # kernel died of SIGILL, so ask before any of them runs.
     init = getattr(torch.cpu, "_init_amx", None)
     return ops if init is None or init() else None
 
