@@ -4,7 +4,7 @@ driver needs to release them (`DrivePlan`, picklable for worker processes)."""
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from deepserve.bench.arrivals import RateRamp
 from deepserve.bench.client import Endpoint, build_payload, build_request_bytes
@@ -15,6 +15,7 @@ from deepserve.bench.types import ConversationSpec, RequestSpec
 from deepserve.bench.workloads import Workload
 
 ID_HEADER_PREFIX = b"x-request-id:"  # lower case: header names are compared case-insensitively
+WARM_UP_MARK = "Warm-up {number}. "
 
 
 @dataclass
@@ -115,7 +116,10 @@ def make_drive_plan(
     requests = [prepare(i, spec, f"{prefix}{i}") for i, spec in enumerate(specs)]
     conversations = [converse_with(i, conversation) for i, conversation in enumerate(workload.conversations)]
     warmup_specs = specs or [first_turn_request(conversation) for conversation in workload.conversations]
-    warmups = [prepare(i, warmup_specs[i % len(warmup_specs)], f"{prefix}warmup-{i}") for i in range(load.num_warmups)]
+    warmups = [
+        prepare(i, warm_up_variant(warmup_specs[i % len(warmup_specs)], i), f"{prefix}warmup-{i}")
+        for i in range(load.num_warmups)
+    ]
     schedule = [spec.arrival_s for spec in specs] if specs and workload.self_timed else None
     units = len(conversations) or len(requests)
     return DrivePlan(
@@ -147,3 +151,18 @@ def first_turn_request(conversation: ConversationSpec) -> RequestSpec:
     return RequestSpec(
         conversation.index, turn.user_text, turn.user_len, turn.output_len, min_len, conversation.ignore_eos
     )
+
+
+def warm_up_variant(spec: RequestSpec, number: int) -> RequestSpec:
+    """SPEC as warm-up request NUMBER sends it: its prompt led by a mark of its own. A warm-up reuses the workload's
+    first requests, and an engine with a prefix cache (vLLM's default) would otherwise serve those measured requests
+    from the blocks the warm-up left, their prompts all but computed: a TTFT the workload does not have. The mark
+    goes first because a prefix cache matches from the first token; a first message that is not plain text
+    (parts, tool calls) is left as it is."""
+    mark = WARM_UP_MARK.format(number=number)
+    if isinstance(spec.prompt, str):
+        return replace(spec, prompt=mark + spec.prompt)
+    if spec.prompt and isinstance(spec.prompt[0].get("content"), str):
+        first = {**spec.prompt[0], "content": mark + spec.prompt[0]["content"]}
+        return replace(spec, prompt=[first, *spec.prompt[1:]])
+    return spec
