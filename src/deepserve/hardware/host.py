@@ -166,7 +166,8 @@ def _read_cached() -> HostMeasurement | None:
 
 def measure_host() -> HostMeasurement:
     threads = engine_threads()
-    amx = AMX_CPU_FLAG in cpu_flags() if Path("/proc/cpuinfo").is_file() else None
+    flags = cpu_flags() if Path("/proc/cpuinfo").is_file() else None  # None: no word from the OS either way
+    amx = AMX_CPU_FLAG in flags if flags is not None else None
     attention = vllm_amx_prefill_attention_gflops(threads=threads) if amx else None
     kernel = "amx_mla" if attention else "sdpa"
     decode = vllm_amx_decode_attention(threads=threads) if attention else None
@@ -179,7 +180,7 @@ def measure_host() -> HostMeasurement:
         fp32_gflops=round(numpy_matmul_gflops(), 1),
         bf16_gflops=_rounded(torch_bf16_matmul_gflops(threads=threads)),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        native_bf16=bool(cpu_flags() & set(BF16_CPU_FLAGS)) if Path("/proc/cpuinfo").is_file() else None,
+        native_bf16=bool(flags & set(BF16_CPU_FLAGS)) if flags is not None else None,
         engine_threads=threads,
         attention_gflops=_rounded(attention),
         amx=amx,
