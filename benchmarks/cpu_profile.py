@@ -62,8 +62,7 @@ TARGET_RATIO_ERROR = 0.25  # issue 11: within 25% on TPOT and throughput
 METRICS = ("ttft_ms", "tpot_ms", "output_tok_s")
 MAX_MODEL_LEN = 32768  # what `deepserve serve` gives vLLM's CPU build (engines/vllm.py)
 MIN_STEADY_REQUESTS = 3
-WARMUP_REQUESTS = 2
-WARMUP_SEED_OFFSET = 500  # apart from every point's own seed (input_len * 1000 + concurrency)
+WARMUP_REQUESTS = 2  # sent by the bench before each point's measured run, each prompt led by a mark of its own
 DECODE_RATES = ("decode_attention_gb_s", "decode_attention_gflops")  # measured on AMX hosts only
 
 
@@ -124,9 +123,10 @@ def start_service(home: Path) -> tuple[subprocess.Popen[str], list[str]]:
 
 
 def bench(engine_url: str, input_len: int, concurrency: int, args: argparse.Namespace, out: Path) -> Point:
-    """One closed-loop point. Each point, and its warm-up before it, draws its prompts with a seed of its own: the
-    same seed gives the same first prompts at every point, and where vLLM keeps a prefix cache (its CPU build on
-    a CPU with AMX, every GPU) a later point's first requests would find their whole prompt cached."""
+    """One closed-loop point. Each point draws its prompts with a seed of its own: the same seed gives the same first
+    prompts at every point, and where vLLM keeps a prefix cache (its CPU build on a CPU with AMX, every GPU) a later
+    point's first requests would find their whole prompt cached. The bench's warm-ups lead their prompts with a mark
+    of their own, so they cannot warm the measured prompts' cache either."""
     host = measure_host().to_json()
     name = f"in{input_len}-c{concurrency}.json"
     prompts = max(args.min_prompts, concurrency * args.rounds)
@@ -137,9 +137,8 @@ def bench(engine_url: str, input_len: int, concurrency: int, args: argparse.Name
         "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio), "--ignore-eos",
         "--max-concurrency", str(concurrency), "--disable-tqdm",
     ]  # fmt: skip
-    warm_up = ["--num-prompts", str(WARMUP_REQUESTS), "--seed", str(seed + WARMUP_SEED_OFFSET)]
-    subprocess.run(common + warm_up, check=True, stdout=subprocess.DEVNULL, timeout=3600)
-    measured = ["--num-prompts", str(prompts), "--seed", str(seed), "--save-result", "--save-detailed"]
+    measured = ["--num-prompts", str(prompts), "--num-warmups", str(WARMUP_REQUESTS), "--seed", str(seed)]
+    measured += ["--save-result", "--save-detailed"]
     measured += ["--result-dir", str(out), "--result-filename", name]
     subprocess.run(common + measured, check=True, stdout=subprocess.DEVNULL, timeout=3600)
     result = json.loads((out / name).read_text())

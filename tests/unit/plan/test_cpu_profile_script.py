@@ -66,15 +66,18 @@ def test_repeated_runs_keep_the_median_run_whole(script: ModuleType) -> None:
     assert script.median_run([single]) is single
 
 
-def test_every_point_and_its_warm_up_draw_prompts_of_their_own(
+def test_every_point_draws_prompts_of_its_own_and_warms_up_inside_its_bench(
     script: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Where vLLM keeps a prefix cache, a point that drew the same first prompts as an earlier point (or as its own
-    warm-up) would find them cached: every bench the script runs has a seed no other has."""
+    """Where vLLM keeps a prefix cache, a point that drew the same first prompts as an earlier point would find them
+    cached: every bench the script runs has a seed no other has. Its warm-ups are the bench's own (their prompts
+    marked apart from the measured ones), not a run of their own."""
     seeds: list[str] = []
+    warm_ups: list[str] = []
 
     def bench_run(command: list[str], **_: object) -> None:
         seeds.append(command[command.index("--seed") + 1])
+        warm_ups.append(command[command.index("--num-warmups") + 1])
         if "--result-filename" in command:
             result = {"mean_ttft_ms": 1.0, "mean_tpot_ms": 1.0, "output_throughput": 1.0}
             (tmp_path / command[command.index("--result-filename") + 1]).write_text(json.dumps(result))
@@ -86,4 +89,5 @@ def test_every_point_and_its_warm_up_draw_prompts_of_their_own(
     for input_len in (128, 512):
         for concurrency in (1, 4, 16, 64):
             script.bench("http://127.0.0.1:1/v1", input_len, concurrency, args, tmp_path)
-    assert len(seeds) == 16 and len(set(seeds)) == 16
+    assert len(seeds) == 8 and len(set(seeds)) == 8
+    assert warm_ups == [str(script.WARMUP_REQUESTS)] * 8
