@@ -11,13 +11,13 @@ model on vLLM's CPU build, at several concurrency levels and two prompt lengths.
    instead (with `--from-file`, from a stored run).
 2. Starts the tiny model with `deepserve serve` on loopback (temporary DEEPSERVE_HOME) and runs `deepserve bench`
    straight at the engine for every (prompt length, concurrency) point, closed loop.
-3. Fits the CPU engine profile's two overhead parameters (per step, per sequence; data/engine_profiles.json) on two
-   calibration points (--calibrate, by default concurrency 1 and the highest at the shorter prompt) and predicts
-   every point with them, twice: with the planner's closed-loop formula (what `deepserve plan` prints), a
-   steady-state model, against each run's steady part (steady_state(); the fit uses the same figures), and with the
-   same step model run through the simulator's scheduler as vLLM's CPU build configures it, in virtual time (what
-   `deepserve simulate` serves), for the benchmark's own clients and requests, against the whole run. The other
-   points are held out. `--write-profile` stores the fit in the package.
+3. Fits the CPU engine profile's overhead parameters (per step, per sequence, per request; data/engine_profiles.json)
+   on the TTFT, TPOT and throughput of two calibration points (--calibrate, by default concurrency 1 and the
+   highest at the shorter prompt) and predicts every point with them, twice: with the planner's closed-loop
+   formula (what `deepserve plan` prints), a steady-state model, against each run's steady part (steady_state();
+   the fit uses the same figures), and with the same step model run through the simulator's scheduler as vLLM's
+   CPU build configures it, in virtual time (what `deepserve simulate` serves), for the benchmark's own clients and
+   requests, against the whole run. The other points are held out. `--write-profile` stores the fit in the package.
 
 Lengths vary +-50% around their means (--range-ratio), in the benchmark and in the simulation: with fixed lengths
 the closed-loop clients of an engine that prefills a whole wave of prompts in one step (vLLM's CPU build runs MLA
@@ -203,7 +203,8 @@ def _model(deployment: Deployment, parameters: EngineParameters) -> PerformanceM
 
 
 def targets(points: list[Point], output_len: int) -> list[Target]:
-    """TPOT and throughput of each calibration point as fit targets."""
+    """TTFT, TPOT and throughput of each calibration point as fit targets (TTFT for the per-request overhead: the
+    API server's and the engine core's work on a new request, which vLLM's worker waits for)."""
     result = []
     for point in points:
         deployment = deployment_for(point, output_len)
@@ -214,6 +215,7 @@ def targets(points: list[Point], output_len: int) -> list[Target]:
             return _model(d, parameters)
 
         label = f"c={point.concurrency} in={point.input_len}"
+        result.append(Target(f"{label} ttft", point.ttft_ms, _metric(point.concurrency, workload, cap, "ttft"), model))
         result.append(Target(f"{label} tpot", point.tpot_ms, _metric(point.concurrency, workload, cap, "tpot"), model))
         result.append(
             Target(f"{label} tok/s", point.output_tok_s, _metric(point.concurrency, workload, cap, "tput"), model)
@@ -224,7 +226,8 @@ def targets(points: list[Point], output_len: int) -> list[Target]:
 def _metric(concurrency: int, workload: RequestLengths, cap: int, which: str) -> Callable[[PerformanceModel], float]:
     def value(model: PerformanceModel) -> float:
         prediction = model.predict(concurrency, workload, cap)
-        return prediction.tpot_ms if which == "tpot" else prediction.output_throughput_tok_s
+        by_metric = {"ttft": prediction.ttft_ms, "tpot": prediction.tpot_ms, "tput": prediction.output_throughput_tok_s}
+        return by_metric[which]
 
     return value
 

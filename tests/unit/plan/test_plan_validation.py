@@ -351,7 +351,7 @@ def test_profile_selection_and_versions() -> None:
 
 
 def test_cpu_profile_is_what_its_stored_measurements_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU profile's two overheads come from benchmarks/cpu_profile.py's measured points (their steady parts),
+    """The CPU profile's overheads come from benchmarks/cpu_profile.py's measured points (their steady parts),
     stored with them: refitting those points reproduces them."""
     from deepserve.plan.fit import fit_parameters
     from tests.helpers import load_benchmark_script
