@@ -174,6 +174,8 @@ def _model_line(plan: Plan) -> str:
         overheads.append(f"{p.step_overhead_ms:.2f} ms per step")
     if p.per_sequence_us:
         overheads.append(f"{p.per_sequence_us:.0f} us per sequence per step")
+    if p.request_overhead_ms:
+        overheads.append(f"{p.request_overhead_ms:.1f} ms per request before its first token")
     overheads.append(f"prompt FLOPs at {p.prefill_efficiency:.0%} of the kernel rates")
     return (
         f"performance model: engine profile {f.profile} {f.version} ({f.provenance}): {', '.join(overheads)}; "

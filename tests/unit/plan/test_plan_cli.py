@@ -52,6 +52,18 @@ def test_a_plan_says_how_far_forecasts_of_its_layout_have_been(capsys: pytest.Ca
     assert f"track record: predicted / published on runs it never saw {scope}" in out
 
 
+def test_the_model_line_names_every_overhead_the_forecast_carries(capsys: pytest.CaptureFixture[str]) -> None:
+    """What the engine adds besides the kernels, as the profile has it: on a GPU the small kernels and the
+    per-request time before the first token (part of every TTFT the table prints)."""
+    from deepserve.plan.profiles import load_profiles
+
+    request_ms = load_profiles()["vllm"].parameters.request_overhead_ms
+    _code, out, _ = run(capsys, "--gpu", "h200", "--gpus", "8")
+    line = next(line for line in out.splitlines() if line.startswith("performance model:"))
+    assert "small kernels per layer" in line
+    assert f"{request_ms:.1f} ms per request before its first token" in line
+
+
 def test_fp8_on_8_h100_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "--model", "deepseek-ai/DeepSeek-V3", "--gpu", "h100", "--json")
     assert code == 0
