@@ -52,7 +52,7 @@ def test_a_plan_says_how_far_forecasts_of_its_layout_have_been(capsys: pytest.Ca
     assert f"track record: predicted / published on runs it never saw {scope}" in out
 
 
-def test_the_model_line_names_every_overhead_the_forecast_carries(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_model_line_names_the_per_request_overhead(capsys: pytest.CaptureFixture[str]) -> None:
     """What the engine adds besides the kernels, as the profile has it: on a GPU the small kernels and the
     per-request time before the first token (part of every TTFT the table prints)."""
     from deepserve.plan.profiles import load_profiles
