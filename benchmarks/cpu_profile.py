@@ -6,18 +6,21 @@ model on vLLM's CPU build, at several concurrency levels and two prompt lengths.
                                                [--machine median]
 
 1. Measures this machine (copy bandwidth, linear and attention rates on the cores vLLM's CPU worker computes on;
-   hardware/host.py) right before each point, so the planner's `host` device describes the machine under the load
-   of that moment (it is shared). `--machine median` predicts every point from the median of the run's measurements
-   instead (with `--from-file`, from a stored run).
+   hardware/host.py) right before each point. Every point is predicted from the median of the run's measurements
+   (`--machine median`, the default): each is a probe of a second or two, and on this shared VM the linear rate
+   flips between spells (290-960 GFLOP/s within one run), which a probe catches at random while a point's bench
+   runs through them. `--machine per-point` predicts each point from its own probe instead.
 2. Starts the tiny model with `deepserve serve` on loopback (temporary DEEPSERVE_HOME) and runs `deepserve bench`
    straight at the engine for every (prompt length, concurrency) point, closed loop.
-3. Fits the CPU engine profile's overhead parameters (per step, per sequence, per request; data/engine_profiles.json)
-   on the TTFT, TPOT and throughput of two calibration points (--calibrate, by default concurrency 1 and the
-   highest at the shorter prompt) and predicts every point with them, twice: with the planner's closed-loop
-   formula (what `deepserve plan` prints), a steady-state model, against each run's steady part (steady_state();
-   the fit uses the same figures), and with the same step model run through the simulator's scheduler as vLLM's
-   CPU build configures it, in virtual time (what `deepserve simulate` serves), for the benchmark's own clients and
-   requests, against the whole run. The other points are held out. `--write-profile` stores the fit in the package.
+3. Fits the CPU engine profile's parameters (per step, per sequence, per request, and the share of the probe's
+   linear rate the engine's prompt path reaches; data/engine_profiles.json) on the TTFT, TPOT and throughput of
+   three calibration points (--calibrate; by default one client at both prompt lengths, which tells the cost per
+   request from the cost per prompt token, and the most clients at the shorter) and predicts every point with
+   them, twice: with the planner's closed-loop formula (what `deepserve plan` prints), a steady-state model,
+   against each run's steady part (steady_state(); the fit uses the same figures), and with the same step model
+   run through the simulator's scheduler as vLLM's CPU build configures it, in virtual time (what `deepserve
+   simulate` serves), for the benchmark's own clients and requests, against the whole run. The other points are
+   held out. `--write-profile` stores the fit in the package.
 
 Lengths vary +-50% around their means (--range-ratio), in the benchmark and in the simulation: with fixed lengths
 the closed-loop clients of an engine that prefills a whole wave of prompts in one step (vLLM's CPU build runs MLA
@@ -259,9 +262,9 @@ def main() -> None:
     parser.add_argument(
         "--machine",
         choices=("per-point", "median"),
-        default="per-point",
-        help="predict each point from the machine as measured just before it (default), or from the median of all "
-        "the run's measurements (one short measurement on a shared machine can catch a passing spike or lull)",
+        default="median",
+        help="predict every point from the median of the run's machine measurements (default: one short "
+        "measurement on a shared machine catches a passing spike or lull), or each from its own",
     )
     args = parser.parse_args()
     lens = [int(x) for x in args.input_lens.split(",")]
@@ -269,7 +272,7 @@ def main() -> None:
     calibration = (
         [tuple(int(v) for v in item.split(":")) for item in args.calibrate.split(",")]
         if args.calibrate
-        else [(min(levels), min(lens)), (max(levels), min(lens))]
+        else default_calibration(lens, levels)
     )
     command = " ".join(sys.argv)
     if args.from_file:
@@ -278,9 +281,14 @@ def main() -> None:
         command = saved.get("command", command)
     else:
         points = run_points(lens, levels, args)
-    if args.machine == "median":
-        points = with_median_machine(points)
     report(points, calibration, args, command)
+
+
+def default_calibration(lens: list[int], levels: list[int]) -> list[tuple[int, int]]:
+    """One client at the shortest and the longest prompt (the per-request cost against the per-prompt-token one),
+    and the most clients at the shortest (the per-sequence cost): (concurrency, prompt length) pairs."""
+    chosen = [(min(levels), min(lens)), (max(levels), min(lens)), (min(levels), max(lens))]
+    return list(dict.fromkeys(chosen))
 
 
 def with_median_machine(points: list[Point]) -> list[Point]:
@@ -323,7 +331,8 @@ def median_run(points: list[Point]) -> Point:
 Row = tuple[Point, dict[str, float], dict[str, float], bool]  # point, prediction, ratios, calibration point
 
 
-def report(points: list[Point], calibration: list[tuple[int, ...]], args: argparse.Namespace, command: str) -> None:
+def report(measured: list[Point], calibration: list[tuple[int, ...]], args: argparse.Namespace, command: str) -> None:
+    points = with_median_machine(measured) if args.machine == "median" else measured
     steady = [p.in_steady_state() for p in points]
     chosen = [p for p in steady if (p.concurrency, p.input_len) in calibration]
     host = points[0].host
@@ -355,7 +364,7 @@ def report(points: list[Point], calibration: list[tuple[int, ...]], args: argpar
         "machine": args.machine,
         "calibration": [list(c) for c in calibration],
         "fitted": {n: getattr(fit.parameters, n) for n in fit.fitted},
-        "points": [asdict(p) for p in points],
+        "points": [asdict(p) for p in measured],
         "predicted": [guess for _, guess, _, _ in formula],
         "simulated": [guess for _, guess, _, _ in simulation],
     }
@@ -368,7 +377,7 @@ def report(points: list[Point], calibration: list[tuple[int, ...]], args: argpar
             "fitted_on": f"{len(chosen)} measured points on {host['host']} ({host['cpu_model']} x{host['cores']})",
             "values": payload["fitted"],
             "rms_log_error": round(fit.rms_log_error, 4),
-            "points": payload["points"],
+            "points": [asdict(p) for p in points],  # as fitted: with the machine the predictions used
             "calibration": payload["calibration"],
             "output_len": args.output_len,
         }

@@ -15,9 +15,11 @@ change, and the planner priced prompts at half their cost (docs/PLANNING.md sect
 - FLOP rate: PyTorch's bf16 linear layer on prefill-shaped operands (512 tokens, 512 in, 1,024 out) on the engine's
   threads: the path vLLM's CPU build takes for a bf16 model on a CPU where oneDNN has no bf16 matmul (it falls back
   to torch's linear), and a fair stand-in where it has. `engine_gflops` is that rate; it is what the planner uses for
-  vLLM's CPU build. NumPy's fp32 BLAS rate on every core is recorded beside it for the reader, and stands in where
-  torch is not installed. Measured on a 2-core AVX2 machine: 15 GFLOP/s for the bf16 linear on one thread against
-  53-166 for NumPy's fp32 (square bf16 `a @ b` ran at 2).
+  vLLM's CPU build, whose prompts reach a fitted share of it outside attention (the `vllm-cpu` profile's
+  prefill_efficiency: 0.39 on the 2-core Xeon with AMX, where the tiny model's narrow GEMMs and the absorbed MLA
+  projections run far below one 512 x 512 x 1,024 linear). NumPy's fp32 BLAS rate on every core is recorded beside
+  it for the reader, and stands in where torch is not installed. Measured on a 2-core AVX2 machine: 15 GFLOP/s for
+  the bf16 linear on one thread against 53-166 for NumPy's fp32 (square bf16 `a @ b` ran at 2).
 - Attention rate: a causal prompt of 512 tokens and 8 heads at DeepSeek's per-head sizes, on the engine's threads,
   through the kernel vLLM's CPU build prefills MLA with, counted in the planner's FLOPs (the decompressed form:
   query and key 192, value 128 per head and position; causal FLOPs count half the score matrix):

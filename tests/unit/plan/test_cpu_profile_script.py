@@ -91,3 +91,42 @@ def test_every_point_draws_prompts_of_its_own_and_warms_up_inside_its_bench(
             script.bench("http://127.0.0.1:1/v1", input_len, concurrency, args, tmp_path)
     assert len(seeds) == 8 and len(set(seeds)) == 8
     assert warm_ups == [str(script.WARMUP_REQUESTS)] * 8
+
+
+def test_the_default_calibration_has_one_client_at_both_prompt_lengths(script: ModuleType) -> None:
+    """A per-request cost and a per-prompt-token cost only part where one client sends prompts of two lengths; the
+    most clients at the shorter prompt give the per-sequence cost."""
+    assert script.default_calibration([128, 512], [1, 4, 16, 64]) == [(1, 128), (64, 128), (1, 512)]
+    assert script.default_calibration([256], [1, 8]) == [(1, 256), (8, 256)]
+
+
+def _probe(linear_gflops: float) -> dict[str, object]:
+    return {
+        "host": "h",
+        "cpu_model": "cpu",
+        "cores": 2,
+        "memory_bandwidth_gb_s": 20.0,
+        "fp32_gflops": 100.0,
+        "bf16_gflops": linear_gflops,
+        "measured_at": "t",
+        "attention_gflops": 100.0,
+    }
+
+
+def test_points_are_predicted_from_the_runs_median_machine_and_stored_as_probed(
+    script: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe of a second or two catches the shared machine in a spell (290 or 960 GFLOP/s): every point is
+    predicted from the median of the run's probes, while the run's file keeps what each probe measured."""
+    stored = json.loads((script.RESULTS / "cpu_profile_vm_2026-11-29_amx_repeats5.json").read_text())
+    points = [script.Point(**p) for p in stored["points"] if p["concurrency"] in (1, 4) and p["input_len"] == 128]
+    points += [script.Point(**p) for p in stored["points"] if (p["concurrency"], p["input_len"]) == (1, 512)]
+    probes = [p.host["bf16_gflops"] for p in points]
+    assert len(set(probes)) == 3
+    typical = script.with_median_machine(points)
+    assert [p.host["bf16_gflops"] for p in typical] == [sorted(probes)[1]] * 3
+    saved: list[dict[str, list[dict[str, dict[str, float]]]]] = []
+    monkeypatch.setattr(script, "save", lambda payload, host: saved.append(payload))
+    args = argparse.Namespace(machine="median", output_len=128, range_ratio=0.5, from_file=None, write_profile=False)
+    script.report(points, [(1, 128), (1, 512), (4, 128)], args, "test")
+    assert [p["host"]["bf16_gflops"] for p in saved[0]["points"]] == probes
