@@ -291,6 +291,24 @@ def default_calibration(lens: list[int], levels: list[int]) -> list[tuple[int, i
     return list(dict.fromkeys(chosen))
 
 
+def calibration_points(points: list[Point], calibration: list[tuple[int, ...]], fitted: int) -> list[Point]:
+    """The measured POINTS that CALIBRATION names, enough for FITTED parameters (three targets a point, two a
+    parameter), or an exit that says what is missing."""
+    measured = {(p.concurrency, p.input_len) for p in points}
+    unknown = [c for c in calibration if tuple(c) not in measured]
+    if unknown:
+        names = ", ".join(f"{c[0]}:{c[1]}" for c in unknown)
+        have = ", ".join(f"{c}:{n}" for c, n in sorted(measured))
+        raise SystemExit(f"--calibrate names {names}, which this run did not measure; it has {have}")
+    chosen = [p for p in points if (p.concurrency, p.input_len) in calibration]
+    if 3 * len(chosen) < 2 * fitted:
+        raise SystemExit(
+            f"--calibrate gives {len(chosen)} points for the CPU profile's {fitted} fitted parameters: name at least "
+            f"{-(-2 * fitted // 3)}, one client at two prompt lengths among them (the default: see --help)"
+        )
+    return chosen
+
+
 def with_median_machine(points: list[Point]) -> list[Point]:
     """POINTS, each with the median of all their machine measurements in place of its own."""
     typical = dict(points[0].host)
@@ -334,11 +352,11 @@ Row = tuple[Point, dict[str, float], dict[str, float], bool]  # point, predictio
 def report(measured: list[Point], calibration: list[tuple[int, ...]], args: argparse.Namespace, command: str) -> None:
     points = with_median_machine(measured) if args.machine == "median" else measured
     steady = [p.in_steady_state() for p in points]
-    chosen = [p for p in steady if (p.concurrency, p.input_len) in calibration]
     host = points[0].host
     deployment = deployment_for(points[0], args.output_len)
     base = deployment.select_engine(across_engines=False)
     assert base is not None
+    chosen = calibration_points(steady, calibration, len(base.engine.fitted))
     fit = fit_parameters(base, targets(chosen, args.output_len))
     print(
         f"host {host['cpu_model']} x{host['cores']} (bf16 units: {host.get('native_bf16')}); fitted "

@@ -130,3 +130,12 @@ def test_points_are_predicted_from_the_runs_median_machine_and_stored_as_probed(
     args = argparse.Namespace(machine="median", output_len=128, range_ratio=0.5, from_file=None, write_profile=False)
     script.report(points, [(1, 128), (1, 512), (4, 128)], args, "test")
     assert [p["host"]["bf16_gflops"] for p in saved[0]["points"]] == probes
+
+
+def test_a_calibration_the_run_cannot_give_is_refused_with_what_it_has(script: ModuleType) -> None:
+    points = [script.Point(n, c, 20.0, 6.0, 160.0, 8, {}) for n in (128, 512) for c in (1, 64)]
+    assert len(script.calibration_points(points, [(1, 128), (64, 128), (1, 512)], fitted=4)) == 3
+    with pytest.raises(SystemExit, match=r"names 64:999, which this run did not measure; it has 1:128, 1:512"):
+        script.calibration_points(points, [(1, 128), (64, 999)], fitted=4)
+    with pytest.raises(SystemExit, match=r"gives 2 points for the CPU profile's 4 fitted parameters: name at least 3"):
+        script.calibration_points(points, [(1, 128), (64, 128)], fitted=4)
