@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -100,19 +101,6 @@ def test_the_default_calibration_has_one_client_at_both_prompt_lengths(script: M
     assert script.default_calibration([256], [1, 8]) == [(1, 256), (8, 256)]
 
 
-def _probe(linear_gflops: float) -> dict[str, object]:
-    return {
-        "host": "h",
-        "cpu_model": "cpu",
-        "cores": 2,
-        "memory_bandwidth_gb_s": 20.0,
-        "fp32_gflops": 100.0,
-        "bf16_gflops": linear_gflops,
-        "measured_at": "t",
-        "attention_gflops": 100.0,
-    }
-
-
 def test_points_are_predicted_from_the_runs_median_machine_and_stored_as_probed(
     script: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -125,11 +113,14 @@ def test_points_are_predicted_from_the_runs_median_machine_and_stored_as_probed(
     assert len(set(probes)) == 3
     typical = script.with_median_machine(points)
     assert [p.host["bf16_gflops"] for p in typical] == [sorted(probes)[1]] * 3
-    saved: list[dict[str, list[dict[str, dict[str, float]]]]] = []
+    saved: list[dict[str, Any]] = []
     monkeypatch.setattr(script, "save", lambda payload, host: saved.append(payload))
     args = argparse.Namespace(machine="median", output_len=128, range_ratio=0.5, from_file=None, write_profile=False)
     script.report(points, [(1, 128), (1, 512), (4, 128)], args, "test")
     assert [p["host"]["bf16_gflops"] for p in saved[0]["points"]] == probes
+    base = script.deployment_for(typical[0], 128).select_engine(across_engines=False)
+    fitted = base.parameters.with_values(saved[0]["fitted"])
+    assert saved[0]["predicted"] == [script.predicted(p.in_steady_state(), 128, fitted) for p in typical]
 
 
 def test_a_calibration_the_run_cannot_give_is_refused_with_what_it_has(script: ModuleType) -> None:
