@@ -51,7 +51,7 @@ from deepserve.hardware.host import HostMeasurement, measure_host
 from deepserve.models import load_spec
 from deepserve.models.presets import TINY_MODEL_NAME
 from deepserve.net import free_port
-from deepserve.plan.fit import Target, fit_parameters
+from deepserve.plan.fit import MIN_TARGETS_PER_PARAMETER, Target, fit_parameters
 from deepserve.plan.perf import PerformanceModel, RequestLengths
 from deepserve.plan.planner import build_deployment
 from deepserve.plan.profiles import EngineParameters, write_parameters
@@ -292,19 +292,21 @@ def default_calibration(lens: list[int], levels: list[int]) -> list[tuple[int, i
 
 
 def calibration_points(points: list[Point], calibration: list[tuple[int, ...]], fitted: int) -> list[Point]:
-    """The measured POINTS that CALIBRATION names, enough for FITTED parameters (three targets a point, two a
-    parameter), or an exit that says what is missing."""
+    """The measured POINTS that CALIBRATION names, enough for FITTED parameters (each point gives targets() one
+    target per metric; the fitter wants MIN_TARGETS_PER_PARAMETER a parameter), or an exit that says what is
+    missing."""
     measured = {(p.concurrency, p.input_len) for p in points}
-    unknown = [c for c in calibration if tuple(c) not in measured]
+    unknown = [c for c in calibration if c not in measured]
     if unknown:
         names = ", ".join(f"{c[0]}:{c[1]}" for c in unknown)
         have = ", ".join(f"{c}:{n}" for c, n in sorted(measured))
         raise SystemExit(f"--calibrate names {names}, which this run did not measure; it has {have}")
     chosen = [p for p in points if (p.concurrency, p.input_len) in calibration]
-    if 3 * len(chosen) < 2 * fitted:
+    needed = -(-MIN_TARGETS_PER_PARAMETER * fitted // len(METRICS))
+    if len(chosen) < needed:
         raise SystemExit(
             f"--calibrate gives {len(chosen)} points for the CPU profile's {fitted} fitted parameters: name at least "
-            f"{-(-2 * fitted // 3)}, one client at two prompt lengths among them (the default: see --help)"
+            f"{needed}, one client at two prompt lengths among them (the default: see --help)"
         )
     return chosen
 
