@@ -47,7 +47,7 @@ from typing import Any
 
 from deepserve.engines.config import EngineConfig
 from deepserve.hardware.catalog import Accelerator, host_accelerator
-from deepserve.hardware.host import HostMeasurement, measure_host
+from deepserve.hardware.host import RATES, HostMeasurement, measure_host
 from deepserve.models import load_spec
 from deepserve.models.presets import TINY_MODEL_NAME
 from deepserve.net import free_port
@@ -66,7 +66,6 @@ METRICS = ("ttft_ms", "tpot_ms", "output_tok_s")
 MAX_MODEL_LEN = 32768  # what `deepserve serve` gives vLLM's CPU build (engines/vllm.py)
 MIN_STEADY_REQUESTS = 3
 WARMUP_REQUESTS = 2  # sent by the bench before each point's measured run, each prompt led by a mark of its own
-DECODE_RATES = ("decode_attention_gb_s", "decode_attention_gflops")  # measured on AMX hosts only
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,7 @@ def bench(engine_url: str, input_len: int, concurrency: int, args: argparse.Name
     prompts at every point, and where vLLM keeps a prefix cache (its CPU build on a CPU with AMX, every GPU) a later
     point's first requests would find their whole prompt cached. The bench's warm-ups lead their prompts with a mark
     of their own, so they cannot warm the measured prompts' cache either."""
-    host = measure_host().to_json()
+    host = measure_host(probes=1).to_json()  # one probe a point; --machine median takes the median over points
     name = f"in{input_len}-c{concurrency}.json"
     prompts = max(args.min_prompts, concurrency * args.rounds)
     seed = input_len * 1000 + concurrency
@@ -314,7 +313,7 @@ def calibration_points(points: list[Point], calibration: list[tuple[int, ...]], 
 def with_median_machine(points: list[Point]) -> list[Point]:
     """POINTS, each with the median of all their machine measurements in place of its own."""
     typical = dict(points[0].host)
-    for name in ("memory_bandwidth_gb_s", "fp32_gflops", "bf16_gflops", "attention_gflops", *DECODE_RATES):
+    for name in RATES:
         values = [p.host[name] for p in points if p.host.get(name) is not None]
         typical[name] = statistics.median(values) if values else None
     return [replace(point, host=typical) for point in points]

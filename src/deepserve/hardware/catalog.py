@@ -165,6 +165,7 @@ def host_accelerator(measurement: HostMeasurement | None = None) -> Accelerator:
                 if decode_memory
                 else ""
             )
+            + _probe_words(m)
             + " (hardware/host.py)",
         ),
         aliases=HOST_NAMES[1:],
@@ -177,6 +178,14 @@ def host_accelerator(measurement: HostMeasurement | None = None) -> Accelerator:
 
 HOST_AMX_ARCHITECTURE = "x86-amx"  # vLLM's CPU build runs MLA with its AMX kernels here (engines/vllm.py)
 _ATTENTION_KERNELS = {"sdpa": "PyTorch SDPA", "amx_mla": "vLLM's AMX MLA kernel"}
+
+
+def _probe_words(m: HostMeasurement) -> str:
+    """How many probes the rates are the median of, and how far the linear's spread."""
+    if m.probes < 2:
+        return ""
+    spread = f", the linear from {m.bf16_gflops_range[0]} to {m.bf16_gflops_range[1]}" if m.bf16_gflops_range else ""
+    return f"; each rate the median of {m.probes} probes{spread}"
 
 
 def _kernel_name(kernel: str) -> str:

@@ -4,6 +4,12 @@ The planner's CPU profile and the report's "how close to the hardware limit" lin
 machine the engine runs on. Datasheets do not give them for an arbitrary (often virtual) CPU, so we measure them,
 once, and keep the result under DEEPSERVE_HOME keyed by host name and CPU model (`measured_host()` reuses it).
 
+One measurement is the median, rate by rate, of PROBES probes a pause apart. A virtual machine's rates change with
+its neighbours: on the 2-core Xeon VM one probe of the bf16 linear read anywhere from 290 to 960 GFLOP/s over one
+benchmark run, and a single probe stored for good priced every later plan from whichever spell it fell in
+(docs/PLANNING.md section 8). The slowest and fastest probe of the linear are kept beside the median, so a reader
+sees how steady the machine was.
+
 What is measured is what vLLM's CPU worker gets, not the whole machine: its OpenMP threads are bound to the physical
 cores of one NUMA node less the cores vLLM reserves for its scheduler process (one per local worker on x86 and Arm,
 vllm/utils/ompmultiprocessing.py), so a 2-core machine computes its model on one core. Measured here with every core,
@@ -51,10 +57,11 @@ import json
 import os
 import platform
 import socket
+import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +74,17 @@ MATMUL_SIZE = 1024
 BF16_LINEAR_SHAPE = (512, 512, 1024)  # tokens, in features, out features: a prefill chunk through a projection
 PREFILL_ATTENTION_SHAPE = (8, 512, 192, 128)  # heads, prompt tokens, query/key and value sizes per head (DeepSeek's)
 REPEATS = 5
-FORMAT = "deepserve-host/5"
+PROBES = 3  # probes of the whole machine behind one measurement; their median is stored
+PROBE_PAUSE_S = 2.0  # between probes, so that they sample more than one instant of a shared machine
+RATES = (  # the measured speeds, each the median of the probes
+    "memory_bandwidth_gb_s",
+    "fp32_gflops",
+    "bf16_gflops",
+    "attention_gflops",
+    "decode_attention_gb_s",
+    "decode_attention_gflops",
+)
+FORMAT = "deepserve-host/6"
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 AMX_CPU_FLAG = "amx_tile"
 LATENT_SIZES = (512, 64)  # MLA's compressed KV per position: kv_lora_rank, qk_rope_head_dim (DeepSeek V2/V3)
@@ -90,6 +107,8 @@ class HostMeasurement:
     decode_attention_gflops: float | None = None  # the same kernel at 128 heads, in the planner's (absorbed) FLOPs
     amx: bool | None = None  # x86 AMX tiles: vLLM's CPU build then runs MLA with its AMX kernels; None when unknown
     attention_kernel: str = "sdpa"  # what attention_gflops timed: "sdpa" (PyTorch) or "amx_mla" (vLLM's kernel)
+    probes: int = 1  # probes behind the rates above, each rate their median
+    bf16_gflops_range: tuple[float, float] | None = None  # the slowest and fastest probe of the bf16 linear
     format: str = FORMAT
 
     @property
@@ -160,13 +179,39 @@ def _read_cached() -> HostMeasurement | None:
     if not isinstance(data, dict) or data.get("key") != host_key() or data.get("format") != FORMAT:
         return None
     data.pop("key")
+    if isinstance(data.get("bf16_gflops_range"), list):  # JSON keeps the pair as a list
+        data["bf16_gflops_range"] = tuple(data["bf16_gflops_range"])
     try:
         return HostMeasurement(**data)
     except TypeError:
         return None
 
 
-def measure_host() -> HostMeasurement:
+def measure_host(probes: int = PROBES, pause_s: float = PROBE_PAUSE_S) -> HostMeasurement:
+    """PROBES probes of this machine, PAUSE_S apart, as one measurement: each rate the median of the probes'."""
+    taken = []
+    for index in range(probes):
+        if index:
+            time.sleep(pause_s)
+        taken.append(probe_host())
+    return median_measurement(taken)
+
+
+def median_measurement(probes: Sequence[HostMeasurement]) -> HostMeasurement:
+    """One measurement from several of the same machine: each rate the median of those measured, the rest (names,
+    flags, time) from the first; `probes` counts them all."""
+    rates: dict[str, Any] = {}
+    for name in RATES:
+        values = [getattr(probe, name) for probe in probes if getattr(probe, name) is not None]
+        rates[name] = _rounded(statistics.median(values)) if values else None
+    linear = [probe.bf16_gflops for probe in probes if probe.bf16_gflops is not None]
+    spread = (min(linear), max(linear)) if linear else None
+    count = sum(probe.probes for probe in probes)
+    return replace(probes[0], **rates, probes=count, bf16_gflops_range=spread)
+
+
+def probe_host() -> HostMeasurement:
+    """One probe of each rate (a second or a few)."""
     threads = engine_threads()
     flags = cpu_flags() if Path("/proc/cpuinfo").is_file() else None  # None: no word from the OS either way
     amx = AMX_CPU_FLAG in flags if flags is not None else None

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from deepserve.hardware import host
+from deepserve.hardware.catalog import host_accelerator
 
 
 @pytest.fixture
@@ -35,6 +36,33 @@ def test_another_hosts_file_is_measured_again(isolated_home: Path, quick_measure
     host.cache_path().write_text(json.dumps({**data, "key": "elsewhere|cpu|64"}))
     host.measured_host()
     assert len(quick_measure) == 2
+
+
+def test_a_measurement_is_the_median_of_its_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared VM's linear rate flips between spells; one probe in a slow one must not price every later plan."""
+    linear = iter([290.0, 960.0, 900.0])
+    bandwidth = iter([20.0, 10.0, 30.0])
+
+    def probe() -> host.HostMeasurement:
+        return host.HostMeasurement("h", "cpu", 2, next(bandwidth), 100.0, next(linear), "2026-11-29T12:00:00Z")
+
+    monkeypatch.setattr(host, "probe_host", probe)
+    pauses: list[float] = []
+    monkeypatch.setattr(host.time, "sleep", pauses.append)
+    measured = host.measure_host(probes=3, pause_s=2.0)
+    assert measured.bf16_gflops == 900.0 and measured.memory_bandwidth_gb_s == 20.0
+    assert measured.bf16_gflops_range == (290.0, 960.0) and measured.probes == 3
+    assert measured.attention_gflops is None  # a rate no probe measured stays unmeasured
+    assert pauses == [2.0, 2.0]
+    words = " ".join(host_accelerator(measured).sources)
+    assert "median of 3 probes, the linear from 290.0 to 960.0" in words
+
+
+def test_the_stored_spread_reads_back_as_measured(isolated_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    probes = [host.HostMeasurement("h", "cpu", 2, 20.0, 100.0, rate, "t") for rate in (300.0, 500.0, 400.0)]
+    monkeypatch.setattr(host, "measure_host", lambda: host.median_measurement(probes))
+    first = host.measured_host()
+    assert host.measured_host() == first and first.bf16_gflops_range == (300.0, 500.0)
 
 
 def test_real_measurement_is_positive() -> None:

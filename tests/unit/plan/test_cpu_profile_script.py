@@ -84,7 +84,8 @@ def test_every_point_draws_prompts_of_its_own_and_warms_up_inside_its_bench(
             (tmp_path / command[command.index("--result-filename") + 1]).write_text(json.dumps(result))
 
     monkeypatch.setattr(script.subprocess, "run", bench_run)
-    monkeypatch.setattr(script, "measure_host", lambda: script.HostMeasurement("h", "cpu", 2, 1.0, 1.0, 1.0, "t"))
+    probe = script.HostMeasurement("h", "cpu", 2, 1.0, 1.0, 1.0, "t")
+    monkeypatch.setattr(script, "measure_host", lambda probes: probe)
     monkeypatch.setattr(script, "steady_state", lambda result, concurrency: None)
     args = argparse.Namespace(min_prompts=8, rounds=4, output_len=128, range_ratio=0.5)
     for input_len in (128, 512):
