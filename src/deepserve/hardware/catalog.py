@@ -160,7 +160,8 @@ def host_accelerator(measurement: HostMeasurement | None = None) -> Accelerator:
                 else ""
             )
             + (
-                f", vLLM's AMX MLA decode kernel at {m.decode_attention_gb_s} GB/s of cache (4 heads) and "
+                f", {_decode_kernel_name(m.decode_attention_kernel)} at {m.decode_attention_gb_s} GB/s of cache "
+                f"(4 heads) and "
                 f"{m.decode_attention_gflops} GFLOP/s (128 heads)"
                 if decode_memory
                 else ""
@@ -186,6 +187,13 @@ def _probe_words(m: HostMeasurement) -> str:
         return ""
     spread = f", the linear from {m.bf16_gflops_range[0]} to {m.bf16_gflops_range[1]}" if m.bf16_gflops_range else ""
     return f"; each rate the median of {m.probes} probes{spread}"
+
+
+_DECODE_KERNELS = {"amx_mla": "vLLM's AMX MLA decode kernel", "cpu_mla": "vLLM's reference CPU MLA decode kernel"}
+
+
+def _decode_kernel_name(kernel: str) -> str:
+    return _DECODE_KERNELS.get(kernel, kernel)
 
 
 def _kernel_name(kernel: str) -> str:

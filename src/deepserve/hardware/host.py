@@ -45,6 +45,11 @@ change, and the planner priced prompts at half their cost (docs/PLANNING.md sect
   FLOPs: recorded in the planner's absorbed count ((512 + 64) + 512 per head and position), 120-200 GFLOP/s there.
   The planner charges a decode step the larger of the two (plan/kernels.py); charged at the copy bandwidth, a step
   of 64 sequences of the tiny model at 576 positions was priced at 9 ms where the kernel took 33.
+  Elsewhere, where vLLM is installed, the same two figures for the kernel its reference CPU MLA backend decodes with
+  (`mla_decode_kvcache`, csrc/cpu/mla_decode.cpp; 16-position blocks). Measured on a 2-core AMD EPYC with
+  AVX512-BF16 (2026-11-29): 3.1-4.0 GB/s of cache at 4 heads against 24-28 for a copy (about 300 ns a position
+  and layer), 35-47 GFLOP/s at 128; charged at the copy bandwidth, the CPU profile predicted its decode steps at
+  512-token prompts and 16-64 clients a quarter too fast (docs/PLANNING.md section 8).
 - Whether the CPU has bf16 units (AVX512-BF16 or AMX) and AMX tiles: the latter decide vLLM's MLA backend, and with
   it whether prompts are chunked (engines/vllm.py, `cpu_runs_prompts_whole`).
 """
@@ -75,7 +80,7 @@ BF16_LINEAR_SHAPE = (512, 512, 1024)  # tokens, in features, out features: a pre
 PREFILL_ATTENTION_SHAPE = (8, 512, 192, 128)  # heads, prompt tokens, query/key and value sizes per head (DeepSeek's)
 REPEATS = 5
 PROBES = 3  # probes of the whole machine behind one measurement; their median is stored
-PROBE_PAUSE_S = 2.0  # between probes, so that they sample more than one instant of a shared machine
+PROBE_PAUSE_S = 1.0  # between probes, so that they sample more than one instant of a shared machine
 RATES = (  # the measured speeds, each the median of the probes
     "memory_bandwidth_gb_s",
     "fp32_gflops",
@@ -88,6 +93,10 @@ FORMAT = "deepserve-host/6"
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 AMX_CPU_FLAG = "amx_tile"
 LATENT_SIZES = (512, 64)  # MLA's compressed KV per position: kv_lora_rank, qk_rope_head_dim (DeepSeek V2/V3)
+REFERENCE_BLOCK = 16  # positions per cache block: the only size vLLM's reference CPU MLA decode kernel takes
+# At 128 heads that kernel is bound by FLOPs: an eighth of the sequences gives the same rate in an eighth of the time
+# (on the 2-core EPYC, alternating: 39.2 and 38.5 GFLOP/s at 64 sequences, 233-237 ms a call; 38.7 and 38.6 at 8).
+REFERENCE_FLOP_BOUND_FRACTION = 8
 VLLM_RESERVED_CORES_PER_WORKER = 1  # vLLM keeps a core per local CPU worker for its scheduler (x86, Arm)
 
 
@@ -107,6 +116,7 @@ class HostMeasurement:
     decode_attention_gflops: float | None = None  # the same kernel at 128 heads, in the planner's (absorbed) FLOPs
     amx: bool | None = None  # x86 AMX tiles: vLLM's CPU build then runs MLA with its AMX kernels; None when unknown
     attention_kernel: str = "sdpa"  # what attention_gflops timed: "sdpa" (PyTorch) or "amx_mla" (vLLM's kernel)
+    decode_attention_kernel: str = "amx_mla"  # what the decode rates timed: "amx_mla" or "cpu_mla" (the reference)
     probes: int = 1  # probes behind the rates above, each rate their median
     bf16_gflops_range: tuple[float, float] | None = None  # the slowest and fastest probe of the bf16 linear
     format: str = FORMAT
@@ -205,7 +215,7 @@ def median_measurement(probes: Sequence[HostMeasurement]) -> HostMeasurement:
         values = [getattr(probe, name) for probe in probes if getattr(probe, name) is not None]
         rates[name] = _rounded(statistics.median(values)) if values else None
     linear = [probe.bf16_gflops for probe in probes if probe.bf16_gflops is not None]
-    spread = (min(linear), max(linear)) if linear else None
+    spread = (min(linear), max(linear)) if len(linear) > 1 else None  # one probe has no spread
     count = sum(probe.probes for probe in probes)
     return replace(probes[0], **rates, probes=count, bf16_gflops_range=spread)
 
@@ -218,6 +228,9 @@ def probe_host() -> HostMeasurement:
     attention = vllm_amx_prefill_attention_gflops(threads=threads) if amx else None
     kernel = "amx_mla" if attention else "sdpa"
     decode = vllm_amx_decode_attention(threads=threads) if attention else None
+    decode_kernel = "cpu_mla" if amx is False else "amx_mla"  # an AMX host whose kernels fail stays unmeasured
+    if amx is False:
+        decode = vllm_reference_decode_attention(threads=threads)
     attention = attention or torch_prefill_attention_gflops(threads=threads)
     return HostMeasurement(
         host=socket.gethostname(),
@@ -234,6 +247,7 @@ def probe_host() -> HostMeasurement:
         attention_kernel=kernel,
         decode_attention_gb_s=_rounded(decode.cache_gb_s) if decode else None,
         decode_attention_gflops=_rounded(decode.gflops) if decode else None,
+        decode_attention_kernel=decode_kernel,
     )
 
 
@@ -420,10 +434,37 @@ def vllm_amx_decode_attention(
         many = _amx_decode_seconds(ops, sequences, positions, heads[1], threads)
     except (RuntimeError, AttributeError):  # a build without the AMX kernels
         return None
+    return _decode_rates(sequences, positions, heads[1], few, many)
+
+
+def vllm_reference_decode_attention(
+    sequences: int = 64, positions: int = 512, heads: tuple[int, int] = (4, 128), threads: int | None = None
+) -> DecodeAttentionRates | None:
+    """The decode kernel of vLLM's reference CPU MLA backend (`mla_decode_kvcache`, what it decodes with where the
+    CPU has no AMX tiles), over the same sequences and head counts as the AMX one; None where vLLM's CPU build does
+    not import or has no such kernel."""
+    try:
+        from vllm import _custom_ops as ops
+    except Exception:  # vLLM's import fails in many ways off its CPU build; any of them means no kernel to time
+        return None
+    flop_bound = max(1, sequences // REFERENCE_FLOP_BOUND_FRACTION)
+    try:
+        few = _reference_decode_seconds(ops, sequences, positions, heads[0], threads)
+        many = _reference_decode_seconds(ops, flop_bound, positions, heads[1], threads)
+    except (RuntimeError, AttributeError):  # a build without the kernel
+        return None
+    return _decode_rates(sequences, positions, heads[1], few, many, flop_bound)
+
+
+def _decode_rates(
+    sequences: int, positions: int, many_heads: int, few_s: float, many_s: float, many_sequences: int | None = None
+) -> DecodeAttentionRates:
+    """The cache rate of SEQUENCES at few heads in FEW_S, the FLOP rate of MANY_SEQUENCES (default: as many) at
+    MANY_HEADS in MANY_S."""
     latent, rope = LATENT_SIZES
     cache_bytes = sequences * positions * (latent + rope) * 2  # bf16
-    flops = 2 * sequences * positions * heads[1] * (latent + rope + latent)
-    return DecodeAttentionRates(cache_bytes / few / 1e9, flops / many / 1e9)
+    flops = 2 * (many_sequences or sequences) * positions * many_heads * (latent + rope + latent)
+    return DecodeAttentionRates(cache_bytes / few_s / 1e9, flops / many_s / 1e9)
 
 
 def _vllm_amx_ops() -> Any:
@@ -465,6 +506,27 @@ def _amx_decode_seconds(ops: Any, sequences: int, positions: int, heads: int, th
             query, cache, cache[..., :latent], out, None, None, None, partial, rows,
             torch.arange(sequences, dtype=torch.int64), lengths, (latent + rope) ** -0.5, 0.0, False, 0, None, None,
         )  # fmt: skip
+
+    with _torch_threads(torch, threads):
+        attend()
+        return min(_timed(attend) for _ in range(REPEATS))
+
+
+def _reference_decode_seconds(ops: Any, sequences: int, positions: int, heads: int, threads: int | None) -> float:
+    """Best of REPEATS of one decode step's attention for one layer through the reference kernel, its cache in
+    blocks of REFERENCE_BLOCK positions as the CPU platform sets them for MLA."""
+    import torch
+
+    latent, rope = LATENT_SIZES
+    blocks = -(-positions // REFERENCE_BLOCK)
+    cache = torch.randn(sequences * blocks, REFERENCE_BLOCK, latent + rope, dtype=torch.bfloat16)
+    query = torch.randn(sequences, heads, latent + rope, dtype=torch.bfloat16)
+    out = torch.zeros(sequences, heads, latent, dtype=torch.bfloat16)
+    tables = torch.arange(sequences * blocks, dtype=torch.int32).view(sequences, blocks)
+    lengths = torch.full((sequences,), positions, dtype=torch.int32)
+
+    def attend() -> None:
+        ops.mla_decode_kvcache_cpu(out, query, cache, (latent + rope) ** -0.5, tables, lengths)
 
     with _torch_threads(torch, threads):
         attend()

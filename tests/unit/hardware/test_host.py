@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from deepserve.hardware import host
 from deepserve.hardware.catalog import host_accelerator
+from deepserve.plan.kernels import kernel_rates
 
 
 @pytest.fixture
@@ -149,4 +151,36 @@ def test_vllms_amx_mla_kernels_are_timed_where_the_cpu_has_them() -> None:
         assert prefill is None and decode is None
         return
     assert prefill is not None and prefill > 0
+    assert decode is not None and decode.cache_gb_s > 0 and decode.gflops > 0
+
+
+def test_a_host_without_amx_times_the_reference_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU build decodes MLA with its reference kernel where the CPU has no AMX tiles; charged at the copy
+    bandwidth instead, the profile priced decode steps at 512-token prompts a quarter too fast on an AVX512 EPYC."""
+    monkeypatch.setattr(host, "cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setattr(host, "copy_bandwidth_gb_s", lambda threads: 27.0)
+    monkeypatch.setattr(host, "numpy_matmul_gflops", lambda: 190.0)
+    monkeypatch.setattr(host, "torch_bf16_matmul_gflops", lambda threads: 210.0)
+    monkeypatch.setattr(host, "torch_prefill_attention_gflops", lambda threads: 31.0)
+    monkeypatch.setattr(host, "vllm_reference_decode_attention", lambda threads: host.DecodeAttentionRates(3.3, 46.0))
+
+    def no_amx(**_: object) -> None:
+        raise AssertionError("an AMX kernel timed on a CPU without AMX tiles")
+
+    monkeypatch.setattr(host, "vllm_amx_decode_attention", no_amx)
+    monkeypatch.setattr(host, "vllm_amx_prefill_attention_gflops", no_amx)
+    probe = host.probe_host()
+    assert (probe.decode_attention_gb_s, probe.decode_attention_gflops) == (3.3, 46.0)
+    assert probe.decode_attention_kernel == "cpu_mla" and probe.amx is False
+    accelerator = host_accelerator(probe)
+    assert "reference CPU MLA decode kernel at 3.3 GB/s" in accelerator.sources[0]
+    decode = kernel_rates(accelerator, "bf16").rate("mla_decode")
+    assert decode.memory_efficiency == pytest.approx(3.3 / 27.0, abs=1e-3) and decode.measured
+
+
+def test_vllms_reference_mla_decode_kernel_is_timed_where_vllm_is_installed() -> None:
+    """The kernel vLLM's reference CPU MLA backend decodes with, called as it calls it, at small shapes."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM's CPU build is not installed (the Python 3.10 stage)")
+    decode = host.vllm_reference_decode_attention(sequences=2, positions=40, heads=(4, 16), threads=1)
     assert decode is not None and decode.cache_gb_s > 0 and decode.gflops > 0
