@@ -30,6 +30,9 @@ from deepserve.models.chat_format import ChatFormat, model_chat_format
 
 GIB = 1024**3
 CPU_DEFAULT_KV_CACHE_GIB = 1.0  # the tiny model needs 4.6 KB/token: 1 GiB holds about 230K tokens
+# The tiny V4's one 32,768-token request asked vLLM's CPU build for 1.18 GiB of KV cache on a CPU without AMX (a 2-core
+# EPYC, 2026-11-29: the engine refused to start with 1 GiB); 1 GiB had held it on the AMX Xeon.
+CPU_V4_KV_CACHE_GIB = 2.0
 CPU_DEFAULT_MAX_MODEL_LEN = 32768
 # vLLM's own defaults for what a config leaves out (vllm/engine/arg_utils.py, the OpenAI server's usage context), for
 # the memory plan serve checks and the simulator, which must assume what vLLM will do.
@@ -185,11 +188,21 @@ def _api_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, ob
     return [("--served-model-name", model.served_name), ("--host", config.host), ("--port", config.port)]
 
 
+def cpu_default_kv_cache_gib(model_source: str) -> float:
+    """The KV cache vLLM's CPU build gets when none is asked for: CPU_V4_KV_CACHE_GIB for a DeepSeek-V4 checkpoint
+    (its config.json's model_type), else CPU_DEFAULT_KV_CACHE_GIB."""
+    try:
+        model_type = json.loads((Path(model_source) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return CPU_DEFAULT_KV_CACHE_GIB
+    return CPU_V4_KV_CACHE_GIB if model_type == "deepseek_v4" else CPU_DEFAULT_KV_CACHE_GIB
+
+
 def _model_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, object]]:
     max_model_len = config.max_model_len
     if model.on_cpu and max_model_len is None:
         max_model_len = CPU_DEFAULT_MAX_MODEL_LEN
-    kv_gib = config.kv_cache_memory_gib or (CPU_DEFAULT_KV_CACHE_GIB if model.on_cpu else None)
+    kv_gib = config.kv_cache_memory_gib or (cpu_default_kv_cache_gib(model.source) if model.on_cpu else None)
     return [
         ("--tensor-parallel-size", unless_one(config.tensor_parallel_size)),
         ("--pipeline-parallel-size", unless_one(config.pipeline_parallel_size)),

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 
 from deepserve.engines.config import EngineConfig
-from deepserve.engines.vllm import CPU_DEFAULT_KV_CACHE_GIB, DEFAULT_GPU_MEMORY_UTILIZATION, default_batch_limits
+from deepserve.engines.vllm import DEFAULT_GPU_MEMORY_UTILIZATION, cpu_default_kv_cache_gib, default_batch_limits
 from deepserve.errors import ConfigError, ModelError
 from deepserve.hardware.catalog import Accelerator, get_accelerator, match_device_name
 from deepserve.models.resolve import load_spec
@@ -96,7 +96,7 @@ def check_cpu_fit(config: EngineConfig, model_source: str, available_bytes: int,
     draft_layers = spec.num_mtp_layers if loads_drafts and spec.draft_method else 0
     per_worker = sum(c.bytes_per_gpu for c in weights_per_gpu(spec, fmt, layout, draft_layers))
     workers = layout.gpus // config.nnodes * nodes_on_this_host
-    kv_bytes = (config.kv_cache_memory_gib or CPU_DEFAULT_KV_CACHE_GIB) * GIB * workers
+    kv_bytes = (config.kv_cache_memory_gib or cpu_default_kv_cache_gib(model_source)) * GIB * workers
     need = per_worker * workers + kv_bytes + CPU_PROCESS_OVERHEAD_BYTES * workers
     numbers = (
         f"{spec.name} ({fmt.name}) needs {need / GB:,.1f} GB of RAM on this host ({per_worker * workers / GB:,.1f} "

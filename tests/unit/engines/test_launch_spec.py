@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 from deepserve.engines.config import EngineConfig
@@ -75,6 +79,14 @@ def test_vllm_on_cpu_sizes_context_and_kv_cache() -> None:
     explicit = vllm_argv(CPU_MODEL, max_model_len=16384, kv_cache_memory_gib=0.5)
     assert flag_value(explicit, "--max-model-len") == "16384"
     assert flag_value(explicit, "--kv-cache-memory-bytes") == str(512 * 1024**2)
+
+
+def test_vllm_on_cpu_gives_a_v4_checkpoint_the_kv_cache_its_longest_request_needs(tmp_path: Path) -> None:
+    """Without AMX, vLLM's CPU build asked 1.18 GiB for one 32,768-token request of the tiny V4 and refused 1 GiB."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    v4 = replace(CPU_MODEL, source=str(tmp_path))
+    assert flag_value(vllm_argv(v4), "--kv-cache-memory-bytes") == str(2 * 1024**3)
+    assert flag_value(vllm_argv(v4, kv_cache_memory_gib=0.5), "--kv-cache-memory-bytes") == str(512 * 1024**2)
 
 
 def test_passthrough_arguments_come_last_unchanged() -> None:
