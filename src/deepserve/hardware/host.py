@@ -227,10 +227,10 @@ def probe_host() -> HostMeasurement:
     amx = AMX_CPU_FLAG in flags if flags is not None else None
     attention = vllm_amx_prefill_attention_gflops(threads=threads) if amx else None
     kernel = "amx_mla" if attention else "sdpa"
-    decode = vllm_amx_decode_attention(threads=threads) if attention else None
-    decode_kernel = "cpu_mla" if amx is False else "amx_mla"  # an AMX host whose kernels fail stays unmeasured
     if amx is False:
-        decode = vllm_reference_decode_attention(threads=threads)
+        decode, decode_kernel = vllm_reference_decode_attention(threads=threads), "cpu_mla"
+    else:  # an AMX host whose kernels fail stays unmeasured: vLLM does not run the reference kernel there
+        decode, decode_kernel = vllm_amx_decode_attention(threads=threads) if attention else None, "amx_mla"
     attention = attention or torch_prefill_attention_gflops(threads=threads)
     return HostMeasurement(
         host=socket.gethostname(),
