@@ -15,7 +15,7 @@ from deepserve.config import load_section
 from deepserve.plan.explain import budget_words, fitting_layout_text
 from deepserve.plan.memory import DRAFT_COMPONENT
 from deepserve.plan.planner import Plan, make_plan
-from deepserve.plan.types import PlanConfig
+from deepserve.plan.types import Deployment, PlanConfig
 from deepserve.simulate.forecast import SimulatorForecaster
 
 GB = 1e9
@@ -66,10 +66,17 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nodes_text(d: Deployment) -> str:
+    """Nodes, and the machines where one node's NVLink domain spans several (an NVL72 rack's trays)."""
+    if d.hosts > d.nodes:
+        return f"{d.nodes} NVLink domain(s) over {d.hosts} machines"
+    return f"{d.nodes} node(s)"
+
+
 def print_plan(console: Console, plan: Plan) -> None:
     d, memory = plan.deployment, plan.deployment.memory
     console.print(
-        f"[bold]{d.spec.name}[/] on {d.layout.gpus} x {d.accelerator.name} ({d.nodes} node(s)), "
+        f"[bold]{d.spec.name}[/] on {d.layout.gpus} x {d.accelerator.name} ({_nodes_text(d)}), "
         f"{d.layout.describe()}, weights {d.fmt.name} ({d.fmt.description}), KV cache {d.kv_dtype}",
         highlight=False,
     )

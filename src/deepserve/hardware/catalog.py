@@ -78,6 +78,13 @@ class Accelerator:
         entry states no devices_per_host)."""
         return self.devices_per_host or self.devices_per_node
 
+    def nvlink_domains(self, gpus: int, machines: int) -> int:
+        """GPUS on MACHINES as the planner counts nodes: scale-up (NVLink) domains. Users, launchers and published
+        setups count machines, and an NVL72 rack's 18 compute trays of 4 GPUs are one domain (LMSYS's 48-GPU
+        decode on 12 trays ran its all-to-all over NVLink); on an 8-GPU HGX node the two counts are the same."""
+        machines_per_domain = max(self.devices_per_node // self.gpus_per_machine, 1)
+        return max(-(-machines // machines_per_domain), -(-gpus // self.devices_per_node), 1)
+
 
 def _load_accelerators() -> tuple[Accelerator, ...]:
     """data/accelerators.json: every figure with the vendor page it comes from."""

@@ -340,11 +340,10 @@ def check_context_length(spec: ModelSpec, max_model_len: int | None) -> None:
 
 
 def nodes_for(config: PlanConfig) -> int:
-    """--nodes, or the fewest whole nodes that hold --gpus (16 H100s: two nodes of 8, as practitioners run it)."""
-    if config.nodes is not None:
-        return config.nodes
-    per_node = get_accelerator(config.gpu).devices_per_node
-    return max(-(-config.gpus // per_node), 1)
+    """The NVLink domains of --nodes machines (12 trays of an NVL72 rack are one), or the fewest whole nodes that
+    hold --gpus (16 H100s: two nodes of 8, as practitioners run it)."""
+    accelerator = get_accelerator(config.gpu)
+    return accelerator.nvlink_domains(config.gpus, config.nodes or 1)
 
 
 def smallest_fitting_gpus(config: PlanConfig) -> int | None:

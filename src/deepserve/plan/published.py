@@ -129,6 +129,10 @@ SOURCE_SETUPS = {
     # server's default, far above 128 clients); free_gpu_memory_fraction 0.8 (0.75 for 8K/1K on TP4, where either
     # leaves some 14 GiB per GPU, hundreds of times what 8 clients hold); the client of the InferenceX runs above.
     "inferencex-3317-b200-trt": replace(_INFERENCEX_CLIENT, max_num_batched_tokens=8192, gpu_memory_utilization=0.8),
+    # LMSYS GB200 part II (lm-sys.github.io blog/2025-09-25-gb200-part-2.md): each decode rank's batch fills its KV
+    # cache, which the blog puts at 1,408 sequences for 2K prompts (768 for 4K) with FP8 attention; where the cache
+    # holds fewer (BF16 attention), the batch is what it holds (scoring.py takes the smaller).
+    "lmsys-gb200-2": SourceSetup(decode_batch_per_gpu=1408),
     # PR 3602: bench_serving's default range ratio (lengths uniform in [1, L]).
     "sglang-3602-h200": SourceSetup(length_mean_factor=0.5, length_spread=1.0),
     # SGLang's DeepSeek-V4 cookbook (docs_new/src/snippets/configs/deepseek-ai/deepseek-v4.jsx, benchmarkCommands):
@@ -489,7 +493,7 @@ def _row_build(row: PublishedRow) -> Deployment:
         row_spec(row),
         row.hardware,
         row.gpus,
-        nodes=row.stage_count,
+        nodes=get_accelerator(row.hardware).nvlink_domains(row.gpus, row.stage_count),
         weights=row.weight_format,
         layout=row.layout(),
         engine=row.engine,

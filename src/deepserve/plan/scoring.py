@@ -95,7 +95,8 @@ def _phase_rate(row: PublishedRow, deployment: Deployment, model: PerformanceMod
         tokens = setup.prefill_tokens_per_gpu or (row.concurrency or 1) * workload.input_len / row.gpus
         return prefill_rate(model, workload.input_len, tokens).tokens_per_s_per_gpu
     context = workload.input_len + workload.output_len / 2
-    sequences = setup.decode_batch_per_gpu or deployment.running_cap / deployment.layout.gpus
+    held = deployment.running_cap / deployment.layout.gpus  # a decode batch is at most what the KV cache holds
+    sequences = min(setup.decode_batch_per_gpu, held) if setup.decode_batch_per_gpu else held
     return decode_rate(model, context, sequences).tokens_per_s_per_gpu
 
 

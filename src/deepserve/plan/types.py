@@ -32,7 +32,12 @@ class PlanConfig(Section):
     model: str = Field("deepseek-ai/DeepSeek-V3", description="preset name (`deepserve model list`) or model dir")
     gpu: str = Field("h100", description="GPU type from the catalog, case-insensitive (h100 = H100 SXM)")
     gpus: int = Field(8, ge=1, description="total GPUs (all nodes)")
-    nodes: int | None = Field(None, ge=1, description="nodes the GPUs are spread over (default: as few as hold them)")
+    nodes: int | None = Field(
+        None,
+        ge=1,
+        description="machines the GPUs are spread over (an NVL72 rack's compute trays share its NVLink; default: as "
+        "few as hold them)",
+    )
     weights: str | None = Field(
         None,
         description=(

@@ -35,13 +35,17 @@ def test_leave_one_source_out_stays_within_what_was_measured(forecast_validation
     result, seconds = forecast_validation
     headline = result.held_out.headline
     assert len(headline.results) >= 90
-    # after section 6's step 9 (the engines' own all-reduce inside a node): 17.0% and 13.9%
+    # after section 6's step 9 (the engines' own all-reduce inside a node): 17.0% and 13.9%; after step 16 (an NVL72
+    # rack's trays one NVLink domain, SGLang refitted on the GB200 decode rows it moved): 17.3% and 14.3%
     assert headline.mape_pct("throughput") <= 17.5 and headline.mape_pct("tpot") <= 14.5
     assert headline.mape_pct("ttft") <= TARGET_MAPE_PCT["ttft"]
     off = result.held_out.off_by_more_than_2x
     guarded_alone = {"inferencex-3318-mi325x", "lmsys-amd-mtp-mi300x", "sglang-v4-cookbook"}
-    # nine rows beyond 2x outside the sources guarded on their own below (docs/PLANNING.md section 6)
-    assert len([r for r in off if r.row.source_id not in guarded_alone]) <= 9
+    # eight rows beyond 2x outside the sources guarded on their own below (docs/PLANNING.md section 6): GB200's
+    # decode row 109 (0.43 with its 12 trays read as 12 machines on the network) is 0.90 since step 16
+    assert len([r for r in off if r.row.source_id not in guarded_alone]) <= 8
+    gb200 = [r for r in result.held_out.results if r.row.source_id in ("lmsys-gb200-1", "lmsys-gb200-2")]
+    assert len(gb200) == 3 and all(0.5 <= r.ratio <= 2.0 for r in gb200)
     # InferenceX's MI325X sweep: its throughputs and TPOTs within 2x held out, only its 4-client mean first token
     # (row 435: 1,025 ms published, about 440 predicted) beyond
     assert [r.row.number for r in off if r.row.source_id == "inferencex-3318-mi325x"] == [435]

@@ -186,3 +186,13 @@ def test_an_nvl72_rack_launches_on_its_compute_trays() -> None:
     assert (tp8.nnodes, plan.deployment.hosts) == (2, 2)
     _, plan = planned_config(EngineConfig(model=V3), "h100", 16)
     assert (plan.deployment.nodes, plan.deployment.hosts) == (2, 2)
+
+
+def test_trays_given_as_nodes_stay_one_nvlink_domain() -> None:
+    """--nnodes counts machines: 48 GPUs on 12 trays of an NVL72 rack are planned as one NVLink domain, so the
+    experts' all-to-all runs over NVLink, not over the network between machines."""
+    layout = EngineConfig(model=V3, tensor_parallel_size=1, data_parallel_size=48, enable_expert_parallel=True)
+    config, plan = planned_config(layout.model_copy(update={"nnodes": 12}), "gb200", 48)
+    assert (plan.deployment.nodes, plan.deployment.hosts, config.nnodes) == (1, 12, 12)
+    links = plan.deployment.performance_model().links
+    assert links.experts.kind == "nvlink5" and links.expert_nodes == 1

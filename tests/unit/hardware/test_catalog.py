@@ -122,6 +122,14 @@ def test_nvl72_racks_are_one_72_gpu_nvlink_domain() -> None:
     assert get_accelerator("b200").devices_per_host == 8
 
 
+def test_machines_count_as_nvlink_domains() -> None:
+    """12 trays of an NVL72 rack are one NVLink domain, 36 trays two; on HGX nodes a machine is a domain."""
+    gb200, h100 = get_accelerator("gb200"), get_accelerator("h100")
+    assert gb200.nvlink_domains(48, 12) == 1 and gb200.nvlink_domains(144, 36) == 2
+    assert gb200.nvlink_domains(144, 1) == 2  # more GPUs than one rack holds
+    assert h100.nvlink_domains(16, 2) == 2 and h100.nvlink_domains(16, 1) == 2 and h100.nvlink_domains(8, 2) == 2
+
+
 def test_rtx_pro_6000_is_a_pcie_blackwell() -> None:
     acc = get_accelerator("rtx-pro-6000")
     assert acc.architecture == "sm120" and acc.intra_node.kind == "pcie5" and acc.memory_gib == 96

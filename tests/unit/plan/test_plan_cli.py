@@ -399,3 +399,9 @@ def test_a_context_beyond_the_models_positions_is_refused(
     code, _out, err = run(capsys, "--model", model, "--gpu", "b200", "--max-model-len", "2000000")
     assert code != 0
     assert "--max-model-len 2,000,000 exceeds" in err and f"{limit} positions (max_position_embeddings)" in err
+
+
+def test_trays_of_an_nvl72_rack_are_named_as_one_nvlink_domain(capsys: pytest.CaptureFixture[str]) -> None:
+    """--nodes counts machines: 12 GB200 trays are one NVLink domain, and the plan says both."""
+    code, out, _ = run(capsys, "--gpu", "gb200", "--gpus", "48", "--nodes", "12", "--tp", "1", "--dp", "48", "--ep")
+    assert code == 0 and "48 x gb200 (1 NVLink domain(s) over 12 machines)" in " ".join(out.split())

@@ -13,6 +13,7 @@ from deepserve.plan.benchmark import BenchmarkRun
 from deepserve.plan.fit import fit_profiles, leave_one_source_out, row_cases
 from deepserve.plan.formats import get_format
 from deepserve.plan.kernels import KERNELS_PATH, WORK_KINDS
+from deepserve.plan.phases import decode_rate
 from deepserve.plan.profiles import MAX_FITTED, PROFILES_PATH, load_profiles, select_profile, version_in_range
 from deepserve.plan.published import (
     FIGURES_PATH,
@@ -27,7 +28,7 @@ from deepserve.plan.published import (
     row_speculation,
     unpredictable_reason,
 )
-from deepserve.plan.scoring import fits_steady
+from deepserve.plan.scoring import fits_steady, predict_row
 from deepserve.plan.speculative import MTP_ACCEPTANCE_SOURCE
 from deepserve.plan.validate import MAX_RATIO, Score, validate
 
@@ -151,6 +152,24 @@ def test_pr_5571_runs_sglangs_triton_fp8_gemm_as_its_deepgemm_off_launch_forces(
     assert cases[421].deployment.options.dense_gemm_backend == "triton"
     assert cases[421].rates.rate("dense_gemm").compute_efficiency == pytest.approx(0.30)
     assert cases[196].rates.rate("dense_gemm").compute_efficiency == pytest.approx(0.53)
+
+
+def test_gb200_decode_on_twelve_trays_exchanges_tokens_over_the_racks_nvlink() -> None:
+    """LMSYS's 48-GPU decode ran on 12 trays of one NVL72 rack: one NVLink domain, not 12 machines over the network;
+    each rank decodes the 1,408 sequences the blog states where its cache holds them, else what it holds."""
+    cases = {c.row.number: c for c in row_cases()[0]}
+    for number in (107, 109, 111):
+        deployment = cases[number].deployment
+        links = cases[number].model(cases[number].engine.parameters).links
+        assert deployment.nodes == 1 and deployment.hosts == 12
+        assert links.experts.kind == "nvlink5" and links.expert_nodes == 1
+    fp8_cache, bf16_cache = cases[109].deployment, cases[111].deployment
+    assert fp8_cache.running_cap / 48 > 1408 > bf16_cache.running_cap / 48
+    for number, batch in ((109, 1408), (111, bf16_cache.running_cap / 48)):
+        case = cases[number]
+        rate = decode_rate(case.model(case.engine.parameters), 2000, batch).tokens_per_s_per_gpu
+        predicted = predict_row(case.row, case.deployment, case.model(case.engine.parameters))
+        assert predicted == pytest.approx(rate, rel=1e-3)  # at the prompt plus half the output the row assumes
 
 
 def test_trtllm_memory_fraction_is_of_the_memory_the_weights_leave() -> None:
