@@ -298,6 +298,23 @@ def test_every_kernel_figure_has_a_source_and_a_sane_value() -> None:
         assert figures["source"], kind
 
 
+def test_amd_kernel_figures_are_sourced_not_carried_over() -> None:
+    """Issue 20: CDNA3's and CDNA4's kernels measured or sourced (AITER's tables at DeepSeek's shapes), not carried
+    over; AMD's small GEMMs take microseconds however small, so decode-size FP8 GEMMs read far less than NVIDIA's."""
+    table = json.loads(KERNELS_PATH.read_text())["classes"]
+    for name in ("cdna3", "cdna4"):
+        entry = table[name]
+        assert entry["measured"] is True and "aiter" in entry["measured_on"].lower()
+        for kind, family in (("dense_gemm", "fp8"), ("mla_decode", "any"), ("mla_prefill", "any")):
+            assert entry[kind][family].get("measured", True), f"{name}/{kind}/{family}"
+        assert (
+            entry["dense_gemm"]["fp8"]["memory_efficiency"] < table["hopper"]["dense_gemm"]["fp8"]["memory_efficiency"]
+        )
+    assert table["cdna4"]["moe_gemm"]["fp4"].get("measured", True) and table["cdna4"]["dense_gemm"]["fp4"].get(
+        "measured", True
+    )
+
+
 def test_every_row_is_either_predicted_or_explained(validation) -> None:
     seen = {r.row.number for r in validation.in_sample.results} | {s.row.number for s in validation.skipped}
     seen |= {s.row.number for s in validation.not_held_out}
