@@ -23,6 +23,7 @@ KERNELS_PATH = Path(__file__).with_name("data") / "kernels.json"
 
 # Kinds of computation, in the order a layer runs them.
 WORK_KINDS = ("dense_gemm", "moe_gemm", "mla_decode", "mla_prefill")
+FP8_CACHE_DECODE = "fp8_cache"  # an mla_decode entry for an FP8 KV cache, where the class's kernels differ for it
 LAUNCH_MODES = ("cuda_graph", "stream", "host_synchronised", "cpu_eager")
 
 
@@ -35,6 +36,7 @@ class KindRate:
     floor_us: float
     measured: bool
     source: str
+    compute_dtype: str = ""  # the dtype the kernel's matrix units run in, where not the kind's usual one
 
 
 @dataclass(frozen=True)
@@ -131,11 +133,13 @@ def kernel_rates(
     path: Path = KERNELS_PATH,
     mla_decode_backend: str | None = None,
     dense_gemm_backend: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> KernelRates:
     """The table's figures for ACCELERATOR's class and FORMAT_NAME's weight family; with MLA_DECODE_BACKEND, the
     decode attention's figures for that kernel (an entry of the class's mla_decode table, e.g. "triton") in place
     of the class's best one; with DENSE_GEMM_BACKEND, the dense GEMMs' figures for that kernel on the weight family
-    (the dense_gemm entry "<family>_<backend>", e.g. "fp8_triton")."""
+    (the dense_gemm entry "<family>_<backend>", e.g. "fp8_triton"); with an FP8 KV_CACHE_DTYPE, the class's
+    decode figures for an FP8 cache where it has them (Blackwell's kernels run it on FP8 matrix units)."""
     table = _table(path)
     classes = table["classes"]
     if accelerator.hardware_class not in classes:
@@ -149,6 +153,8 @@ def kernel_rates(
     kinds = {kind: _kind_rate(entry, kind, families[kind], accelerator.hardware_class) for kind in WORK_KINDS}
     if mla_decode_backend is not None:
         kinds["mla_decode"] = _backend_rate(entry, "mla_decode", mla_decode_backend, accelerator.hardware_class)
+    elif kv_cache_dtype.startswith("fp8") and FP8_CACHE_DECODE in entry["mla_decode"]:
+        kinds["mla_decode"] = _record_rate(entry["mla_decode"][FP8_CACHE_DECODE], entry)
     if dense_gemm_backend is not None:
         backend = f"{families['dense_gemm']}_{dense_gemm_backend}"
         kinds["dense_gemm"] = _backend_rate(entry, "dense_gemm", backend, accelerator.hardware_class)
@@ -195,9 +201,10 @@ def _kind_rate(entry: dict[str, Any], kind: str, family: str, hardware_class: st
 
 def _backend_rate(entry: dict[str, Any], kind: str, backend: str, hardware_class: str) -> KindRate:
     """A named kernel's figures for KIND (an engine that runs a slower kernel than the class's best)."""
+    not_kernels = ("any", FP8_CACHE_DECODE)  # the class's best kernel, by cache dtype
     record = entry[kind].get(backend)
-    if record is None or backend == "any":
-        known = sorted(name for name in entry[kind] if name != "any")
+    if record is None or backend in not_kernels:
+        known = sorted(name for name in entry[kind] if name not in not_kernels)
         raise ConfigError(
             f"kernels.json: {hardware_class}/{kind} has no figures for the {backend!r} kernel; "
             f"known: {', '.join(known) or 'none'}"
@@ -212,6 +219,7 @@ def _record_rate(record: dict[str, Any], entry: dict[str, Any]) -> KindRate:
         floor_us=float(record.get("floor_us", 0.0)),
         measured=bool(record.get("measured", True)) and bool(entry["measured"]),
         source=str(record["source"]),
+        compute_dtype=str(record.get("compute_dtype", "")),
     )
 
 

@@ -386,7 +386,7 @@ class PerformanceModel:
         return WorkCost(
             "mla_decode",
             self._memory_s(nbytes, rate),
-            self._compute_s(flops, 0.0, rate, ATTENTION_DTYPE),
+            self._compute_s(flops, 0.0, rate, rate.compute_dtype or ATTENTION_DTYPE),
             layers * (rate.floor_us * 1e-6 + self._launch_s()),
         )
 

@@ -236,6 +236,7 @@ class Deployment:
             self.fmt.name,
             mla_decode_backend=self.options.mla_decode_backend,
             dense_gemm_backend=self.options.dense_gemm_backend,
+            kv_cache_dtype=self.kv_dtype,
         )
         return rates if self.calibration is None else apply_calibration(rates, self.calibration)
 
