@@ -29,7 +29,12 @@ ENGINE_FIELDS_NOT_SIMULATED = (
 class SimulateConfig(Section):
     gpu: str = Field("h200", description="GPU type from the catalog whose step times to simulate (h100 = H100 SXM)")
     gpus: int = Field(8, ge=1, description="total GPUs of the simulated deployment (all nodes)")
-    nodes: int | None = Field(None, ge=1, description="nodes the GPUs are spread over (default: as few as hold them)")
+    nodes: int | None = Field(
+        None,
+        ge=1,
+        description="machines the GPUs are spread over (an NVL72 rack's compute trays share its NVLink; default: as "
+        "few as hold them)",
+    )
     weights: str | None = Field(
         None,
         description=(
