@@ -190,12 +190,9 @@ def _api_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, ob
 
 def cpu_default_kv_cache_gib(model_source: str) -> float:
     """The KV cache vLLM's CPU build gets when none is asked for: CPU_V4_KV_CACHE_GIB for a DeepSeek-V4 checkpoint
-    (its config.json's model_type), else CPU_DEFAULT_KV_CACHE_GIB."""
-    try:
-        model_type = json.loads((Path(model_source) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return CPU_DEFAULT_KV_CACHE_GIB
-    return CPU_V4_KV_CACHE_GIB if model_type == "deepseek_v4" else CPU_DEFAULT_KV_CACHE_GIB
+    (as its config.json names it), else CPU_DEFAULT_KV_CACHE_GIB."""
+    is_v4 = model_chat_format(model_source) is ChatFormat.DEEPSEEK_V4
+    return CPU_V4_KV_CACHE_GIB if is_v4 else CPU_DEFAULT_KV_CACHE_GIB
 
 
 def _model_flags(config: EngineConfig, model: ResolvedModel) -> list[tuple[str, object]]:
