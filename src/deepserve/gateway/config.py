@@ -17,8 +17,11 @@ from deepserve.engines.base import url_host
 from deepserve.errors import ConfigError, unknown_name
 from deepserve.gateway.balancing import DEFAULT_SCORE_WEIGHTS, POLICIES
 from deepserve.gateway.resp import RedisAddress
+from deepserve.gateway.scheduling import MAX_SLICE_US, MIN_SLICE_US
 
 BALANCING_POLICIES = tuple(POLICIES)
+# The slice the gateway asks for: the shortest Linux grants (docs/PERFORMANCE.md, "A short scheduler slice").
+DEFAULT_SLICE_US = MIN_SLICE_US
 
 
 class GatewayConfig(Section):
@@ -129,6 +132,14 @@ class GatewayConfig(Section):
         description="gateway processes sharing the port and one set of limits (in memory they all map; in Redis "
         "with --redis-url)",
     )
+    sched_slice_us: int = Field(
+        DEFAULT_SLICE_US,
+        ge=0,
+        le=MAX_SLICE_US,
+        description=f"the CPU time slice each gateway process asks Linux (6.12 or later) for, in µs ({MIN_SLICE_US} "
+        "or more): a short one lets it preempt on wake-up and hand the core on as soon as it has woken a task; "
+        "0 keeps the kernel's default",
+    )
     limit_zone_keys: int = Field(
         65536,
         ge=16,
@@ -150,6 +161,16 @@ class GatewayConfig(Section):
     def _known_policy(cls, value: str) -> str:
         if value not in BALANCING_POLICIES:
             raise ValueError(unknown_name("balancing policy", value, list(BALANCING_POLICIES)))
+        return value
+
+    @field_validator("sched_slice_us")
+    @classmethod
+    def _grantable_slice(cls, value: int) -> int:
+        if 0 < value < MIN_SLICE_US:
+            raise ValueError(
+                f"{value} µs is below the shortest slice Linux grants ({MIN_SLICE_US} µs); give {MIN_SLICE_US} or "
+                "more, or 0 for the kernel's default"
+            )
         return value
 
     @field_validator("upstream", "prefill_upstream")

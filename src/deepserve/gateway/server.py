@@ -30,6 +30,7 @@ from deepserve.gateway.app import GatewayApp, access_log
 from deepserve.gateway.config import GatewayConfig, base_url
 from deepserve.gateway.http_server import HttpServer
 from deepserve.gateway.keys import key_source
+from deepserve.gateway.scheduling import request_time_slice
 
 READY_PREFIX = "GATEWAY READY"
 # After the app cut what was left at the end of the grace period, the server waits this much longer for the cut
@@ -146,6 +147,7 @@ def serve_process(
 ) -> int:
     """One gateway process until SIGINT/SIGTERM (the whole gateway, or one of `--workers N`), with its access log,
     on uvloop; its exit code: 0 after a clean stop, EXIT_LEDGER_ROWS_LOST when usage rows were lost."""
+    _ask_for_time_slice(config)
     with _access_log_to_stderr(config.access_log):
         lost = _run(serve(config, on_ready, sockets))
     if lost:
@@ -156,6 +158,19 @@ def serve_process(
         )
         return EXIT_LEDGER_ROWS_LOST
     return 0
+
+
+def _ask_for_time_slice(config: GatewayConfig) -> None:
+    """The short scheduler slice (scheduling.py), asked for before any thread starts so that all inherit it; a
+    slice that cannot be had is said on stderr when it was asked for, and left unsaid when it was the default."""
+    why_not = request_time_slice(config.sched_slice_us)
+    if why_not is not None and "sched_slice_us" in config.model_fields_set:
+        print(
+            f"deepserve gateway: --sched-slice-us {config.sched_slice_us} not applied: {why_not}; the kernel's "
+            "default slice stays",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 @contextlib.contextmanager
