@@ -10,7 +10,7 @@ import pytest
 from deepserve.bench.config import BenchConfig
 from deepserve.bench.runner import run_benchmark, save_result
 from deepserve.bench.server_metrics import ENGINE_IDLE_IN_EVERY_SAMPLE, NO_SAMPLE_IN_RUN
-from deepserve.hardware.host import AMX_CPU_FLAG, cpu_flags
+from deepserve.hardware.host import has_amx_tiles
 from deepserve.models.tiny import write_tiny_model
 
 VLLM_KEYS = (
@@ -70,7 +70,7 @@ def test_bench_tiny_model(served_tiny, tmp_path_factory, tmp_path, endpoint):
     # the engine's counters grew by the run: where it keeps a prefix cache (vLLM's CPU build keeps one for MLA only
     # with its AMX backend: vllm/platforms/cpu.py), every prompt token queried it; elsewhere the series is there and
     # stays at 0 (measured on a 2-core EPYC without AMX), which must read as no growth, not as no series
-    if AMX_CPU_FLAG in cpu_flags():
+    if has_amx_tiles():
         assert server["prefix_cache_queries"] >= PROMPTS * 32 * 0.9, server
     else:
         assert server["prefix_cache_queries"] == 0, server

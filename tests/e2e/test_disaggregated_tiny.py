@@ -24,7 +24,7 @@ from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from deepserve.gateway.config import GatewayConfig
-from deepserve.hardware.host import AMX_CPU_FLAG, cpu_flags
+from deepserve.hardware.host import has_amx_tiles
 from tests.helpers import metric_total, scrape, start_gateway, wait_until
 
 from .conftest import ServedTiny, start_deepserve, stop_and_wait
@@ -37,7 +37,7 @@ SETTLE_S = 30  # a bound for a loaded machine
 # a logit may land one bf16 step away (0.0039 to 0.0078 at the tiny model's magnitudes, as measured on a 2-core EPYC
 # without AMX on 2026-11-29; 0.02 allows two steps of a logit up to 4). A KV cache loaded wrong moves them by whole
 # units and changes the top tokens, which the tests compare exactly.
-LOGPROB_TOLERANCE = 1e-3 if AMX_CPU_FLAG in cpu_flags() else 2e-2
+LOGPROB_TOLERANCE = 1e-3 if has_amx_tiles() else 2e-2
 CACHE_HIT = "External Cache Hit!"  # vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py
 # Token ids of the tiny model's vocabulary: a prompt longer than 128 tokens, a whole KV block of vLLM's CPU MLA backend
 # with AMX (eight of its reference backend's 16-token blocks): ExampleConnector keeps whole blocks of the prompt but

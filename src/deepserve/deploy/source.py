@@ -418,9 +418,15 @@ def _plan_request(config: EngineConfig, accelerator: Accelerator, gpus: int) -> 
     """What the planner is asked: CONFIG's model and engine, the fields the user set that the planner also takes
     (the KV-cache dtype among them), and the nodes (--nnodes when given, else as few as hold the GPUs)."""
     given = config.model_fields_set
-    nodes = config.nnodes if "nnodes" in given else max(math.ceil(gpus / accelerator.devices_per_node), 1)
-    if gpus % nodes:
+    per_node = accelerator.devices_per_node
+    nodes = config.nnodes if "nnodes" in given else max(math.ceil(gpus / per_node), 1)
+    if gpus % nodes and "nnodes" in given:
         raise ConfigError(f"--gpus {gpus} does not split evenly over --nnodes {nodes}: give a multiple of {nodes}")
+    if gpus % nodes:
+        raise ConfigError(
+            f"--gpus {gpus} needs {nodes} nodes of {per_node} {accelerator.name} GPUs and does not split evenly over "
+            f"them: give a multiple of {nodes} (e.g. {nodes * per_node}), or --nnodes with a count that divides {gpus}"
+        )
     request: dict[str, object] = {
         "model": config.model,
         "gpu": accelerator.name,

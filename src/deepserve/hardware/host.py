@@ -151,6 +151,11 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def has_amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles, which vLLM's CPU build needs for its AMX MLA backend and prefix cache."""
+    return AMX_CPU_FLAG in cpu_flags()
+
+
 def physical_memory_gib() -> float:
     """Installed RAM in GiB (what the CPU engine's KV cache and weights share)."""
     try:
@@ -470,7 +475,7 @@ def _decode_rates(
 def _vllm_amx_ops() -> Any:
     """vLLM's custom operators where this CPU has AMX tiles and vLLM's CPU build imports; else None (its AMX
     kernels must not run on a CPU without the tiles)."""
-    if AMX_CPU_FLAG not in cpu_flags():
+    if not has_amx_tiles():
         return None
     try:
         import torch

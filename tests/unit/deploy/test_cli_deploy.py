@@ -65,6 +65,7 @@ def test_render_takes_the_gateway_section_of_the_config_file(tmp_path: Path) -> 
         (["--model", "v3", "--gpu", "h100", "--gpus", "0"], "--gpus 0: give the total number of GPUs"),
         (["--model", "v3", "--gpu", "h100", "--gpus", "16", "--gpu-type", "h200"], "--gpu h100 disagree"),
         (["--model", "v3", "--gpu", "h100", "--gpus", "16", "--nnodes", "3"], "does not split evenly over --nnodes"),
+        (["--model", "v3", "--gpu", "h100", "--gpus", "9"], "--gpus 9 needs 2 nodes of 8 h100-sxm GPUs"),  # no --nnodes
     ],
 )
 def test_render_errors_are_one_line_with_the_fix(
