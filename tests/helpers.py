@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deepserve._compat import timeout
 from deepserve.gateway.config import GatewayConfig, gateway_argv
+from deepserve.gateway.scheduling import MIN_SLICE_US, request_time_slice
 from deepserve.models.tiny import tiny_config
 from deepserve.net import free_port
 from deepserve.simulate.fixed import FAKE_MODEL, fixed_timing, simulate_command
@@ -40,7 +41,9 @@ __all__ = [
     "SAMPLE_SUFFIXES",
     "Child",
     "FakeClock",
+    "in_a_thread",
     "metric_total",
+    "needs_custom_slices",
     "present",
     "samples",
     "scrape",
@@ -100,6 +103,24 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = SETTLE_BOUND_S,
     while not condition():
         assert time.monotonic() < deadline, f"not reached within {timeout_s:g} s"
         time.sleep(interval_s)
+
+
+def in_a_thread(work: Callable[[], T]) -> T:
+    """WORK's result, run in a thread of its own (for what is a thread's own, such as its scheduler slice)."""
+    results: list[T] = []
+    thread = threading.Thread(target=lambda: results.append(work()))
+    thread.start()
+    thread.join()
+    return results[0]
+
+
+def _custom_slices_work() -> bool:
+    return in_a_thread(lambda: request_time_slice(MIN_SLICE_US)) is None
+
+
+needs_custom_slices = pytest.mark.skipif(
+    not _custom_slices_work(), reason="this kernel has no custom slices (Linux 6.12 or later on x86_64/aarch64)"
+)
 
 
 # ---- processes that print a READY line ----------------------------------------------------------------------------

@@ -420,9 +420,9 @@ def _plan_request(config: EngineConfig, accelerator: Accelerator, gpus: int) -> 
     given = config.model_fields_set
     per_node = accelerator.devices_per_node
     nodes = config.nnodes if "nnodes" in given else max(math.ceil(gpus / per_node), 1)
-    if gpus % nodes and "nnodes" in given:
-        raise ConfigError(f"--gpus {gpus} does not split evenly over --nnodes {nodes}: give a multiple of {nodes}")
     if gpus % nodes:
+        if "nnodes" in given:
+            raise ConfigError(f"--gpus {gpus} does not split evenly over --nnodes {nodes}: give a multiple of {nodes}")
         raise ConfigError(
             f"--gpus {gpus} needs {nodes} nodes of {per_node} {accelerator.name} GPUs and does not split evenly over "
             f"them: give a multiple of {nodes} (e.g. {nodes * per_node}), or --nnodes with a count that divides {gpus}"

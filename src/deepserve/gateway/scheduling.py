@@ -6,8 +6,9 @@ core count) before a task it woke may run. On a host where the gateway shares co
 a tokenizer or a client, whatever the gateway wakes (the engine's server with a request, a reader with a token)
 then waits for the gateway to relay all of an engine step before it runs; and a gateway woken while another task
 runs waits for that task's slice. With a short slice of its own (`sched_attr.sched_runtime`, which Linux 6.12 made
-a fair task's slice) the gateway preempts on wake-up and is preempted soon after it wakes another task, which is
-what a latency-sensitive relay wants. Its total work stays the same.
+a fair task's slice) the kernel lets the gateway preempt a task with a longer slice when it wakes, and ends the
+gateway's own turn sooner once it has woken another task: what a latency-sensitive relay wants. Its total work
+stays the same.
 
 Measured in docs/PERFORMANCE.md ("A short scheduler slice"): with 32 streams that arrive together and stream in
 lockstep on 2 shared cores, the TTFT the gateway adds (p50) fell from +1.3-1.8 ms to +0.8-1.3 ms in three runs; at

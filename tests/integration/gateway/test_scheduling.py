@@ -7,8 +7,7 @@ import pytest
 
 from deepserve.gateway.config import DEFAULT_SLICE_US
 from deepserve.gateway.scheduling import current_time_slice_us
-from tests.helpers import Child
-from tests.unit.gateway.test_scheduling import needs_custom_slices
+from tests.helpers import Child, needs_custom_slices
 
 from .conftest import gateway_config, start_gateway, start_upstream
 from .test_workers import worker_processes

@@ -2,42 +2,19 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import TypeVar
-
 import pytest
 from pydantic import ValidationError
 
 from deepserve.gateway import scheduling, server
 from deepserve.gateway.config import DEFAULT_SLICE_US, GatewayConfig
 from deepserve.gateway.scheduling import MIN_SLICE_US, current_time_slice_us, request_time_slice
-
-T = TypeVar("T")
-
-
-def _in_a_thread(work: Callable[[], T]) -> T:
-    """WORK's result in a thread of its own: a slice is a thread's, and the test's own must stay as it is."""
-    results: list[T] = []
-    thread = threading.Thread(target=lambda: results.append(work()))
-    thread.start()
-    thread.join()
-    return results[0]
-
-
-def _custom_slices_work() -> bool:
-    return _in_a_thread(lambda: request_time_slice(MIN_SLICE_US)) is None
-
-
-needs_custom_slices = pytest.mark.skipif(
-    not _custom_slices_work(), reason="this kernel has no custom slices (Linux 6.12 or later on x86_64/aarch64)"
-)
+from tests.helpers import in_a_thread, needs_custom_slices
 
 
 @needs_custom_slices
 def test_the_slice_asked_for_is_the_calling_threads_and_reads_back() -> None:
     before = current_time_slice_us()
-    assert _in_a_thread(lambda: (request_time_slice(250), current_time_slice_us())) == (None, 250)
+    assert in_a_thread(lambda: (request_time_slice(250), current_time_slice_us())) == (None, 250)
     assert current_time_slice_us() == before  # the test's own thread kept its slice
 
 
@@ -45,13 +22,13 @@ def test_the_slice_asked_for_is_the_calling_threads_and_reads_back() -> None:
 def test_threads_started_after_the_request_inherit_the_slice() -> None:
     def ask_then_start_one() -> int | None:
         request_time_slice(400)
-        return _in_a_thread(current_time_slice_us)
+        return in_a_thread(current_time_slice_us)
 
-    assert _in_a_thread(ask_then_start_one) == 400
+    assert in_a_thread(ask_then_start_one) == 400
 
 
 def test_zero_leaves_the_kernels_slice_alone() -> None:
-    assert _in_a_thread(lambda: (request_time_slice(0), current_time_slice_us())) == (None, current_time_slice_us())
+    assert in_a_thread(lambda: (request_time_slice(0), current_time_slice_us())) == (None, current_time_slice_us())
 
 
 def test_another_platform_is_named_in_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
