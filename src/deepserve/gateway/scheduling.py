@@ -29,7 +29,7 @@ _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
 
 
 class _SchedAttr(ctypes.Structure):
-    """`struct sched_attr` (include/uapi/linux/sched/types.h), its size as of Linux 4.13."""
+    """`struct sched_attr` (include/uapi/linux/sched/types.h) as of Linux 5.3, which added the two util fields."""
 
     _fields_ = [
         ("size", ctypes.c_uint32),
